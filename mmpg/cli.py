@@ -1,0 +1,118 @@
+"""The `mmpg` command. Each subcommand parses its flags and calls one library function; no logic lives here.
+
+User errors (`mmpg.errors.UserError`) print one line `mmpg: error: ...` and exit with status 2, like argparse's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mmpg.errors import UserError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _cmd_make_tiny(args) -> int:
+    from mmpg.models.tiny import TinySpec, make_tiny
+
+    spec = TinySpec(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
+                    num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size or 2 * args.hidden_size,
+                    vision_depth=args.vision_depth)
+    out = make_tiny(args.family, args.out, seed=args.seed, spec=spec, overwrite=args.overwrite)
+    print(f"wrote tiny {args.family} checkpoint (seed {args.seed}) to {out}")
+    return 0
+
+
+def _cmd_synth(args) -> int:
+    from mmpg.data.synth import generate_dataset
+
+    summary = generate_dataset(args.out, args.n, args.seed, overwrite=args.overwrite,
+                               min_duration=args.min_duration, max_duration=args.max_duration)
+    print(f"wrote {args.n} synthetic grounding videos (seed {args.seed}) to {args.out}")
+    for key, value in summary.items():
+        print(f"  {key}: {value}")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from mmpg.demo import run_demo
+
+    return run_demo(args.workdir, family=args.family)
+
+
+def _cmd_check_data(args) -> int:
+    from mmpg.data.check import run_check
+
+    return run_check(args.annotations, args.videos, args.format)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmpg", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny", help="build a tiny random-weight Qwen checkpoint offline")
+    p.add_argument("--family", required=True, help="qwen2_5_vl, qwen3_vl, qwen2 or qwen3")
+    p.add_argument("--out", required=True, help="folder to write (must be empty or absent)")
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--hidden-size", type=_positive_int, default=64)
+    p.add_argument("--layers", type=_positive_int, default=2)
+    p.add_argument("--heads", type=_positive_int, default=4)
+    p.add_argument("--kv-heads", type=_positive_int, default=2)
+    p.add_argument("--intermediate-size", type=_positive_int, default=None, help="default: 2 x hidden size")
+    p.add_argument("--vision-depth", type=_positive_int, default=2)
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=_cmd_make_tiny)
+
+    p = sub.add_parser("synth", help="render synthetic grounding videos with annotations")
+    p.add_argument("--out", required=True, help="folder to write (must be empty or absent)")
+    p.add_argument("--n", type=_positive_int, required=True, help="number of videos")
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--min-duration", type=float, default=8.0, help="seconds")
+    p.add_argument("--max-duration", type=float, default=90.0, help="seconds")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=_cmd_synth)
+
+    p = sub.add_parser("check-data", help="check annotations and videos before a run")
+    p.add_argument("--annotations", required=True, help="annotation file (Charades-STA, ActivityNet, Time-R1, JSONL)")
+    p.add_argument("--videos", required=True, help="folder holding the videos")
+    p.add_argument("--format", default="auto")
+    p.set_defaults(func=_cmd_check_data)
+
+    p = sub.add_parser("demo", help="the default job: tiny model + synthetic videos, end to end on a CPU")
+    p.add_argument("--workdir", default="data/generated/demo", help="where the tiny model and videos are kept")
+    p.add_argument("--family", default="qwen2_5_vl", help="qwen2_5_vl or qwen3_vl")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UserError as err:
+        print(f"mmpg: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

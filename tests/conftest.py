@@ -1,0 +1,44 @@
+"""Session fixtures: tiny checkpoints of every family saved and loaded through `from_pretrained`, and helpers to
+build processor batches. Everything is built offline in a temporary folder; nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from mmpg.models.tiny import make_tiny
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """family -> folder of a tiny checkpoint (model + processor) written by `make_tiny`."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: make_tiny(f, root / f, seed=0) for f in ("qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def load_tiny(tiny_dirs):
+    """load_tiny(family, dtype=float32) -> (model, processor), loaded as a user loads a hub checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    def load(family, dtype=torch.float32):
+        path = tiny_dirs[family]
+        if family in ("qwen2", "qwen3"):
+            return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
+        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype), AutoProcessor.from_pretrained(path)
+
+    return load
