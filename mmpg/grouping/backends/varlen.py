@@ -1,0 +1,192 @@
+"""Varlen attention kernels behind one small interface, and the exact LSE merge used by the `flash` backend.
+
+A kernel computes attention over concatenated segments (FlashAttention's varlen convention):
+    forward(q [Tq, Hq, D], k [Tk, Hkv, D], v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out [Tq, Hq, D], lse [Hq, Tq])
+    backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale) -> (dq, dk, dv)
+Segment i of q attends to segment i of k; `lse` is float32 log-sum-exp of the scaled scores per query and head.
+
+`FlashVarlenKernel` calls flash-attn's varlen functions (GPU only). `TorchVarlenKernel` is a pure-torch stand-in with
+the same contract; it lets the merge and its custom backward be tested exactly on a CPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+class TorchVarlenKernel:
+    """Reference kernel: per segment dense scores in float32. Slow, exact, CPU and GPU. GQA by head groups."""
+
+    @staticmethod
+    def _segments(cu_q, cu_k):
+        return zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())
+
+    @staticmethod
+    def _acc(x):
+        """Accumulation dtype: float32, or float64 for float64 inputs (tests compare against dense attention)."""
+        return torch.promote_types(x.dtype, torch.float32)
+
+    @staticmethod
+    def _probs(qs, ks, causal, scale, lse=None):
+        # qs [Hq, Sq, D], ks [Hq, Sk, D] -> scores [Hq, Sq, Sk] (causal aligned bottom-right, as FlashAttention)
+        acc = TorchVarlenKernel._acc(qs)
+        s = torch.einsum("hqd,hkd->hqk", qs.to(acc), ks.to(acc)) * scale
+        if causal:
+            sq, sk = s.shape[1], s.shape[2]
+            keep = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq)
+            s = s.masked_fill(~keep, float("-inf"))
+        if lse is None:
+            lse = torch.logsumexp(s, dim=-1)  # [Hq, Sq]
+        return torch.exp(s - lse[..., None]), lse
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        rep = q.shape[1] // k.shape[1]
+        out = torch.zeros_like(q)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=self._acc(q), device=q.device)
+        for a, b, c, d in self._segments(cu_q, cu_k):
+            qs = q[a:b].transpose(0, 1)
+            ks = k[c:d].repeat_interleave(rep, dim=1).transpose(0, 1)
+            vs = v[c:d].repeat_interleave(rep, dim=1).transpose(0, 1)
+            p, seg_lse = self._probs(qs, ks, causal, scale)
+            out[a:b] = torch.einsum("hqk,hkd->hqd", p, vs.to(p.dtype)).transpose(0, 1).to(q.dtype)
+            lse[:, a:b] = seg_lse
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        rep, acc = q.shape[1] // k.shape[1], self._acc(q)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        for a, b, c, d in self._segments(cu_q, cu_k):
+            qs = q[a:b].transpose(0, 1).to(acc)
+            ks = k[c:d].repeat_interleave(rep, dim=1).transpose(0, 1).to(acc)
+            vs = v[c:d].repeat_interleave(rep, dim=1).transpose(0, 1).to(acc)
+            do = dout[a:b].transpose(0, 1).to(acc)
+            o = out[a:b].transpose(0, 1).to(acc)
+            p, _ = self._probs(qs, ks, causal, scale, lse=lse[:, a:b])
+            # Softmax backward with the (possibly merged) output: dS = P * (dO V^T - rowsum(dO * O)).
+            ds = p * (torch.einsum("hqd,hkd->hqk", do, vs) - (do * o).sum(-1, keepdim=True))
+            dq[a:b] = (torch.einsum("hqk,hkd->hqd", ds, ks) * scale).transpose(0, 1)
+            dks = torch.einsum("hqk,hqd->hkd", ds, qs) * scale
+            dvs = torch.einsum("hqk,hqd->hkd", p, do)
+            hk = k.shape[1]
+            dk[c:d] += dks.view(hk, rep, -1, dks.shape[-1]).sum(1).transpose(0, 1)
+            dv[c:d] += dvs.view(hk, rep, -1, dvs.shape[-1]).sum(1).transpose(0, 1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _call_with_supported(fn, **kwargs):
+    """flash-attn renamed and added arguments across 2.x releases; pass only the ones this version takes."""
+    params = inspect.signature(fn).parameters
+    if "window_size" in params:  # older releases take a pair
+        kwargs["window_size"] = (-1, -1)
+    return fn(**{name: value for name, value in kwargs.items() if name in params})
+
+
+class FlashVarlenKernel:
+    """flash-attn 2.x varlen forward/backward (CUDA, fp16/bf16). Untested on CPU by construction; see gpu tests."""
+
+    def __init__(self):
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward, _flash_attn_varlen_forward
+
+        self._fwd, self._bwd = _flash_attn_varlen_forward, _flash_attn_varlen_backward
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        res = _call_with_supported(
+            self._fwd, q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
+            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False)
+        return res[0], res[1]
+
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _call_with_supported(
+            self._bwd, dout=dout.contiguous(), q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
+            out=out.contiguous(), softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale,
+            causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+            deterministic=False, rng_state=None)
+        return dq, dk, dv
+
+
+def merge_lse(o_a, lse_a, o_b, lse_b):
+    """Exact combination of two attentions over disjoint key sets of the same queries.
+
+    o [T, H, D], lse [H, T] -> (o, lse) of attention over the union: weights exp(lse_x - lse)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).transpose(0, 1)[..., None]  # [T, H, 1]
+    w_b = torch.exp(lse_b - lse).transpose(0, 1)[..., None]
+    acc = torch.promote_types(o_a.dtype, torch.float32)
+    return (o_a.to(acc) * w_a + o_b.to(acc) * w_b).to(o_a.dtype), lse
+
+
+class GroupedVarlenAttention(torch.autograd.Function):
+    """Grouped attention from three varlen kernel calls, no G-fold K/V copy (the ring-attention pattern):
+
+        prefix tokens:   q_pre -> k_pre, causal per prefix                       (o_p, lse_p)
+        response tokens: q_resp -> k_pre of its group, full        (o_a, lse_a) \\ merged by LSE into (o_r, lse_r)
+                         q_resp -> k_resp of its own response, causal (o_b, lse_b) /
+    Backward runs the kernel's backward on each part with the merged (o_r, lse_r): with the global LSE each part's
+    probabilities are the true softmax of the union, so the per-part gradients add up to the exact gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, kernel, scale):
+        # q [T, Hq, D], k/v [T, Hkv, D] in packed-row order
+        pi, ri = layout.prefix_index, layout.response_index
+        cu_p, mp = layout.cu_seqlens("prefix")
+        cu_g, mg = layout.cu_seqlens("group_responses")
+        cu_r, mr = layout.cu_seqlens("response")
+        qp, kp, vp, qr, kr, vr = q[pi], k[pi], v[pi], q[ri], k[ri], v[ri]
+        o_p, lse_p = kernel.forward(qp, kp, vp, cu_p, cu_p, mp, mp, True, scale)
+        o_a, lse_a = kernel.forward(qr, kp, vp, cu_g, cu_p, mg, mp, False, scale)
+        o_b, lse_b = kernel.forward(qr, kr, vr, cu_r, cu_r, mr, mr, True, scale)
+        o_r, lse_r = merge_lse(o_a, lse_a, o_b, lse_b)
+        out = q.new_empty(q.shape)
+        out[pi], out[ri] = o_p, o_r
+        ctx.save_for_backward(q, k, v, o_p, lse_p, o_r, lse_r)
+        ctx.layout, ctx.kernel, ctx.scale = layout, kernel, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, o_p, lse_p, o_r, lse_r = ctx.saved_tensors
+        layout, kernel, scale = ctx.layout, ctx.kernel, ctx.scale
+        pi, ri = layout.prefix_index, layout.response_index
+        cu_p, mp = layout.cu_seqlens("prefix")
+        cu_g, mg = layout.cu_seqlens("group_responses")
+        cu_r, mr = layout.cu_seqlens("response")
+        qp, kp, vp, qr, kr, vr = q[pi], k[pi], v[pi], q[ri], k[ri], v[ri]
+        do_p, do_r = dout[pi], dout[ri]
+        dq_p, dk_p, dv_p = kernel.backward(do_p, qp, kp, vp, o_p, lse_p, cu_p, cu_p, mp, mp, True, scale)
+        dq_a, dk_a, dv_a = kernel.backward(do_r, qr, kp, vp, o_r, lse_r, cu_g, cu_p, mg, mp, False, scale)
+        dq_b, dk_b, dv_b = kernel.backward(do_r, qr, kr, vr, o_r, lse_r, cu_r, cu_r, mr, mr, True, scale)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq[pi], dq[ri] = dq_p, dq_a + dq_b
+        dk[pi], dk[ri] = dk_p + dk_a, dk_b
+        dv[pi], dv[ri] = dv_p + dv_a, dv_b
+        return dq, dk, dv, None, None, None
+
+
+def varlen_grouped_attention(query, key, value, layout, scaling, kernel) -> torch.Tensor:
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, D]."""
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    out = GroupedVarlenAttention.apply(q, k, v, layout, kernel, scaling)
+    return out[None]
+
+
+_FLASH_KERNEL = None
+
+
+def flash_grouped_attention(query, key, value, layout, scaling):
+    global _FLASH_KERNEL
+    if _FLASH_KERNEL is None:
+        _FLASH_KERNEL = FlashVarlenKernel()
+    return varlen_grouped_attention(query, key, value, layout, scaling, _FLASH_KERNEL)
+
+
+def reference_grouped_attention(query, key, value, layout, scaling):
+    """The `flash` algorithm with the pure-torch stand-in kernel (backend name `lse_reference`, for tests)."""
+    return varlen_grouped_attention(query, key, value, layout, scaling, TorchVarlenKernel())

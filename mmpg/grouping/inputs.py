@@ -1,0 +1,118 @@
+"""Checking and reshaping the public inputs: processor output for B prompts plus [N, S] completions.
+
+Shared by the grouped and the repeated forward so both read the inputs the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class Completions:
+    """Validated completions. N = sum(group_sizes) rows, rows of prompt b contiguous."""
+
+    ids: torch.Tensor  # [N, S] long
+    lengths: list[int]  # [N] valid tokens per row (the mask is 1 on exactly the first lengths[i] entries)
+    group_sizes: list[int]  # [B]
+
+    def rows_of(self, b: int) -> range:
+        start = sum(self.group_sizes[:b])
+        return range(start, start + self.group_sizes[b])
+
+    def tokens(self, i: int) -> torch.Tensor:
+        return self.ids[i, : self.lengths[i]]
+
+
+def check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes) -> Completions:
+    """Raise a ValueError that names the row or prompt for every malformed input; return the parsed completions."""
+    if "input_ids" not in prompt_inputs:
+        raise ValueError("prompt_inputs needs 'input_ids' (the processor output for the B prompts)")
+    num_prompts = prompt_inputs["input_ids"].shape[0]
+    group_sizes = [int(g) for g in group_sizes]
+    if len(group_sizes) != num_prompts:
+        raise ValueError(f"{len(group_sizes)} group sizes for {num_prompts} prompts; give one group size per prompt")
+    for b, g in enumerate(group_sizes):
+        if g < 1:
+            raise ValueError(f"group size of prompt {b} is {g}; every prompt needs at least one response")
+    if completion_ids.dim() != 2 or completion_ids.shape != completion_mask.shape:
+        raise ValueError(f"completion_ids {tuple(completion_ids.shape)} and completion_mask "
+                         f"{tuple(completion_mask.shape)} must both be [N, S]")
+    if sum(group_sizes) != completion_ids.shape[0]:
+        raise ValueError(f"group sizes sum to {sum(group_sizes)} but there are {completion_ids.shape[0]} "
+                         "completion rows")
+    mask = completion_mask.bool()
+    holes = mask[:, 1:] & ~mask[:, :-1]
+    if holes.any():
+        row = int(holes.any(dim=1).nonzero()[0])
+        raise ValueError(f"completion_mask row {row} has a hole (a 1 after a 0); completions must be right-padded")
+    lengths = mask.sum(dim=1).tolist()
+    if 0 in lengths:
+        raise ValueError(f"completion row {lengths.index(0)} is empty (all-zero mask); drop it or give it a token")
+    attn = prompt_inputs.get("attention_mask")
+    if attn is not None and (attn.sum(dim=1) == 0).any():
+        raise ValueError(f"prompt {int((attn.sum(dim=1) == 0).nonzero()[0])} is empty (all-zero attention_mask)")
+    return Completions(completion_ids.long(), lengths, group_sizes)
+
+
+def prompt_attention_mask(prompt_inputs) -> torch.Tensor:
+    """[B, L] bool; all ones when the processor gave none."""
+    attn = prompt_inputs.get("attention_mask")
+    ids = prompt_inputs["input_ids"]
+    return torch.ones_like(ids, dtype=torch.bool) if attn is None else attn.bool()
+
+
+def mm_token_type_ids(model, prompt_inputs) -> torch.Tensor:
+    """[B, L] 0 text, 1 image, 2 video. transformers 5 needs these for 3-D mRoPE; derived from the ids if absent."""
+    given = prompt_inputs.get("mm_token_type_ids")
+    if given is not None:
+        return given
+    ids = prompt_inputs["input_ids"]
+    types = torch.zeros_like(ids, dtype=torch.int32)
+    types[ids == model.config.image_token_id] = 1
+    types[ids == model.config.video_token_id] = 2
+    return types
+
+
+_VISUALS = (
+    # kind, placeholder token id attribute, grid key, pixel key, per-item extra keys
+    ("video", "video_token_id", "video_grid_thw", "pixel_values_videos", ("second_per_grid_ts",)),
+    ("image", "image_token_id", "image_grid_thw", "pixel_values", ()),
+)
+
+
+def split_visuals_per_prompt(model, prompt_inputs) -> list[dict[str, torch.Tensor]]:
+    """The visual inputs of each prompt: per prompt a dict with the same keys as the processor output, holding only
+    that prompt's videos/images (in order). Items are assigned by counting each prompt's placeholder tokens."""
+    ids = prompt_inputs["input_ids"]
+    attn = prompt_attention_mask(prompt_inputs)
+    merge = model.config.vision_config.spatial_merge_size
+    per_prompt: list[dict[str, torch.Tensor]] = [{} for _ in range(ids.shape[0])]
+    for kind, token_attr, grid_key, pixel_key, extra_keys in _VISUALS:
+        grid = prompt_inputs.get(grid_key)
+        if grid is None:
+            continue
+        tokens_per_item = (grid.prod(-1) // merge**2).tolist()
+        rows_per_item = grid.prod(-1).tolist()
+        counts = ((ids == getattr(model.config, token_attr)) & attn).sum(dim=1).tolist()
+        item, row = 0, 0
+        for b, need in enumerate(counts):
+            first_item, first_row, got = item, row, 0
+            while got < need and item < len(tokens_per_item):
+                got += tokens_per_item[item]
+                row += rows_per_item[item]
+                item += 1
+            if got != need:
+                raise ValueError(f"prompt {b} has {need} {kind} tokens but its {kind} grids give {got}; "
+                                 f"pass the processor output unchanged")
+            if item > first_item:
+                per_prompt[b][grid_key] = grid[first_item:item]
+                per_prompt[b][pixel_key] = prompt_inputs[pixel_key][first_row:row]
+                for key in extra_keys:
+                    if prompt_inputs.get(key) is not None:
+                        per_prompt[b][key] = prompt_inputs[key][first_item:item]
+        if item != len(tokens_per_item):
+            raise ValueError(f"{len(tokens_per_item)} {kind}s given but the prompts' placeholders cover {item}")
+    return per_prompt

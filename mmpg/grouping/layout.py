@@ -1,0 +1,133 @@
+"""The packed group layout: where each prefix and response sits in one padding-free row.
+
+For B prompts with prefix lengths P_b and responses of lengths S_b1..S_bG_b, the packed row is
+
+    [ prefix_0 | r_0,1 | ... | r_0,G0 | prefix_1 | r_1,1 | ... ]        T = sum_b (P_b + sum_g S_bg) tokens
+
+Attention rule (what every backend computes):
+    prefix token  -> earlier tokens of its own prefix (causal)
+    response token -> the whole prefix of its group + earlier tokens of its own response
+
+`GroupLayout` holds this as index tensors, built once per grouped forward and shared by every layer (and by the
+recomputation under gradient checkpointing, since it travels in the layer's kwargs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cached_property
+
+import torch
+
+
+@dataclasses.dataclass(eq=False)
+class GroupLayout:
+    """Positions of prefixes and responses in the packed row. Lengths are Python ints (known before the forward)."""
+
+    prefix_lens: list[int]  # [B]
+    response_lens: list[list[int]]  # [B][G_b], every entry >= 1
+    device: torch.device
+    backend: str = "sdpa"
+
+    def __post_init__(self):
+        if len(self.prefix_lens) != len(self.response_lens):
+            raise ValueError(f"{len(self.prefix_lens)} prefixes but {len(self.response_lens)} response groups")
+        starts, pos = [], 0
+        for p, lens in zip(self.prefix_lens, self.response_lens):
+            if p < 1 or not lens or min(lens) < 1:
+                raise ValueError(f"every prefix and response needs >= 1 token (prefix {p}, responses {lens})")
+            starts.append(pos)
+            pos += p + sum(lens)
+        self.group_starts: list[int] = starts  # [B] offset of prefix b in the row
+        self.total: int = pos  # T
+
+    # ---- spans, as Python ints ------------------------------------------------------------------------------------
+    def prefix_span(self, b: int) -> tuple[int, int]:
+        s = self.group_starts[b]
+        return s, s + self.prefix_lens[b]
+
+    def responses_span(self, b: int) -> tuple[int, int]:
+        """All responses of group b, contiguous right after its prefix."""
+        s = self.group_starts[b] + self.prefix_lens[b]
+        return s, s + sum(self.response_lens[b])
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prefix_lens)
+
+    @property
+    def flat_response_lens(self) -> list[int]:
+        return [s for lens in self.response_lens for s in lens]
+
+    # ---- index tensors, built lazily and cached (one layout per forward) --------------------------------------------
+    def _arange(self, spans):
+        idx = [torch.arange(a, b) for a, b in spans]
+        return torch.cat(idx).to(self.device) if idx else torch.zeros(0, dtype=torch.long, device=self.device)
+
+    @cached_property
+    def prefix_index(self) -> torch.Tensor:
+        """[sum P_b] row positions of all prefix tokens, group by group."""
+        return self._arange(self.prefix_span(b) for b in range(self.num_groups))
+
+    @cached_property
+    def response_index(self) -> torch.Tensor:
+        """[sum S] row positions of all response tokens, group by group, response by response."""
+        return self._arange(self.responses_span(b) for b in range(self.num_groups))
+
+    @cached_property
+    def predictor_index(self) -> torch.Tensor:
+        """[sum S] row position whose hidden state predicts each response token.
+
+        Token t of a response is predicted at t-1 of the same response, token 0 at the last prefix token."""
+        out = []
+        for b in range(self.num_groups):
+            last_prefix = self.prefix_span(b)[1] - 1
+            start = self.responses_span(b)[0]
+            for s in self.response_lens[b]:
+                out.append(torch.tensor([last_prefix]))
+                out.append(torch.arange(start, start + s - 1))
+                start += s
+        return torch.cat(out).to(self.device)
+
+    @cached_property
+    def response_segment_ids(self) -> list[torch.Tensor]:
+        """Per group: [R_b] index of the response (0..G_b-1) each of its response tokens belongs to."""
+        return [
+            torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(self.device)
+            for lens in self.response_lens
+        ]
+
+    def cu_seqlens(self, kind: str) -> tuple[torch.Tensor, int]:
+        """Cumulative lengths (int32, as FlashAttention's varlen functions take them) and the max length.
+
+        kind: "prefix" (one segment per prefix), "group_responses" (all responses of a group as one query segment),
+        "response" (one segment per response)."""
+        lens = {
+            "prefix": self.prefix_lens,
+            "group_responses": [sum(lens) for lens in self.response_lens],
+            "response": self.flat_response_lens,
+        }[kind]
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+        return cu.to(self.device), max(lens)
+
+    def dense_mask(self) -> torch.Tensor:
+        """[T, T] bool, True where attention is allowed. Tests and the flex mask use this rule; backends never build
+        it (it is quadratic in the packed length)."""
+        T = self.total
+        group = torch.full((T,), -1, dtype=torch.long)
+        resp = torch.full((T,), -1, dtype=torch.long)
+        rid = 0
+        for b in range(self.num_groups):
+            a, e = self.prefix_span(b)[0], self.responses_span(b)[1]
+            group[a:e] = b
+            start = self.responses_span(b)[0]
+            for s in self.response_lens[b]:
+                resp[start:start + s] = rid
+                rid += 1
+                start += s
+        i = torch.arange(T)
+        causal = i[None, :] <= i[:, None]
+        same_group = group[None, :] == group[:, None]
+        visible_key = (resp[None, :] == -1) | (resp[None, :] == resp[:, None])
+        return (causal & same_group & visible_key).to(self.device)
