@@ -1,0 +1,126 @@
+"""A torch Dataset that decodes videos for GroundingSamples, and the collate that drops the ones that failed.
+
+Decoding runs in DataLoader workers. One bad file must never stop a run, so `__getitem__` does not raise on a
+missing, empty, unreadable or corrupt video, or on a span that does not fit the duration read from the file: it
+returns a `VideoItem` with `error` set, and the collate leaves it out, logs it (logger `mmpg.data`) and lists it in
+`GroundingBatch.skipped` so the trainer can count skips across workers. With `strict=True` the first such sample
+raises `UserError` naming the sample and the file instead.
+
+    samples --GroundingDataset[i]--> VideoItem(sample, video | None, error)
+            --GroundingCollator-----> GroundingBatch(samples, videos, inputs?, skipped)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from mmpg.data.prompts import PromptTemplate, build_prompt_inputs
+from mmpg.data.samples import GroundingSample, Skip, clamp_span, span_problem
+from mmpg.data.video import DecodedVideo, VideoError, VideoSpec, load_video
+from mmpg.errors import UserError
+
+log = logging.getLogger("mmpg.data")
+
+
+@dataclasses.dataclass
+class VideoItem:
+    """One dataset item: the sample (duration filled in from the file if it was missing) and its frames, or the
+    reason it cannot be used."""
+
+    sample: GroundingSample
+    video: DecodedVideo | None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclasses.dataclass
+class GroundingBatch:
+    """B usable samples, their decoded videos, and the processor inputs when the collator was given a processor.
+
+    `inputs` holds input_ids / attention_mask [B, P] (left padded), pixel_values_videos, video_grid_thw [B, 3],
+    ...; it is None when there is no processor or when every sample of the batch was skipped (B = 0).
+    """
+
+    samples: list[GroundingSample]
+    videos: list[DecodedVideo]
+    inputs: object | None
+    skipped: list[Skip]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+class GroundingDataset(Dataset):
+    """Decodes `samples[i]`'s video with `spec`; never raises on bad data unless `strict`."""
+
+    def __init__(self, samples: Sequence[GroundingSample], spec: VideoSpec, strict: bool = False,
+                 tolerance: float = 0.5):
+        self.samples = list(samples)
+        self.spec = spec
+        self.strict = strict
+        self.tolerance = tolerance
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> VideoItem:
+        sample = self.samples[i]
+        try:
+            video = load_video(sample.video, self.spec, sample.clip_start, sample.clip_end)
+        except VideoError as e:
+            return self._fail(sample, str(e))
+        except Exception as e:  # anything else a broken file can trigger inside a decoder: still a skip
+            return self._fail(sample, f"{sample.video}: unexpected {type(e).__name__} while decoding: {e}")
+        duration = sample.duration if sample.duration is not None else video.duration
+        problem = span_problem(sample.span, duration, self.tolerance)
+        if problem is not None:
+            return self._fail(sample, f"{sample.video}: {problem[1]}")
+        sample = dataclasses.replace(sample, duration=duration, span=clamp_span(sample.span, duration))
+        return VideoItem(sample, video)
+
+    def _fail(self, sample: GroundingSample, reason: str) -> VideoItem:
+        if self.strict:
+            raise UserError(f"{sample.where}: {reason}; fix or remove this sample, or turn strict off to skip it")
+        return VideoItem(sample, None, reason)
+
+
+class GroundingCollator:
+    """Drops failed items (logging each), and builds processor inputs for the rest when given a processor."""
+
+    def __init__(self, processor=None, template: str | PromptTemplate | None = None):
+        self.processor = processor
+        self.template = template
+
+    def __call__(self, items: list[VideoItem]) -> GroundingBatch:
+        good = [it for it in items if it.ok]
+        skipped = [Skip(it.sample.where, it.error) for it in items if not it.ok]
+        for skip in skipped:
+            log.warning("skipped %s: %s", skip.where, skip.reason)
+        samples, videos = [it.sample for it in good], [it.video for it in good]
+        inputs = None
+        if self.processor is not None and good:
+            inputs = build_prompt_inputs(self.processor, samples, videos, self.template)
+        return GroundingBatch(samples=samples, videos=videos, inputs=inputs, skipped=skipped)
+
+
+def collate_grounding(items: list[VideoItem]) -> GroundingBatch:
+    """Collate without a processor (frames and samples only)."""
+    return GroundingCollator()(items)
+
+
+def make_dataloader(samples: Sequence[GroundingSample], spec: VideoSpec, batch_size: int, *, processor=None,
+                    template: str | PromptTemplate | None = None, num_workers: int = 2, shuffle: bool = True,
+                    seed: int = 0, strict: bool = False) -> DataLoader:
+    """A DataLoader of `GroundingBatch`es whose decoding (and processing, with a processor) runs in workers."""
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(GroundingDataset(samples, spec, strict=strict), batch_size=batch_size, shuffle=shuffle,
+                      num_workers=num_workers, collate_fn=GroundingCollator(processor, template),
+                      generator=generator, persistent_workers=num_workers > 0)

@@ -1,0 +1,331 @@
+"""Annotation formats for video temporal grounding, all turned into `GroundingSample`s.
+
+- `charades`: the Charades-STA text files (`charades_sta_{train,test}.txt`), one `VIDEO_ID START END##sentence`
+  per line; no durations.
+- `captions` (aliases `activitynet`, `charades_json`): ActivityNet Captions JSON, also the JSON form of Charades-STA
+  used by Time-R1 and others: `{video_id: {"duration", "timestamps": [[s, e], ...], "sentences": [...]}}`.
+- `time_r1`: Time-R1-style lists (`train_2k5.json`):
+  `[{"video", "duration", "timestamp": [s, e], "sentence", "qid"?, ...}]`.
+- `jsonl`: mmpg's generic JSONL (data/README.md), one
+  `{"id"?, "video", "duration"?, "query", "span": [s, e], "clip"?: [a, b]}` per line.
+
+Ids: formats with several sentences per video get `VIDEO#k` (k = sentence index within that video, from 0), unless
+the record has its own (`id`, or Time-R1's `qid`). ActivityNet ids (`v_xxx`) are looked up as `v_xxx.*` and then
+`xxx.*`, since both namings are in circulation; a relative video path that is not found under the video folder is
+looked up by its bare file name there. Time-R1's `video_start` / `video_end` say where an already cut clip file came
+from in its source video; its timestamps are relative to the clip file, so they are ignored (not a window to cut).
+
+Bad records never crash a skip-mode load: with `strict=False` each one is left out and listed in
+`LoadResult.skipped` as (where, reason) and logged; with `strict=True` (default) the first one raises `UserError`
+naming the file and line (or JSON key / index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+from mmpg.data.samples import GroundingSample, LoadResult, Skip, clamp_span, resolve_video, span_problem
+from mmpg.errors import UserError
+
+log = logging.getLogger("mmpg.data")
+
+FORMATS = ("charades", "captions", "time_r1", "jsonl")
+_ALIASES = {"activitynet": "captions", "anet": "captions", "charades_json": "captions", "charades_txt": "charades"}
+FORMAT_CHOICES = ("auto",) + FORMATS + tuple(_ALIASES)
+_CHARADES_LINE = re.compile(r"^\S+\s+[-+0-9.eE]+\s+[-+0-9.eE]+\s*##")
+
+
+class _Bad(Exception):
+    """A record that cannot become a sample; carries the reason (the caller knows where)."""
+
+
+def _num(value: Any, what: str) -> float:
+    if isinstance(value, bool) or value is None:
+        raise _Bad(f"{what} is {value!r}, expected a number")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise _Bad(f"{what} is {value!r}, expected a number") from None
+    if not math.isfinite(x):
+        raise _Bad(f"{what} is {value!r}, expected a finite number")
+    return x
+
+
+def _pair(value: Any, what: str) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise _Bad(f"{what} is {value!r}, expected [start, end]")
+    return _num(value[0], f"{what} start"), _num(value[1], f"{what} end")
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _Bad(f"{what} is {value!r}, expected a non-empty string")
+    return value.strip()
+
+
+# Each parser yields (where, record) or (where, _Bad). A record: dict(sample_id, video, duration, query, span, clip).
+
+def _parse_charades(path: Path, text: str) -> Iterator[tuple[str, Any]]:
+    seen: Counter = Counter()
+    for lineno, line in enumerate(text.splitlines(), 1):
+        where = f"{path}:{lineno}"
+        if not line.strip():
+            continue
+        head, sep, sentence = line.partition("##")
+        parts = head.split()
+        if not sep or len(parts) != 3:
+            yield where, _Bad(f"malformed line {line.strip()[:60]!r}, expected 'VIDEO_ID START END##sentence'")
+            continue
+        try:
+            vid = parts[0]
+            rec = dict(sample_id=f"{vid}#{seen[vid]}", video=vid, duration=None, clip=None,
+                       query=_text(sentence, "sentence"),
+                       span=(_num(parts[1], "start"), _num(parts[2], "end")))
+        except _Bad as bad:
+            yield where, bad
+            continue
+        seen[vid] += 1
+        yield where, rec
+
+
+def _parse_captions(path: Path, data: Any) -> Iterator[tuple[str, Any]]:
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object {{video_id: {{duration, timestamps, sentences}}}}")
+    for vid, entry in data.items():
+        where = f"{path}[{vid!r}]"
+        try:
+            if not isinstance(entry, dict):
+                raise _Bad("expected an object with duration, timestamps, sentences")
+            stamps, sents = entry.get("timestamps"), entry.get("sentences")
+            if not isinstance(stamps, list) or not isinstance(sents, list) or len(stamps) != len(sents):
+                raise _Bad("needs lists 'timestamps' and 'sentences' of equal length")
+            duration = None if entry.get("duration") is None else _num(entry["duration"], "duration")
+        except _Bad as bad:
+            yield where, bad
+            continue
+        for k, (stamp, sent) in enumerate(zip(stamps, sents)):
+            try:
+                yield f"{where} sentence {k}", dict(
+                    sample_id=f"{vid}#{k}", video=vid, duration=duration, clip=None,
+                    query=_text(sent, "sentence"), span=_pair(stamp, "timestamp"))
+            except _Bad as bad:
+                yield f"{where} sentence {k}", bad
+
+
+def _parse_time_r1(path: Path, data: Any) -> Iterator[tuple[str, Any]]:
+    if not isinstance(data, list):
+        raise UserError(f"{path}: expected a JSON list of {{video, duration, timestamp, sentence}} objects")
+    seen: Counter = Counter()
+    for i, entry in enumerate(data):
+        where = f"{path}[{i}]"
+        try:
+            if not isinstance(entry, dict):
+                raise _Bad("expected an object")
+            video = _text(entry.get("video"), "video")
+            vid = Path(video).stem
+            sample_id = str(entry.get("id", entry.get("qid", f"{vid}#{seen[vid]}")))
+            duration = None if entry.get("duration") is None else _num(entry["duration"], "duration")
+            stamp = entry.get("timestamp", entry.get("timestamps"))
+            if isinstance(stamp, list) and len(stamp) == 1 and isinstance(stamp[0], list):
+                stamp = stamp[0]  # [[s, e]] written as a one-element list of spans
+            rec = dict(sample_id=sample_id, video=video, duration=duration, clip=None,
+                       query=_text(entry.get("sentence", entry.get("query")), "sentence"),
+                       span=_pair(stamp, "timestamp"))
+        except _Bad as bad:
+            yield where, bad
+            continue
+        seen[vid] += 1
+        yield where, rec
+
+
+def _parse_jsonl(path: Path, text: str) -> Iterator[tuple[str, Any]]:
+    seen: Counter = Counter()
+    for lineno, line in enumerate(text.splitlines(), 1):
+        where = f"{path}:{lineno}"
+        if not line.strip():
+            continue
+        try:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _Bad(f"not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(entry, dict):
+                raise _Bad("expected a JSON object per line")
+            video = _text(entry.get("video"), "video")
+            vid = Path(video).stem
+            clip = None if entry.get("clip") is None else _pair(entry["clip"], "clip")
+            if clip is not None and not 0 <= clip[0] < clip[1]:
+                raise _Bad(f"clip {clip[0]:g}-{clip[1]:g} needs 0 <= start < end")
+            rec = dict(sample_id=str(entry.get("id", f"{vid}#{seen[vid]}")), video=video, clip=clip,
+                       duration=None if entry.get("duration") is None else _num(entry["duration"], "duration"),
+                       query=_text(entry.get("query"), "query"), span=_pair(entry.get("span"), "span"))
+        except _Bad as bad:
+            yield where, bad
+            continue
+        seen[vid] += 1
+        yield where, rec
+
+
+def detect_format(path: str | Path, text: str | None = None) -> str:
+    """Guess the format of an annotation file from its name and first characters."""
+    path = Path(path)
+    text = _read_text(path) if text is None else text
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if path.suffix.lower() == ".jsonl":
+        return "jsonl"
+    if _CHARADES_LINE.match(first):
+        return "charades"
+    if first.startswith("["):
+        return "time_r1"
+    if first.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            return "jsonl"  # several objects, one per line
+        if isinstance(data, dict) and (not data or any(isinstance(v, dict) and "timestamps" in v
+                                                       for v in data.values())):
+            return "captions"
+        if isinstance(data, dict) and "span" in data:
+            return "jsonl"  # a one-line JSONL file
+    raise UserError(f"{path}: cannot tell the annotation format; pass --format with one of {', '.join(FORMATS)} "
+                    "(see data/README.md)")
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise UserError(f"annotation file {path} not found; pass the path of an existing file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start}); is this an annotation file?") from None
+
+
+def _load_json(path: Path, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix the file") from None
+
+
+def load_annotations(path: str | Path, video_dir: str | Path | None = None, fmt: str = "auto", strict: bool = True,
+                     *, validate: bool = True, tolerance: float = 0.5, log_skips: bool = True) -> LoadResult:
+    """Read an annotation file into `GroundingSample`s (video paths resolved against `video_dir`).
+
+    validate: drop (or, strict, raise on) spans with start >= end, negative starts, or ends past a known duration
+        by more than `tolerance` seconds; ends past it by less are clamped. `check_dataset` turns this off to
+        classify the problems itself. Missing durations stay None: see `fill_durations`.
+    log_skips: log a warning summarising the skipped records (check-data reports them itself).
+    """
+    path = Path(path)
+    text = _read_text(path)
+    fmt = _ALIASES.get(fmt, fmt)
+    if fmt == "auto":
+        fmt = detect_format(path, text)
+    if fmt == "charades":
+        records = _parse_charades(path, text)
+    elif fmt == "jsonl":
+        records = _parse_jsonl(path, text)
+    elif fmt == "captions":
+        records = _parse_captions(path, _load_json(path, text))
+    elif fmt == "time_r1":
+        records = _parse_time_r1(path, _load_json(path, text))
+    else:
+        raise UserError(f"unknown annotation format {fmt!r}; choose one of {', '.join(FORMAT_CHOICES)}")
+
+    result = LoadResult(samples=[])
+    cache: dict[str, str] = {}
+    for where, rec in records:
+        if not isinstance(rec, _Bad) and validate:
+            problem = span_problem(rec["span"], rec["duration"], tolerance)
+            if problem is not None:
+                rec = _Bad(f"{problem[1]} in sample {rec['sample_id']}")
+            else:
+                rec["span"] = clamp_span(rec["span"], rec["duration"])
+        if isinstance(rec, _Bad):
+            _skip(result, Skip(where, str(rec)), strict)
+            continue
+        result.samples.append(GroundingSample(
+            sample_id=rec["sample_id"], video=_video_path(video_dir, rec["video"], fmt, cache),
+            duration=rec["duration"], query=rec["query"], span=rec["span"],
+            clip_start=rec["clip"][0] if rec["clip"] else None, clip_end=rec["clip"][1] if rec["clip"] else None,
+            origin=where))
+    if result.skipped and log_skips:
+        log.warning("%s: skipped %d of %d annotations (first: %s: %s)", path, len(result.skipped),
+                    len(result.skipped) + len(result.samples), *result.skipped[0])
+    return result
+
+
+def _video_path(video_dir: str | Path | None, name: str, fmt: str, cache: dict[str, str]) -> str:
+    """`resolve_video`, then two fallbacks when that file does not exist: a relative path's bare file name in
+    `video_dir` (Time-R1 lists `./dataset/timer1/videos/timerft_data/x.mp4`), and ActivityNet ids without `v_`."""
+    found = resolve_video(video_dir, name, cache)
+    if Path(found).is_file():
+        return found
+    alternatives = []
+    if video_dir is not None and not Path(name).is_absolute() and Path(name).name != name:
+        alternatives.append(Path(name).name)
+    if fmt == "captions" and name.startswith("v_"):
+        alternatives.append(name[2:])
+    for alt in alternatives:
+        path = resolve_video(video_dir, alt, cache)
+        if Path(path).is_file():
+            return path
+    return found
+
+
+def _skip(result: LoadResult, skip: Skip, strict: bool) -> None:
+    if strict:
+        raise UserError(f"{skip.where}: {skip.reason}; fix it, or load with strict=False to skip bad samples")
+    log.debug("skipping %s: %s", skip.where, skip.reason)
+    result.skipped.append(skip)
+
+
+def fill_durations(samples: list[GroundingSample], strict: bool = True, tolerance: float = 0.5) -> LoadResult:
+    """Read the missing durations from the video files (decord header read, no decoding) and validate spans.
+
+    Samples whose video is missing or unreadable, or whose span does not fit the duration, are skipped (or raise
+    in strict mode), like the loader does.
+    """
+    from mmpg.data.video import VideoError, read_duration  # decord/torch only when needed
+
+    result = LoadResult(samples=[])
+    durations: dict[str, float | VideoError] = {}
+    for sample in samples:
+        if sample.duration is None:
+            if sample.video not in durations:
+                try:
+                    durations[sample.video] = read_duration(sample.video)
+                except VideoError as e:
+                    durations[sample.video] = e
+            d = durations[sample.video]
+            if isinstance(d, VideoError):
+                _skip(result, Skip(sample.where, str(d)), strict)
+                continue
+            problem = span_problem(sample.span, d, tolerance)
+            if problem is not None:
+                _skip(result, Skip(sample.where, problem[1]), strict)
+                continue
+            sample = dataclasses.replace(sample, duration=d, span=clamp_span(sample.span, d))
+        result.samples.append(sample)
+    if result.skipped:
+        log.warning("fill_durations: skipped %d of %d samples (first: %s: %s)", len(result.skipped), len(samples),
+                    *result.skipped[0])
+    return result
+
+
+def write_jsonl(samples: list[GroundingSample], path: str | Path) -> None:
+    """Write samples in the generic JSONL format (videos as resolved paths), e.g. after `fill_durations`."""
+    with open(path, "w", encoding="utf-8") as f:
+        for s in samples:
+            rec: dict[str, Any] = {"id": s.sample_id, "video": s.video, "duration": s.duration, "query": s.query,
+                                   "span": list(s.span)}
+            if s.clip_start is not None or s.clip_end is not None:
+                rec["clip"] = [s.clip_start or 0.0, s.clip_end if s.clip_end is not None else s.duration]
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")

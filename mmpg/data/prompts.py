@@ -1,0 +1,144 @@
+"""Prompt templates and the step from (sample, decoded frames) to processor inputs.
+
+A template is a user text with placeholders, an optional system prompt, and whether it asks for `<think>`:
+
+    {query}        the sentence to ground
+    {duration}     seconds of the video, two decimals ("30.96")
+    {window}       "" for the whole video, or " (this clip shows seconds 10.00 to 40.00 of it)"
+    {num_frames}   frames the model sees
+    {frame_times}  the sampled times, "0.00, 0.50, 1.00, ..." (seconds)
+
+The default follows Time-R1 (arXiv 2503.13377): reason in `<think>...</think>`, then `<answer>START to END</answer>`
+in seconds. Answers are always in seconds of the whole video, also when a clip window is shown.
+
+The chat template itself belongs to the model family's processor: messages are in the Qwen chat format
+`[{"role": "user", "content": [{"type": "video", ...}, {"type": "text", "text": ...}]}]` and rendered with
+`processor.apply_chat_template`. Frames go to the processor as qwen-vl-utils decoded them (`do_resize=False`,
+`do_sample_frames=False`) with their `video_metadata`: Qwen2.5-VL derives `second_per_grid_ts` from it, Qwen3-VL
+the `<t seconds>` timestamps it writes before each temporal patch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import string
+from typing import Any, Sequence
+
+from mmpg.data.samples import GroundingSample
+from mmpg.data.video import DecodedVideo
+from mmpg.errors import UserError
+
+PLACEHOLDERS = ("query", "duration", "window", "num_frames", "frame_times")
+
+_ANSWER_RULE = ('give the start and end times of the moment in seconds, with up to two decimals, as "START to END" '
+                'within <answer> </answer> tags, for example <answer>12.54 to 17.83</answer>.')
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTemplate:
+    """A user prompt with placeholders (see the module docstring), an optional system prompt."""
+
+    user: str
+    """The user text; placeholders {query} {duration} {window} {num_frames} {frame_times}."""
+    system: str | None = None
+    """System prompt, or None to leave the family's default (Qwen2.5-VL adds its own; Qwen3-VL none)."""
+    think: bool = True
+    """Whether the template asks for <think>...</think> before <answer> (the format reward checks the same)."""
+
+    def __post_init__(self):
+        for text in (self.user, self.system or ""):
+            for _, field, _, _ in string.Formatter().parse(text):
+                if field is not None and field not in PLACEHOLDERS:
+                    raise UserError(f"prompt template uses unknown placeholder {{{field}}}; use only "
+                                    + " ".join("{%s}" % p for p in PLACEHOLDERS) + " (double braces for literal ones)")
+
+    def fields(self, sample: GroundingSample, video: DecodedVideo | None = None) -> dict[str, Any]:
+        duration = sample.duration if sample.duration is not None else (video.duration if video else None)
+        window = ""
+        if sample.clip_start is not None or sample.clip_end is not None:
+            lo = sample.clip_start or 0.0
+            hi = sample.clip_end if sample.clip_end is not None else duration
+            window = f" (this clip shows seconds {lo:.2f} to {hi:.2f} of it)" if hi is not None else ""
+        return {
+            "query": sample.query.strip().rstrip("."),
+            "duration": f"{duration:.2f}" if duration is not None else "unknown",
+            "window": window,
+            "num_frames": len(video.timestamps) if video else "",
+            "frame_times": ", ".join(f"{t:.2f}" for t in video.timestamps) if video else "",
+        }
+
+    def render(self, sample: GroundingSample, video: DecodedVideo | None = None) -> str:
+        return self.user.format(**self.fields(sample, video))
+
+    def render_system(self, sample: GroundingSample, video: DecodedVideo | None = None) -> str | None:
+        return self.system.format(**self.fields(sample, video)) if self.system else None
+
+
+TEMPLATES: dict[str, PromptTemplate] = {
+    "time_r1": PromptTemplate(
+        'The video lasts {duration} seconds{window}. To find the moment described by "{query}", determine the '
+        "precise time period of the event in the video. First output your reasoning within <think> </think> tags, "
+        "then " + _ANSWER_RULE),
+    "time_r1_frames": PromptTemplate(
+        "The video lasts {duration} seconds{window}; its {num_frames} frames were taken at these times (seconds): "
+        '{frame_times}. To find the moment described by "{query}", determine the precise time period of the event '
+        "in the video. First output your reasoning within <think> </think> tags, then " + _ANSWER_RULE),
+    "answer_only": PromptTemplate(
+        'The video lasts {duration} seconds{window}. Find the moment described by "{query}" and ' + _ANSWER_RULE,
+        think=False),
+}
+DEFAULT_TEMPLATE = TEMPLATES["time_r1"]
+
+
+def get_template(template: str | PromptTemplate | None) -> PromptTemplate:
+    """A template by name (`time_r1`, `time_r1_frames`, `answer_only`), a template object, or the default."""
+    if template is None:
+        return DEFAULT_TEMPLATE
+    if isinstance(template, PromptTemplate):
+        return template
+    if template not in TEMPLATES:
+        raise UserError(f"unknown prompt template {template!r}; choose one of {', '.join(TEMPLATES)} "
+                        "or give a PromptTemplate")
+    return TEMPLATES[template]
+
+
+def build_messages(sample: GroundingSample, video: DecodedVideo | None = None,
+                   template: str | PromptTemplate | None = None) -> list[dict]:
+    """Qwen chat messages for one sample: optional system turn, then a user turn with the video and the text."""
+    template = get_template(template)
+    messages: list[dict] = []
+    system = template.render_system(sample, video)
+    if system:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": [
+        {"type": "video", "video": video.path if video else sample.video},
+        {"type": "text", "text": template.render(sample, video)},
+    ]})
+    return messages
+
+
+def build_prompt_inputs(processor, samples: Sequence[GroundingSample], videos: Sequence[DecodedVideo],
+                        template: str | PromptTemplate | None = None, padding_side: str = "left"):
+    """Processor inputs for B prompts (one video each), left padded by default.
+
+    Returns the processor's BatchFeature: input_ids / attention_mask [B, P], pixel_values_videos
+    [sum_b T_b*H_b*W_b / patch^2, C*2*patch^2], video_grid_thw [B, 3], mm_token_type_ids [B, P], and for
+    Qwen2.5-VL second_per_grid_ts [B].
+    """
+    if len(samples) != len(videos):
+        raise ValueError(f"{len(samples)} samples but {len(videos)} videos")
+    vp = processor.video_processor
+    factor = vp.patch_size * vp.merge_size
+    for sample, video in zip(samples, videos):
+        h, w = video.frames.shape[-2:]
+        if h % factor or w % factor:
+            raise UserError(f"{sample.where}: frames are {h}x{w}, not multiples of {factor} for this processor; "
+                            "decode with VideoSpec.for_family(<the model family>)")
+    texts = [processor.apply_chat_template(build_messages(s, v, template), tokenize=False, add_generation_prompt=True)
+             for s, v in zip(samples, videos)]
+    # Frames are already sized by qwen-vl-utils, so the processor's own per-frame pixel cap (a transformers 5.x
+    # option that warns when unset) has nothing to do; set it only where it exists.
+    extra = {"cap_pixels_per_frame": True} if hasattr(vp, "cap_pixels_per_frame") else {}
+    return processor(text=texts, videos=[v.frames for v in videos], video_metadata=[dict(v.metadata) for v in videos],
+                     do_sample_frames=False, do_resize=False, padding=True, padding_side=padding_side,
+                     return_tensors="pt", **extra)
