@@ -22,7 +22,7 @@ def _grads(model, fn, weights):
 
 def compare(model, inputs, ids, mask, group_sizes, backend=None, check_grads=True, atol=LOGP_ATOL, rtol=GRAD_RTOL):
     """Returns (max logprob diff, worst relative gradient diff) and asserts both bounds."""
-    weights = torch.linspace(0.5, 1.5, ids.numel()).view_as(ids)
+    weights = torch.linspace(0.5, 1.5, ids.numel(), device=ids.device).view_as(ids)
     run_g = lambda: grouped_logprobs(model, inputs, ids, mask, group_sizes, backend=backend)  # noqa: E731
     run_r = lambda: repeated_logprobs(model, inputs, ids, mask, group_sizes)  # noqa: E731
     if not check_grads:
