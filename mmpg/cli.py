@@ -66,6 +66,8 @@ def _cmd_check_data(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mmpg.data.formats import FORMAT_CHOICES
+
     parser = argparse.ArgumentParser(prog="mmpg", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-data", help="check annotations and videos before a run")
     p.add_argument("--annotations", required=True, help="annotation file (Charades-STA, ActivityNet, Time-R1, JSONL)")
     p.add_argument("--videos", required=True, help="folder holding the videos")
-    p.add_argument("--format", default="auto")
+    p.add_argument("--format", default="auto", choices=FORMAT_CHOICES)
     p.set_defaults(func=_cmd_check_data)
 
     p = sub.add_parser("demo", help="the default job: tiny model + synthetic videos, end to end on a CPU")

@@ -1,0 +1,166 @@
+"""The HF engine: the training model samples its own rollouts, each prompt (and its video) prefilled once.
+
+`model.generate(num_return_sequences=G)` repeats the inputs G times *before* the prefill, so every long video prompt
+goes through the vision tower and every decoder layer G times. Here:
+
+    B prompts, left-padded ──prefill (one forward, vision tower once, use_cache)──> cache [B, L], logits [B, V]
+                         ──cache rows index_select'ed by repeat_interleave(arange(B), G_b)──> cache [N, L]
+    token 0 of every row: sampled from its prompt's prefill logits (independently per row)
+    token t > 0:          one forward of the model on the N' still-running rows (finished rows leave the cache)
+
+Positions: the prompt gets exactly the positions `grouped_logprobs` gives it (`mmpg.grouping.adapters.
+prefix_positions`: the model's own 3-D mRoPE `get_rope_index` for Qwen2.5-VL / Qwen3-VL, 0..P-1 for text models), and
+completion token t sits at max(prompt positions) + 1 + t on every axis. They are passed to every forward explicitly,
+so the model's stateful `rope_deltas` is neither used nor changed, and unequal group sizes work (the model's own
+rope-delta path assumes every prompt was expanded the same number of times).
+
+Where this departs from `generate`: sampling settings come only from `SamplingParams` (the checkpoint's
+generation_config contributes its eos and pad ids, nothing else: no repetition penalty, no default top-k).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from mmpg.grouping.adapters import prefix_positions
+from mmpg.grouping.inputs import prompt_attention_mask
+from mmpg.grouping.patch import model_kind
+from mmpg.rollout.engine import (
+    FINISH_LENGTH, FINISH_STOP, Rollout, RolloutEngine, SamplingParams, group_sizes_for,
+)
+from mmpg.rollout.sampling import next_tokens
+
+# Processor outputs the prefill forward takes besides ids and mask; positions are passed explicitly, so
+# mm_token_type_ids and second_per_grid_ts are only read by `prefix_positions`.
+_VISUAL_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+
+
+class HFEngine(RolloutEngine):
+    """Shared-prefix sampling with a transformers model of a family `mmpg.grouping` supports.
+
+    model: the policy (any device and dtype; its train/eval mode is restored after each call).
+    processor: the model's processor or tokenizer, used to decode the responses."""
+
+    def __init__(self, model, processor):
+        model_kind(model)  # refuses unsupported model types with a clear message
+        self.model = model
+        self.processor = processor
+        params = inspect.signature(model.forward).parameters
+        # transformers renamed `past_key_values` to `cache` during 5.x; accept either
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def generate_groups(self, prompt_inputs, group_size: int | Sequence[int],
+                        sampling: SamplingParams | None = None) -> Rollout:
+        """Sample G_b responses for each of the B prompts. See `mmpg.rollout.engine.Rollout` for the layout and
+        `mmpg.rollout.sampling` for which distribution `Rollout.logprobs` comes from."""
+        sampling = sampling or SamplingParams()
+        if "input_ids" not in prompt_inputs:
+            raise ValueError("prompt_inputs needs 'input_ids' (the processor output for the B prompts)")
+        attn = prompt_attention_mask(prompt_inputs)
+        sizes = group_sizes_for(group_size, int(prompt_inputs["input_ids"].shape[0]))
+        empty = (attn.sum(dim=1) == 0).nonzero()
+        if empty.numel():
+            raise ValueError(f"prompt {int(empty[0])} is empty (all-zero attention_mask); drop it from the batch")
+        modes = {m: m.training for m in self.model.modules()}
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return self._generate(prompt_inputs, sizes, sampling)
+        finally:
+            for module, training in modes.items():
+                module.training = training
+
+    # ---- the three stages -------------------------------------------------------------------------------------------
+    def _generate(self, prompt_inputs, sizes: list[int], sampling: SamplingParams) -> Rollout:
+        device = self.model.get_input_embeddings().weight.device
+        stop_ids = torch.tensor(self._stop_ids(sampling), dtype=torch.long, device=device)  # may be empty
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
+        cache, logits, attn, start = self._prefill(prompt_inputs, device)  # logits [B, V]; attn [B, L]; start [B]
+        rows = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+        cache.reorder_cache(rows)  # [B, ...] -> [N, ...]: the G-way copy of each prompt's K/V
+        n, steps = rows.numel(), sampling.max_new_tokens
+        tokens = torch.full((n, steps), self._pad_id(), dtype=torch.long, device=device)  # [N, max_new_tokens]
+        logps = torch.zeros(n, steps, dtype=torch.float32, device=device)
+        lengths = torch.zeros(n, dtype=torch.long, device=device)
+        stopped = torch.zeros(n, dtype=torch.bool, device=device)
+        live = torch.arange(n, device=device)  # rows still decoding; the cache holds exactly these rows, in order
+        step_logits = logits[rows]
+        for t in range(steps):
+            tok, lp = next_tokens(step_logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)
+            tokens[live, t], logps[live, t], lengths[live] = tok, lp, t + 1
+            done = torch.isin(tok, stop_ids)
+            stopped[live] |= done
+            if t + 1 == steps or bool(done.all()):
+                break
+            if bool(done.any()):
+                keep = (~done).nonzero()[:, 0]
+                cache.reorder_cache(keep)
+                live, tok = live[keep], tok[keep]
+            step_logits = self._decode_step(cache, tok, attn[rows[live]], start[rows[live]], t)
+        return self._rollout(tokens, logps, lengths, stopped, sizes, sampling)
+
+    def _prefill(self, prompt_inputs, device):
+        """One forward over the B prompts, left-padded. Returns the cache [B, L], the last position's logits [B, V],
+        the left-padded attention mask [B, L] and the first completion position of each prompt [B]."""
+        ids_list, pos_list = prefix_positions(self.model, prompt_inputs)  # per prompt: [P_b], [A, P_b]
+        width = max(p.numel() for p in ids_list)
+        ids = torch.stack([F.pad(p, (width - p.numel(), 0), value=self._pad_id()) for p in ids_list]).to(device)
+        attn = torch.stack([F.pad(torch.ones_like(p), (width - p.numel(), 0)) for p in ids_list]).to(device)
+        pos = torch.stack([F.pad(p, (width - p.shape[1], 0)) for p in pos_list], dim=1).to(device)  # [A, B, L]
+        start = pos.amax(dim=(0, 2)) + 1  # [B] where each prompt's completions continue, on every axis
+        position_ids = pos if self._is_vl else pos[0]  # [3, B, L] mRoPE or [B, L]
+        visuals = {k: prompt_inputs[k].to(device) for k in _VISUAL_KEYS if prompt_inputs.get(k) is not None}
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kwarg: cache}, **visuals)
+        return cache, out.logits[:, -1], attn, start
+
+    def _decode_step(self, cache, tok, prompt_attn, start, t: int) -> torch.Tensor:
+        """Feed token t of the live rows: tok [n], prompt_attn [n, L], start [n] -> next logits [n, V]."""
+        n = tok.numel()
+        attn = torch.cat([prompt_attn, prompt_attn.new_ones(n, t + 1)], dim=1)  # [n, L + t + 1]
+        pos = (start + t)[:, None]  # [n, 1]
+        position_ids = pos[None].expand(3, n, 1) if self._is_vl else pos
+        out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=position_ids, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kwarg: cache})
+        return out.logits[:, -1]
+
+    def _rollout(self, tokens, logps, lengths, stopped, sizes, sampling: SamplingParams) -> Rollout:
+        width = int(lengths.max())
+        mask = (torch.arange(width, device=tokens.device)[None, :] < lengths[:, None]).long()  # [N, S]
+        ids = tokens[:, :width]
+        return Rollout(
+            completion_ids=ids.cpu(),
+            completion_mask=mask.cpu(),
+            group_sizes=list(sizes),
+            texts=self.processor.batch_decode([row[:n] for row, n in zip(ids.tolist(), lengths.tolist())],
+                                              skip_special_tokens=True),
+            finish_reasons=[FINISH_STOP if s else FINISH_LENGTH for s in stopped.tolist()],
+            logprobs=(logps[:, :width] * mask).cpu() if sampling.logprobs else None,
+        )
+
+    # ---- model facts ------------------------------------------------------------------------------------------------
+    @property
+    def _is_vl(self) -> bool:
+        return model_kind(self.model) == "vl"
+
+    def _stop_ids(self, sampling: SamplingParams) -> list[int]:
+        if sampling.stop_token_ids is not None:
+            return list(sampling.stop_token_ids)
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            raise ValueError("the model's generation_config has no eos_token_id; pass SamplingParams(stop_token_ids=)")
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    def _pad_id(self) -> int:
+        pad = self.model.generation_config.pad_token_id
+        if pad is None:
+            pad = self.model.config.get_text_config().pad_token_id
+        if pad is None:
+            pad = self._stop_ids(SamplingParams())[0]
+        return int(pad)
