@@ -18,6 +18,7 @@ CASES = {
     "one_prompt": ([(4, 56, 84)], [1], [5]),
     "two_videos_unequal": ([(8, 56, 84), (4, 112, 56)], [3, 2], [1, 6, 3, 9, 2]),
     "three_with_text_only": ([(4, 84, 56), None, (6, 56, 112)], [1, 3, 8], [4, 1, 7, 2, 5, 3, 8, 1, 6, 2, 9, 4]),
+    "no_video_at_all": ([None, None], [2, 3], [3, 1, 4, 6, 2]),
 }
 
 
@@ -30,8 +31,8 @@ def test_vl_equivalence(family, case, padding_side, load_tiny):
     inputs = vl_batch(processor, family, videos, padding_side)
     ids, mask = completions(group_sizes, lengths, model.config.text_config.vocab_size, seed=len(lengths))
     _, _, grads = compare(model, inputs, ids, mask, group_sizes)
-    # the vision tower is inside the comparison, not skipped
-    assert any(name.startswith("model.visual.") for name in grads)
+    # the vision tower is inside the comparison, not skipped (when there is a video to encode)
+    assert any(name.startswith("model.visual.") for name in grads) == any(videos)
 
 
 @pytest.mark.parametrize("family", VL)
@@ -78,3 +79,24 @@ def test_bf16_difference_is_bounded(load_tiny):
     ids, mask = completions(group_sizes, lengths, model.config.text_config.vocab_size)
     max_diff, _, _ = compare(model, inputs, ids, mask, group_sizes, check_grads=False, atol=BF16_BOUND)
     print(f"bf16 max |grouped - repeated| logprob difference: {max_diff:.4g}")
+
+
+@pytest.mark.parametrize("family", VL)
+def test_lse_merge_backend_in_the_model(family, load_tiny):
+    """The `flash` algorithm (three varlen calls merged by LSE, custom backward) with the pure-torch stand-in kernel:
+    everything of the flash backend except the flash-attn kernel call, checked through the whole model."""
+    model, processor = load_tiny(family)
+    videos, group_sizes, lengths = CASES["three_with_text_only"]
+    inputs = vl_batch(processor, family, videos, "right")
+    ids, mask = completions(group_sizes, lengths, model.config.text_config.vocab_size)
+    compare(model, inputs, ids, mask, group_sizes, backend="lse_reference")
+
+
+@pytest.mark.slow
+def test_flex_backend_forward_in_the_model_on_cpu(load_tiny):
+    """FlexAttention runs forward on CPU (no backward there): logprobs through the whole model under no_grad."""
+    model, processor = load_tiny("qwen3_vl")
+    videos, group_sizes, lengths = CASES["two_videos_unequal"]
+    inputs = vl_batch(processor, "qwen3_vl", videos)
+    ids, mask = completions(group_sizes, lengths, model.config.text_config.vocab_size)
+    compare(model, inputs, ids, mask, group_sizes, backend="flex", check_grads=False)
