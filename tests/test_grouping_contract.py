@@ -43,42 +43,69 @@ def test_vision_tower_runs_once_per_prompt(qwen25):
     assert seen == [3 * grid_rows[0] + 4 * grid_rows[1]]
 
 
-def test_sdpa_backend_never_copies_prefix_kv(qwen25, monkeypatch):
-    model, inputs, ids, mask = qwen25
-    seen, storages, inside = [], [], []
-    real = sdpa_backend.F.scaled_dot_product_attention  # torch's own; the vision tower calls it too
+def _record_kernel_calls(monkeypatch, model, inputs, ids, mask, path):
+    """Run the grouped forward with the sdpa backend on `path`; return (calls, [(layout, K storage)] per layer), a
+    call being (kernel, q batch, q length, k batch, k length, K storage) seen inside the grouped attention only."""
+    calls, layers, inside = [], [], []
 
-    def spy(q, k, v, **kw):
-        if inside:
-            seen.append((q.shape[2], k.shape[2], k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()))
-        return real(q, k, v, **kw)
+    def record(module, name):
+        real = getattr(module, name)
 
+        def spy(q, k, v, *args, **kw):
+            if inside:  # the vision tower calls torch's SDPA too
+                calls.append((name, q.shape[0], q.shape[2], k.shape[0], k.shape[2], k.untyped_storage().data_ptr()))
+            return real(q, k, v, *args, **kw)
+
+        monkeypatch.setattr(module, name, spy)
+
+    record(sdpa_backend, "_flash_cpu")
+    record(sdpa_backend.F, "scaled_dot_product_attention")
     real_grouped = sdpa_backend.sdpa_grouped_attention
 
     def grouped_spy(query, key, value, layout, scaling):
-        storages.append((key.untyped_storage().data_ptr(), value.untyped_storage().data_ptr(), layout))
+        layers.append((layout, key.untyped_storage().data_ptr()))
         inside.append(True)
         try:
-            return real_grouped(query, key, value, layout, scaling)
+            return real_grouped(query, key, value, layout, scaling, path=path)
         finally:
             inside.pop()
 
-    monkeypatch.setattr(sdpa_backend.F, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(sdpa_backend, "sdpa_grouped_attention", grouped_spy)
     with torch.no_grad():
         grouped_logprobs(model, inputs, ids, mask, GROUPS, backend="sdpa")
-    layers = model.config.text_config.num_hidden_layers
-    assert len(storages) == layers and len(seen) == 2 * len(GROUPS) * layers
-    layout = storages[0][2]
-    for layer, (k_ptr, v_ptr, _) in enumerate(storages):
-        calls = seen[layer * 2 * len(GROUPS):(layer + 1) * 2 * len(GROUPS)]
+    assert len(layers) == model.config.text_config.num_hidden_layers
+    return calls, layers
+
+
+def test_sdpa_backend_cpu_path_never_copies_prefix_kv_per_response(qwen25, monkeypatch):
+    """Per group and layer, the prefix keys reach a kernel twice with batch 1 (prefix queries; all response queries
+    at once) and the own-response part as a [G_b, S_max] batch. Nothing of size G_b x P_b is ever built."""
+    model, inputs, ids, mask = qwen25
+    calls, layers = _record_kernel_calls(monkeypatch, model, inputs, ids, mask, "cpu")
+    assert len(calls) == 3 * len(GROUPS) * len(layers)
+    for layer, (layout, _) in enumerate(layers):
+        per_layer = calls[layer * 3 * len(GROUPS):(layer + 1) * 3 * len(GROUPS)]
+        for b in range(len(GROUPS)):
+            P, lens = layout.prefix_lens[b], layout.response_lens[b]
+            prefix, to_prefix, own = per_layer[3 * b: 3 * b + 3]
+            assert prefix[1:5] == (1, P, 1, P)  # prefix queries -> prefix keys
+            assert to_prefix[1:5] == (1, sum(lens), 1, P)  # all responses -> the prefix keys, once
+            assert own[1:5] == (len(lens), max(lens), len(lens), max(lens))  # responses batched, own keys only
+
+
+def test_sdpa_backend_masked_path_reads_kv_in_place(qwen25, monkeypatch):
+    """The masked path (other devices): the keys are views of the layer's own K, one prefix + the responses."""
+    model, inputs, ids, mask = qwen25
+    calls, layers = _record_kernel_calls(monkeypatch, model, inputs, ids, mask, "masked")
+    assert len(calls) == 2 * len(GROUPS) * len(layers)
+    for layer, (layout, k_ptr) in enumerate(layers):
+        per_layer = calls[layer * 2 * len(GROUPS):(layer + 1) * 2 * len(GROUPS)]
         for b in range(len(GROUPS)):
             P, R = layout.prefix_lens[b], sum(layout.response_lens[b])
-            pre, resp = calls[2 * b], calls[2 * b + 1]
-            assert (pre[0], pre[1]) == (P, P)
-            assert (resp[0], resp[1]) == (R, P + R)  # keys: one prefix + the responses, not G prefixes
-            # every key/value handed to SDPA is a view of the layer's own K/V: nothing copied
-            assert pre[2:] == resp[2:] == (k_ptr, v_ptr)
+            pre, resp = per_layer[2 * b], per_layer[2 * b + 1]
+            assert (pre[2], pre[4]) == (P, P)
+            assert (resp[2], resp[4]) == (R, P + R)  # keys: one prefix + the responses, not G prefixes
+            assert pre[5] == resp[5] == k_ptr  # views of the layer's K: nothing copied
 
 
 @pytest.mark.parametrize("change, message", [

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mmpg.grouping import GroupLayout, apply_grouped_attention
 from mmpg.grouping.backends import get_backend
+from mmpg.grouping.backends.sdpa import sdpa_grouped_attention
 from mmpg.grouping.backends.varlen import TorchVarlenKernel, merge_lse
 
 
@@ -44,11 +47,15 @@ def _qkv(T, hq=4, hkv=2, d=8, seed=0):
     return [torch.randn(1, h, T, d, generator=g, dtype=torch.float64, requires_grad=True) for h in (hq, hkv, hkv)]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "lse_reference"])
-def test_backend_matches_dense_mask_forward_and_backward(backend):
-    layout = GroupLayout([5, 1, 7], [[1, 4, 2], [3], [2, 2, 6, 1]], torch.device("cpu"), backend=backend)
+LAYOUTS = {
+    "unequal": ([5, 1, 7], [[1, 4, 2], [3], [2, 2, 6, 1]]),
+    "equal": ([4, 9], [[3, 3, 3], [1, 1]]),
+}
+
+
+def _check_against_dense(fn, layout):
     q, k, v = _qkv(layout.total)
-    out = get_backend(backend)(q, k, v, layout, 0.3)
+    out = fn(q, k, v, layout, 0.3)
     ref = _dense_reference(q, k, v, layout, 0.3)
     assert out.shape == ref.shape == (1, layout.total, 4, 8)
     assert torch.allclose(out, ref, atol=1e-12, rtol=0), float((out - ref).abs().max())
@@ -57,6 +64,21 @@ def test_backend_matches_dense_mask_forward_and_backward(backend):
     ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
     for name, a, b in zip("qkv", grads, ref_grads):
         assert torch.allclose(a, b, atol=1e-12, rtol=0), f"d{name} differs by {float((a - b).abs().max())}"
+
+
+@pytest.mark.parametrize("shape", list(LAYOUTS))
+@pytest.mark.parametrize("backend", ["sdpa", "lse_reference"])
+def test_backend_matches_dense_mask_forward_and_backward(backend, shape):
+    layout = GroupLayout(*LAYOUTS[shape], torch.device("cpu"), backend=backend)
+    _check_against_dense(get_backend(backend), layout)
+
+
+@pytest.mark.parametrize("shape", list(LAYOUTS))
+@pytest.mark.parametrize("path", ["cpu", "masked"])
+def test_both_sdpa_paths_match_dense_mask(path, shape):
+    """The sdpa backend's CPU flash-kernel path and its masked path (the one other devices take), both on CPU."""
+    layout = GroupLayout(*LAYOUTS[shape], torch.device("cpu"))
+    _check_against_dense(functools.partial(sdpa_grouped_attention, path=path), layout)
 
 
 def test_lse_merge_is_attention_over_the_union():
