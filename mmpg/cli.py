@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="auto", choices=FORMAT_CHOICES)
     p.set_defaults(func=_cmd_check_data)
 
+    from mmpg.bench import cli as bench_cli
+
+    p = sub.add_parser("bench", help="benchmark grouped vs repeated vs upstream prefix_grouper (prints tables, JSON)")
+    bench_cli.add_arguments(p)
+    p.set_defaults(func=bench_cli.run)
+
     p = sub.add_parser("demo", help="the default job: tiny model + synthetic videos, end to end on a CPU")
     p.add_argument("--workdir", default="data/generated/demo", help="where the tiny model and videos are kept")
     p.add_argument("--family", default="qwen2_5_vl", help="qwen2_5_vl or qwen3_vl")

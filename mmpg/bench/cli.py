@@ -1,0 +1,157 @@
+"""`mmpg bench`: measure the repeated baseline, the upstream `prefix_grouper` package and mmpg's grouped forward.
+
+    mmpg bench --preset cpu-targets                 the two judged rows (attention level and model level)
+    mmpg bench --preset cpu-grid --dry-run          the grid with its ceilings and memory estimates, nothing run
+    mmpg bench --preset gpu --out $OUT/bench.json   on one GPU
+    mmpg bench --preset cpu-targets --levels rollout   prefill once vs num_return_sequences
+
+Prints a fixed-width table and writes JSON (default runs/bench/<timestamp>.json). A program, never a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+from mmpg.errors import UserError
+
+DEFAULTS = {  # preset -> (rounds, repeats, warmup)
+    "cpu-targets": (2, 2, 1), "cpu-grid": (1, 2, 1), "gpu": (2, 3, 2), "tiny": (1, 1, 1),
+}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _str_list(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from mmpg.bench.presets import PRESETS
+
+    parser.add_argument("--preset", default="cpu-targets", choices=PRESETS, help="plan to run (default cpu-targets)")
+    parser.add_argument("--levels", type=_str_list, default=None,
+                        help="comma list of attention,model,rollout (default: attention,model); rollout reuses "
+                             "the preset's model configs")
+    parser.add_argument("--family", default="qwen2", help="model family for model/rollout levels (qwen2, qwen3, "
+                        "qwen2_5_vl, qwen3_vl; VL families have no upstream variant)")
+    parser.add_argument("--P", type=_int_list, default=None, help="override prefix lengths, e.g. 1024,4096")
+    parser.add_argument("--S", type=_int_list, default=None, help="override response lengths")
+    parser.add_argument("--G", type=_int_list, default=None, help="override group sizes")
+    parser.add_argument("--variants", type=_str_list, default=None,
+                        help="keep only these variants (e.g. naive,mmpg or mmpg:flex)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (fresh process each)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per process")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per process (>= 1: the memory step)")
+    parser.add_argument("--max-gb", type=float, default=None,
+                        help="skip configs whose naive variant needs more (default: 12 on CPU, 85%% of the GPU)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per worker process")
+    parser.add_argument("--out", default=None, help="JSON path (default runs/bench/<timestamp>.json)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan with ceilings; measure nothing")
+    parser.add_argument("--in-process", action="store_true",
+                        help="measure in this process (smoke tests; memory not isolated between variants)")
+
+
+def plan(args) -> list[dict]:
+    """The configs to run: the preset, its levels, overrides and variant filter applied (duplicates dropped)."""
+    from mmpg.bench.presets import build
+
+    levels = args.levels or ["attention", "model"]
+    unknown = set(levels) - {"attention", "model", "rollout"}
+    if unknown:
+        raise UserError(f"unknown bench level(s) {', '.join(sorted(unknown))}; "
+                        "choose from attention, model, rollout")
+    configs = []
+    for config in build(args.preset, args.family):
+        if config["level"] == "model" and "rollout" in levels:
+            rollout = dict(config, level="rollout", variants=["hf_generate", "mmpg"], grad_ckpt=False)
+            configs.append(rollout)
+        if config["level"] in levels:
+            configs.append(config)
+    configs.sort(key=lambda c: ["attention", "model", "rollout"].index(c["level"]))
+    out, seen = [], set()
+    for config in configs:
+        for P, S, G in itertools.product(args.P or [config["P"]], args.S or [config["S"]], args.G or [config["G"]]):
+            c = dict(config, P=P, S=S, G=G)
+            if args.variants:
+                c["variants"] = [v for v in c["variants"] if v in args.variants or v.split(":")[0] in args.variants]
+            key = repr(sorted((k, repr(v)) for k, v in c.items()))
+            if c["variants"] and key not in seen:
+                seen.add(key)
+                out.append(c)
+    return out
+
+
+def default_max_gb() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        return 0.85 * torch.cuda.get_device_properties(0).total_memory / 1e9
+    return 12.0
+
+
+def meta(args, rounds, repeats, warmup, max_gb, env, partial) -> dict:
+    return {"preset": args.preset, "rounds": rounds, "repeats": repeats, "warmup": warmup, "max_gb": max_gb,
+            "dry_run": args.dry_run, "in_process": args.in_process, "partial": partial, "argv": sys.argv[1:], **env}
+
+
+def run(args) -> int:
+    from mmpg.bench import report, runner
+
+    rounds, repeats, warmup = (v if v is not None else d
+                               for v, d in zip((args.rounds, args.repeats, args.warmup), DEFAULTS[args.preset]))
+    configs = plan(args)
+    env = report.environment()
+    max_gb = args.max_gb if args.max_gb is not None else default_max_gb()
+    out_path = args.out or report.default_out_path()
+    print(f"mmpg bench --preset {args.preset}: {len(configs)} configs, {rounds} rounds x {repeats} repeats "
+          f"(+{warmup} warm-up) per variant, on {env['device']}")
+    for desc in dict.fromkeys(report.describe_config(c) for c in configs):
+        print(f"  {desc}")
+    rows = []
+    for config in configs:
+        if args.dry_run:
+            shape = runner.shape_of(config)
+            est = runner.naive_bytes(config, shape) / 1e9
+            note = f"naive ~{est:.1f} GB" + (f" > {max_gb:g} GB: would be skipped" if est > max_gb else "")
+            rows += [dict(level=config["level"], P=shape["P"], S=config["S"], G=config["G"], variant=v, note=note,
+                          config=config, **runner.ceilings(config, shape)) for v in config["variants"]]
+            continue
+        done = runner.run_config(config, rounds=rounds, warmup=warmup, repeats=repeats, timeout=args.timeout,
+                                 max_gb=max_gb, in_process=args.in_process,
+                                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        rows += runner.add_ratios(done)
+        print(report.format_table(done), file=sys.stderr, flush=True)  # progress; the full table comes last
+        report.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=True))
+    runner.add_ratios(rows)
+    print(report.format_table(rows))
+    path = report.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=False))
+    print(f"wrote {path}")
+    failed = [r for r in rows if (r.get("note") or "").split(":")[0] not in ("", "OOM", "n/a", "skipped")
+              and not (r.get("note") or "").startswith("naive ~")]
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m mmpg.bench.cli`) until `mmpg bench` is wired in mmpg/cli.py."""
+    parser = argparse.ArgumentParser(prog="mmpg bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UserError as err:
+        print(f"mmpg bench: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

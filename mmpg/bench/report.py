@@ -1,0 +1,95 @@
+"""The printed table and the JSON file of a benchmark run.
+
+Columns (one row per config × variant):
+    time_s     median step time (forward + backward; rollout: generation)
+    speedup    baseline time / this time            baseline: naive (attention), repeated (model), hf_generate
+    %ceil      speedup / ceiling × 100              ceiling: ρ_attn (attention), ρ_flops (model), ρ_lin (rollout)
+    peak_MB    peak extra memory of one step (see `mmpg.bench.worker`)
+    mem_ratio  baseline peak / this peak            compare with ρ_lin, the token ratio
+    rho_*      the ceilings of `mmpg.bench.flops`
+
+%ceil can pass 100 on a CPU with a small model: there the repeated baseline is partly memory-bound (norms,
+activations, copies and the allocator scale with tokens, i.e. with ρ_lin, not with FLOPs), so the FLOPs ceiling is
+not a wall-clock ceiling; ρ_lin bounds that part.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+
+import torch
+
+COLUMNS = [  # (key, header, width, format)
+    ("level", "level", 9, "{}"), ("P", "P", 6, "{}"), ("S", "S", 4, "{}"), ("G", "G", 3, "{}"),
+    ("variant", "variant", 11, "{}"), ("time_s", "time_s", 8, "{:.3f}"), ("speedup", "speedup", 7, "{:.2f}"),
+    ("pct_ceiling", "%ceil", 6, "{:.0f}"), ("peak_MB", "peak_MB", 8, "{:.0f}"), ("mem_ratio", "mem_ratio", 9, "{:.2f}"),
+    ("rho_lin", "rho_lin", 7, "{:.2f}"), ("rho_attn", "rho_attn", 8, "{:.2f}"), ("rho_flops", "rho_flops", 9, "{:.2f}"),
+]
+
+
+def _cell(row: dict, key: str, width: int, fmt: str) -> str:
+    value = row.get(key)
+    text = "-" if value is None else fmt.format(value)
+    return text.rjust(width) if key not in ("level", "variant") else text.ljust(width)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Fixed-width table; a row's note (skipped, OOM, n/a, error) follows its numbers."""
+    header = "  ".join(h.rjust(w) if k not in ("level", "variant") else h.ljust(w) for k, h, w, _ in COLUMNS)
+    lines = [header + "  note", "-" * (len(header) + 6)]
+    last = None
+    for row in rows:
+        key = (row["level"], row["P"], row["S"], row["G"])
+        if last is not None and key != last:
+            lines.append("")
+        last = key
+        cells = "  ".join(_cell(row, k, w, f) for k, _, w, f in COLUMNS)
+        lines.append(f"{cells}  {row.get('note') or ''}".rstrip())
+    return "\n".join(lines)
+
+
+def describe_config(config: dict) -> str:
+    """One line naming what a config measures (printed above the table)."""
+    if config["level"] == "attention":
+        return (f"attention: {config['heads']} q / {config['kv_heads']} kv heads of {config['head_dim']}, "
+                f"{config.get('dtype', 'float32')}")
+    spec = config["spec"]
+    text = (f"{config['level']}: {config['family']} hidden {spec['hidden_size']}, {spec['num_layers']} layers, "
+            f"{spec['num_heads']}/{spec['num_kv_heads']} heads, intermediate {spec['intermediate_size']}, "
+            f"{config.get('dtype', 'float32')}")
+    return text + (", gradient checkpointing" if config.get("grad_ckpt") else "")
+
+
+def environment() -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(0)
+    else:
+        env["device"] = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return env
+
+
+def default_out_path(root: str = "runs/bench") -> str:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join(root, f"{stamp}.json")
+
+
+def write_json(path: str, rows: list[dict], meta: dict) -> str:
+    """Atomic write (tmp file + rename) of {"meta", "rows"}; returns the path."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,149 @@
+"""Measure one (config, variant) in this process: `python -m mmpg.bench.worker CASE.json RESULT.json`.
+
+The runner starts one fresh process per (config, variant, round), so every measurement begins from a clean
+allocator. In the process:
+
+    setup (model, inputs)  ->  reset the memory high-water  ->  prepare (the attention level's q, k, v)
+                           ->  cold step (memory; also the first warm-up)
+                           ->  warmup - 1 more steps  ->  `repeats` timed steps
+
+Peak memory = high-water during prepare + cold step − memory in use right before them:
+    CPU  resident set size: VmHWM after `echo 5 > /proc/self/clear_refs` (resets the high-water), minus the RSS
+         before; where clear_refs is not writable, `ru_maxrss` (the process high-water) minus the RSS before.
+    GPU  `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, minus `memory_allocated()` before.
+The cold step is the one measured because later steps reuse pages the allocator kept from earlier ones.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+
+import torch
+
+LEVELS = ("attention", "model", "rollout")
+
+
+def _setup(case: dict, device: torch.device):
+    level = case["level"]
+    if level == "attention":
+        from mmpg.bench.attention import setup
+    elif level == "model":
+        from mmpg.bench.model import setup
+    elif level == "rollout":
+        from mmpg.bench.rollout import setup
+    else:
+        raise ValueError(f"unknown bench level {level!r}; choose one of {', '.join(LEVELS)}")
+    return setup(case, device)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+class _Memory:
+    """Context manager measuring the peak extra memory of its body (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak, self.method = device, 0, ""
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base, self.method = torch.cuda.memory_allocated(self.device), "cuda.max_memory_allocated"
+        else:
+            self.base = _rss()
+            self.method = "VmHWM-after-clear_refs" if _reset_hwm() else "ru_maxrss"
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+        elif self.method == "ru_maxrss":
+            self.peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base
+        else:
+            self.peak = _hwm() - self.base
+        self.peak = max(self.peak, 0)
+        return False
+
+
+def _timed(step, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def measure(case: dict, warmup: int = 1, repeats: int = 3) -> dict:
+    """Run one case here. Returns {"times": [...], "cold_s", "peak_bytes", "mem_method", "info", "error"}."""
+    device = torch.device(case.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = {"times": [], "cold_s": None, "peak_bytes": None, "mem_method": None, "info": {}, "error": None}
+    try:
+        prepare, step, out["info"] = _setup(case, device)
+        with _Memory(device) as mem:
+            if prepare is not None:
+                prepare()
+            out["cold_s"] = _timed(step, device)
+        out["peak_bytes"], out["mem_method"] = mem.peak, mem.method
+        for _ in range(max(warmup - 1, 0)):
+            _timed(step, device)
+        out["times"] = [_timed(step, device) for _ in range(repeats)]
+    except torch.OutOfMemoryError:
+        out["error"] = "OOM"
+    except NotImplementedError as err:
+        out["error"] = f"n/a: {err}"
+    except Exception as err:  # noqa: BLE001 - the runner reports it in the table and carries on
+        out["error"] = f"{type(err).__name__}: {err}"
+        out["traceback"] = traceback.format_exc()
+    return out
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m mmpg.bench.worker CASE.json RESULT.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        job = json.load(f)
+    _write_json(argv[1], measure(job["case"], job["warmup"], job["repeats"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,174 @@
+"""Smoke tests of the benchmark harness at tiny sizes: it runs, the table and JSON have their shape, and the variants
+it times compute the same thing. No timing is asserted (benchmarks are programs, not tests)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from mmpg.bench import cli, report, runner
+from mmpg.errors import UserError
+
+ROW_KEYS = {"level", "P", "S", "G", "variant", "time_s", "speedup", "pct_ceiling", "peak_MB", "mem_ratio", "rho_lin",
+            "rho_attn", "rho_flops", "note", "config"}
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_tiny_preset_in_process_writes_table_and_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli.run(_args("--preset", "tiny", "--in-process", "--out", str(out))) == 0
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("level"))
+    for column in ("time_s", "speedup", "%ceil", "peak_MB", "mem_ratio", "rho_lin", "rho_attn", "rho_flops"):
+        assert column in header
+    data = json.loads(out.read_text())
+    assert {"preset", "rounds", "repeats", "warmup", "torch", "device"} <= set(data["meta"])
+    rows = data["rows"]
+    assert [(r["level"], r["variant"]) for r in rows] == [
+        ("attention", "naive"), ("attention", "upstream"), ("attention", "mmpg"),
+        ("model", "repeated"), ("model", "upstream"), ("model", "mmpg")]
+    for row in rows:
+        assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
+        assert row["note"] == "" and row["time_s"] > 0 and row["peak_MB"] is not None
+        assert row["speedup"] > 0 and row["mem_ratio"] > 0
+        assert row["rho_lin"] > 1 and row["rho_attn"] > 1 and row["rho_flops"] > 1
+    baselines = [r for r in rows if r["variant"] in ("naive", "repeated")]
+    assert all(r["speedup"] == 1 and r["pct_ceiling"] is None for r in baselines)
+    assert not list(tmp_path.glob("*.tmp-*"))  # atomic write left nothing behind
+
+
+def test_worker_processes_measure_memory(tmp_path):
+    # the real path: one fresh process per variant, memory from the process's own high-water mark
+    config = {"level": "attention", "P": 64, "S": 8, "G": 3, "heads": 2, "kv_heads": 1, "head_dim": 8,
+              "dtype": "float32", "variants": ["naive", "mmpg"]}
+    rows = runner.run_config(config, rounds=1, warmup=1, repeats=1, timeout=300, max_gb=12, log=lambda m: None)
+    assert [r["variant"] for r in rows] == ["naive", "mmpg"]
+    for row in rows:
+        assert row["note"] == "", row["note"]
+        assert row["peak_MB"] >= 0 and len(row["times"]) == 1
+        assert row["mem_method"] in ("VmHWM-after-clear_refs", "ru_maxrss")
+
+
+def test_grid_dry_run_skips_configs_over_the_memory_limit(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = _args("--preset", "cpu-grid", "--dry-run", "--levels", "model", "--P", "8192", "--S", "512",
+                 "--G", "4,16", "--out", str(out))
+    assert cli.run(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    notes = {r["G"]: r["note"] for r in rows}
+    assert "would be skipped" in notes[16] and "would be skipped" not in notes[4]
+    assert "would be skipped" in capsys.readouterr().out
+
+
+def test_skipped_config_says_why():
+    config = {"level": "attention", "P": 64, "S": 8, "G": 3, "heads": 2, "kv_heads": 1, "head_dim": 8,
+              "dtype": "float32", "variants": ["naive", "mmpg"]}
+    rows = runner.run_config(config, rounds=1, warmup=1, repeats=1, timeout=60, max_gb=1e-9, log=lambda m: None)
+    assert all(r["note"].startswith("skipped: naive needs") for r in rows)
+    assert "skipped" in report.format_table(runner.add_ratios(rows))
+
+
+def test_plan_filters_variants_and_overrides_sizes():
+    configs = cli.plan(_args("--preset", "cpu-targets", "--levels", "attention", "--P", "1024,2048",
+                             "--variants", "naive,mmpg"))
+    assert [(c["P"], c["S"], c["G"], c["variants"]) for c in configs] == [
+        (1024, 128, 16, ["naive", "mmpg"]), (2048, 128, 16, ["naive", "mmpg"])]
+    with pytest.raises(UserError, match="unknown bench level"):
+        cli.plan(_args("--levels", "kernel"))
+
+
+def test_attention_variants_agree():
+    # what the harness times must be the same attention: upstream (with our SDPA function) and mmpg vs the
+    # naive forward of each response behind its own copy of the prefix
+    from prefix_grouper import PrefixGrouper
+
+    from mmpg.bench.attention import upstream_sdpa
+    from mmpg.grouping import GroupLayout
+    from mmpg.grouping.backends import get_backend
+
+    torch.manual_seed(0)
+    P, S, G, H, Hkv, D = 11, 4, 3, 4, 2, 8
+    q, k, v = (torch.randn(1, h, P + G * S, D) for h in (H, Hkv, Hkv))
+    scale = D ** -0.5
+    ups = PrefixGrouper([[P] + [S] * G]).forward(upstream_sdpa, q, k, v, scaling=scale)  # [1, T, H, D]
+    ours = get_backend("sdpa")(q, k, v, GroupLayout([P], [[S] * G], torch.device("cpu")), scale)
+    for g in range(G):
+        rows = list(range(P)) + list(range(P + g * S, P + (g + 1) * S))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, rows], k[:, :, rows], v[:, :, rows], is_causal=True, scale=scale, enable_gqa=True)
+        ref = ref.transpose(1, 2)[0, P:]  # [S, H, D] this response's outputs
+        got_rows = slice(P + g * S, P + (g + 1) * S)
+        torch.testing.assert_close(ups[0, got_rows], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours[0, got_rows], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_upstream_sdpa_handles_padding():
+    # padded keys are never attended; a query with no real key gets finite output (it is dropped by the package)
+    from mmpg.bench.attention import upstream_sdpa
+
+    q, k, v = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)
+    mask = torch.tensor([[True] * 5, [False, False, True, True, True]])
+    out = upstream_sdpa(q, k, v, mask, scaling=0.5)
+    assert out.shape == (2, 3, 2, 4) and torch.isfinite(out).all()
+    ref = torch.nn.functional.scaled_dot_product_attention(q[1:, :, :, :], k[1:, :, 2:], v[1:, :, 2:], is_causal=True,
+                                                           scale=0.5)
+    torch.testing.assert_close(out[1], ref[0].transpose(0, 1))
+    # a left-padded prefix: its first query sees only a padded key
+    q = torch.randn(1, 2, 3, 4)
+    out = upstream_sdpa(q, q, q, torch.tensor([[False, True, True]]), scaling=0.5)
+    assert torch.isfinite(out).all()
+
+
+def test_model_variants_agree():
+    # repeated, upstream (wired through the transformers registry) and mmpg give the same logprobs
+    from mmpg.bench import model as bench_model
+    from mmpg.grouping import grouped_logprobs, repeated_logprobs
+
+    case = {"family": "qwen2", "spec": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                                        "intermediate_size": 64}, "P": 20, "S": 5, "G": 3}
+    model, ids = bench_model.build_model(case, torch.device("cpu"))
+    prompt, completions, mask, info = bench_model.make_inputs(model, case, ids, "cpu")
+    assert info["P"] == 20 and completions.shape == (3, 5)
+    with torch.no_grad():
+        ref = repeated_logprobs(model, prompt, completions, mask, [3])
+        ours = grouped_logprobs(model, prompt, completions, mask, [3])
+        model2, _ = bench_model.build_model(case, torch.device("cpu"))
+        bench_model._wire_upstream(model2)
+        ups = bench_model._upstream_logprobs(model2, prompt, completions)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ups, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_vl_prompt_has_the_requested_shape():
+    from mmpg.bench import model as bench_model
+
+    case = {"family": "qwen2_5_vl", "spec": {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
+                                             "intermediate_size": 64}, "P": 300, "S": 4, "G": 2}
+    model, ids = bench_model.build_model(case, torch.device("cpu"))
+    prompt, _, _, info = bench_model.make_inputs(model, case, ids, "cpu")
+    t, h, w = prompt["video_grid_thw"][0].tolist()
+    assert (prompt["input_ids"] == ids["video"]).sum() == t * h * w // 4 == info["video_tokens"]
+    assert prompt["pixel_values_videos"].shape[0] == t * h * w == info["video_patches"]
+    assert abs(info["P"] - 300) <= 32
+
+
+def test_rollout_level_reports_a_missing_engine(tmp_path, monkeypatch):
+    # the rollout engine is imported lazily: without it the row says "not available" and the baseline still runs
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mmpg.rollout", None)  # makes `import mmpg.rollout` raise ImportError
+    config = {"level": "rollout", "P": 24, "S": 3, "G": 2, "family": "qwen2", "dtype": "float32",
+              "spec": {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
+                       "intermediate_size": 64}, "variants": ["hf_generate", "mmpg"]}
+    rows = runner.add_ratios(runner.run_config(config, rounds=1, warmup=1, repeats=1, timeout=60, max_gb=12,
+                                               in_process=True, log=lambda m: None))
+    assert rows[0]["note"] == "" and rows[0]["time_s"] > 0
+    assert rows[1]["note"].startswith("n/a: mmpg.rollout not available")

@@ -1,0 +1,105 @@
+"""The FLOPs model behind the benchmark's ceilings: the paper's figures, and the formulas on hand-worked cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmpg.bench.flops import (
+    QWEN2_5_7B, QWEN2_5_VL_3B, ModelDims, VisionDims, attention_pairs, dims_from_config, paper_reduction, rho_attn,
+    rho_flops, rho_lin, step_flops, vision_flops,
+)
+
+
+@pytest.mark.parametrize("G, ratio, reported", [(8, 32, 6.60), (16, 32, 10.9)])
+def test_paper_reductions_within_3_percent(G, ratio, reported):
+    # arXiv 2506.05433 / the upstream README: FLOPs reduction at prefix/suffix = 32
+    got = paper_reduction(G, ratio)
+    assert abs(got / reported - 1) < 0.03, f"G={G}, P/S={ratio}: model {got:.3f} vs paper {reported}"
+
+
+@pytest.mark.parametrize("G, reported", [(8, 6.60), (16, 10.9)])
+def test_paper_reductions_hold_for_other_model_sizes_and_prefix_lengths(G, reported):
+    # The reproduction is not tuned to one shape: Qwen2.5-3B- and 7B-sized LMs at P = 4096 and 8192 agree too.
+    for dims in (QWEN2_5_7B, QWEN2_5_VL_3B):
+        for P in (4096, 8192):
+            got = paper_reduction(G, 32, P=P, dims=dims)
+            assert abs(got / reported - 1) < 0.03, (dims, P, got)
+
+
+def test_token_ratio_is_the_limit_of_the_paper_figures():
+    # P/S = 32 -> P = 32 S. G=8: 8·33S / (32S + 8S) = 264/40 = 6.6; G=16: 16·33 / 48 = 11.0
+    assert rho_lin(32, 1, 8) == pytest.approx(6.6)
+    assert rho_lin(32, 1, 16) == pytest.approx(11.0)
+
+
+def test_rho_lin_small_case():
+    # P=4, S=2, G=3: repeated 3·(4+2) = 18 tokens, grouped 4 + 3·2 = 10 tokens -> 1.8
+    assert rho_lin(4, 2, 3) == pytest.approx(1.8)
+
+
+def test_attention_pairs_small_case():
+    # P=4, S=2, G=3, causal:
+    #   repeated: 3 · 6²/2 = 54
+    #   grouped:  4²/2 + 3·(2·4 + 2²/2) = 8 + 3·10 = 38
+    assert attention_pairs(4, 2, 3, grouped=False) == 54
+    assert attention_pairs(4, 2, 3, grouped=True) == 38
+    assert rho_attn(4, 2, 3) == pytest.approx(54 / 38)
+    # dense: repeated 3·36 = 108; grouped 16 + 3·2·6 = 52
+    assert attention_pairs(4, 2, 3, grouped=False, causal=False) == 108
+    assert attention_pairs(4, 2, 3, grouped=True, causal=False) == 52
+
+
+def test_ceilings_are_one_for_a_single_response():
+    for P, S in ((100, 7), (4096, 256)):
+        assert rho_lin(P, S, 1) == pytest.approx(1)
+        assert rho_attn(P, S, 1) == pytest.approx(1)
+        assert rho_flops(QWEN2_5_7B, P, S, 1) == pytest.approx(1)
+
+
+def test_step_flops_small_case():
+    # hidden 2, 1 layer, 1 head of 2, 1 kv head, intermediate 1, vocab 1.
+    #   linear per token: 2·(q 2·2 + k,v 2·2·2 + o 2·2 + mlp 3·2·1) = 2·(4 + 8 + 4 + 6) = 44
+    #   attention per pair: 4 · 1 head · 2 = 8;   LM head per response token: 2·2·1 = 4
+    # P=4, S=2, G=3 (pairs 54 repeated, 38 grouped; 6 response tokens in both):
+    #   repeated forward: 44·18 + 8·54 + 4·6 = 792 + 432 + 24 = 1248
+    #   grouped forward:  44·10 + 8·38 + 4·6 = 440 + 304 + 24 = 768
+    dims = ModelDims(hidden=2, layers=1, heads=1, kv_heads=1, intermediate=1, vocab=1)
+    assert dims.linear_per_token() == 44 and dims.attn_per_pair() == 8
+    assert step_flops(dims, 4, 2, 3, grouped=False) == 3 * 1248  # forward + backward = 3 x forward
+    assert step_flops(dims, 4, 2, 3, grouped=True) == 3 * 768
+    assert rho_flops(dims, 4, 2, 3) == pytest.approx(1248 / 768)  # 1.625
+    # LM head on every position instead: repeated 24 -> 4·18 = 72, grouped 24 -> 4·10 = 40
+    assert step_flops(dims, 4, 2, 3, grouped=False, head="all") == 3 * (792 + 432 + 72)
+    assert step_flops(dims, 4, 2, 3, grouped=True, head="all") == 3 * (440 + 304 + 40)
+
+
+def test_vision_tower_is_encoded_once_when_grouped():
+    # vision hidden 2, depth 1, intermediate 1, merge 1, gated MLP, 4 patches attending 2 each:
+    #   block: 2·4·(4·4 + 3·2·1) + 4·2·4·2 = 176 + 64 = 240;  merger: 2·4·(2² + 2·2) = 64  -> 304 per video
+    v = VisionDims(hidden=2, depth=1, intermediate=1, out_hidden=2, merge=1)
+    assert vision_flops(v, 4, 2) == 304
+    dims = ModelDims(hidden=2, layers=1, heads=1, kv_heads=1, intermediate=1, vocab=1, vision=v)
+    # the 3 repeated copies pay 3·304, the grouped forward 304 (on top of the text numbers above)
+    assert step_flops(dims, 4, 2, 3, False, video_patches=4, frame_patches=2) == 3 * (1248 + 3 * 304)
+    assert step_flops(dims, 4, 2, 3, True, video_patches=4, frame_patches=2) == 3 * (768 + 304)
+
+
+def test_ceiling_ordering_for_long_prompts():
+    # causal attention gains less than the linear layers (the response x prefix block is not shared), so the
+    # combined ceiling lies between the two
+    P, S, G = 4096, 256, 8
+    lo, hi = rho_attn(P, S, G), rho_lin(P, S, G)
+    assert lo < rho_flops(QWEN2_5_7B, P, S, G) < hi
+
+
+def test_dims_from_tiny_configs():
+    from mmpg.models.tiny import TinySpec, tiny_config
+    from mmpg.models.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(2048, 0)
+    spec = TinySpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    text = dims_from_config(tiny_config("qwen2", spec, tokenizer))
+    assert (text.hidden, text.layers, text.heads, text.kv_heads, text.intermediate, text.d) == (64, 2, 4, 2, 128, 16)
+    assert text.vocab == len(tokenizer) and text.vision is None
+    vl = dims_from_config(tiny_config("qwen2_5_vl", spec, tokenizer))
+    assert vl.vision is not None and vl.vision.mlp_mats == 3 and vl.vision.depth == spec.vision_depth
