@@ -66,8 +66,8 @@ def test_works_under_no_grad(load_tiny):
 
 
 # Measured on the tiny Qwen2.5-VL (CPU, bf16 weights and activations, "three_with_text_only"): max |grouped -
-# repeated| = 0.0020 nats (0.0024 with the masked sdpa path). bf16 rounds differently along the two paths (different reduction shapes), so the bound is
-# looser than fp32's 1e-5; it is set at about 4x the measured value.
+# repeated| = 0.0020 nats (0.0024 with the masked sdpa path). bf16 rounds differently along the two paths
+# (different reduction shapes), so the bound is looser than fp32's 1e-5; it is set at about 4x the measured value.
 BF16_BOUND = 0.01
 
 
