@@ -132,3 +132,12 @@ def _hole(mask):
 def _empty(mask):
     mask[2] = 0
     return mask
+
+
+def test_vision_placeholder_in_a_response_is_refused(qwen25):
+    model, inputs, ids, mask = qwen25
+    ids = ids.clone()
+    ids[4, 2] = model.config.video_token_id  # row 4 has 4 tokens
+    for fn in (grouped_logprobs, repeated_logprobs):
+        with pytest.raises(ValueError, match=f"row 4 holds the vision placeholder id {model.config.video_token_id}"):
+            fn(model, inputs, ids, mask, GROUPS)

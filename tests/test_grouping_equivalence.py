@@ -19,6 +19,8 @@ CASES = {
     "two_videos_unequal": ([(8, 56, 84), (4, 112, 56)], [3, 2], [1, 6, 3, 9, 2]),
     "three_with_text_only": ([(4, 84, 56), None, (6, 56, 112)], [1, 3, 8], [4, 1, 7, 2, 5, 3, 8, 1, 6, 2, 9, 4]),
     "no_video_at_all": ([None, None], [2, 3], [3, 1, 4, 6, 2]),
+    # 40 frames: Qwen2.5-VL's temporal positions run past the short question's last position
+    "long_video": ([(40, 56, 56), (4, 56, 84)], [2, 2], [3, 5, 1, 4]),
 }
 
 

@@ -10,8 +10,8 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from batches import text_batch, vl_batch
-from mmpg.grouping import grouped_logprobs
-from mmpg.grouping.inputs import split_visuals_per_prompt
+from mmpg.grouping import grouped_logprobs, repeated_logprobs
+from mmpg.grouping.inputs import placeholder_token_ids, split_visuals_per_prompt
 from mmpg.rollout import FINISH_LENGTH, FINISH_STOP, HFEngine, RolloutEngine, SamplingParams
 from mmpg.rollout.sampling import filter_top_k, filter_top_p, next_tokens
 
@@ -38,7 +38,10 @@ def _single_prompt(model, inputs, b: int) -> dict:
 
 def _generate_reference(model, inputs, b: int, max_new_tokens: int, stop_id: int) -> list[int]:
     one = _single_prompt(model, inputs, b)
-    out = model.generate(**one, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_id)
+    # the engine never samples vision placeholders; generate is told the same
+    banned = placeholder_token_ids(model) or None
+    out = model.generate(**one, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_id,
+                         suppress_tokens=banned)
     return out[0, one["input_ids"].shape[1]:].tolist()
 
 
@@ -101,6 +104,20 @@ def test_sampling_logprobs_match_grouped_recompute(family, load_tiny):
     # a training loop alternates the two: sampling with the grouped-attention-patched model changes nothing
     again = engine.generate_groups(inputs, [3, 1, 2], sampling)
     assert torch.equal(again.completion_ids, rollout.completion_ids)
+
+
+def test_long_video_logprobs_match_recompute_and_reference(load_tiny):
+    """A 40-frame Qwen2.5-VL video with a short question: its temporal positions run past the prompt's last text
+    position, where `generate`'s rope deltas (max + 1) and the model's forward (last + 1) part ways. The engine, the
+    grouped forward and the repeated reference must still agree."""
+    model, processor = load_tiny("qwen2_5_vl")
+    inputs = vl_batch(processor, "qwen2_5_vl", [(40, 56, 56)])
+    rollout = HFEngine(model, processor).generate_groups(inputs, 3, SamplingParams(max_new_tokens=6, seed=2))
+    args = (model, inputs, rollout.completion_ids, rollout.completion_mask, rollout.group_sizes)
+    with torch.no_grad():
+        grouped, reference = grouped_logprobs(*args), repeated_logprobs(*args)
+    assert float((grouped - rollout.logprobs).abs().max()) <= LOGP_ATOL
+    assert float((grouped - reference).abs().max()) <= LOGP_ATOL
 
 
 # ---- engine behaviour ----------------------------------------------------------------------------------------------
@@ -192,6 +209,17 @@ def test_filters_match_transformers_warpers():
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)) * 3
     assert torch.equal(filter_top_k(logits, 17), TopKLogitsWarper(17)(None, logits))
     assert torch.equal(filter_top_p(logits, 0.8), TopPLogitsWarper(0.8)(None, logits))
+
+
+def test_banned_tokens_are_never_sampled_but_logprob_is_untruncated():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 2.0, 1.0]])
+    banned = torch.tensor([1])
+    tokens, lp = next_tokens(logits, 0, 0, 1.0, None, banned)
+    assert tokens.tolist() == [2, 0]  # row 0's argmax (id 1) is banned
+    assert torch.allclose(lp, torch.log_softmax(logits, -1)[[0, 1], [2, 0]])
+    g = torch.Generator().manual_seed(0)
+    sampled, _ = next_tokens(logits[:1].expand(64, 3).contiguous(), 1.0, 0, 1.0, g, banned)
+    assert 1 not in sampled.tolist()
 
 
 def test_next_tokens_logprob_is_untruncated_policy():

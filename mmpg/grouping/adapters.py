@@ -1,9 +1,8 @@
 """Family adapters: prompt positions, and one packed forward of the model's own modules.
 
 Positions (ARCHITECTURE.md "Packed group layout"):
-  * Qwen2.5-VL / Qwen3-VL: the prefix takes the model's own 3-D mRoPE index (`get_rope_index`, computed on the padded
-    prompt batch exactly as the model's forward would); each response continues on all three axes at
-    max(prefix positions) + 1, which is where generation continues (rope delta = max + 1 - length).
+  * Qwen2.5-VL / Qwen3-VL: the prefix takes the model's own 3-D mRoPE index (`get_rope_index`); each response
+    continues on all three axes where the model's own forward would put a text token after the prompt.
   * Qwen2 / Qwen3 text models: 1-D positions 0..P-1, responses from P.
 The vision tower runs once on the B prompts' pixels; its output goes in through the model's `mm_encoder_outputs`
 argument, so the model scatters features and (Qwen3-VL) adds deepstack features itself, in its own code.
@@ -11,39 +10,57 @@ argument, so the model scatters features and (Qwen3-VL) adds deepstack features 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from mmpg.grouping.attention import LAYOUT_KWARG
-from mmpg.grouping.inputs import mm_token_type_ids, prompt_attention_mask
+from mmpg.grouping.inputs import mm_token_type_ids, prompt_attention_mask, split_visuals_per_prompt
 from mmpg.grouping.layout import GroupLayout
 from mmpg.grouping.patch import model_kind
 
 
-def prefix_positions(model, prompt_inputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per prompt b: its unpadded ids [P_b] and positions [A, P_b] (A = 3 for mRoPE, 1 for text models)."""
+class Prefixes(NamedTuple):
+    """The B prompts unpadded: ids[b] [P_b], positions[b] [A, P_b] (A = 3 for mRoPE, 1 for text models), and
+    starts[b], the position of the first response token on every axis."""
+
+    ids: list[torch.Tensor]
+    positions: list[torch.Tensor]
+    starts: list[int]
+
+
+def prefix_positions(model, prompt_inputs) -> Prefixes:
+    """Positions of each prompt and where its responses start: exactly what the model's own forward gives the
+    prompt followed by one response (the reference `repeated_logprobs` is that forward).
+
+    VL: `get_rope_index` per prompt on [prompt | one text token]; the extra token's position is the start. This is
+    last position + 1 for a prompt ending in text — not max(positions) + 1, which is where transformers' `generate`
+    continues (its rope deltas) and which differs after a long Qwen2.5-VL video in transformers 5.x."""
     ids = prompt_inputs["input_ids"]
     attn = prompt_attention_mask(prompt_inputs)
-    if model_kind(model) == "vl":
+    rows = [ids[b][attn[b]] for b in range(ids.shape[0])]
+    if model_kind(model) != "vl":
+        return Prefixes(rows, [torch.arange(r.numel(), device=r.device)[None] for r in rows], [r.numel() for r in rows])
+    types = mm_token_type_ids(model, prompt_inputs)
+    visuals = split_visuals_per_prompt(model, prompt_inputs)
+    positions, starts = [], []
+    for b, row in enumerate(rows):
+        ext_ids = torch.cat([row, row[-1:]])[None]  # [1, P_b + 1]; the extra token's id is irrelevant, its type text
+        ext_types = torch.cat([types[b][attn[b]], types.new_zeros(1)])[None]
         pos, _ = model.model.get_rope_index(
-            ids,
-            mm_token_type_ids=mm_token_type_ids(model, prompt_inputs),
-            image_grid_thw=prompt_inputs.get("image_grid_thw"),
-            video_grid_thw=prompt_inputs.get("video_grid_thw"),
-            second_per_grid_ts=prompt_inputs.get("second_per_grid_ts"),
-            attention_mask=attn.long(),
-        )  # [3, B, L]
-    else:
-        pos = ((attn.long().cumsum(dim=1) - 1).clamp(min=0))[None]  # [1, B, L]
-    return [ids[b][attn[b]] for b in range(ids.shape[0])], [pos[:, b][:, attn[b]] for b in range(ids.shape[0])]
+            ext_ids, mm_token_type_ids=ext_types, image_grid_thw=visuals[b].get("image_grid_thw"),
+            video_grid_thw=visuals[b].get("video_grid_thw"), second_per_grid_ts=visuals[b].get("second_per_grid_ts"))
+        positions.append(pos[:, 0, :-1])  # [3, P_b]
+        starts.append(int(pos[0, 0, -1]))
+    return Prefixes(rows, positions, starts)
 
 
-def pack(prefix_ids, prefix_pos, completions, device) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(prefixes: Prefixes, completions, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed row: ids [T] and positions [A, T] in the layout order (prefix_b, its responses, prefix_b+1, ...)."""
     ids, pos = [], []
-    for b, (p_ids, p_pos) in enumerate(zip(prefix_ids, prefix_pos)):
+    for b, (p_ids, p_pos, start) in enumerate(zip(*prefixes)):
         ids.append(p_ids.to(device))
         pos.append(p_pos.to(device))
-        start = int(p_pos.max()) + 1
         for i in completions.rows_of(b):
             tokens = completions.tokens(i).to(device)
             ids.append(tokens)

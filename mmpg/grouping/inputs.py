@@ -26,7 +26,16 @@ class Completions:
         return self.ids[i, : self.lengths[i]]
 
 
-def check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes) -> Completions:
+def placeholder_token_ids(model) -> list[int]:
+    """Image/video placeholder ids of a VL model (empty for text models): they stand for vision features, so a
+    response holding one cannot be forwarded (the model would look for features that do not exist)."""
+    config = model.config
+    return [i for i in (getattr(config, "image_token_id", None), getattr(config, "video_token_id", None))
+            if i is not None]
+
+
+def check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
+                      banned_ids: list[int] = ()) -> Completions:
     """Raise a ValueError that names the row or prompt for every malformed input; return the parsed completions."""
     if "input_ids" not in prompt_inputs:
         raise ValueError("prompt_inputs needs 'input_ids' (the processor output for the B prompts)")
@@ -51,6 +60,12 @@ def check_completions(prompt_inputs, completion_ids, completion_mask, group_size
     lengths = mask.sum(dim=1).tolist()
     if 0 in lengths:
         raise ValueError(f"completion row {lengths.index(0)} is empty (all-zero mask); drop it or give it a token")
+    for token in banned_ids:
+        hit = (completion_ids == token) & mask
+        if hit.any():
+            row, col = (int(x) for x in hit.nonzero()[0])
+            raise ValueError(f"completion row {row} holds the vision placeholder id {token} at token {col}; responses "
+                             "cannot contain image/video placeholders (mmpg's rollout never samples them)")
     attn = prompt_inputs.get("attention_mask")
     if attn is not None and (attn.sum(dim=1) == 0).any():
         raise ValueError(f"prompt {int((attn.sum(dim=1) == 0).nonzero()[0])} is empty (all-zero attention_mask)")

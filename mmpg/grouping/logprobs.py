@@ -13,7 +13,8 @@ from torch.utils.checkpoint import checkpoint
 
 from mmpg.grouping.adapters import pack, packed_hidden_states, prefix_positions
 from mmpg.grouping.inputs import (
-    Completions, check_completions, mm_token_type_ids, prompt_attention_mask, split_visuals_per_prompt,
+    Completions, check_completions, mm_token_type_ids, placeholder_token_ids, prompt_attention_mask,
+    split_visuals_per_prompt,
 )
 from mmpg.grouping.layout import GroupLayout
 from mmpg.grouping.patch import apply_grouped_attention, model_kind
@@ -57,14 +58,15 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     prompt_inputs: processor output for B prompts (left or right padded). completion_ids/mask: [N, S] right-padded,
     rows of prompt b contiguous and in prompt order. group_sizes: [B] positive ints summing to N.
     backend: "sdpa" | "flash" | "flex" | "lse_reference"; default: the one chosen by `apply_grouped_attention`."""
-    completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes)
+    completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
+                                    placeholder_token_ids(model))
     apply_grouped_attention(model)
     device = model.get_input_embeddings().weight.device
-    prefix_ids, prefix_pos = prefix_positions(model, prompt_inputs)
-    packed_ids, packed_pos = pack(prefix_ids, prefix_pos, completions, device)
+    prefixes = prefix_positions(model, prompt_inputs)
+    packed_ids, packed_pos = pack(prefixes, completions, device)
     layout = GroupLayout(
-        prefix_lens=[p.numel() for p in prefix_ids],
-        response_lens=[[completions.lengths[i] for i in completions.rows_of(b)] for b in range(len(prefix_ids))],
+        prefix_lens=[p.numel() for p in prefixes.ids],
+        response_lens=[[completions.lengths[i] for i in completions.rows_of(b)] for b in range(len(prefixes.ids))],
         device=device, backend=backend or model._mmpg_backend)
     hidden = packed_hidden_states(model, prompt_inputs, packed_ids, packed_pos, layout)  # [T, H]
     flat = head_logprobs(model.get_output_embeddings(), hidden[layout.predictor_index],
@@ -102,7 +104,8 @@ def _repeated_rows(model, prompt_inputs, completions: Completions) -> dict:
 def repeated_logprobs(model, prompt_inputs, completion_ids, completion_mask, group_sizes, *,
                       temperature: float = 1.0) -> torch.Tensor:
     """The naive reference: every prompt and its video repeated G_b times, the model's own forward. [N, S] float32."""
-    completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes)
+    completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
+                                    placeholder_token_ids(model))
     batch = _repeated_rows(model, prompt_inputs, completions)
     keep = max(completions.lengths) + 1
     logits = model(**batch, use_cache=False, logits_to_keep=keep).logits.float()  # [N, keep, V]

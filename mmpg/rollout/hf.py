@@ -10,9 +10,11 @@ goes through the vision tower and every decoder layer G times. Here:
 
 Positions: the prompt gets exactly the positions `grouped_logprobs` gives it (`mmpg.grouping.adapters.
 prefix_positions`: the model's own 3-D mRoPE `get_rope_index` for Qwen2.5-VL / Qwen3-VL, 0..P-1 for text models), and
-completion token t sits at max(prompt positions) + 1 + t on every axis. They are passed to every forward explicitly,
-so the model's stateful `rope_deltas` is neither used nor changed, and unequal group sizes work (the model's own
-rope-delta path assumes every prompt was expanded the same number of times).
+completion token t sits at start + t on every axis, start being where the model's own forward places a text token
+after the prompt. (transformers' `generate` continues at max(prompt positions) + 1 instead; the two differ after a long
+Qwen2.5-VL video in transformers 5.x, and mmpg follows the forward so rollout and training logprobs agree.) Positions
+are passed to every forward explicitly, so the model's stateful `rope_deltas` is neither used nor changed, and unequal
+group sizes work (the model's own rope-delta path assumes every prompt was expanded the same number of times).
 
 Where this departs from `generate`: sampling settings come only from `SamplingParams` (the checkpoint's
 generation_config contributes its eos and pad ids, nothing else: no repetition penalty, no default top-k).
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from mmpg.grouping.adapters import prefix_positions
-from mmpg.grouping.inputs import prompt_attention_mask
+from mmpg.grouping.inputs import placeholder_token_ids, prompt_attention_mask
 from mmpg.grouping.patch import model_kind
 from mmpg.rollout.engine import (
     FINISH_LENGTH, FINISH_STOP, Rollout, RolloutEngine, SamplingParams, group_sizes_for,
@@ -80,6 +82,7 @@ class HFEngine(RolloutEngine):
         device = self.model.get_input_embeddings().weight.device
         stop_ids = torch.tensor(self._stop_ids(sampling), dtype=torch.long, device=device)  # may be empty
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
+        banned = torch.tensor(placeholder_token_ids(self.model), dtype=torch.long, device=device)
         cache, logits, attn, start = self._prefill(prompt_inputs, device)  # logits [B, V]; attn [B, L]; start [B]
         rows = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
         cache.reorder_cache(rows)  # [B, ...] -> [N, ...]: the G-way copy of each prompt's K/V
@@ -91,7 +94,8 @@ class HFEngine(RolloutEngine):
         live = torch.arange(n, device=device)  # rows still decoding; the cache holds exactly these rows, in order
         step_logits = logits[rows]
         for t in range(steps):
-            tok, lp = next_tokens(step_logits, sampling.temperature, sampling.top_k, sampling.top_p, generator)
+            tok, lp = next_tokens(step_logits, sampling.temperature, sampling.top_k, sampling.top_p, generator,
+                                  banned)
             tokens[live, t], logps[live, t], lengths[live] = tok, lp, t + 1
             done = torch.isin(tok, stop_ids)
             stopped[live] |= done
@@ -107,12 +111,12 @@ class HFEngine(RolloutEngine):
     def _prefill(self, prompt_inputs, device):
         """One forward over the B prompts, left-padded. Returns the cache [B, L], the last position's logits [B, V],
         the left-padded attention mask [B, L] and the first completion position of each prompt [B]."""
-        ids_list, pos_list = prefix_positions(self.model, prompt_inputs)  # per prompt: [P_b], [A, P_b]
+        ids_list, pos_list, starts = prefix_positions(self.model, prompt_inputs)  # per prompt: [P_b], [A, P_b], int
         width = max(p.numel() for p in ids_list)
         ids = torch.stack([F.pad(p, (width - p.numel(), 0), value=self._pad_id()) for p in ids_list]).to(device)
         attn = torch.stack([F.pad(torch.ones_like(p), (width - p.numel(), 0)) for p in ids_list]).to(device)
         pos = torch.stack([F.pad(p, (width - p.shape[1], 0)) for p in pos_list], dim=1).to(device)  # [A, B, L]
-        start = pos.amax(dim=(0, 2)) + 1  # [B] where each prompt's completions continue, on every axis
+        start = torch.tensor(starts, device=device)  # [B] where each prompt's completions continue, on every axis
         position_ids = pos if self._is_vl else pos[0]  # [3, B, L] mRoPE or [B, L]
         visuals = {k: prompt_inputs[k].to(device) for k in _VISUAL_KEYS if prompt_inputs.get(k) is not None}
         cache = DynamicCache(config=self.model.config)

@@ -41,18 +41,25 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def next_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                generator: torch.Generator | None, banned: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row. logits [n, V] (any float dtype) -> (tokens [n] long, policy logprobs [n] float32).
 
-    temperature 0 is greedy. Rows are sampled independently; all randomness comes from `generator`."""
+    temperature 0 is greedy. Rows are sampled independently; all randomness comes from `generator`. `banned` ids
+    (e.g. a VL model's image/video placeholders, which no response may contain) are never chosen; like the top-k /
+    top-p filters this only shapes the sampling distribution, the returned logprob stays the untruncated policy's."""
     logits = logits.float()
     if temperature == 0:
-        tokens = logits.argmax(dim=-1)
+        tokens = _ban(logits, banned).argmax(dim=-1)
         return tokens, _logprob_at(logits, tokens)
     policy = logits / temperature if temperature != 1.0 else logits
-    filtered = filter_top_p(filter_top_k(policy, top_k), top_p)
+    filtered = filter_top_p(filter_top_k(_ban(policy, banned), top_k), top_p)
     tokens = torch.multinomial(filtered.softmax(dim=-1), 1, generator=generator)[:, 0]
     return tokens, _logprob_at(policy, tokens)
+
+
+def _ban(logits: torch.Tensor, banned: torch.Tensor | None) -> torch.Tensor:
+    return logits if banned is None or banned.numel() == 0 else logits.index_fill(-1, banned, float("-inf"))
 
 
 def _logprob_at(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
