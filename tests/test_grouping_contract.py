@@ -94,7 +94,8 @@ def test_sdpa_backend_cpu_path_never_copies_prefix_kv_per_response(qwen25, monke
 
 
 def test_sdpa_backend_masked_path_reads_kv_in_place(qwen25, monkeypatch):
-    """The masked path (other devices): the keys are views of the layer's own K, one prefix + the responses."""
+    """The masked path (other devices): the prefix call reads the layer's own K in place; the response call gets
+    one prefix + the responses (GQA heads expanded once per group), never G_b prefixes."""
     model, inputs, ids, mask = qwen25
     calls, layers = _record_kernel_calls(monkeypatch, model, inputs, ids, mask, "masked")
     assert len(calls) == 2 * len(GROUPS) * len(layers)
@@ -104,8 +105,8 @@ def test_sdpa_backend_masked_path_reads_kv_in_place(qwen25, monkeypatch):
             P, R = layout.prefix_lens[b], sum(layout.response_lens[b])
             pre, resp = per_layer[2 * b], per_layer[2 * b + 1]
             assert (pre[2], pre[4]) == (P, P)
-            assert (resp[2], resp[4]) == (R, P + R)  # keys: one prefix + the responses, not G prefixes
-            assert pre[5] == resp[5] == k_ptr  # views of the layer's K: nothing copied
+            assert (resp[1], resp[2], resp[3], resp[4]) == (1, R, 1, P + R)  # one prefix + responses, not G prefixes
+            assert pre[5] == k_ptr  # a view of the layer's K: nothing copied
 
 
 @pytest.mark.parametrize("change, message", [

@@ -24,7 +24,15 @@ PREFIX = "mmpg_grouped_"
 LAYOUT_KWARG = "mmpg_layout"
 
 
+def _ordinary(base: str) -> str:
+    """The implementation ordinary calls use. transformers' flash path looks its kernel up by the configured name,
+    which is ours after patching, so a flash-loaded model runs its ordinary forward (and `generate`) with sdpa; the
+    grouped forward still uses flash-attn directly (backend "flash")."""
+    return "sdpa" if "flash" in base else base
+
+
 def _base_attention(base: str, module):
+    base = _ordinary(base)
     if base == "eager":
         # eager lives in each modeling file, not in the registry
         return sys.modules[type(module).__module__].eager_attention_forward
@@ -57,7 +65,8 @@ def register_grouped_attention(base: str) -> str:
         if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
             raise ValueError(f"attention implementation {base!r} is not registered in transformers")
         AttentionInterface.register(name, _make_attention(base))
-        mask = ALL_MASK_ATTENTION_FUNCTIONS[base] if base in ALL_MASK_ATTENTION_FUNCTIONS else (
-            eager_mask if base == "eager" else sdpa_mask)
+        ordinary = _ordinary(base)
+        mask = ALL_MASK_ATTENTION_FUNCTIONS[ordinary] if ordinary in ALL_MASK_ATTENTION_FUNCTIONS else (
+            eager_mask if ordinary == "eager" else sdpa_mask)
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask)
     return name

@@ -98,10 +98,16 @@ class GroupLayout:
         ]
 
     def cu_seqlens(self, kind: str) -> tuple[torch.Tensor, int]:
-        """Cumulative lengths (int32, as FlashAttention's varlen functions take them) and the max length.
+        """Cumulative lengths (int32, as FlashAttention's varlen functions take them) and the max length, built once.
 
         kind: "prefix" (one segment per prefix), "group_responses" (all responses of a group as one query segment),
         "response" (one segment per response)."""
+        cache = self.__dict__.setdefault("_cu_seqlens_cache", {})
+        if kind not in cache:
+            cache[kind] = self._cu_seqlens(kind)
+        return cache[kind]
+
+    def _cu_seqlens(self, kind: str) -> tuple[torch.Tensor, int]:
         lens = {
             "prefix": self.prefix_lens,
             "group_responses": [sum(lens) for lens in self.response_lens],
@@ -111,23 +117,26 @@ class GroupLayout:
         cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
         return cu.to(self.device), max(lens)
 
-    def dense_mask(self) -> torch.Tensor:
-        """[T, T] bool, True where attention is allowed. Tests and the flex mask use this rule; backends never build
-        it (it is quadratic in the packed length)."""
-        T = self.total
-        group = torch.full((T,), -1, dtype=torch.long)
-        resp = torch.full((T,), -1, dtype=torch.long)
+    def token_labels(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] group id of every token, and [T] global response id (-1 for prefix tokens)."""
+        group = torch.empty(self.total, dtype=torch.int32)
+        resp = torch.full((self.total,), -1, dtype=torch.int32)
         rid = 0
         for b in range(self.num_groups):
-            a, e = self.prefix_span(b)[0], self.responses_span(b)[1]
-            group[a:e] = b
-            start = self.responses_span(b)[0]
+            start, end = self.responses_span(b)
+            group[self.prefix_span(b)[0]:end] = b
             for s in self.response_lens[b]:
                 resp[start:start + s] = rid
                 rid += 1
                 start += s
-        i = torch.arange(T)
+        return group.to(self.device), resp.to(self.device)
+
+    def dense_mask(self) -> torch.Tensor:
+        """[T, T] bool, True where attention is allowed. Tests use this rule; backends never build it (it is
+        quadratic in the packed length)."""
+        group, resp = self.token_labels()
+        i = torch.arange(self.total, device=group.device)
         causal = i[None, :] <= i[:, None]
         same_group = group[None, :] == group[:, None]
         visible_key = (resp[None, :] == -1) | (resp[None, :] == resp[:, None])
-        return (causal & same_group & visible_key).to(self.device)
+        return causal & same_group & visible_key

@@ -16,13 +16,15 @@ from mmpg.grouping.inputs import (
     Completions, check_completions, mm_token_type_ids, placeholder_token_ids, prompt_attention_mask,
     split_visuals_per_prompt,
 )
+from mmpg.grouping.backends import resolve_backend
 from mmpg.grouping.layout import GroupLayout
 from mmpg.grouping.patch import apply_grouped_attention, model_kind
 
 
-def _token_logprobs(hidden, weight, bias, targets, temperature):
-    """hidden [n, H], targets [n] -> [n] float32 log-softmax of the LM head at the targets."""
-    logits = F.linear(hidden, weight, bias).float()
+def _token_logprobs(lm_head, hidden, targets, temperature):
+    """hidden [n, H], targets [n] -> [n] float32 log-softmax of the LM head at the targets. The head is called as a
+    module, so ZeRO-3 gathers and LoRA wrappers apply."""
+    logits = lm_head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
@@ -33,13 +35,22 @@ def head_logprobs(lm_head, hidden, targets, temperature=1.0, chunk_size=2048) ->
     backward, so peak memory holds one chunk of logits ([chunk, V]) instead of [n, V]."""
     out = []
     for start in range(0, hidden.shape[0], chunk_size):
-        args = (hidden[start:start + chunk_size], lm_head.weight, lm_head.bias,
-                targets[start:start + chunk_size], temperature)
+        args = (lm_head, hidden[start:start + chunk_size], targets[start:start + chunk_size], temperature)
         if torch.is_grad_enabled():
             out.append(checkpoint(_token_logprobs, *args, use_reentrant=False))
         else:
             out.append(_token_logprobs(*args))
     return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (logits are divided by it), got {temperature}")
+
+
+def _on_device(prompt_inputs, device) -> dict:
+    """The processor output (on the CPU) moved to the model's device; non-tensors kept as they are."""
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in prompt_inputs.items()}
 
 
 def _scatter_rows(flat: torch.Tensor, completions: Completions) -> torch.Tensor:
@@ -58,16 +69,19 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     prompt_inputs: processor output for B prompts (left or right padded). completion_ids/mask: [N, S] right-padded,
     rows of prompt b contiguous and in prompt order. group_sizes: [B] positive ints summing to N.
     backend: "sdpa" | "flash" | "flex" | "lse_reference"; default: the one chosen by `apply_grouped_attention`."""
+    _check_temperature(temperature)
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
                                     placeholder_token_ids(model))
     apply_grouped_attention(model)
     device = model.get_input_embeddings().weight.device
+    prompt_inputs = _on_device(prompt_inputs, device)
+    backend = resolve_backend(backend or model._mmpg_backend, device, model.get_input_embeddings().weight.dtype)
     prefixes = prefix_positions(model, prompt_inputs)
     packed_ids, packed_pos = pack(prefixes, completions, device)
     layout = GroupLayout(
         prefix_lens=[p.numel() for p in prefixes.ids],
         response_lens=[[completions.lengths[i] for i in completions.rows_of(b)] for b in range(len(prefixes.ids))],
-        device=device, backend=backend or model._mmpg_backend)
+        device=device, backend=backend)
     hidden = packed_hidden_states(model, prompt_inputs, packed_ids, packed_pos, layout)  # [T, H]
     flat = head_logprobs(model.get_output_embeddings(), hidden[layout.predictor_index],
                          packed_ids[layout.response_index], temperature, chunk_size)  # [sum L_i]
@@ -104,9 +118,10 @@ def _repeated_rows(model, prompt_inputs, completions: Completions) -> dict:
 def repeated_logprobs(model, prompt_inputs, completion_ids, completion_mask, group_sizes, *,
                       temperature: float = 1.0) -> torch.Tensor:
     """The naive reference: every prompt and its video repeated G_b times, the model's own forward. [N, S] float32."""
+    _check_temperature(temperature)
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
                                     placeholder_token_ids(model))
-    batch = _repeated_rows(model, prompt_inputs, completions)
+    batch = _repeated_rows(model, _on_device(prompt_inputs, model.get_input_embeddings().weight.device), completions)
     keep = max(completions.lengths) + 1
     logits = model(**batch, use_cache=False, logits_to_keep=keep).logits.float()  # [N, keep, V]
     if temperature != 1.0:

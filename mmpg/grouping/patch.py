@@ -7,12 +7,11 @@ no `forward` is replaced: the family adapters in `mmpg.grouping.adapters` call t
 
 from __future__ import annotations
 
-import torch
 import transformers
 from packaging.version import Version
 
 from mmpg.grouping.attention import register_grouped_attention
-from mmpg.grouping.backends import BACKENDS, default_backend
+from mmpg.grouping.backends import BACKENDS
 
 # model_type -> adapter kind. Tested: tiny Qwen2.5-VL, Qwen3-VL, Qwen2, Qwen3 (tests/test_grouping_*.py).
 SUPPORTED_MODEL_TYPES = {"qwen2_5_vl": "vl", "qwen3_vl": "vl", "qwen2": "text", "qwen3": "text"}
@@ -51,6 +50,5 @@ def apply_grouped_attention(model, backend: str | None = None):
         else:
             model.set_attn_implementation({"text_config": name})
     if backend is not None or not hasattr(model, "_mmpg_backend"):
-        device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
-        model._mmpg_backend = backend or default_backend(device)
+        model._mmpg_backend = backend or "auto"  # "auto" is resolved per call from the device and dtype
     return model

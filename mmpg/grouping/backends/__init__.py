@@ -26,16 +26,19 @@ def get_backend(name: str):
     raise ValueError(f"unknown grouped attention backend {name!r}; choose sdpa, flash, flex or lse_reference")
 
 
-BACKENDS = ("sdpa", "flash", "flex", "lse_reference")
+BACKENDS = ("auto", "sdpa", "flash", "flex", "lse_reference")
 
 
-def default_backend(device: torch.device) -> str:
-    """flash on CUDA when flash-attn imports, else sdpa (exact everywhere)."""
-    if device.type == "cuda":
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"auto" -> flash on CUDA in fp16/bf16 when flash-attn imports, else sdpa (exact everywhere). Resolved at each
+    call, so a model patched on the CPU and moved to a GPU (or cast) gets the right one."""
+    if name != "auto":
+        return name
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         try:
             import flash_attn  # noqa: F401
 
             return "flash"
         except ImportError:
-            return "sdpa"
+            pass
     return "sdpa"

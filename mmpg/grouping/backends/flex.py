@@ -14,36 +14,21 @@ import torch
 from mmpg.grouping.layout import GroupLayout
 
 
-def _token_labels(layout: GroupLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T] group id of each token, and [T] global response id (-1 for prefix tokens)."""
-    group = torch.empty(layout.total, dtype=torch.int32)
-    resp = torch.full((layout.total,), -1, dtype=torch.int32)
-    rid = 0
-    for b in range(layout.num_groups):
-        a, _ = layout.prefix_span(b)
-        start, end = layout.responses_span(b)
-        group[a:end] = b
-        for s in layout.response_lens[b]:
-            resp[start:start + s] = rid
-            rid += 1
-            start += s
-    return group.to(layout.device), resp.to(layout.device)
-
-
 def block_mask(layout: GroupLayout):
     cached = layout.__dict__.get("_flex_block_mask")
     if cached is not None:
         return cached
     from torch.nn.attention.flex_attention import create_block_mask
 
-    group, resp = _token_labels(layout)
+    group, resp = layout.token_labels()
 
     def mask_mod(b, h, q_idx, kv_idx):
         visible = (resp[kv_idx] == -1) | (resp[kv_idx] == resp[q_idx])
         return (group[q_idx] == group[kv_idx]) & (kv_idx <= q_idx) & visible
 
+    # _compile: build the block mask blockwise; uncompiled it materialises a dense [T, T] mask first
     mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=layout.total, KV_LEN=layout.total,
-                             device=str(layout.device))
+                             device=str(layout.device), _compile=True)
     layout.__dict__["_flex_block_mask"] = mask
     return mask
 

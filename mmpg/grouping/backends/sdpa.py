@@ -13,7 +13,8 @@ Per group b (prefix P_b tokens, then its responses, R_b = sum_g S_bg tokens, con
       K/V is read in place (copied once per group only to expand GQA heads), and no score is computed that the
       rule masks out, except in the short padding of (b).
   Other devices (`_masked_responses`): one SDPA call of the R_b queries against the keys [prefix_b | responses_b] (a
-      view of the row) with a bool mask [R_b, P_b + R_b]; exact, but computes the R_b^2 - sum S_bg^2 masked scores.
+      slice of the row; GQA heads expanded once per group) with a bool mask [R_b, P_b + R_b]; exact, but computes the
+      R_b^2 - sum S_bg^2 masked scores.
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ def response_mask(layout: GroupLayout, b: int) -> torch.Tensor:
 def _masked_responses(q, k, v, layout, b, scale):
     a, _ = layout.prefix_span(b)
     r0, r1 = layout.responses_span(b)
-    return F.scaled_dot_product_attention(q[:, :, r0:r1], k[:, :, a:r1], v[:, :, a:r1],
-                                          attn_mask=response_mask(layout, b), scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    # GQA heads are expanded here (once per group) rather than with enable_gqa: SDPA's memory-efficient kernel takes
+    # masks but not enable_gqa, so the combination would fall back to the math kernel and its full score matrix.
+    rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q[:, :, r0:r1], _expand_heads(k[:, :, a:r1], rep),
+                                          _expand_heads(v[:, :, a:r1], rep), attn_mask=response_mask(layout, b),
+                                          scale=scale)
 
 
 class _Batched:
@@ -137,7 +141,7 @@ def _cpu_responses(q, k, v, layout, b, scale):
 def sdpa_grouped_attention(query, key, value, layout: GroupLayout, scaling: float, *, path: str = "auto"):
     """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, D] (the layout transformers expects back).
 
-    path: "auto" (CPU flash-kernel path on CPU in float32/bfloat16/float64, masked elsewhere), "cpu" or "masked"."""
+    path: "auto" (the CPU flash-kernel path on CPU, the masked path elsewhere), "cpu" or "masked"."""
     if path == "auto":
         path = "cpu" if query.device.type == "cpu" else "masked"
     responses = _cpu_responses if path == "cpu" else _masked_responses

@@ -78,10 +78,10 @@ class TorchVarlenKernel:
 
 
 def _call_with_supported(fn, **kwargs):
-    """flash-attn renamed and added arguments across 2.x releases; pass only the ones this version takes."""
-    params = inspect.signature(fn).parameters
-    if "window_size" in params:  # older releases take a pair
-        kwargs["window_size"] = (-1, -1)
+    """flash-attn added arguments across 2.x releases (softcap, ...); pass only the ones this version takes. From 2.6
+    on, with torch >= 2.4, the functions are `torch.library.custom_op`s whose own signature is (*args, **kwargs): the
+    wrapped function (`_init_fn`) has the real one."""
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     return fn(**{name: value for name, value in kwargs.items() if name in params})
 
 
@@ -89,7 +89,14 @@ class FlashVarlenKernel:
     """flash-attn 2.x varlen forward/backward (CUDA, fp16/bf16). Untested on CPU by construction; see gpu tests."""
 
     def __init__(self):
+        import flash_attn
         from flash_attn.flash_attn_interface import _flash_attn_varlen_backward, _flash_attn_varlen_forward
+        from packaging.version import Version
+
+        # 2.6 settled the internal API used here: forward returns (out, lse, S_dmask, rng_state) and takes
+        # window_size_left / window_size_right.
+        if Version(flash_attn.__version__) < Version("2.6"):
+            raise ImportError(f"the flash backend needs flash-attn >= 2.6, found {flash_attn.__version__}")
 
         self._fwd, self._bwd = _flash_attn_varlen_forward, _flash_attn_varlen_backward
 
