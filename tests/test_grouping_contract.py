@@ -142,3 +142,21 @@ def test_vision_placeholder_in_a_response_is_refused(qwen25):
     for fn in (grouped_logprobs, repeated_logprobs):
         with pytest.raises(ValueError, match=f"row 4 holds the vision placeholder id {model.config.video_token_id}"):
             fn(model, inputs, ids, mask, GROUPS)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0])
+def test_non_positive_temperature_is_refused(qwen25, temperature):
+    model, inputs, ids, mask = qwen25
+    for fn in (grouped_logprobs, repeated_logprobs):
+        with pytest.raises(ValueError, match="temperature must be > 0"):
+            fn(model, inputs, ids, mask, GROUPS, temperature=temperature)
+
+
+def test_temperature_scales_both_paths_alike(qwen25):
+    model, inputs, ids, mask = qwen25
+    with torch.no_grad():
+        g = grouped_logprobs(model, inputs, ids, mask, GROUPS, temperature=0.7)
+        r = repeated_logprobs(model, inputs, ids, mask, GROUPS, temperature=0.7)
+        plain = grouped_logprobs(model, inputs, ids, mask, GROUPS)
+    assert float((g - r).abs().max()) <= 1e-5
+    assert float((g - plain).abs().max()) > 1e-3  # the temperature is applied, not ignored

@@ -59,3 +59,61 @@ def test_gpu_backend_text(backend, load_tiny):
     logp, grad, _ = compare(model, inputs, ids.cuda(), mask.cuda(), group_sizes, backend=backend,
                             atol=BF16_LOGP, rtol=BF16_GRAD)
     print(f"qwen3 {backend} bf16: max logprob diff {logp:.3g}, worst relative grad diff {grad:.3g}")
+
+
+def _varlen_inputs(layout, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(1, h, layout.total, 64, generator=g, device="cuda", dtype=dtype) for h in (8, 2, 2)]
+
+
+@pytest.mark.parametrize("lens", [[[1, 4, 2], [3], [2, 2, 6, 1]], [[1, 1, 1], [1]]], ids=["unequal", "all_length_1"])
+def test_flash_kernel_matches_stand_in_kernel(lens):
+    """Attention level, identical bf16 q/k/v: the flash backend (flash-attn varlen + LSE merge + custom backward)
+    against the same algorithm on the pure-torch stand-in kernel (fp32 inside), tight bounds. All-length-1 responses
+    send max_seqlen_q = 1 with GQA through flash-attn's swapped-groups path."""
+    pytest.importorskip("flash_attn")
+    from mmpg.grouping import GroupLayout
+    from mmpg.grouping.backends import get_backend
+
+    layout = GroupLayout([37, 5, 130][:len(lens)], lens, torch.device("cuda"))
+    q, k, v = (x.requires_grad_() for x in _varlen_inputs(layout, torch.bfloat16))
+    out = get_backend("flash")(q, k, v, layout, 0.125)
+    ref = get_backend("lse_reference")(q, k, v, layout, 0.125)
+    w = torch.randn_like(out)
+    grads = torch.autograd.grad((out.float() * w.float()).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref.float() * w.float()).sum(), (q, k, v))
+    diff = float((out.float() - ref.float()).abs().max())
+    print(f"flash vs stand-in ({lens}): out {diff:.3g}")
+    assert diff <= 2e-2  # bf16 output rounding (the stand-in rounds its fp32 result once)
+    for name, a, b in zip("qkv", grads, ref_grads):
+        rel = float((a.float() - b.float()).norm() / b.float().norm())
+        assert rel <= 1e-2, f"d{name} relative difference {rel:.3g}"
+
+
+def test_cuda_model_with_cpu_processor_output(load_tiny):
+    """The processor output stays on the CPU; the grouped and repeated forwards move it to the model's device."""
+    model, processor = load_tiny("qwen2_5_vl")
+    model = model.to("cuda")
+    inputs = vl_batch(processor, "qwen2_5_vl", [(4, 56, 84), None], "left")
+    ids, mask = completions([2, 1], [3, 1, 4], model.config.text_config.vocab_size)
+    from mmpg.grouping import grouped_logprobs, repeated_logprobs
+
+    with torch.no_grad():
+        g = grouped_logprobs(model, inputs, ids, mask, [2, 1])
+        r = repeated_logprobs(model, inputs, ids, mask, [2, 1])
+    assert float((g - r).abs().max()) <= 1e-4
+
+
+def test_flash_attention_2_loaded_model(tiny_dirs):
+    """A model loaded with attn_implementation="flash_attention_2": grouped (flash backend) vs its ordinary forward."""
+    pytest.importorskip("flash_attn")
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dirs["qwen2_5_vl"], dtype=torch.bfloat16,
+                                                        attn_implementation="flash_attention_2").to("cuda")
+    processor = AutoProcessor.from_pretrained(tiny_dirs["qwen2_5_vl"])
+    inputs = vl_batch(processor, "qwen2_5_vl", [(4, 56, 84), None], "left")
+    ids, mask = completions([2, 1], [3, 1, 4], model.config.text_config.vocab_size)
+    logp, _, _ = compare(model, inputs, ids.cuda(), mask.cuda(), [2, 1], backend="flash", check_grads=False,
+                         atol=BF16_LOGP)
+    print(f"flash_attention_2-loaded model: max logprob diff {logp:.3g}")

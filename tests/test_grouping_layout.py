@@ -170,3 +170,25 @@ def test_unknown_backend_is_refused(load_tiny):
     model, _ = load_tiny("qwen2")
     with pytest.raises(ValueError, match="unknown grouped attention backend 'fast'"):
         apply_grouped_attention(model, backend="fast")
+
+
+def test_flash_loaded_models_keep_an_sdpa_ordinary_path():
+    """transformers' flash path looks its kernel up by the configured name (ours after patching), so the wrapper for
+    a flash base answers ordinary calls with sdpa, and builds sdpa's masks."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from mmpg.grouping.attention import register_grouped_attention
+
+    name = register_grouped_attention("flash_attention_2")
+    assert name == "mmpg_grouped_flash_attention_2"
+    assert ALL_MASK_ATTENTION_FUNCTIONS[name] is sdpa_mask
+
+    class Module:
+        is_causal, num_key_value_groups, training = True, 2, False
+
+    q, k, v = (x.detach().float() for x in _qkv(6))
+    out, _ = ALL_ATTENTION_FUNCTIONS[name](Module(), q, k, v, None, scaling=0.3)
+    ref, _ = sdpa_attention_forward(Module(), q, k, v, None, scaling=0.3)
+    assert torch.equal(out, ref)
