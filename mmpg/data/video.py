@@ -157,8 +157,12 @@ def _backend_warnings():
 
 def load_video(path: str, spec: VideoSpec, clip_start: float | None = None,
                clip_end: float | None = None) -> DecodedVideo:
-    """Decode the frames of `path` (optionally only the window clip_start..clip_end seconds) for the model."""
-    n, fps = probe_video(path)
+    """Decode the frames of `path` (optionally only the window clip_start..clip_end seconds) for the model.
+
+    The file is first checked by `verify_video` (first, middle and last frame, one decoder thread): qwen-vl-utils'
+    threaded decoding may conceal a damaged stream or not, depending on timing, and a bad file must be reported the
+    same way every time (and the same way `mmpg check-data` reports it)."""
+    duration = verify_video(path)
     with _backend_warnings() as warnings:
         try:
             frames, metadata = _qwen_vision.fetch_video(
@@ -172,7 +176,7 @@ def load_video(path: str, spec: VideoSpec, clip_start: float | None = None,
     timestamps = [i / metadata["fps"] for i in metadata["frames_indices"]]
     window = metadata["total_num_frames"] / metadata["fps"]  # seconds covered by the sampled window
     return DecodedVideo(frames=frames, timestamps=timestamps, sample_fps=len(timestamps) / window,
-                        metadata=metadata, path=str(path), duration=n / fps)
+                        metadata=metadata, path=str(path), duration=duration)
 
 
 def verify_video(path: str) -> float:
