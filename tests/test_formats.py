@@ -1,5 +1,6 @@
 """Annotation loaders on hand-written fixture files (tests/fixtures/data/), in every supported format."""
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -39,6 +40,24 @@ def test_charades_txt():
                                     origin=f"{FIX / 'charades_sta.txt'}:1")
     assert res.samples[3].origin.endswith("charades_sta.txt:5")  # blank line 4 skipped silently
     assert res.samples[3].span == (10.0, 14.75)
+
+
+@pytest.mark.parametrize("name,ids", [
+    ("charades_sta.txt", ["3MSZA#0", "3MSZA#1", "AO8RW#0", "XK5ZV#0"]),
+    ("charades_sta.json", ["3MSZA#0", "3MSZA#1", "AO8RW#0"]),
+    ("samples.jsonl", ["a1", "a2", "AO8RW#0"]),
+])
+def test_utf8_byte_order_mark_is_dropped(tmp_path, name, ids):
+    # a file saved by a Windows editor starts with EF BB BF; the first id must not become "\ufeff3MSZA"
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + (FIX / name).read_bytes())
+    assert detect_format(path) == detect_format(FIX / name)
+    res = load_annotations(path, VIDEOS)
+    assert [s.sample_id for s in res.samples] == ids and res.skipped == []
+    assert res.samples[0].video == "/videos/3MSZA.mp4"
+    plain = load_annotations(FIX / name, VIDEOS).samples
+    assert [dataclasses.replace(s, origin="") for s in res.samples] == [
+        dataclasses.replace(s, origin="") for s in plain]  # the same samples as without the mark
 
 
 def test_charades_json_is_the_captions_form():

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from mmpg.data.check import check_dataset, format_report, run_check
-from mmpg.data.dataset import GroundingCollator, GroundingDataset, collate_grounding
+from mmpg.data.dataset import GroundingCollator, GroundingDataset, collate_grounding, make_dataloader
 from mmpg.data.formats import fill_durations, load_annotations
 from mmpg.data.prompts import PromptTemplate, build_messages, build_prompt_inputs
 from mmpg.data.samples import GroundingSample
@@ -152,6 +152,30 @@ def test_dataloader_workers_skip_bad_files(vids):
     assert [[s.sample_id for s in b.samples] for b in batches] == [["good#0"], ["other#0"]]
     assert sum(len(b.skipped) for b in batches) == 4
     assert batches[1].samples[0].duration == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_strict_loader_raises_one_line_in_the_main_process(vids, num_workers):
+    # raised inside a worker, torch would re-raise it as "Caught UserError in DataLoader worker process 0. Original
+    # Traceback ..."; the worker hands the failure back and the loader raises the plain line instead
+    bad = sample(vids, "corrupt", line=7)
+    samples = [sample(vids), bad, sample(vids, "other", span=(0.0, 1.0), duration=None)]
+    loader = make_dataloader(samples, VideoSpec(**SMALL), batch_size=1, num_workers=num_workers, shuffle=False,
+                             strict=True)
+    batches = iter(loader)
+    assert [s.sample_id for s in next(batches).samples] == ["good#0"]
+    with pytest.raises(UserError) as err:
+        next(batches)
+    assert type(err.value) is UserError
+    message = str(err.value)
+    assert message.startswith(f"ann.jsonl:7 (sample corrupt#0): {bad.video}: could not decode frames")
+    assert message.endswith("; fix or remove this sample, or turn strict off to skip it")
+    assert "\n" not in message and "Traceback" not in message and "DataLoader worker" not in message
+
+    lenient = make_dataloader(samples, VideoSpec(**SMALL), batch_size=3, num_workers=num_workers, shuffle=False)
+    (batch,) = list(lenient)
+    assert [s.sample_id for s in batch.samples] == ["good#0", "other#0"]
+    assert [skip.where for skip in batch.skipped] == ["ann.jsonl:7 (sample corrupt#0)"]
 
 
 def test_all_failed_batch_is_empty(vids):

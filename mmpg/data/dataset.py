@@ -3,11 +3,19 @@
 Decoding runs in DataLoader workers. One bad file must never stop a run, so `__getitem__` does not raise on a
 missing, empty, unreadable or corrupt video, or on a span that does not fit the duration read from the file: it
 returns a `VideoItem` with `error` set, and the collate leaves it out, logs it (logger `mmpg.data`) and lists it in
-`GroundingBatch.skipped` so the trainer can count skips across workers. With `strict=True` the first such sample
-raises `UserError` naming the sample and the file instead.
+`GroundingBatch.skipped` so the trainer can count skips across workers.
 
-    samples --GroundingDataset[i]--> VideoItem(sample, video | None, error)
-            --GroundingCollator-----> GroundingBatch(samples, videos, inputs?, skipped)
+Strict mode stops at the first such sample with one `UserError` line naming the sample and the file. It is raised
+in the main process, never in a worker: torch re-raises a worker's exception wrapped in the worker's traceback
+("Caught UserError in DataLoader worker process 0. Original Traceback ..."). So in a worker a strict dataset
+returns the failed item like skip mode does, it travels back in `GroundingBatch.skipped`, and `GroundingLoader`
+(what `make_dataloader` returns) raises when it hands out a batch with a skip. Called directly, or by a loader
+with `num_workers=0`, a strict dataset raises at once from `__getitem__` (same message). A plain `DataLoader` with
+workers over a strict dataset would only skip: use `make_dataloader` / `GroundingLoader`.
+
+    samples --GroundingDataset[i]--> VideoItem(sample, video | None, error)           (worker or main process)
+            --GroundingCollator-----> GroundingBatch(samples, videos, inputs?, skipped)  (worker or main process)
+            --GroundingLoader-------> the batch, or UserError when strict and skipped    (main process)
 """
 
 from __future__ import annotations
@@ -17,11 +25,11 @@ import logging
 from typing import Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from mmpg.data.prompts import PromptTemplate, build_prompt_inputs
 from mmpg.data.samples import GroundingSample, Skip, clamp_span, span_problem
-from mmpg.data.video import DecodedVideo, VideoError, VideoSpec, load_video
+from mmpg.data.video import DecodedVideo, VideoError, VideoSpec, _first_line, load_video
 from mmpg.errors import UserError
 
 log = logging.getLogger("mmpg.data")
@@ -58,8 +66,14 @@ class GroundingBatch:
         return len(self.samples)
 
 
+def strict_error(skip: Skip) -> UserError:
+    """The one-line error of strict mode for a sample that cannot be used."""
+    return UserError(f"{skip.where}: {skip.reason}; fix or remove this sample, or turn strict off to skip it")
+
+
 class GroundingDataset(Dataset):
-    """Decodes `samples[i]`'s video with `spec`; never raises on bad data unless `strict`."""
+    """Decodes `samples[i]`'s video with `spec`; never raises on bad data unless `strict`, and then only outside
+    DataLoader workers (in a worker the failed item is returned; `GroundingLoader` raises for it)."""
 
     def __init__(self, samples: Sequence[GroundingSample], spec: VideoSpec, strict: bool = False,
                  tolerance: float = 0.5):
@@ -78,7 +92,7 @@ class GroundingDataset(Dataset):
         except VideoError as e:
             return self._fail(sample, str(e))
         except Exception as e:  # anything else a broken file can trigger inside a decoder: still a skip
-            return self._fail(sample, f"{sample.video}: unexpected {type(e).__name__} while decoding: {e}")
+            return self._fail(sample, f"{sample.video}: unexpected error while decoding ({_first_line(e)})")
         duration = sample.duration if sample.duration is not None else video.duration
         problem = span_problem(sample.span, duration, self.tolerance)
         if problem is not None:
@@ -87,22 +101,24 @@ class GroundingDataset(Dataset):
         return VideoItem(sample, video)
 
     def _fail(self, sample: GroundingSample, reason: str) -> VideoItem:
-        if self.strict:
-            raise UserError(f"{sample.where}: {reason}; fix or remove this sample, or turn strict off to skip it")
+        if self.strict and get_worker_info() is None:
+            raise strict_error(Skip(sample.where, reason))
         return VideoItem(sample, None, reason)
 
 
 class GroundingCollator:
-    """Drops failed items (logging each), and builds processor inputs for the rest when given a processor."""
+    """Drops failed items (logging each, unless `strict`: then the loader raises for them), and builds processor
+    inputs for the rest when given a processor."""
 
-    def __init__(self, processor=None, template: str | PromptTemplate | None = None):
+    def __init__(self, processor=None, template: str | PromptTemplate | None = None, strict: bool = False):
         self.processor = processor
         self.template = template
+        self.strict = strict
 
     def __call__(self, items: list[VideoItem]) -> GroundingBatch:
         good = [it for it in items if it.ok]
         skipped = [Skip(it.sample.where, it.error) for it in items if not it.ok]
-        for skip in skipped:
+        for skip in skipped if not self.strict else ():
             log.warning("skipped %s: %s", skip.where, skip.reason)
         samples, videos = [it.sample for it in good], [it.video for it in good]
         inputs = None
@@ -116,11 +132,29 @@ def collate_grounding(items: list[VideoItem]) -> GroundingBatch:
     return GroundingCollator()(items)
 
 
+class GroundingLoader(DataLoader):
+    """A DataLoader of `GroundingBatch`es that, when `strict`, raises `strict_error` in the main process for the
+    first skipped sample of a batch (see the module docstring for why not in the worker)."""
+
+    def __init__(self, *args, strict: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.strict = strict
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            if self.strict and batch.skipped:
+                raise strict_error(batch.skipped[0])
+            yield batch
+
+
 def make_dataloader(samples: Sequence[GroundingSample], spec: VideoSpec, batch_size: int, *, processor=None,
                     template: str | PromptTemplate | None = None, num_workers: int = 2, shuffle: bool = True,
-                    seed: int = 0, strict: bool = False) -> DataLoader:
-    """A DataLoader of `GroundingBatch`es whose decoding (and processing, with a processor) runs in workers."""
+                    seed: int = 0, strict: bool = False) -> GroundingLoader:
+    """A DataLoader of `GroundingBatch`es whose decoding (and processing, with a processor) runs in workers.
+
+    strict: the first bad sample raises `UserError` (one line naming the sample and the file) while iterating,
+    with or without workers; otherwise bad samples are skipped, logged and listed in `GroundingBatch.skipped`."""
     generator = torch.Generator().manual_seed(seed)
-    return DataLoader(GroundingDataset(samples, spec, strict=strict), batch_size=batch_size, shuffle=shuffle,
-                      num_workers=num_workers, collate_fn=GroundingCollator(processor, template),
-                      generator=generator, persistent_workers=num_workers > 0)
+    return GroundingLoader(GroundingDataset(samples, spec, strict=strict), batch_size=batch_size, shuffle=shuffle,
+                           num_workers=num_workers, collate_fn=GroundingCollator(processor, template, strict),
+                           generator=generator, persistent_workers=num_workers > 0, strict=strict)

@@ -199,10 +199,12 @@ def detect_format(path: str | Path, text: str | None = None) -> str:
 
 
 def _read_text(path: Path) -> str:
+    """The file's text; a UTF-8 byte-order mark (Windows editors write one) is dropped, or it would become part of
+    the first video id (`\\ufeffID`, then "video file not found") or make a JSON file unreadable."""
     if not path.is_file():
         raise UserError(f"annotation file {path} not found; pass the path of an existing file")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text (byte {e.start}); is this an annotation file?") from None
 
