@@ -1,7 +1,12 @@
-"""Loading policies and processors the way a real checkpoint is loaded (`from_pretrained`), tiny or not."""
+"""Loading policies and processors the way a real checkpoint is loaded (`from_pretrained`), tiny or not.
+
+`path` is a local checkpoint folder, or a hub id already in the local Hugging Face cache (`resolve_checkpoint`,
+which then hands transformers the hub id as usual). A path that is neither is refused at once with one line naming
+it, instead of a download attempt."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -20,17 +25,46 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _check_local(path: str | Path) -> None:
-    p = Path(path)
-    if (p.exists() or str(path).startswith((".", "/"))) and not (p / "config.json").is_file():
-        raise UserError(f"{path}: no config.json here; point at a checkpoint folder (mmpg make-tiny builds one)")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # `name` or `owner/name`
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds `repo_id`'s config.json (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # noqa: BLE001 - an id the hub library refuses is not in its cache either
+        return False
+
+
+def resolve_checkpoint(path: str | Path) -> str:
+    """What to hand `from_pretrained` for `path`, decided here at once and without the network.
+
+    An existing local folder must hold config.json. Otherwise `path` must be a hub id (`owner/name`) already in the
+    local Hugging Face cache. Anything else is refused: transformers would take a missing relative folder such as
+    `models/q25` for a hub id (it has one slash) and retry the download for ~25 s before failing with "couldn't
+    connect to huggingface.co"."""
+    text = str(path)
+    local = Path(text).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise UserError(f"{text}: no config.json here; point at a checkpoint folder (mmpg make-tiny builds one)")
+        return str(local)
+    if not _HUB_ID.match(text) or ".." in text:
+        raise UserError(f"no checkpoint folder at {text}; point at a local checkpoint folder "
+                        "(mmpg make-tiny builds one)")
+    if not _in_hub_cache(text):
+        raise UserError(f"no checkpoint folder at {text}, and {text} is not a model in the local Hugging Face cache; "
+                        f"give a local checkpoint folder, or download it first with `huggingface-cli download {text}`")
+    return text
 
 
 def load_processor(path: str | Path):
     """The checkpoint's processor (VL families) or tokenizer (text families)."""
+    path = resolve_checkpoint(path)
     from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
-    _check_local(path)
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "vision_config"):
         return AutoProcessor.from_pretrained(path)
@@ -43,9 +77,9 @@ def load_policy(path: str | Path, dtype: str | torch.dtype = "float32", attn_imp
 
     freeze_vision: no gradients for the vision tower (common for grounding RL); the grouped forward then still runs
     it once per prompt, under no_grad."""
+    path = resolve_checkpoint(path)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    _check_local(path)
     config = AutoConfig.from_pretrained(path)
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     model = auto.from_pretrained(path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation)
