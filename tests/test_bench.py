@@ -37,9 +37,16 @@ def test_tiny_preset_in_process_writes_table_and_json(tmp_path, capsys):
         ("model", "repeated"), ("model", "upstream"), ("model", "mmpg")]
     for row in rows:
         assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
-        assert row["note"] == "" and row["time_s"] > 0 and row["peak_MB"] is not None
-        assert row["speedup"] > 0 and row["mem_ratio"] > 0
+        assert row["note"] == "" and row["time_s"] > 0 and row["speedup"] > 0
+        # in one process a step reuses pages earlier variants left behind: memory is not measured, not "0 MB"
+        assert row["peak_MB"] is None and row["mem_ratio"] is None
+        assert row["mem_method"] == "not measured (in-process)"
         assert row["rho_lin"] > 1 and row["rho_attn"] > 1 and row["rho_flops"] > 1
+    table = printed[printed.index(header):].splitlines()[2:]
+    cols = header.split()
+    for line in filter(None, table[:-1]):  # the last line is "wrote ..."
+        cells = line.split()
+        assert cells[cols.index("peak_MB")] == "n/a" and cells[cols.index("mem_ratio")] == "n/a", line
     baselines = [r for r in rows if r["variant"] in ("naive", "repeated")]
     assert all(r["speedup"] == 1 and r["pct_ceiling"] is None for r in baselines)
     assert not list(tmp_path.glob("*.tmp-*"))  # atomic write left nothing behind
@@ -53,8 +60,43 @@ def test_worker_processes_measure_memory(tmp_path):
     assert [r["variant"] for r in rows] == ["naive", "mmpg"]
     for row in rows:
         assert row["note"] == "", row["note"]
-        assert row["peak_MB"] >= 0 and len(row["times"]) == 1
+        assert row["peak_MB"] > 0 and len(row["times"]) == 1  # a fresh process's cold step always grows its RSS
         assert row["mem_method"] in ("VmHWM-after-clear_refs", "ru_maxrss")
+    assert runner.add_ratios(rows)[1]["mem_ratio"] > 0
+
+
+@pytest.mark.parametrize("clear_refs,rss,hwm,maxrss,peak", [
+    # clear_refs resets VmHWM to the RSS at entry (100); the step's peak is what the high-water grew above it
+    (True, [100, 100], 160, None, 60),
+    (True, [100, 100], 100, None, None),  # no growth: the step ran in pages already held, its peak is unknown
+    # no clear_refs: the process high-water (400 before, from setup) counts only if the step raised it
+    (False, [100, 100], None, [400, 450], 350),
+    (False, [100, 100], None, [400, 400], None),  # hidden under the setup's high-water: not a measurement
+])
+def test_cpu_peak_that_cannot_be_seen_is_none(monkeypatch, clear_refs, rss, hwm, maxrss, peak):
+    from mmpg.bench import worker
+
+    rss, maxrss = iter(rss), iter(maxrss or [0, 0])
+    monkeypatch.setattr(worker, "_rss", lambda: next(rss))
+    monkeypatch.setattr(worker, "_reset_hwm", lambda: clear_refs)
+    monkeypatch.setattr(worker, "_hwm", lambda: hwm)
+    monkeypatch.setattr(worker, "_maxrss", lambda: next(maxrss))
+    with worker._Memory(torch.device("cpu")) as mem:
+        pass
+    assert mem.peak == peak and mem.method == ("VmHWM-after-clear_refs" if clear_refs else "ru_maxrss")
+
+
+def test_table_says_n_a_for_missing_memory():
+    base = {"level": "attention", "P": 64, "S": 8, "G": 3, "variant": "naive", "time_s": 0.5, "speedup": 1.0,
+            "rho_lin": 2.0, "rho_attn": 2.0, "rho_flops": 2.0}
+    ran = dict(base, peak_MB=None, mem_ratio=None)
+    skipped = dict(base, variant="mmpg", time_s=None, speedup=None, peak_MB=None, mem_ratio=None, note="skipped")
+    measured = dict(base, variant="upstream", peak_MB=12.0, mem_ratio=1.5)
+    lines = report.format_table([ran, skipped, measured]).splitlines()[2:]
+    cols = report.format_table([]).splitlines()[0].split()
+    cells = [line.split() for line in lines]
+    assert [c[cols.index("peak_MB")] for c in cells] == ["n/a", "-", "12"]
+    assert [c[cols.index("mem_ratio")] for c in cells] == ["n/a", "-", "1.50"]
 
 
 def test_grid_dry_run_skips_configs_over_the_memory_limit(tmp_path, capsys):

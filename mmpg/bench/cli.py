@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="JSON path (default runs/bench/<timestamp>.json)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan with ceilings; measure nothing")
     parser.add_argument("--in-process", action="store_true",
-                        help="measure in this process (smoke tests; memory not isolated between variants)")
+                        help="measure in this process (smoke tests; no memory columns: they need a fresh process)")
 
 
 def plan(args) -> list[dict]:

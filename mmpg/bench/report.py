@@ -4,8 +4,9 @@ Columns (one row per config × variant):
     time_s     median step time (forward + backward; rollout: generation)
     speedup    baseline time / this time            baseline: naive (attention), repeated (model), hf_generate
     %ceil      speedup / ceiling × 100              ceiling: ρ_attn (attention), ρ_flops (model), ρ_lin (rollout)
-    peak_MB    peak extra memory of one step (see `mmpg.bench.worker`)
-    mem_ratio  baseline peak / this peak            compare with ρ_lin, the token ratio
+    peak_MB    peak extra memory of one step (see `mmpg.bench.worker`); n/a where not measured (--in-process) or
+               not measurable (the step's RSS did not grow)
+    mem_ratio  baseline peak / this peak            compare with ρ_lin, the token ratio; n/a without both peaks
     rho_*      the ceilings of `mmpg.bench.flops`
 
 %ceil can pass 100 on a CPU with a small model: there the repeated baseline is partly memory-bound (norms,
@@ -30,9 +31,15 @@ COLUMNS = [  # (key, header, width, format)
 ]
 
 
+MEMORY_COLUMNS = ("peak_MB", "mem_ratio")
+
+
 def _cell(row: dict, key: str, width: int, fmt: str) -> str:
     value = row.get(key)
-    text = "-" if value is None else fmt.format(value)
+    if value is None:  # a row that ran but has no memory numbers says so; "-" is for what does not apply
+        text = "n/a" if key in MEMORY_COLUMNS and row.get("time_s") is not None else "-"
+    else:
+        text = fmt.format(value)
     return text.rjust(width) if key not in ("level", "variant") else text.ljust(width)
 
 

@@ -12,8 +12,10 @@ interleaving is across processes, so slow drift on a shared machine (other jobs 
 all variants instead of landing on whichever ran last; repeats inside one process run back to back.
 
 A config whose repeated/naive variant would need more than `max_gb` (estimated before running) is skipped whole and
-says so in its note. `in_process=True` runs the workers' `measure` here instead (fast, for smoke tests; memory then
-is not isolated between variants).
+says so in its note. `in_process=True` runs the workers' `measure` here instead (fast, for smoke tests) and measures
+no memory: a step there reuses pages that earlier variants and rounds left in the process, so its RSS growth reads 0
+or a few pages, and the process high-water mark says nothing about one step. peak_MB and mem_ratio are then None
+(n/a in the table), never a number that is not a measurement.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: 
     if in_process:
         from mmpg.bench.worker import measure
 
-        return measure(case, warmup, repeats)
+        return measure(case, warmup, repeats, memory=False)
     return _spawn(case, warmup, repeats, timeout)
 
 

@@ -9,13 +9,18 @@ allocator. In the process:
 
 Peak memory = high-water during prepare + cold step − memory in use right before them:
     CPU  resident set size: VmHWM after `echo 5 > /proc/self/clear_refs` (resets the high-water), minus the RSS
-         before; where clear_refs is not writable, `ru_maxrss` (the process high-water) minus the RSS before.
+         before; where clear_refs is not writable, `ru_maxrss` (the process high-water, which cannot be reset)
+         minus the RSS before, and only when the step raised it: otherwise its peak is hidden under an earlier one.
     GPU  `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, minus `memory_allocated()` before.
-The cold step is the one measured because later steps reuse pages the allocator kept from earlier ones.
+The cold step is the one measured because later steps reuse pages the allocator kept from earlier ones. For the
+same reason a CPU step whose RSS did not grow has no measured peak (None, shown as n/a), not a peak of 0: its
+memory came from pages the process already held. `measure(..., memory=False)` (the runner's in-process mode, where
+earlier variants left such pages behind and a repeat reads 0) does not measure memory at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -27,6 +32,7 @@ import traceback
 import torch
 
 LEVELS = ("attention", "model", "rollout")
+NOT_MEASURED = "not measured (in-process)"
 
 
 def _setup(case: dict, device: torch.device):
@@ -65,10 +71,11 @@ def _hwm() -> int:
 
 
 class _Memory:
-    """Context manager measuring the peak extra memory of its body (see the module docstring)."""
+    """Context manager measuring the peak extra memory of its body (see the module docstring); `peak` is None when
+    the body's peak could not be seen."""
 
     def __init__(self, device: torch.device):
-        self.device, self.peak, self.method = device, 0, ""
+        self.device, self.peak, self.method = device, None, ""
 
     def __enter__(self):
         gc.collect()
@@ -80,18 +87,24 @@ class _Memory:
         else:
             self.base = _rss()
             self.method = "VmHWM-after-clear_refs" if _reset_hwm() else "ru_maxrss"
+            self.hwm_before = _maxrss()
         return self
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+            self.peak = max(torch.cuda.max_memory_allocated(self.device) - self.base, 0)  # exact: 0 is 0
         elif self.method == "ru_maxrss":
-            self.peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base
+            high = _maxrss()
+            self.peak = high - self.base if high > self.hwm_before else None
         else:
-            self.peak = _hwm() - self.base
-        self.peak = max(self.peak, 0)
+            grown = _hwm() - self.base
+            self.peak = grown if grown > 0 else None
         return False
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _timed(step, device: torch.device) -> float:
@@ -104,17 +117,21 @@ def _timed(step, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def measure(case: dict, warmup: int = 1, repeats: int = 3) -> dict:
-    """Run one case here. Returns {"times": [...], "cold_s", "peak_bytes", "mem_method", "info", "error"}."""
+def measure(case: dict, warmup: int = 1, repeats: int = 3, memory: bool = True) -> dict:
+    """Run one case here. Returns {"times": [...], "cold_s", "peak_bytes", "mem_method", "info", "error"};
+    peak_bytes is None when memory was not measured (`memory=False`) or could not be (see the module docstring)."""
     device = torch.device(case.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = {"times": [], "cold_s": None, "peak_bytes": None, "mem_method": None, "info": {}, "error": None}
     try:
         prepare, step, out["info"] = _setup(case, device)
-        with _Memory(device) as mem:
+        with _Memory(device) if memory else contextlib.nullcontext() as mem:
             if prepare is not None:
                 prepare()
             out["cold_s"] = _timed(step, device)
-        out["peak_bytes"], out["mem_method"] = mem.peak, mem.method
+        if memory:
+            out["peak_bytes"], out["mem_method"] = mem.peak, mem.method
+        else:
+            out["mem_method"] = NOT_MEASURED
         for _ in range(max(warmup - 1, 0)):
             _timed(step, device)
         out["times"] = [_timed(step, device) for _ in range(repeats)]
