@@ -65,6 +65,28 @@ def _cmd_check_data(args) -> int:
     return run_check(args.annotations, args.videos, args.format)
 
 
+def _cmd_train(args) -> int:
+    from mmpg.config import describe, load_config
+
+    if args.fields is not None:
+        print(describe(args.fields or None))
+        return 0
+    overrides = list(args.overrides)
+    if args.resume:
+        overrides.append(f"checkpoint.resume={args.resume}")
+    cfg = load_config(args.config, overrides)
+    from mmpg.rl.trainer import train
+
+    return train(cfg, ["mmpg", "train"] + list(args.argv))
+
+
+def _train_epilog() -> str:
+    from mmpg.config import GROUPS
+
+    return ("config groups: " + ", ".join(GROUPS) + ". Every field with its default and help: mmpg train --fields "
+            "[GROUP]. Overrides are key=value, e.g. rollout.n=8 optim.lr=1e-6 trainer.total_steps=200.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mmpg.data.formats import FORMAT_CHOICES
 
@@ -105,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_arguments(p)
     p.set_defaults(func=bench_cli.run)
 
+    p = sub.add_parser("train", help="GRPO training on DeepSpeed (one process, torchrun or the deepspeed launcher)",
+                       epilog=_train_epilog())
+    p.add_argument("--config", default=None, help="YAML config (configs/*.yaml); defaults <- file <- overrides")
+    p.add_argument("--resume", default=None, help="'auto' (latest complete checkpoint of the run) or a checkpoint "
+                   "folder; same as checkpoint.resume=...")
+    p.add_argument("--fields", nargs="?", const="", default=None, metavar="GROUP",
+                   help="print every config field (of GROUP) with its default and help, and exit")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.n=8")
+    p.set_defaults(func=_cmd_train)
+
     p = sub.add_parser("demo", help="the default job: tiny model + synthetic videos, end to end on a CPU")
     p.add_argument("--workdir", default="data/generated/demo", help="where the tiny model and videos are kept")
     p.add_argument("--family", default="qwen2_5_vl", help="qwen2_5_vl or qwen3_vl")
@@ -115,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[2:] if argv is None else argv[1:])
     try:
         return int(args.func(args) or 0)
     except UserError as err:

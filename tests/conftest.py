@@ -42,3 +42,13 @@ def load_tiny(tiny_dirs):
         return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype), AutoProcessor.from_pretrained(path)
 
     return load
+
+
+@pytest.fixture(scope="session")
+def grpo_data(tiny_dirs, tmp_path_factory):
+    """A tiny Qwen2.5-VL checkpoint and 8 short synthetic videos (6 train / 1 val / 1 test) for training tests."""
+    from mmpg.data.synth import generate_dataset
+
+    root = tmp_path_factory.mktemp("grpo_data")
+    generate_dataset(root / "synth", 8, 0, overwrite=True, min_duration=8.0, max_duration=12.0)
+    return {"model": str(tiny_dirs["qwen2_5_vl"]), "synth": root / "synth"}

@@ -23,7 +23,7 @@ generation_config contributes its eos and pad ids, nothing else: no repetition p
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,23 +48,34 @@ class HFEngine(RolloutEngine):
     model: the policy (any device and dtype; its train/eval mode is restored after each call).
     processor: the model's processor or tokenizer, used to decode the responses."""
 
-    def __init__(self, model, processor):
+    def __init__(self, model, processor, all_done: Callable[[bool], bool] | None = None):
         model_kind(model)  # refuses unsupported model types with a clear message
         self.model = model
         self.processor = processor
+        # Synced decoding for sharded models (ZeRO-3 gathers weights inside every forward, so every rank must run
+        # the same number of forwards): all_done(this_rank_done) -> whether every rank is done. A rank that is done
+        # early runs one-token idle forwards until then. None: stop as soon as this process is done.
+        self.all_done = all_done
         params = inspect.signature(model.forward).parameters
         # transformers renamed `past_key_values` to `cache` during 5.x; accept either
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def generate_groups(self, prompt_inputs, group_size: int | Sequence[int],
-                        sampling: SamplingParams | None = None) -> Rollout:
+                        sampling: SamplingParams | None = None, prompt_seeds: Sequence[int] | None = None
+                        ) -> Rollout:
         """Sample G_b responses for each of the B prompts. See `mmpg.rollout.engine.Rollout` for the layout and
-        `mmpg.rollout.sampling` for which distribution `Rollout.logprobs` comes from."""
+        `mmpg.rollout.sampling` for which distribution `Rollout.logprobs` comes from.
+
+        prompt_seeds: optional B ints. Then response j of prompt b is drawn from its own generator seeded by
+        (prompt_seeds[b], j), so its tokens do not depend on the other prompts of the batch (a trainer that splits
+        a global batch over ranks samples the same responses as one process; `sampling.seed` is then unused)."""
         sampling = sampling or SamplingParams()
         if "input_ids" not in prompt_inputs:
             raise ValueError("prompt_inputs needs 'input_ids' (the processor output for the B prompts)")
         attn = prompt_attention_mask(prompt_inputs)
         sizes = group_sizes_for(group_size, int(prompt_inputs["input_ids"].shape[0]))
+        if prompt_seeds is not None and len(prompt_seeds) != len(sizes):
+            raise ValueError(f"{len(prompt_seeds)} prompt seeds for {len(sizes)} prompts; give one per prompt")
         empty = (attn.sum(dim=1) == 0).nonzero()
         if empty.numel():
             raise ValueError(f"prompt {int(empty[0])} is empty (all-zero attention_mask); drop it from the batch")
@@ -72,13 +83,13 @@ class HFEngine(RolloutEngine):
         self.model.eval()
         try:
             with torch.no_grad():
-                return self._generate(prompt_inputs, sizes, sampling)
+                return self._generate(prompt_inputs, sizes, sampling, prompt_seeds)
         finally:
             for module, training in modes.items():
                 module.training = training
 
     # ---- the three stages -------------------------------------------------------------------------------------------
-    def _generate(self, prompt_inputs, sizes: list[int], sampling: SamplingParams) -> Rollout:
+    def _generate(self, prompt_inputs, sizes: list[int], sampling: SamplingParams, prompt_seeds=None) -> Rollout:
         device = self.model.get_input_embeddings().weight.device
         stop_ids = torch.tensor(self._stop_ids(sampling), dtype=torch.long, device=device)  # may be empty
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
@@ -93,19 +104,30 @@ class HFEngine(RolloutEngine):
         stopped = torch.zeros(n, dtype=torch.bool, device=device)
         live = torch.arange(n, device=device)  # rows still decoding; the cache holds exactly these rows, in order
         step_logits = logits[rows]
+        row_gens = _row_generators(prompt_seeds, sizes) if prompt_seeds is not None else None
+        local_done = False
         for t in range(steps):
-            tok, lp = next_tokens(step_logits, sampling.temperature, sampling.top_k, sampling.top_p, generator,
-                                  banned)
-            tokens[live, t], logps[live, t], lengths[live] = tok, lp, t + 1
-            done = torch.isin(tok, stop_ids)
-            stopped[live] |= done
-            if t + 1 == steps or bool(done.all()):
+            if not local_done:
+                uniforms = None
+                if row_gens is not None and not sampling.greedy:  # one draw per live row from its own generator
+                    uniforms = torch.cat([torch.rand(1, generator=row_gens[i], dtype=torch.float64)
+                                          for i in live.tolist()])
+                tok, lp = next_tokens(step_logits, sampling.temperature, sampling.top_k, sampling.top_p, generator,
+                                      banned, uniforms)
+                tokens[live, t], logps[live, t], lengths[live] = tok, lp, t + 1
+                done = torch.isin(tok, stop_ids)
+                stopped[live] |= done
+                local_done = t + 1 == steps or bool(done.all())
+                if not local_done and bool(done.any()):
+                    keep = (~done).nonzero()[:, 0]
+                    cache.reorder_cache(keep)
+                    live, tok = live[keep], tok[keep]
+            if (self.all_done(local_done) if self.all_done is not None else local_done) or t + 1 == steps:
                 break
-            if bool(done.any()):
-                keep = (~done).nonzero()[:, 0]
-                cache.reorder_cache(keep)
-                live, tok = live[keep], tok[keep]
-            step_logits = self._decode_step(cache, tok, attn[rows[live]], start[rows[live]], t)
+            if local_done:  # other ranks still decode: keep making the same collective calls (ZeRO-3)
+                self._idle_step(device)
+            else:
+                step_logits = self._decode_step(cache, tok, attn[rows[live]], start[rows[live]], t)
         return self._rollout(tokens, logps, lengths, stopped, sizes, sampling)
 
     def _prefill(self, prompt_inputs, device):
@@ -133,6 +155,13 @@ class HFEngine(RolloutEngine):
         out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=position_ids, use_cache=True,
                          logits_to_keep=1, **{self._cache_kwarg: cache})
         return out.logits[:, -1]
+
+    def _idle_step(self, device) -> None:
+        """One forward of a single pad token through every decoder layer, result discarded (synced decoding)."""
+        ids = torch.full((1, 1), self._pad_id(), dtype=torch.long, device=device)
+        pos = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.model(input_ids=ids, position_ids=pos[None].expand(3, 1, 1) if self._is_vl else pos, use_cache=False,
+                   logits_to_keep=1)
 
     def _rollout(self, tokens, logps, lengths, stopped, sizes, sampling: SamplingParams) -> Rollout:
         width = int(lengths.max())
@@ -168,3 +197,12 @@ class HFEngine(RolloutEngine):
         if pad is None:
             pad = self._stop_ids(SamplingParams())[0]
         return int(pad)
+
+
+def _row_generators(prompt_seeds: Sequence[int], sizes: list[int]) -> list[torch.Generator]:
+    """[N] CPU generators: row j of prompt b seeded from (prompt_seeds[b], j)."""
+    gens = []
+    for seed, g in zip(prompt_seeds, sizes):
+        for j in range(g):
+            gens.append(torch.Generator().manual_seed((int(seed) * 1_000_003 + j) % (2 ** 63)))
+    return gens

@@ -41,11 +41,13 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def next_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator | None, banned: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                generator: torch.Generator | None, banned: torch.Tensor | None = None,
+                uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row. logits [n, V] (any float dtype) -> (tokens [n] long, policy logprobs [n] float32).
 
-    temperature 0 is greedy. Rows are sampled independently; all randomness comes from `generator`. `banned` ids
+    temperature 0 is greedy. Rows are sampled independently; all randomness comes from `generator`, or, when
+    `uniforms` [n] in [0, 1) is given, from those numbers by inverse-CDF sampling (one per row: the caller draws them
+    from per-row generators, so a row's tokens do not depend on which other rows share the batch). `banned` ids
     (e.g. a VL model's image/video placeholders, which no response may contain) are never chosen; like the top-k /
     top-p filters this only shapes the sampling distribution, the returned logprob stays the untruncated policy's."""
     logits = logits.float()
@@ -54,7 +56,18 @@ def next_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
         return tokens, _logprob_at(logits, tokens)
     policy = logits / temperature if temperature != 1.0 else logits
     filtered = filter_top_p(filter_top_k(_ban(policy, banned), top_k), top_p)
-    tokens = torch.multinomial(filtered.softmax(dim=-1), 1, generator=generator)[:, 0]
+    probs = filtered.softmax(dim=-1)
+    if uniforms is None:
+        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    else:  # the first token of positive probability whose cumulative probability exceeds u
+        cum = probs.cumsum(dim=-1)
+        u = uniforms.to(cum.device, cum.dtype)[:, None] * cum[:, -1:]
+        # A float64 uniform near 1 can round to u == cum[-1] in float32, where no token exceeds it: take the last
+        # token of positive probability then (not id V - 1, which may be banned or filtered out).
+        positive = probs > 0
+        above = (cum > u) & positive
+        last = probs.shape[-1] - 1 - positive.flip(-1).int().argmax(dim=-1)
+        tokens = torch.where(above.any(dim=-1), above.int().argmax(dim=-1), last)
     return tokens, _logprob_at(policy, tokens)
 
 

@@ -1,0 +1,365 @@
+"""One typed config tree for every mmpg job: defaults <- YAML file <- `a.b=c` overrides on the command line.
+
+    cfg = load_config("configs/cpu_demo.yaml", ["rollout.n=4", "optim.lr=1e-5"])   # -> Config (dataclasses)
+
+The merge and the type checks are OmegaConf's (structured configs, as EasyR1 and verl use them). An unknown key or a
+value of the wrong type becomes one `UserError` line naming the key and the nearest valid names; the CLI prints it
+and exits with status 2. Every field carries its help text in `metadata["help"]`; `describe()` prints them
+(`mmpg train --fields [GROUP]`). Names follow what users of verl / TRL / EasyR1 know where that is possible
+(`rollout.n`, `algorithm.beta`, `algorithm.epsilon_high`, `algorithm.num_iterations`, `data.batch_size`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from mmpg.errors import UserError
+
+
+def _f(default, help: str, **kw):
+    """A field with a default and its help text (lists and dicts get a default_factory)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("", "Checkpoint folder of the policy (HF format: config.json, weights, processor). Required.")
+    dtype: str = _f("auto", "Weights and compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16.")
+    attn_implementation: str = _f("sdpa", "transformers attention for ordinary forwards (sdpa, eager, "
+                                  "flash_attention_2); the grouped forward registers its own on top.")
+    grouping_backend: str = _f("auto", "Grouped attention backend: auto, sdpa, flash, flex.")
+    gradient_checkpointing: bool = _f(False, "Recompute decoder activations in backward (less memory, ~30% more "
+                                      "compute).")
+    freeze_vision: bool = _f(True, "No gradients for the vision tower (common for grounding RL; it still runs once "
+                             "per prompt).")
+    ref_path: str = _f("", "Reference policy for the KL penalty (only loaded when algorithm.beta > 0); empty = "
+                       "model.path.")
+
+
+@dataclass
+class DataConfig:
+    train: str = _f("", "Training annotations (Charades-STA txt/JSON, ActivityNet JSON, Time-R1 list, JSONL).")
+    val: str = _f("", "Held-out annotations for eval.every_n_steps (empty: no evaluation during training).")
+    videos: str = _f("", "Folder holding the videos the annotations name.")
+    format: str = _f("auto", "Annotation format: auto, charades, captions, time_r1, jsonl.")
+    template: str = _f("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only.")
+    batch_size: int = _f(8, "Prompts per training step over all ranks (each gets rollout.n responses).")
+    fps: float = _f(2.0, "Frames sampled per second of video (Time-R1: 2).")
+    min_frames: int = _f(4, "Fewest frames per video.")
+    max_frames: int = _f(64, "Most frames per video; long videos get a lower effective fps.")
+    min_pixels: Optional[int] = _f(None, "Smallest H*W of a frame (null: 16 tokens per frame).")
+    max_pixels: Optional[int] = _f(None, "Largest H*W of a frame (null: 256 tokens per frame).")
+    total_pixels: Optional[int] = _f(None, "Pixel budget of a whole video (null: 8192 tokens).")
+    num_workers: int = _f(2, "DataLoader workers decoding videos (0: in the main process).")
+    shuffle: bool = _f(True, "Shuffle the training samples (a new order every epoch, from trainer.seed).")
+    strict: bool = _f(False, "Stop at the first unusable sample with an error naming it, instead of skipping and "
+                      "counting it.")
+    max_samples: int = _f(0, "Use only the first N training samples (0: all).")
+
+
+@dataclass
+class RolloutConfig:
+    n: int = _f(8, "Group size G: responses sampled per prompt (>= 2).")
+    temperature: float = _f(1.0, "Sampling temperature (the logprobs of the loss use the same one).")
+    top_p: float = _f(1.0, "Nucleus sampling (1: off).")
+    top_k: int = _f(0, "Top-k sampling (0: off).")
+    max_new_tokens: int = _f(256, "Most tokens per response, the stop token included.")
+    engine: str = _f("hf", "Rollout engine: hf (the training model itself, each prompt prefilled once).")
+
+
+@dataclass
+class RewardConfig:
+    accuracy: str = _f("iou_v2", "Accuracy reward: iou_v2 (Time-R1) or iou.")
+    format_weight: float = _f(1.0, "Weight of the format reward (<think>..</think><answer>..</answer>).")
+    accuracy_weight: float = _f(1.0, "Weight of the accuracy reward.")
+    swap_reversed: bool = _f(False, "Read an answer 'END to START' as START to END instead of unparseable.")
+    function: str = _f("", "A user reward 'package.module:function' (response, sample) -> dict or float, used "
+                       "instead of the built-in one.")
+
+
+@dataclass
+class AlgorithmConfig:
+    loss_type: str = _f("grpo", "grpo (mean of per-sequence token means), dapo (token mean over the batch), "
+                        "dr_grpo (token sum / (sequences x rollout.max_new_tokens)).")
+    scale_rewards: str = _f("group", "Advantage scaling: group (divide by the group's std), batch (by the batch "
+                            "std), none (Dr. GRPO).")
+    epsilon_low: float = _f(0.2, "PPO clip: ratio floor 1 - epsilon_low.")
+    epsilon_high: float = _f(0.2, "PPO clip: ratio ceiling 1 + epsilon_high (DAPO clip-higher: 0.28).")
+    beta: float = _f(0.0, "KL penalty weight (k3 estimator) against the frozen reference; 0: no reference model.")
+    num_iterations: int = _f(1, "mu: optimisation passes over each rollout batch (1: no extra forward).")
+    mask_truncated: bool = _f(False, "Leave responses that hit max_new_tokens out of the loss (DAPO).")
+    dynamic_sampling: bool = _f(False, "Drop groups whose rewards are all equal and draw more prompts (DAPO).")
+    max_sampling_rounds: int = _f(4, "Dynamic sampling: most rollout rounds per step before training on what "
+                                  "there is.")
+    grouping: bool = _f(True, "Shared-prefix grouped forward; false: the naive repeated forward (A/B runs).")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(1e-6, "Peak learning rate (AdamW).")
+    betas: list = _f([0.9, 0.999], "AdamW betas.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    weight_decay: float = _f(0.01, "AdamW weight decay.")
+    warmup_steps: int = _f(0, "Linear warm-up optimizer steps.")
+    scheduler: str = _f("constant", "LR after warm-up: constant or cosine (to min_lr_ratio x lr at the end).")
+    min_lr_ratio: float = _f(0.0, "Cosine floor as a fraction of lr.")
+    max_grad_norm: float = _f(1.0, "Gradient clipping by global norm (0: off).")
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = _f(100, "Training steps (one rollout batch each).")
+    micro_batch_size: int = _f(8, "Responses per forward/backward on one rank; a multiple of rollout.n (groups stay "
+                               "whole inside a micro-batch, as the grouped forward needs).")
+    seed: int = _f(0, "Seeds data order, sampling and initialisation.")
+    output_dir: str = _f("runs", "Where run directories are created.")
+    run_name: str = _f("", "Run directory name under output_dir (empty: a time stamp).")
+    device: str = _f("auto", "auto (cuda when available), cpu or cuda.")
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = _f(0, "ZeRO stage 0-3 (ignored when config is given).")
+    config: str = _f("", "A DeepSpeed JSON file (configs/deepspeed/zero{1,2,3}.json); batch sizes, clipping and "
+                     "precision are filled in from this config tree.")
+    offload: bool = _f(False, "ZeRO-3 with optimizer and parameters offloaded to CPU memory.")
+    timeout_minutes: int = _f(30, "Collective timeout: a rank that waits longer fails instead of hanging.")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = _f(True, "Write TensorBoard events under RUN_DIR/tb.")
+    wandb: bool = _f(False, "Also log to Weights & Biases (needs the wandb package and a login).")
+    wandb_project: str = _f("mmpg", "wandb project name.")
+    rollouts_every: int = _f(1, "Write rollouts/step_*.jsonl every N steps (0: never).")
+    thumbnails: int = _f(4, "Frame thumbnails stored per video for the inspector (0: none).")
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = _f(50, "Save a checkpoint every N steps (and at the end; 0: only at the end).")
+    keep_last: int = _f(2, "Keep the newest K checkpoints (0: keep all).")
+    resume: str = _f("", "'auto' (latest complete checkpoint of this run, if any), a checkpoint folder, or empty.")
+
+
+@dataclass
+class EvalConfig:
+    every_n_steps: int = _f(0, "Evaluate data.val every N steps (0: never).")
+    max_samples: int = _f(64, "Held-out samples per evaluation (0: all).")
+    batch_size: int = _f(8, "Prompts per greedy decoding batch.")
+    max_new_tokens: int = _f(256, "Most tokens per answer.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+GROUPS = [f.name for f in dataclasses.fields(Config)]
+
+# Allowed values of the string choices, checked after the merge (OmegaConf checks types only).
+CHOICES = {
+    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "model.grouping_backend": ("auto", "sdpa", "flash", "flex"),
+    "rollout.engine": ("hf",),
+    "reward.accuracy": ("iou_v2", "iou"),
+    "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
+    "algorithm.scale_rewards": ("group", "batch", "none"),
+    "optim.scheduler": ("constant", "cosine"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "data.template": ("time_r1", "time_r1_frames", "answer_only"),
+    "data.format": ("auto", "charades", "captions", "time_r1", "jsonl"),
+}
+
+
+def all_keys(cls=Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the tree, e.g. 'rollout.n'."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            keys += all_keys(f.default_factory, f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _nearest(key: str, schema=Config) -> str:
+    """'; did you mean a, b?' for an unknown dotted key, from the first of these that finds anything:
+    close field names in the same group (rollout.temprature), the same field in a close group (rolout.n), close
+    field names in any group (lr -> optim.lr), close full keys."""
+    keys = all_keys(schema)
+    groups = [f.name for f in dataclasses.fields(schema)]
+    group, _, rest = key.partition(".")
+    leaf = key.rsplit(".", 1)[-1]
+    in_group = [k.partition(".")[2] for k in keys if k.startswith(group + ".")]
+    by_leaf: dict[str, list[str]] = {}
+    for k in keys:
+        by_leaf.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    tiers = [
+        [f"{group}.{m}" for m in difflib.get_close_matches(rest, in_group, n=3, cutoff=0.6)] if rest else [],
+        [f"{g}.{rest}" if rest else g for g in difflib.get_close_matches(group, groups, n=3, cutoff=0.6)
+         if not rest or f"{g}.{rest}" in keys] if group not in groups else [],
+        [k for m in difflib.get_close_matches(leaf, list(by_leaf), n=3, cutoff=0.6) for k in by_leaf[m]],
+        difflib.get_close_matches(key, keys, n=3, cutoff=0.6),
+    ]
+    close = next((t for t in tiers if t), [])
+    return f"; did you mean {', '.join(close[:3])}?" if close else f"; groups are {', '.join(groups)}"
+
+
+def _field(key: str, schema=Config):
+    """The dataclass field behind a dotted key, or None."""
+    node, found = schema, None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return None
+        found = next((f for f in dataclasses.fields(node) if f.name == part), None)
+        if found is None:
+            return None
+        node = found.default_factory if found.default_factory is not dataclasses.MISSING else None
+    return found
+
+
+def _check_keys(data: dict, source: str, schema=Config, prefix: str = "", root=None) -> None:
+    """Refuse unknown keys (named in full: 'rolout.n', not 'rolout') and groups given a plain value, before
+    OmegaConf sees them; OmegaConf names only the first unknown part and reports a group set to 3 as key ''."""
+    root = root or schema
+    names = {f.name: f for f in dataclasses.fields(schema)}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in names:
+            while isinstance(value, dict) and value:  # name the first leaf under an unknown group
+                name, value = next(iter(value.items()))
+                key = f"{key}.{name}"
+            raise UserError(f"{source}: unknown config key '{key}'{_nearest(key, root)} (mmpg train --fields "
+                            "lists them)")
+        sub = names[name].default_factory
+        if dataclasses.is_dataclass(sub):
+            if not isinstance(value, dict):
+                example = all_keys(sub, key + ".")[0]
+                raise UserError(f"{source}: config key '{key}' is a group of fields, not a value (got {value!r}); "
+                                f"set its fields instead, e.g. {example}=...")
+            _check_keys(value, source, sub, key + ".", root)
+
+
+def _omegaconf_error(err, source: str, schema=Config) -> UserError:
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
+    key = getattr(err, "full_key", None) or ""
+    if isinstance(err, ConfigKeyError):
+        return UserError(f"{source}: unknown config key '{key}'{_nearest(key, schema)} (mmpg train --fields "
+                         "lists them)")
+    if isinstance(err, ValidationError):
+        # err.object_type is the enclosing dataclass (RolloutConfig), not the field's type: look the field up.
+        found = _field(key, schema)
+        expected = getattr(found.type, "__name__", found.type) if found else "value"
+        return UserError(f"{source}: config key '{key}' got {getattr(err, 'value', None)!r}, which is not a valid "
+                         f"{expected}".replace("typing.", ""))
+    return UserError(f"{source}: {str(err).splitlines()[0]}")
+
+
+def _validate(cfg: Config) -> None:
+    for key, allowed in CHOICES.items():
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if value not in allowed:
+            raise UserError(f"config key '{key}' is {value!r}; choose one of {', '.join(allowed)}")
+    checks = [
+        ("rollout.n", cfg.rollout.n >= 1, "must be >= 1"),
+        ("rollout.max_new_tokens", cfg.rollout.max_new_tokens >= 1, "must be >= 1"),
+        ("rollout.temperature", cfg.rollout.temperature > 0, "must be > 0 for GRPO sampling"),
+        ("data.batch_size", cfg.data.batch_size >= 1, "must be >= 1"),
+        ("trainer.micro_batch_size", cfg.trainer.micro_batch_size >= 1, "must be >= 1"),
+        ("trainer.total_steps", cfg.trainer.total_steps >= 1, "must be >= 1"),
+        ("algorithm.num_iterations", cfg.algorithm.num_iterations >= 1, "must be >= 1"),
+        ("algorithm.beta", cfg.algorithm.beta >= 0, "must be >= 0"),
+        ("deepspeed.zero_stage", cfg.deepspeed.zero_stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3"),
+        ("optim.lr", cfg.optim.lr >= 0, "must be >= 0"),
+    ]
+    for key, ok, what in checks:
+        if not ok:
+            group, name = key.split(".")
+            raise UserError(f"config key '{key}' is {getattr(getattr(cfg, group), name)!r}; it {what}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                schema=Config) -> Config:
+    """defaults <- YAML at `path` <- `key=value` overrides; returns the typed tree or raises UserError."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    merged = OmegaConf.structured(schema)
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"{path}: config file not found")
+        try:
+            loaded = OmegaConf.load(p)
+        except Exception as e:  # YAML syntax errors, a file holding a bare number
+            raise UserError(f"{path}: not a valid YAML config ({str(e).splitlines()[0]})") from None
+        if not OmegaConf.is_dict(loaded):
+            raise UserError(f"{path}: a config file must be a mapping of groups (model:, data:, rollout:, ...), "
+                            f"not a list")
+        for group in [g for g, v in loaded.items_ex(resolve=False) if v is None]:
+            loaded.pop(group)  # a group whose fields are all commented out: keep the defaults
+        _check_keys(OmegaConf.to_container(loaded, resolve=False), str(path), schema)
+        try:
+            merged = OmegaConf.merge(merged, loaded)
+        except OmegaConfBaseException as e:
+            raise _omegaconf_error(e, str(path), schema) from None
+    for item in overrides:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise UserError(f"override {item!r} must look like key=value, e.g. rollout.n=8")
+        if item.endswith("="):  # `reward.function=` means the empty string, as in a shell (null is spelled null)
+            item = item + "''"
+        try:
+            dotlist = OmegaConf.from_dotlist([item])
+            _check_keys(OmegaConf.to_container(dotlist, resolve=False), f"override {item!r}", schema)
+            merged = OmegaConf.merge(merged, dotlist)
+        except OmegaConfBaseException as e:
+            raise _omegaconf_error(e, f"override {item!r}", schema) from None
+    cfg = OmegaConf.to_object(merged)
+    _validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg) -> str:
+    """The resolved config as YAML (what `config.yaml` in the run directory holds)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def describe(group: str | None = None, schema=Config) -> str:
+    """Every field of one group (or of all), with its default and help text."""
+    lines = []
+    for g in dataclasses.fields(schema):
+        if group and g.name != group:
+            continue
+        lines.append(f"{g.name}:")
+        for f in dataclasses.fields(g.default_factory):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            lines.append(f"  {g.name}.{f.name} = {default!r}\n      {f.metadata.get('help', '')}")
+    if not lines:
+        names = [g.name for g in dataclasses.fields(schema)]
+        raise UserError(f"unknown config group {group!r}; groups are {', '.join(names)}")
+    return "\n".join(lines)

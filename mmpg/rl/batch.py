@@ -1,0 +1,122 @@
+"""The unit of GRPO work: one prompt with its G sampled responses, kept whole from rollout to update.
+
+    GroundingBatch (b prompts, left-padded inputs) --rollout--> Rollout (N = b*G rows)
+        --split_groups--> [PromptGroup] * b        (each: one prompt's unpadded inputs + its G rows)
+        --collate_groups(k groups)--> MicroBatch   (inputs re-padded on the left, completions [k*G, S] right-padded)
+
+A group never crosses a micro-batch or a rank (asserted in `collate_groups`): the grouped forward needs the whole
+group behind its prefix, and group-normalised advantages need every reward of the group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from mmpg.data.samples import GroundingSample
+from mmpg.grouping.inputs import prompt_attention_mask, split_visuals_per_prompt
+
+_ROW_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
+
+
+@dataclasses.dataclass
+class PromptGroup:
+    """One prompt and its G responses."""
+
+    sample: GroundingSample
+    video: object  # DecodedVideo (frames for thumbnails), or None once released
+    inputs: dict  # this prompt alone: input_ids / attention_mask / mm_token_type_ids [1, P], its visual tensors
+    completion_ids: torch.Tensor  # [G, S_b] right-padded
+    completion_mask: torch.Tensor  # [G, S_b]
+    rollout_logprobs: torch.Tensor  # [G, S_b] float32, the sampler's logprobs (0 outside the mask)
+    texts: list[str]  # [G]
+    finish_reasons: list[str]  # [G]
+    rewards: list[dict] = dataclasses.field(default_factory=list)  # [G] reward components, "overall" included
+    advantages: torch.Tensor | None = None  # [G] float32
+    seed: int = 0  # the prompt seed its responses were drawn with
+
+    @property
+    def size(self) -> int:
+        return int(self.completion_ids.shape[0])
+
+    @property
+    def overall(self) -> torch.Tensor:
+        """[G] float32 overall rewards."""
+        return torch.tensor([r["overall"] for r in self.rewards], dtype=torch.float32)
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """k whole groups ready for `grouped_logprobs` / `repeated_logprobs`."""
+
+    groups: list[PromptGroup]
+    inputs: dict  # processor-style inputs for k prompts, left-padded
+    completion_ids: torch.Tensor  # [n, S] n = sum of the k group sizes
+    completion_mask: torch.Tensor  # [n, S]
+    group_sizes: list[int]  # [k]
+    advantages: torch.Tensor  # [n]
+    rollout_logprobs: torch.Tensor  # [n, S]
+    truncated: torch.Tensor  # [n] bool: finish reason "length"
+    dummy: bool = False  # a stand-in that keeps ranks in lockstep; its loss is multiplied by 0
+
+
+def split_groups(model, batch, rollout, seeds: list[int]) -> list[PromptGroup]:
+    """Cut a rolled-out batch into per-prompt groups (each prompt's inputs without padding)."""
+    inputs = batch.inputs
+    attn = prompt_attention_mask(inputs)
+    visuals = split_visuals_per_prompt(model, inputs) if "pixel_values_videos" in inputs or \
+        "pixel_values" in inputs else [{} for _ in batch.samples]
+    groups, row = [], 0
+    for b, g in enumerate(rollout.group_sizes):
+        keep = attn[b]
+        one = {k: inputs[k][b:b + 1, keep] for k in _ROW_KEYS if inputs.get(k) is not None}
+        one.update(visuals[b])
+        rows = slice(row, row + g)
+        width = int(rollout.completion_mask[rows].sum(dim=1).max())
+        groups.append(PromptGroup(
+            sample=batch.samples[b], video=batch.videos[b], inputs=one,
+            completion_ids=rollout.completion_ids[rows, :width], completion_mask=rollout.completion_mask[rows, :width],
+            rollout_logprobs=(rollout.logprobs[rows, :width] if rollout.logprobs is not None
+                              else torch.zeros(g, width)),
+            texts=rollout.texts[rows], finish_reasons=rollout.finish_reasons[rows], seed=seeds[b]))
+        row += g
+    return groups
+
+
+def _left_pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    return F.pad(t, (width - t.shape[-1], 0), value=value)
+
+
+def _right_pad(t: torch.Tensor, width: int, value=0) -> torch.Tensor:
+    return F.pad(t, (0, width - t.shape[-1]), value=value)
+
+
+def collate_groups(groups: list[PromptGroup], pad_id: int) -> MicroBatch:
+    """k groups -> one MicroBatch; prompts left-padded to the longest, completions right-padded to the longest."""
+    assert groups, "a micro-batch needs at least one group"
+    assert all(g.advantages is not None for g in groups), "advantages are computed before collating"
+    width = max(int(g.inputs["input_ids"].shape[1]) for g in groups)
+    inputs: dict = {}
+    for key in _ROW_KEYS:
+        if key in groups[0].inputs:
+            value = pad_id if key == "input_ids" else 0
+            inputs[key] = torch.cat([_left_pad(g.inputs[key], width, value) for g in groups])
+    for key in sorted({k for g in groups for k in g.inputs if k not in _ROW_KEYS}):
+        inputs[key] = torch.cat([g.inputs[key] for g in groups if key in g.inputs])
+    s = max(int(g.completion_ids.shape[1]) for g in groups)
+    ids = torch.cat([_right_pad(g.completion_ids, s, pad_id) for g in groups])
+    mask = torch.cat([_right_pad(g.completion_mask, s) for g in groups])
+    sizes = [g.size for g in groups]
+    assert sum(sizes) == ids.shape[0], "every group must be whole inside its micro-batch"
+    return MicroBatch(
+        groups=groups, inputs=inputs, completion_ids=ids, completion_mask=mask, group_sizes=sizes,
+        advantages=torch.cat([g.advantages for g in groups]),
+        rollout_logprobs=torch.cat([_right_pad(g.rollout_logprobs, s) for g in groups]),
+        truncated=torch.tensor([r == "length" for g in groups for r in g.finish_reasons]))
+
+
+def micro_batches(groups: list[PromptGroup], size: int, pad_id: int) -> list[MicroBatch]:
+    """Consecutive runs of `size` whole groups."""
+    return [collate_groups(groups[i:i + size], pad_id) for i in range(0, len(groups), size)]

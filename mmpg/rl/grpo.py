@@ -1,0 +1,251 @@
+"""One GRPO step: prompts -> shared-prefix rollout -> rewards -> advantages -> grouped logprobs -> loss -> update.
+
+    collect():  pull this rank's share of a global batch (refilled past unusable videos), sample G responses per
+                prompt with one prefill each (HFEngine), score them; with dynamic sampling drop groups whose rewards
+                are all equal and pull more prompts until every rank has its share (or the round cap is hit)
+    update():   micro-batches of whole groups; per token  -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)
+                + beta k3(pi, ref); aggregated as algorithm.loss_type says with the normaliser summed over every
+                micro-batch and rank, so W ranks x M micro-batches give the gradient of one big batch; num_iterations
+                passes (mu), each one optimizer update
+
+Rank lockstep (needed by ZeRO-3, whose every forward gathers weights): every rank pulls the same number of batches,
+decodes until every rank is done, runs the same number of micro-batches (a rank with fewer repeats one with loss
+weight 0) and the same number of LM-head chunks. Response sampling is seeded per prompt (trainer.seed, step, sample
+id), so a run on W ranks samples what a one-process run of the same global batch samples.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+
+import torch
+
+from mmpg.data.dataset import strict_error
+from mmpg.errors import UserError
+from mmpg.rl import algos
+from mmpg.rl.batch import PromptGroup, micro_batches, split_groups
+from mmpg.rollout import HFEngine, SamplingParams
+from mmpg.train import dist
+
+MAX_EMPTY_ROUNDS = 50  # rounds in a row in which some rank had no usable sample at all -> the data is unusable
+HEAD_CHUNK = 2048  # LM-head rows per chunk (before equalising the chunk count across ranks)
+
+
+def prompt_seed(seed: int, step: int, sample_id: str, round_: int) -> int:
+    return (seed * 1_000_003 + step * 7_919 + round_ * 104_729 + zlib.crc32(sample_id.encode())) % (2 ** 62)
+
+
+def _stage0_grad_norm(engine) -> float | None:
+    """Global gradient norm before clipping, for ZeRO stage 0 in float32 (DeepSpeed clips there without keeping
+    the norm). After the boundary backward the gradients are already averaged over ranks."""
+    if engine.zero_optimization_stage() != 0:
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+
+class Timer:
+    """Adds wall seconds per phase: `with timer("rollout"): ...`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Phase:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t0
+
+        return _Phase()
+
+
+class GRPOStep:
+    """Holds what a step needs; `run(step)` does one step and returns (metrics on rank 0, groups of this rank)."""
+
+    def __init__(self, cfg, engine, ref_model, processor, batches, scorer, device: str):
+        self.cfg, self.engine, self.ref, self.processor = cfg, engine, ref_model, processor
+        self.batches = batches  # iterator of GroundingBatch (this rank's share of each global batch)
+        self.scorer, self.device = scorer, device
+        self.world = dist.world_size()
+        self.local_batch = cfg.data.batch_size // self.world
+        sync = (lambda done: dist.all_true(done, self._coll_device)) if self.world > 1 else None
+        self.rollout_engine = HFEngine(engine.module, processor, all_done=sync)
+        self.pad_id = self.rollout_engine._pad_id()
+        self.batches_pulled = 0  # global batches consumed (the data position is start + this * batch_size)
+
+    @property
+    def _coll_device(self):
+        return "cuda" if self.device == "cuda" and dist.active() else "cpu"
+
+    # ---- collect -----------------------------------------------------------------------------------------------
+    def _pull(self):
+        batch = next(self.batches)
+        self.batches_pulled += 1
+        if batch.skipped and self.cfg.data.strict:
+            raise strict_error(batch.skipped[0])
+        return batch
+
+    def collect(self, step: int, timer: Timer) -> tuple[list[PromptGroup], dict]:
+        cfg, groups = self.cfg, []
+        info = {"skipped": 0, "rounds": 0, "dropped_groups": 0, "empty_rounds": 0}
+        sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        while True:
+            batch = self._pull()
+            info["skipped"] += len(batch.skipped)
+            if not dist.all_true(len(batch) > 0, self._coll_device):  # some rank has nothing to roll out
+                info["empty_rounds"] += 1
+                if info["empty_rounds"] >= MAX_EMPTY_ROUNDS:
+                    raise UserError(f"{MAX_EMPTY_ROUNDS} batches in a row had no usable video on some rank; check "
+                                    "the data with mmpg check-data")
+                continue
+            info["rounds"] += 1
+            seeds = [prompt_seed(cfg.trainer.seed, step, s.sample_id, info["rounds"]) for s in batch.samples]
+            with timer("rollout"):
+                rollout = self.rollout_engine.generate_groups(batch.inputs, cfg.rollout.n, sampling,
+                                                              prompt_seeds=seeds)
+            new = split_groups(self.engine.module, batch, rollout, seeds)
+            with timer("reward"):
+                for g in new:
+                    g.rewards = [self.scorer(text, g.sample) for text in g.texts]
+            if cfg.algorithm.dynamic_sampling:
+                flat = torch.cat([g.overall for g in new])
+                equal = algos.zero_variance_groups(flat, [g.size for g in new]).tolist()
+                info["dropped_groups"] += sum(equal)
+                new = [g for g, e in zip(new, equal) if not e]
+            groups += new
+            enough = len(groups) >= self.local_batch
+            if not cfg.algorithm.dynamic_sampling or info["rounds"] >= cfg.algorithm.max_sampling_rounds or \
+                    dist.all_true(enough, self._coll_device):
+                break
+        return groups[:self.local_batch], info
+
+    # ---- advantages --------------------------------------------------------------------------------------------
+    def advantages(self, groups: list[PromptGroup]) -> None:
+        if not groups:
+            return
+        sizes = [g.size for g in groups]
+        rewards = torch.cat([g.overall for g in groups])
+        scale = self.cfg.algorithm.scale_rewards
+        adv = algos.group_advantages(rewards, sizes, scale="none" if scale == "batch" else scale)
+        if scale == "batch":  # the std of every reward of the global batch, over all ranks
+            n, s, ss = dist.all_sum([rewards.numel(), float(rewards.sum()), float((rewards.double() ** 2).sum())],
+                                    self._coll_device)
+            std = math.sqrt(max(0.0, (ss - s * s / n) / max(1.0, n - 1)))
+            adv = adv / (std + 1e-6)
+        for g, a in zip(groups, adv.split(sizes)):
+            g.advantages = a.float()
+
+    # ---- update ------------------------------------------------------------------------------------------------
+    def _logprobs(self, model, mb, chunk: int) -> torch.Tensor:
+        from mmpg.grouping import grouped_logprobs, repeated_logprobs
+
+        args = (model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes)
+        if self.cfg.algorithm.grouping:
+            return grouped_logprobs(*args, temperature=self.cfg.rollout.temperature, chunk_size=chunk)
+        return repeated_logprobs(*args, temperature=self.cfg.rollout.temperature)
+
+    def _chunk_sizes(self, mbs) -> list[int]:
+        """Per micro-batch LM-head chunk size giving every rank the same number of chunks."""
+        rows = [int(mb.completion_mask.sum()) for mb in mbs]
+        counts = dist.all_max([math.ceil(r / HEAD_CHUNK) for r in rows], self._coll_device)
+        return [max(1, math.ceil(r / max(1, int(c)))) for r, c in zip(rows, counts)]
+
+    def _micro_batches(self, groups):
+        per = max(1, self.cfg.trainer.micro_batch_size // self.cfg.rollout.n)  # whole groups per micro-batch
+        mbs = micro_batches(groups, per, self.pad_id)
+        target = int(dist.all_max([len(mbs)], self._coll_device)[0])
+        while len(mbs) < target:  # lockstep filler: same shapes as a real one, loss weight 0
+            mbs.append(micro_batches(groups[:per], per, self.pad_id)[0])
+            mbs[-1].dummy = True
+        return mbs
+
+    def _loss_mask(self, mb) -> torch.Tensor:
+        mask = mb.completion_mask
+        if self.cfg.algorithm.mask_truncated:
+            mask = algos.truncation_mask(mask, mb.truncated)
+        return mask.float() * (0.0 if mb.dummy else 1.0)
+
+    def update(self, groups: list[PromptGroup], timer: Timer) -> dict:
+        cfg, alg, engine = self.cfg, self.cfg.algorithm, self.engine
+        mbs = self._micro_batches(groups)
+        chunks = self._chunk_sizes(mbs)
+        masks = [self._loss_mask(mb) for mb in mbs]
+        denom = dist.all_sum([sum(algos.loss_denominator(m, alg.loss_type, cfg.rollout.max_new_tokens)
+                                  for m, mb in zip(masks, mbs) if not mb.dummy)], self._coll_device)[0]
+        old, ref = [None] * len(mbs), [None] * len(mbs)
+        with timer("logprob"), torch.no_grad():
+            if alg.num_iterations > 1:
+                old = [self._logprobs(engine.module, mb, c) for mb, c in zip(mbs, chunks)]
+            if alg.beta > 0:
+                ref = [self._logprobs(self.ref, mb, c) for mb, c in zip(mbs, chunks)]
+        sums = dict.fromkeys(("loss", "kl", "clipped", "tokens", "real_tokens", "gap", "gap_max", "entropy"), 0.0)
+        grad_norms = []
+        with timer("update"):
+            for it in range(alg.num_iterations):
+                for i, (mb, chunk, mask) in enumerate(zip(mbs, chunks, masks)):
+                    engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+                    logp = self._logprobs(engine.module, mb, chunk)
+                    old_i = logp.detach() if old[i] is None else old[i]
+                    per_tok, clipped = algos.clipped_policy_loss(logp, old_i, mb.advantages.to(logp.device),
+                                                                 alg.epsilon_low, alg.epsilon_high)
+                    mask = mask.to(logp.device)
+                    kl = algos.kl_k3(logp, ref[i]) if ref[i] is not None else None
+                    if kl is not None:
+                        per_tok = per_tok + alg.beta * kl
+                    weights = algos.loss_token_weights(mask, alg.loss_type)
+                    loss = (weights * per_tok).sum() / denom if denom > 0 else (per_tok * 0).sum()
+                    engine.backward(loss * self.world, scale_wrt_gas=False)
+                    own_norm = _stage0_grad_norm(engine) if i == len(mbs) - 1 else None
+                    engine.step()
+                    if it == 0:
+                        self._accumulate(sums, loss, logp, mb, mask, clipped, kl)
+                norm = engine.get_global_grad_norm()
+                norm = own_norm if norm is None else norm
+                grad_norms.append(float(norm) if norm is not None else float("nan"))
+        totals = dist.all_sum([sums[k] for k in sums if k != "gap_max"], self._coll_device)
+        out = dict(zip([k for k in sums if k != "gap_max"], totals))
+        out["gap_max"] = dist.all_max([sums["gap_max"]], self._coll_device)[0]
+        out["grad_norm"] = grad_norms[-1]
+        out["lr"] = float(engine.get_lr()[0])
+        return out
+
+    @staticmethod
+    def _accumulate(sums, loss, logp, mb, mask, clipped, kl) -> None:
+        """Token sums for the step's metrics (first pass only: with mu > 1 later passes repeat the same data)."""
+        with torch.no_grad():
+            tokens = float(mask.sum())
+            real = mb.completion_mask.to(logp.device).float() * (0.0 if mb.dummy else 1.0)
+            gap = (logp.detach() - mb.rollout_logprobs.to(logp.device)).abs() * real
+            sums["loss"] += float(loss)
+            sums["tokens"] += tokens
+            sums["real_tokens"] += float(real.sum())
+            sums["clipped"] += float((clipped.float() * mask).sum())
+            sums["kl"] += float((kl * mask).sum()) if kl is not None else 0.0
+            sums["gap"] += float(gap.sum())
+            sums["gap_max"] = max(sums["gap_max"], float(gap.max()) if gap.numel() else 0.0)
+            sums["entropy"] += float((-logp.detach() * real).sum())
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def run(self, step: int) -> tuple[dict, list[PromptGroup], dict]:
+        """Returns (update sums, this rank's groups, collect info)."""
+        timer = Timer()
+        t0 = time.perf_counter()
+        groups, info = self.collect(step, timer)
+        self.advantages(groups)
+        if not dist.all_true(len(groups) > 0, self._coll_device):
+            # only with dynamic sampling: some rank kept no group at all -> nothing to train on this step
+            sums = {"skipped_update": 1.0}
+        else:
+            sums = self.update(groups, timer)
+        timer.seconds["step"] = time.perf_counter() - t0
+        info["timing"] = timer.seconds
+        return sums, groups, info

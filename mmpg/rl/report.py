@@ -1,0 +1,106 @@
+"""What a GRPO step reports: the metrics line (namespaced as verl does) and the rollout records of the run directory.
+
+Metrics (one `metrics.jsonl` line per step, also TensorBoard), over the whole global batch:
+    reward/mean, reward/std, reward/<component> (format, accuracy, iou = tIoU, iou_v2, parsed, or a user's keys)
+    response/length_mean, response/length_max, response/truncated (share that hit max_new_tokens)
+    actor/loss, actor/kl (k3, per token), actor/clip_fraction, actor/entropy (mean -log p of the sampled tokens, the
+        sample estimate of the policy entropy), actor/grad_norm, actor/lr,
+    actor/logprob_gap_mean, actor/logprob_gap_max (|rollout logprob - training logprob|: the train/inference mismatch)
+    data/skipped (unusable samples this step), data/skipped_total, data/zero_adv_groups (share of groups whose
+        rewards are all equal), data/dropped_groups, data/sampling_rounds (dynamic sampling)
+    timing_s/rollout, timing_s/reward, timing_s/logprob, timing_s/update, timing_s/step (slowest rank)
+    perf/tokens_per_s (prompt + response tokens of the global batch / step seconds), perf/peak_memory_mb
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+
+import numpy as np
+import torch
+
+from mmpg.rl.rewards import parsed_span
+from mmpg.runs import GroupRecord, ResponseRecord
+
+
+def group_summary(g) -> dict:
+    """The small, picklable facts of one group that rank 0 needs for the metrics."""
+    return {
+        "rewards": g.rewards,
+        "lengths": g.completion_mask.sum(dim=1).tolist(),
+        "truncated": [r == "length" for r in g.finish_reasons],
+        "prompt_tokens": int(g.inputs["input_ids"].shape[1]),
+    }
+
+
+def peak_memory_mb(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def step_metrics(summaries: list[dict], sums: dict, infos: list[dict], skipped_total: int, device: str) -> dict:
+    """summaries: every group of the global batch; sums: the update's all-reduced sums; infos: each rank's collect
+    info (skips, rounds, timing)."""
+    rewards = [r for s in summaries for r in s["rewards"]]
+    lengths = [n for s in summaries for n in s["lengths"]]
+    overall = np.array([r["overall"] for r in rewards], dtype=np.float64)
+    m: dict[str, float] = {}
+    if rewards:
+        m["reward/mean"], m["reward/std"] = float(overall.mean()), float(overall.std())
+        for key in sorted({k for r in rewards for k in r if k != "overall"}):
+            m[f"reward/{key}"] = float(np.mean([r.get(key, 0.0) for r in rewards]))
+        m["response/length_mean"], m["response/length_max"] = float(np.mean(lengths)), float(max(lengths))
+        m["response/truncated"] = float(np.mean([t for s in summaries for t in s["truncated"]]))
+        equal = [len({r["overall"] for r in s["rewards"]}) <= 1 for s in summaries]
+        m["data/zero_adv_groups"] = float(np.mean(equal))
+    tokens, real = sums.get("tokens", 0.0), sums.get("real_tokens", 0.0)
+    if "loss" in sums:
+        m["actor/loss"] = sums["loss"]
+        m["actor/kl"] = sums["kl"] / tokens if tokens else 0.0
+        m["actor/clip_fraction"] = sums["clipped"] / tokens if tokens else 0.0
+        m["actor/entropy"] = sums["entropy"] / real if real else 0.0
+        m["actor/logprob_gap_mean"] = sums["gap"] / real if real else 0.0
+        m["actor/logprob_gap_max"] = sums["gap_max"]
+        m["actor/grad_norm"] = sums["grad_norm"]
+        m["actor/lr"] = sums["lr"]
+    else:
+        m["actor/skipped_update"] = 1.0
+    m["data/skipped"] = float(sum(i["skipped"] for i in infos))
+    m["data/skipped_total"] = float(skipped_total)
+    m["data/dropped_groups"] = float(sum(i["dropped_groups"] for i in infos))
+    m["data/sampling_rounds"] = float(max(i["rounds"] for i in infos))
+    for phase in ("rollout", "reward", "logprob", "update", "step"):
+        m[f"timing_s/{phase}"] = max(i["timing"].get(phase, 0.0) for i in infos)
+    all_tokens = sum(s["prompt_tokens"] * len(s["lengths"]) for s in summaries) + sum(lengths)
+    step_s = m["timing_s/step"]
+    m["perf/tokens_per_s"] = all_tokens / step_s if step_s > 0 else 0.0
+    m["perf/peak_memory_mb"] = peak_memory_mb(device)
+    return {k: (v if isinstance(v, float) and math.isfinite(v) else v) for k, v in m.items()}
+
+
+def group_records(step: int, groups, first_index: int, media_keys: dict, swap_reversed: bool) -> list[GroupRecord]:
+    """This rank's groups as run-directory records (group_index counts over the global batch)."""
+    out = []
+    for j, g in enumerate(groups):
+        s = g.sample
+        responses = [
+            ResponseRecord(text=text, parsed_span=parsed_span(text, s, swap_reversed), rewards=dict(r),
+                           advantage=float(a), length=int(n), finish_reason=fr)
+            for text, r, a, n, fr in zip(g.texts, g.rewards, g.advantages.tolist(),
+                                         g.completion_mask.sum(dim=1).tolist(), g.finish_reasons)]
+        out.append(GroupRecord(step=step, group_index=first_index + j, sample_id=s.sample_id, video=s.video,
+                               duration=float(s.duration), query=s.query, gt_span=[float(s.span[0]),
+                                                                                    float(s.span[1])],
+                               media_key=media_keys.get(s.video), responses=responses))
+    return out
+
+
+def thumbnails(video, count: int) -> tuple[list[np.ndarray], list[float]]:
+    """`count` evenly spaced frames of a DecodedVideo as HxWx3 uint8 arrays, and their times in seconds."""
+    frames = video.frames  # [T, C, H, W] float 0..255
+    t = frames.shape[0]
+    idx = sorted({round(i * (t - 1) / max(1, count - 1)) for i in range(min(count, t))})
+    pics = [frames[i].permute(1, 2, 0).clamp(0, 255).to(torch.uint8).numpy() for i in idx]
+    return pics, [float(video.timestamps[i]) for i in idx]

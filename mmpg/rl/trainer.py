@@ -1,0 +1,119 @@
+"""`mmpg train`: GRPO for video temporal grounding on a DeepSpeed engine (ZeRO 0-3, one process or many).
+
+    mmpg train --config configs/cpu_demo.yaml rollout.n=4 optim.lr=1e-5
+    torchrun --nproc_per_node 2 -m mmpg.cli train --config ...          (or: deepspeed --num_gpus 8 ...)
+
+Set-up (`mmpg.train.setup`), the step loop (`mmpg.train.loop`) and checkpoints (`mmpg.train.checkpoint`) are shared
+with other jobs; what is GRPO's lives in `mmpg.rl.grpo` (the step) and `mmpg.rl.algos` (the maths).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mmpg.config import Config
+from mmpg.errors import UserError
+from mmpg.rl.grpo import GRPOStep
+from mmpg.rl.report import group_records, group_summary, step_metrics, thumbnails
+from mmpg.rl.rewards import make_scorer
+from mmpg.train import dist
+from mmpg.train.data import make_train_loader
+from mmpg.train.loop import StepOutput, run_loop
+from mmpg.train.setup import load_train_samples, open_session, video_spec
+
+log = logging.getLogger("mmpg.train")
+
+
+def check_grpo_config(cfg: Config) -> None:
+    """The combinations that cannot work, refused before anything is loaded or written."""
+    g = cfg.rollout.n
+    if g < 2:
+        raise UserError(f"rollout.n={g}: GRPO needs at least 2 responses per prompt (with one, every advantage is "
+                        "0 and nothing is learned)")
+    if cfg.trainer.micro_batch_size % g:
+        raise UserError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} responses would split a group of "
+                        f"rollout.n={g}; use a multiple of {g} (a group stays whole in one micro-batch)")
+    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    if cfg.data.batch_size % world:
+        raise UserError(f"data.batch_size={cfg.data.batch_size} prompts cannot be split evenly over {world} ranks")
+
+
+class GRPOJob:
+    kind = "grpo"
+
+    def __init__(self, session, samples):
+        cfg = session.cfg
+        self.session, self.cfg = session, cfg
+        self.ref = None
+        if cfg.algorithm.beta > 0:
+            from mmpg.models.loading import load_policy
+            from mmpg.train.engine import wrap_frozen
+
+            ref = load_policy(cfg.model.ref_path or cfg.model.path, dtype=session.dtype,
+                              attn_implementation=cfg.model.attn_implementation, device=session.device)
+            self.ref = wrap_frozen(ref, cfg, session.world, session.dtype)
+        from mmpg.data.prompts import get_template
+
+        template = get_template(cfg.data.template)
+        self.position = int(session.state.get("data_position", 0))  # stream position of the next global batch
+        loader = make_train_loader(samples, video_spec(cfg, session.family), session.processor, template,
+                                   global_batch=cfg.data.batch_size, rank=session.rank, world=session.world,
+                                   seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
+                                   num_workers=cfg.data.num_workers, strict=cfg.data.strict)
+        self.step_fn = GRPOStep(cfg, session.engine, self.ref, session.processor, iter(loader),
+                                make_scorer(cfg.reward, template.think), session.device)
+        self.skipped_total = int(session.state.get("skipped_total", 0))  # unusable samples so far, all ranks
+        self.sent_media: set[str] = set()
+        self.eval_samples = None
+
+    def trainer_state(self) -> dict:
+        pos = self.position + self.step_fn.batches_pulled * self.cfg.data.batch_size
+        return {"data_position": pos, "skipped_total": self.skipped_total, "kind": self.kind}
+
+    def _media(self, groups) -> list:
+        count = self.cfg.logging.thumbnails
+        out = []
+        for g in groups:
+            if count > 0 and g.video is not None and g.sample.video not in self.sent_media:
+                self.sent_media.add(g.sample.video)
+                out.append((g.sample.video, *thumbnails(g.video, count)))
+        return out
+
+    def train_step(self, step: int) -> StepOutput:
+        sums, groups, info = self.step_fn.run(step)
+        summaries = dist.gather_objects([group_summary(g) for g in groups])
+        infos = dist.gather_objects(info)
+        write_rollouts = self.cfg.logging.rollouts_every > 0 and step % self.cfg.logging.rollouts_every == 0
+        local_records = group_records(step, groups, 0, {}, self.cfg.reward.swap_reversed) if write_rollouts else []
+        media = dist.gather_objects(self._media(groups) if write_rollouts else [])
+        records = dist.gather_objects(local_records)
+        flat = [r for rank_records in records for r in rank_records]
+        for i, r in enumerate(flat):
+            r.group_index = i
+        self.skipped_total += sum(i["skipped"] for i in infos)  # the same on every rank
+        if self.session.rank != 0:
+            return StepOutput(metrics=None)
+        metrics = step_metrics([s for part in summaries for s in part], sums, infos, self.skipped_total,
+                               self.session.device)
+        return StepOutput(metrics=metrics, rollouts=flat, thumbnails=[m for part in media for m in part])
+
+    def evaluate(self, step: int) -> dict | None:
+        from mmpg.rl.evaluate import evaluate_heldout
+
+        return evaluate_heldout(self, step)
+
+
+def train(cfg: Config, command: list[str]) -> int:
+    """Run (or resume) a GRPO job; returns the exit status."""
+    check_grpo_config(cfg)
+    samples = load_train_samples(cfg)
+    micro = cfg.trainer.micro_batch_size
+    session = open_session(cfg, "grpo", command, micro_batch=micro,
+                           total_updates=cfg.trainer.total_steps * cfg.algorithm.num_iterations)
+    job = GRPOJob(session, samples)
+    if session.start_step >= cfg.trainer.total_steps:
+        log.info("nothing to do: the run is at step %d of %d", session.start_step, cfg.trainer.total_steps)
+    run_loop(job, session)
+    if session.rank == 0:
+        print(f"[mmpg] run directory: {session.run_dir}", flush=True)
+    return 0

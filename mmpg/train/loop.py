@@ -1,0 +1,74 @@
+"""The step-loop driver every training job shares: progress bar, one log line and one metrics line per step,
+rollout records, evaluation and checkpoints at their intervals, and a final checkpoint.
+
+A job supplies `train_step(step) -> StepOutput` (collective: every rank calls it), `trainer_state() -> dict` (what a
+checkpoint must hold besides weights, optimizer and RNG: the data position) and optionally `evaluate(step)`.
+Order within a step: metrics line, then rollouts, then (maybe) the checkpoint. A kill at any point loses at most the
+steps after the last complete checkpoint; on resume the run writer drops their lines, so no step is repeated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from tqdm import tqdm
+
+from mmpg.train import dist
+from mmpg.train.checkpoint import save_checkpoint
+
+log = logging.getLogger("mmpg.train")
+
+_SHOWN = (("reward/mean", "reward"), ("reward/iou", "tIoU"), ("timing_s/step", "s/step"))
+
+
+@dataclasses.dataclass
+class StepOutput:
+    metrics: dict | None  # the metrics line (rank 0; None elsewhere)
+    rollouts: list | None = None  # GroupRecords of the whole global batch (rank 0)
+    thumbnails: list | None = None  # (video path, frames, times) not yet stored (rank 0)
+
+
+def _line(step: int, total: int, metrics: dict) -> str:
+    keys = [k for k in ("reward/mean", "reward/iou", "reward/format", "actor/loss", "actor/kl", "actor/grad_norm",
+                        "response/length_mean", "timing_s/step") if k in metrics]
+    return f"step {step}/{total} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys)
+
+
+def run_loop(job, session) -> None:
+    cfg, writer = session.cfg, session.writer
+    total, start = cfg.trainer.total_steps, session.start_step
+    every_ckpt, every_eval = cfg.checkpoint.every_n_steps, cfg.eval.every_n_steps
+    bar = tqdm(total=total, initial=start, desc=f"{job.kind}", unit="step", disable=session.rank != 0,
+               dynamic_ncols=True)
+    try:
+        for step in range(start + 1, total + 1):
+            out = job.train_step(step)
+            if session.rank == 0:
+                media = {}
+                for video, frames, times in out.thumbnails or []:
+                    media[video] = writer.write_thumbnails(video, frames, times)
+                writer.log_metrics(step, out.metrics)
+                every_rollouts = cfg.logging.rollouts_every
+                if out.rollouts and every_rollouts > 0 and step % every_rollouts == 0:
+                    for record in out.rollouts:
+                        if record.media_key is None and record.video in media:
+                            record.media_key = media[record.video]
+                    writer.write_rollouts(step, out.rollouts)
+                log.info(_line(step, total, out.metrics))
+                bar.set_postfix({short: f"{out.metrics[k]:.3g}" for k, short in _SHOWN if k in out.metrics})
+                bar.update(1)
+            if every_eval > 0 and step % every_eval == 0 and hasattr(job, "evaluate"):
+                metrics = job.evaluate(step)
+                if session.rank == 0 and metrics:
+                    writer.log_eval(step, metrics)
+                    log.info("eval at step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            if step == total or (every_ckpt > 0 and step % every_ckpt == 0):
+                path = save_checkpoint(session.run_dir, step, session.engine, session.processor,
+                                       job.trainer_state(), cfg.checkpoint.keep_last)
+                if session.rank == 0:
+                    log.info("checkpoint %s", path)
+    finally:
+        bar.close()
+        writer.close()
+        dist.barrier()

@@ -1,0 +1,134 @@
+"""What every training job does before its first step: device, process group, run directory, resume point,
+policy + processor, the DeepSpeed engine, the training samples, the run writer and the log file."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from pathlib import Path
+
+from mmpg.config import to_yaml
+from mmpg.errors import UserError
+from mmpg.runs import METRICS_JSONL, RUN_JSON, TRAIN_LOG, RunWriter
+from mmpg.train import dist
+from mmpg.train.checkpoint import find_resume, load_checkpoint
+from mmpg.train.engine import build_engine, prepare_deepspeed_env, resolve_device, resolve_dtype_name
+
+log = logging.getLogger("mmpg.train")
+
+
+@dataclasses.dataclass
+class Session:
+    """The pieces a job's steps use; built by `open_session`."""
+
+    cfg: object
+    device: str
+    dtype: str
+    rank: int
+    world: int
+    run_dir: Path
+    model: object  # the policy (engine.module)
+    processor: object
+    engine: object
+    family: str
+    writer: RunWriter
+    start_step: int = 0  # last completed step (0 for a fresh run)
+    state: dict = dataclasses.field(default_factory=dict)  # trainer state of the resumed checkpoint
+
+
+def _run_dir(cfg) -> Path:
+    name = cfg.trainer.run_name or time.strftime("%Y%m%d-%H%M%S")
+    name = dist.gather_objects(name)[0]  # every rank uses rank 0's name (time stamps may differ)
+    return Path(cfg.trainer.output_dir) / name
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    root = logging.getLogger("mmpg")
+    root.setLevel(logging.INFO)
+    if rank != 0:
+        root.setLevel(logging.WARNING)
+        return
+    for h in list(root.handlers):
+        if getattr(h, "_mmpg", False):
+            root.removeHandler(h)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in (logging.FileHandler(run_dir / TRAIN_LOG), logging.StreamHandler(sys.stderr)):
+        handler.setFormatter(fmt)
+        handler._mmpg = True
+        root.addHandler(handler)
+
+
+def model_family(model) -> str:
+    kind = model.config.model_type
+    if kind not in ("qwen2_5_vl", "qwen3_vl"):
+        raise UserError(f"model.path holds a {kind!r} model; grounding training needs a video model "
+                        "(qwen2_5_vl or qwen3_vl)")
+    return kind
+
+
+def load_models(cfg, device: str, dtype: str):
+    from mmpg.models.loading import load_policy, load_processor
+
+    processor = load_processor(cfg.model.path)
+    model = load_policy(cfg.model.path, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
+                        gradient_checkpointing=cfg.model.gradient_checkpointing,
+                        freeze_vision=cfg.model.freeze_vision, device=device)
+    return model, processor
+
+
+def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_updates: int) -> Session:
+    """Everything up to the first step. Raises UserError on bad input before anything is written."""
+    if not cfg.model.path:
+        raise UserError("model.path is required (a checkpoint folder; mmpg make-tiny builds a tiny one)")
+    device = resolve_device(cfg.trainer.device)
+    dtype = resolve_dtype_name(cfg.model.dtype, device)
+    prepare_deepspeed_env(device)
+    rank, world = dist.init(device, cfg.deepspeed.timeout_minutes)
+    run_dir = _run_dir(cfg)
+    resume = find_resume(cfg.checkpoint.resume, run_dir)
+    if resume is None and ((run_dir / METRICS_JSONL).exists() or (run_dir / RUN_JSON).exists()):
+        raise UserError(f"{run_dir} already holds a run; continue it with checkpoint.resume=auto (--resume auto) "
+                        "or choose another trainer.run_name")
+    model, processor = load_models(cfg, device, dtype)
+    family = model_family(model)
+    engine = build_engine(model, cfg, world, micro_batch, dtype, total_updates)
+    start, state = 0, {}
+    if resume is not None:
+        state = load_checkpoint(resume, engine)
+        start = int(state["step"])
+    writer = RunWriter(run_dir, rank=rank, tensorboard=cfg.logging.tensorboard)
+    writer.start(to_yaml(cfg), kind=kind, command=command, resume_step=start if resume is not None else None)
+    _setup_logging(run_dir, rank)
+    if rank == 0:
+        print(f"[mmpg] resolved config ({kind}):\n{to_yaml(cfg)}", flush=True)
+        log.info("run directory %s; %s, %s, %d rank(s), ZeRO stage %s%s", run_dir, device, dtype, world,
+                 engine.zero_optimization_stage(), f"; resumed from {resume} (step {start})" if resume else "")
+    return Session(cfg=cfg, device=device, dtype=dtype, rank=rank, world=world, run_dir=run_dir, model=engine.module,
+                   processor=processor, engine=engine, family=family, writer=writer, start_step=start, state=state)
+
+
+def load_train_samples(cfg):
+    """The training samples (annotation problems: counted skips, or an error in strict mode)."""
+    from mmpg.data.formats import load_annotations
+
+    if not cfg.data.train:
+        raise UserError("data.train is required (an annotation file)")
+    result = load_annotations(cfg.data.train, cfg.data.videos or None, fmt=cfg.data.format, strict=cfg.data.strict)
+    for skip in result.skipped[:20]:
+        log.warning("annotation skipped: %s: %s", skip.where, skip.reason)
+    if result.skipped:
+        log.warning("%d annotation(s) skipped in %s", len(result.skipped), cfg.data.train)
+    samples = result.samples[:cfg.data.max_samples] if cfg.data.max_samples > 0 else result.samples
+    if not samples:
+        raise UserError(f"{cfg.data.train}: no usable samples")
+    return samples
+
+
+def video_spec(cfg, family: str):
+    from mmpg.data.video import VideoSpec
+
+    d = cfg.data
+    return VideoSpec.for_family(family, fps=d.fps, min_frames=d.min_frames, max_frames=d.max_frames,
+                                min_pixels=d.min_pixels, max_pixels=d.max_pixels, total_pixels=d.total_pixels)

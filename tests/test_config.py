@@ -1,0 +1,277 @@
+"""The config tree: defaults <- YAML <- overrides, one-line errors that name the key, and `mmpg train --fields`.
+
+Everything here is CPU-only and touches no model, data or video: loading a config must not look at the paths it names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from mmpg.cli import main
+from mmpg.config import CHOICES, GROUPS, Config, all_keys, describe, load_config, to_yaml
+from mmpg.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path, text: str, name: str = "cfg.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _error(path=None, overrides=()) -> str:
+    with pytest.raises(UserError) as info:
+        load_config(path, list(overrides))
+    return str(info.value)
+
+
+# ---------------------------------------------------------------- defaults, precedence, help texts
+
+
+def test_defaults_load_without_a_file():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.rollout.n == 8 and cfg.optim.lr == 1e-6 and cfg.optim.betas == [0.9, 0.999]
+
+
+def test_file_then_overrides_take_precedence(tmp_path):
+    path = _write(tmp_path, "rollout: {n: 4, temperature: 0.7}\noptim: {lr: 1.0e-4}\n")
+    cfg = load_config(path, ["rollout.n=16", "trainer.total_steps=3"])
+    assert cfg.rollout.n == 16              # override beats the file
+    assert cfg.rollout.temperature == 0.7   # file beats the default
+    assert cfg.optim.lr == 1e-4
+    assert cfg.trainer.total_steps == 3     # override of a key the file leaves alone
+    assert cfg.data.batch_size == 8         # untouched default
+    # Later overrides beat earlier ones.
+    assert load_config(path, ["rollout.n=2", "rollout.n=6"]).rollout.n == 6
+
+
+def test_int_given_to_a_float_field_becomes_a_float():
+    cfg = load_config(None, ["rollout.temperature=1", "optim.lr=3e-6"])
+    assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
+    assert cfg.optim.lr == 3e-6
+
+
+def test_empty_file_and_empty_group_keep_the_defaults(tmp_path):
+    assert load_config(_write(tmp_path, "")) == Config()
+    # A group whose fields are all commented out.
+    assert load_config(_write(tmp_path, "rollout:\n  # n: 4\n", "group.yaml")) == Config()
+
+
+def test_every_field_has_help_and_a_default():
+    assert GROUPS == [f.name for f in dataclasses.fields(Config)]
+    for group in dataclasses.fields(Config):
+        assert dataclasses.is_dataclass(group.default_factory), group.name
+        for f in dataclasses.fields(group.default_factory):
+            key = f"{group.name}.{f.name}"
+            assert f.metadata.get("help", "").strip(), f"{key} has no help text"
+            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            assert has_default, f"{key} has no default"
+
+
+def test_all_keys_and_choices_agree_with_the_tree():
+    keys = all_keys()
+    assert len(keys) == len(set(keys))
+    assert all(k.count(".") == 1 and k.split(".")[0] in GROUPS for k in keys)
+    assert "rollout.n" in keys and "algorithm.epsilon_high" in keys
+    defaults = Config()
+    for key, allowed in CHOICES.items():
+        assert key in keys, key
+        group, name = key.split(".")
+        assert getattr(getattr(defaults, group), name) in allowed, f"default of {key} is not one of its choices"
+
+
+def test_describe_lists_each_key_with_its_help():
+    text = describe("rollout")
+    assert "rollout.temperature = 1.0" in text
+    assert "Group size G" in text
+    assert "optim." not in text
+    with pytest.raises(UserError, match="groups are model, data"):
+        describe("nosuchgroup")
+
+
+# ---------------------------------------------------------------- errors: unknown keys, types, choices, syntax
+
+
+@pytest.mark.parametrize("override, key, suggestion", [
+    ("rollout.temprature=1", "rollout.temprature", "rollout.temperature"),
+    ("trainer.total_step=3", "trainer.total_step", "trainer.total_steps"),
+    ("rolout.n=2", "rolout.n", "rollout.n"),            # unknown group: the same field in the nearest group
+    ("lr=1e-5", "lr", "optim.lr"),                       # no group: the field of that name
+    ("rollout.lr=1e-5", "rollout.lr", "optim.lr"),       # right field, wrong group
+])
+def test_unknown_override_names_the_full_key_and_the_nearest(override, key, suggestion):
+    msg = _error(overrides=[override])
+    assert f"unknown config key '{key}'" in msg
+    assert f"did you mean {suggestion}" in msg          # the best guess comes first
+    assert "\n" not in msg
+
+
+def test_unknown_key_suggestion_is_not_padded_with_noise():
+    # Only the close field of the same group, not every rollout.* key that shares a few letters.
+    assert "did you mean rollout.temperature?" in _error(overrides=["rollout.temprature=1"])
+
+
+def test_unknown_key_far_from_everything_lists_the_groups():
+    msg = _error(overrides=["zzzz.qqqq=1"])
+    assert "unknown config key 'zzzz.qqqq'" in msg and "groups are model, data, rollout" in msg
+
+
+@pytest.mark.parametrize("text, key, suggestion", [
+    ("rollout: {temprature: 1}\n", "rollout.temprature", "rollout.temperature"),
+    ("trainer:\n  total_step: 3\n", "trainer.total_step", "trainer.total_steps"),
+    ("rolout:\n  n: 2\n", "rolout.n", "rollout.n"),
+])
+def test_unknown_yaml_key_names_the_file_the_full_key_and_the_nearest(tmp_path, text, key, suggestion):
+    path = _write(tmp_path, text)
+    msg = _error(path)
+    assert str(path) in msg
+    assert f"unknown config key '{key}'" in msg and f"did you mean {suggestion}" in msg
+
+
+@pytest.mark.parametrize("override, key, type_name", [
+    ("rollout.n=abc", "rollout.n", "int"),
+    ("rollout.n=2.5", "rollout.n", "int"),
+    ("optim.lr=fast", "optim.lr", "float"),
+    ("data.shuffle=maybe", "data.shuffle", "bool"),
+    ("data.min_pixels=abc", "data.min_pixels", "Optional[int]"),
+])
+def test_wrong_type_names_the_key_and_the_expected_type(override, key, type_name):
+    msg = _error(overrides=[override])
+    assert f"config key '{key}'" in msg and f"not a valid {type_name}" in msg
+    assert "Config" not in msg   # not the enclosing dataclass (RolloutConfig) as the expected type
+
+
+def test_wrong_type_in_yaml_names_the_file_and_the_key(tmp_path):
+    path = _write(tmp_path, "data: {batch_size: [1]}\n")
+    msg = _error(path)
+    assert str(path) in msg and "config key 'data.batch_size'" in msg and "[1]" in msg and "int" in msg
+
+
+def test_group_given_a_value_names_the_group(tmp_path):
+    assert "config key 'model' is a group" in _error(overrides=["model=3"])
+    assert "config key 'rollout' is a group" in _error(_write(tmp_path, "rollout: 3\n"))
+
+
+def test_bad_choice_names_the_allowed_values():
+    msg = _error(overrides=["algorithm.loss_type=ppo"])
+    assert "algorithm.loss_type" in msg and "'ppo'" in msg
+    assert all(v in msg for v in CHOICES["algorithm.loss_type"])
+
+
+def test_out_of_range_value_names_the_key():
+    assert "rollout.temperature" in _error(overrides=["rollout.temperature=0"])
+    assert "deepspeed.zero_stage" in _error(overrides=["deepspeed.zero_stage=4"])
+
+
+@pytest.mark.parametrize("override", ["rollout.n", "=3", "rollout"])
+def test_override_without_key_value_shape(override):
+    msg = _error(overrides=[override])
+    assert "must look like key=value" in msg and repr(override) in msg
+
+
+def test_missing_config_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    msg = _error(path)
+    assert str(path) in msg and "not found" in msg
+
+
+@pytest.mark.parametrize("text, what", [
+    ("rollout: {n: [\n", "not a valid YAML"),
+    ("rollout:\n  n: 4\n n: 5\n", "not a valid YAML"),
+    ("3\n", "not a valid YAML"),
+    ("- 1\n- 2\n", "must be a mapping"),
+])
+def test_invalid_yaml(tmp_path, text, what):
+    path = _write(tmp_path, text)
+    msg = _error(path)
+    assert str(path) in msg and what in msg and "\n" not in msg
+
+
+# ---------------------------------------------------------------- to_yaml and the shipped configs
+
+
+def test_to_yaml_round_trips(tmp_path):
+    cfg = load_config(None, ["rollout.n=3", "optim.betas=[0.8,0.95]", "data.min_pixels=3136",
+                             "model.path=some/dir", "algorithm.loss_type=dapo", "trainer.run_name=x"])
+    path = _write(tmp_path, to_yaml(cfg), "resolved.yaml")
+    assert load_config(path) == cfg
+    assert load_config(_write(tmp_path, to_yaml(Config()), "defaults.yaml")) == Config()
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load_without_touching_their_paths(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # the relative data and model paths they name do not exist here
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    assert load_config(_write(tmp_path, to_yaml(cfg))) == cfg
+    assert list(tmp_path.iterdir()) == [tmp_path / "cfg.yaml"]
+
+
+def test_there_are_shipped_configs():
+    assert list((REPO / "configs").glob("*.yaml"))
+
+
+# ---------------------------------------------------------------- through the CLI
+
+
+@pytest.mark.parametrize("write, overrides, key", [
+    ("rollout: {temprature: 1}\n", [], "rollout.temprature"),
+    ("", ["trainer.total_step=3"], "trainer.total_step"),
+    ("data: {batch_size: [1]}\n", [], "data.batch_size"),
+    ("", ["algorithm.loss_type=ppo"], "algorithm.loss_type"),
+    ("", ["rollout.n=abc"], "rollout.n"),
+])
+def test_cli_bad_config_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys, write, overrides, key):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    path = _write(tmp_path, write)
+    runs = tmp_path / "runs"
+    status = main(["train", "--config", str(path), f"trainer.output_dir={runs}"] + overrides)
+    out, err = capsys.readouterr()
+    assert status == 2
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mmpg: error:") and key in lines[0], err
+    assert not runs.exists()
+    assert list(work.iterdir()) == []
+
+
+def test_cli_missing_config_file(tmp_path, capsys):
+    status = main(["train", "--config", str(tmp_path / "nope.yaml"), f"trainer.output_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("mmpg: error:") and "nope.yaml" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_fields_prints_every_key(capsys):
+    assert main(["train", "--fields"]) == 0
+    out = capsys.readouterr().out
+    for key in all_keys():
+        assert f"{key} = " in out, key
+
+
+def test_cli_fields_of_one_group(capsys):
+    assert main(["train", "--fields", "rollout"]) == 0
+    out = capsys.readouterr().out
+    printed = {k for k in all_keys() if f"{k} = " in out}
+    assert printed == {k for k in all_keys() if k.startswith("rollout.")}
+
+
+def test_cli_fields_of_an_unknown_group(capsys):
+    assert main(["train", "--fields", "nosuchgroup"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mmpg: error:") and "nosuchgroup" in err and len(err.splitlines()) == 1
+
+
+def test_cli_train_help_names_every_group(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())   # argparse rewraps the epilog
+    assert "config groups: " + ", ".join(GROUPS) in out
+    assert "--fields" in out

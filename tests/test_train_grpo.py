@@ -1,0 +1,197 @@
+"""`mmpg train` end to end on the CPU, each run in a fresh process as a user starts it: grouped vs repeated forward
+give the same training, a policy learns a reward it can earn, bad input is one line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from train_utils import final_weights, metrics, overrides, run_cli
+
+pytestmark = pytest.mark.slow
+
+LOSS_RTOL = 1e-5  # per-step loss, grouping true vs false (float32; measured below 1e-6)
+WEIGHT_RTOL = 1e-5  # ||w_grouped - w_repeated|| / ||w|| over all weights after 5 steps
+
+
+def _train(args, timeout=600):
+    proc = run_cli(["train"] + args, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _rel(a: dict, b: dict) -> float:
+    num = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a)
+    den = sum(float((a[k].double() ** 2).sum()) for k in a)
+    return (num / den) ** 0.5
+
+
+def _perturbed_copy(model_dir: str, out: Path, scale: float = 0.05) -> Path:
+    """The checkpoint with every weight moved by seeded noise: a KL reference that differs from the policy, so the KL
+    term and its gradient are of normal size (against an identical reference both are ~0 and only rounding
+    noise is compared)."""
+    shutil.copytree(model_dir, out)
+    weights_file = next(out.glob("*.safetensors"))
+    weights = load_file(str(weights_file))
+    g = torch.Generator().manual_seed(1)
+    noisy = {k: (v + scale * torch.randn(v.shape, generator=g).to(v.dtype)) if v.is_floating_point() else v
+             for k, v in weights.items()}
+    save_file(noisy, str(weights_file), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("variant", [
+    {},
+    {"algorithm.num_iterations": 2},
+    {"algorithm.beta": 0.1},
+], ids=["mu1", "mu2", "beta"])
+def test_grouped_and_repeated_training_are_the_same(grpo_data, tmp_path, variant):
+    """5 steps, same seed: grouping true vs false. Losses are compared against the scale of their terms (with mu = 1
+    the policy-gradient loss is -mean(A) = 0 by construction, so a relative comparison of two ~1e-9 values would
+    compare rounding noise): |loss_a - loss_b| <= LOSS_RTOL * max(|loss|, 1)."""
+    if "algorithm.beta" in variant:
+        variant = dict(variant, **{"model.ref_path": str(_perturbed_copy(grpo_data["model"], tmp_path / "ref"))})
+    runs = {}
+    for grouping in (True, False):
+        name = f"g{int(grouping)}"
+        _train(overrides(grpo_data, tmp_path, name, **{"algorithm.grouping": grouping, "trainer.total_steps": 5,
+                                                        "data.batch_size": 2, **variant}))
+        runs[grouping] = tmp_path / name
+    a, b = metrics(runs[True]), metrics(runs[False])
+    assert [m["step"] for m in a] == [1, 2, 3, 4, 5]
+    assert any(abs(m["actor/loss"]) > 0 for m in a), "the test reward must give non-zero advantages"
+    for ma, mb in zip(a, b):
+        la, lb = ma["actor/loss"], mb["actor/loss"]
+        assert abs(la - lb) <= LOSS_RTOL * max(abs(la), abs(lb), 1.0), (ma["step"], la, lb)
+        assert ma["reward/mean"] == mb["reward/mean"], "both runs must sample the same responses"
+    if "algorithm.beta" in variant:
+        assert all(m["actor/kl"] > 1e-3 for m in a)
+        for ma, mb in zip(a, b):
+            assert abs(ma["actor/kl"] - mb["actor/kl"]) <= LOSS_RTOL * ma["actor/kl"], (ma["actor/kl"], mb["actor/kl"])
+    wa, wb = final_weights(runs[True], 5), final_weights(runs[False], 5)
+    assert wa.keys() == wb.keys()
+    rel = _rel(wa, wb)
+    assert rel <= WEIGHT_RTOL, f"final weights differ by {rel:.2e} (relative norm)"
+    init = load_file(str(next(Path(grpo_data["model"]).glob("*.safetensors"))))
+    moved = max(float((wa[k] - init[k]).abs().max()) for k in init if k in wa)
+    assert moved > 1e-4, "the weights must really move (not a comparison of two untouched models)"
+
+
+def test_policy_learns_a_reward_it_can_earn(grpo_data, tmp_path):
+    """Reward = share of spaces in the response: a random policy earns ~7 % of it; 20 GRPO steps at lr 1e-2 push it
+    up (measured: 0.07 -> 0.2 at step 15, 0.9 at step 30 with 8 responses per prompt)."""
+    _train(overrides(grpo_data, tmp_path, "learn", **{
+        "reward.function": "reward_fns:space_share", "trainer.total_steps": 20, "rollout.n": 8,
+        "trainer.micro_batch_size": 16, "optim.lr": 1e-2}))
+    rewards = [m["reward/mean"] for m in metrics(tmp_path / "learn")]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.05, f"mean reward of the first 5 steps {first:.3f}, of the last 5 {last:.3f}"
+
+
+def test_run_directory_contents(grpo_data, tmp_path):
+    _train(overrides(grpo_data, tmp_path, "r", **{"trainer.total_steps": 2, "checkpoint.every_n_steps": 1,
+                                                   "checkpoint.keep_last": 1, "logging.tensorboard": True,
+                                                   "reward.function": ""}))
+    from mmpg.runs import RunReader
+
+    reader = RunReader(tmp_path / "r")
+    assert reader.info()["kind"] == "grpo"
+    assert reader.config()["rollout"]["n"] == 4
+    lines = reader.metrics()
+    assert [m["step"] for m in lines] == [1, 2]
+    for key in ("reward/mean", "reward/iou", "reward/format", "response/length_mean", "actor/kl",
+                "actor/clip_fraction", "actor/entropy", "actor/grad_norm", "actor/lr", "timing_s/rollout",
+                "timing_s/reward", "timing_s/logprob", "timing_s/update", "timing_s/step", "perf/tokens_per_s",
+                "perf/peak_memory_mb", "data/skipped", "data/zero_adv_groups", "actor/logprob_gap_mean"):
+        assert key in lines[0], key
+    assert lines[0]["actor/logprob_gap_max"] < 1e-3  # the rollout's logprobs are the training forward's
+    assert reader.steps() == [1, 2]
+    groups = reader.rollouts(1)
+    assert len(groups) == 2 and all(len(g.responses) == 4 for g in groups)
+    assert [g.group_index for g in groups] == [0, 1]
+    for g in groups:
+        assert g.gt_span[0] < g.gt_span[1] and g.duration > 0
+        assert all(r.finish_reason in ("stop", "length") and r.length >= 1 for r in g.responses)
+        pictures, times = reader.thumbnails(g.media_key)
+        assert len(pictures) == 4 and len(times) == 4
+    assert [s for s, _ in reader.checkpoints()] == [2]  # keep_last 1
+    assert list((tmp_path / "r" / "tb").iterdir())
+    # the HF checkpoint loads with plain transformers
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    ckpt = reader.checkpoints()[0][1]
+    AutoModelForImageTextToText.from_pretrained(ckpt)
+    AutoProcessor.from_pretrained(ckpt)
+
+
+def _damage(grpo_data, tmp_path):
+    """A copy of the synthetic set with one training video corrupted and one missing."""
+    synth = tmp_path / "synth"
+    shutil.copytree(grpo_data["synth"], synth)
+    train = json.loads((synth / "train.json").read_text())
+    ids = list(train)
+    (synth / "videos" / f"{ids[0]}.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 this is not a video")
+    (synth / "videos" / f"{ids[1]}.mp4").unlink()
+    return {"model": grpo_data["model"], "synth": synth}, len(train[ids[0]]["sentences"]) + \
+        len(train[ids[1]]["sentences"])
+
+
+def test_bad_videos_are_skipped_and_counted(grpo_data, tmp_path):
+    data, bad = _damage(grpo_data, tmp_path)
+    _train(overrides(data, tmp_path, "skip", **{"trainer.total_steps": 6, "data.batch_size": 2,
+                                                 "data.shuffle": False}))
+    lines = metrics(tmp_path / "skip")
+    assert [m["step"] for m in lines] == list(range(1, 7))
+    assert lines[-1]["data/skipped_total"] >= bad
+    assert sum(m["data/skipped"] for m in lines) == lines[-1]["data/skipped_total"]
+
+
+def test_bad_videos_in_strict_mode_stop_with_one_line(grpo_data, tmp_path):
+    data, _ = _damage(grpo_data, tmp_path)
+    proc = run_cli(["train"] + overrides(data, tmp_path, "strict", **{"data.strict": True, "data.shuffle": False,
+                                                                      "data.num_workers": 1}))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("mmpg: error:") and ".mp4" in last and "sample" in last
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"rollout.n": 1}, ["rollout.n=1", "at least 2"]),
+    ({"trainer.micro_batch_size": 6}, ["micro_batch_size=6", "split a group"]),
+    ({"rollout.temprature": 1.0}, ["rollout.temprature", "rollout.temperature"]),
+    ({"model.path": "models/q25"}, ["models/q25"]),
+    ({"data.train": "no/such/annotations.json"}, ["no/such/annotations.json"]),
+], ids=["G=1", "split-group", "unknown-key", "missing-model", "missing-annotations"])
+def test_bad_input_is_one_line_and_writes_nothing(grpo_data, tmp_path, extra, words):
+    out = tmp_path / "out"
+    proc = run_cli(["train"] + overrides(grpo_data, out, "bad", **extra), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("mmpg: error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert not out.exists()
+
+
+def test_an_existing_run_is_not_overwritten(grpo_data, tmp_path):
+    _train(overrides(grpo_data, tmp_path, "once", **{"trainer.total_steps": 1}))
+    proc = run_cli(["train"] + overrides(grpo_data, tmp_path, "once", **{"trainer.total_steps": 1}))
+    assert proc.returncode == 2 and "resume" in proc.stderr
+    assert len(metrics(tmp_path / "once")) == 1
+
+
+def test_prompt_seeds_depend_on_step_sample_and_round_only():
+    """Runs on different numbers of ranks sample the same responses because seeds come from (seed, step, sample id,
+    round) and nothing else."""
+    from mmpg.rl.grpo import prompt_seed
+
+    assert prompt_seed(0, 1, "a#0", 1) == prompt_seed(0, 1, "a#0", 1)
+    seeds = {prompt_seed(0, s, sid, r) for s in range(50) for sid in ("a#0", "a#1", "b#0") for r in (1, 2)}
+    assert len(seeds) == 50 * 3 * 2

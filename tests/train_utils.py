@@ -1,0 +1,60 @@
+"""Building training configs for tests: the tiny model, a few synthetic videos, one small step size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def overrides(data: dict, out: Path, name: str, **extra) -> list[str]:
+    """key=value overrides for a short CPU GRPO run; `extra` adds or replaces ('rollout.n': 4, ...)."""
+    synth = data["synth"]
+    base = {
+        "model.path": data["model"], "model.dtype": "float32",
+        "data.train": str(synth / "train.json"), "data.videos": str(synth / "videos"),
+        "data.batch_size": 2, "data.fps": 1.0, "data.max_frames": 4, "data.min_pixels": 3136,
+        "data.max_pixels": 3136, "data.num_workers": 0,
+        "rollout.n": 4, "rollout.max_new_tokens": 8,
+        "trainer.micro_batch_size": 4, "trainer.device": "cpu", "trainer.output_dir": str(out),
+        "trainer.run_name": name, "trainer.total_steps": 3, "trainer.seed": 0,
+        "optim.lr": 1e-3, "checkpoint.every_n_steps": 0, "logging.tensorboard": False,
+        "reward.function": "reward_fns:digit_share",
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), e.get("PYTHONPATH", "")])
+    e.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
+    e.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    e["OMP_NUM_THREADS"] = e.get("OMP_NUM_THREADS", "1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(key, None)
+    return e
+
+
+def run_cli(args: list[str], timeout: float = 600, procs: int = 1) -> subprocess.CompletedProcess:
+    """`mmpg ...` in a fresh process (or under torchrun with `procs` processes)."""
+    if procs > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port",
+               str(29500 + os.getpid() % 1000), "-m", "mmpg.cli"] + args
+    else:
+        cmd = [sys.executable, "-m", "mmpg.cli"] + args
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=ROOT)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run_dir: Path, step: int) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
