@@ -42,7 +42,7 @@ def _stage0_grad_norm(engine) -> float | None:
     the norm). After the boundary backward the gradients are already averaged over ranks."""
     if engine.zero_optimization_stage() != 0:
         return None
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    grads = [p.grad for p in engine.module.policy.parameters() if p.grad is not None]
     if not grads:
         return 0.0
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
@@ -77,7 +77,8 @@ class GRPOStep:
         self.world = dist.world_size()
         self.local_batch = cfg.data.batch_size // self.world
         sync = (lambda done: dist.all_true(done, self._coll_device)) if self.world > 1 else None
-        self.rollout_engine = HFEngine(engine.module, processor, all_done=sync)
+        self.policy = engine.module.policy
+        self.rollout_engine = HFEngine(self.policy, processor, all_done=sync)
         self.pad_id = self.rollout_engine._pad_id()
         self.batches_pulled = 0  # global batches consumed (the data position is start + this * batch_size)
 
@@ -112,7 +113,7 @@ class GRPOStep:
             with timer("rollout"):
                 rollout = self.rollout_engine.generate_groups(batch.inputs, cfg.rollout.n, sampling,
                                                               prompt_seeds=seeds)
-            new = split_groups(self.engine.module, batch, rollout, seeds)
+            new = split_groups(self.policy, batch, rollout, seeds)
             with timer("reward"):
                 for g in new:
                     g.rewards = [self.scorer(text, g.sample) for text in g.texts]
@@ -146,6 +147,7 @@ class GRPOStep:
 
     # ---- update ------------------------------------------------------------------------------------------------
     def _logprobs(self, model, mb, chunk: int) -> torch.Tensor:
+        """[n, S] float32 logprobs of the micro-batch's responses under `model` (grouped or repeated forward)."""
         from mmpg.grouping import grouped_logprobs, repeated_logprobs
 
         args = (model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes)
@@ -184,7 +186,7 @@ class GRPOStep:
         old, ref = [None] * len(mbs), [None] * len(mbs)
         with timer("logprob"), torch.no_grad():
             if alg.num_iterations > 1:
-                old = [self._logprobs(engine.module, mb, c) for mb, c in zip(mbs, chunks)]
+                old = [self._logprobs(self.policy, mb, c) for mb, c in zip(mbs, chunks)]
             if alg.beta > 0:
                 ref = [self._logprobs(self.ref, mb, c) for mb, c in zip(mbs, chunks)]
         sums = dict.fromkeys(("loss", "kl", "clipped", "tokens", "real_tokens", "gap", "gap_max", "entropy"), 0.0)
@@ -193,7 +195,7 @@ class GRPOStep:
             for it in range(alg.num_iterations):
                 for i, (mb, chunk, mask) in enumerate(zip(mbs, chunks, masks)):
                     engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
-                    logp = self._logprobs(engine.module, mb, chunk)
+                    logp = engine(self._logprobs, mb, chunk)  # through engine.forward (see TrainModule)
                     old_i = logp.detach() if old[i] is None else old[i]
                     per_tok, clipped = algos.clipped_policy_loss(logp, old_i, mb.advantages.to(logp.device),
                                                                  alg.epsilon_low, alg.epsilon_high)

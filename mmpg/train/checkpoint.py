@@ -65,7 +65,7 @@ def save_checkpoint(run_dir: Path, step: int, engine, processor, trainer_state: 
     dist.barrier()
     state_dict = full_state_dict(engine)  # collective under ZeRO-3
     if rank == 0:
-        engine.module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        engine.module.policy.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         processor.save_pretrained(tmp)
     engine.save_checkpoint(str(tmp / "deepspeed"), tag=DS_TAG, save_latest=False)
     (tmp / "rng").mkdir(exist_ok=True)

@@ -35,6 +35,21 @@ _ZERO = {
 }
 
 
+class TrainModule(torch.nn.Module):
+    """The policy as DeepSpeed sees it. `engine(fn, *args)` runs `fn(policy, *args)` inside `engine.forward`, so a
+    job's own loss computation (the grouped forward, which calls the policy's sub-modules itself) gets DeepSpeed's
+    forward bookkeeping: ZeRO-3 micro-step counters and the backward prologue hooks on the output. (Calling the
+    policy directly and then `engine.backward` silently drops every micro-batch gradient but the last under ZeRO-3.)
+    """
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, fn, *args, **kwargs):
+        return fn(self.policy, *args, **kwargs)
+
+
 def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,7 +121,8 @@ def lr_lambda(total_updates: int, warmup: int, kind: str, min_ratio: float):
 
 
 def build_engine(model, cfg, world_size: int, micro_batch: int, dtype: str, total_updates: int):
-    """Wrap `model` (already on its device, in its dtype) into a DeepSpeed engine with AdamW and the LR schedule."""
+    """Wrap `model` (already on its device, in its dtype) into a DeepSpeed engine with AdamW and the LR schedule.
+    The engine's module is a `TrainModule`; the policy is `engine.module.policy`."""
     import deepspeed
 
     conf = deepspeed_config(cfg, world_size, micro_batch, dtype)
@@ -122,8 +138,8 @@ def build_engine(model, cfg, world_size: int, micro_batch: int, dtype: str, tota
         optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(total_updates, o.warmup_steps, o.scheduler, o.min_lr_ratio))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=conf,
-                                           dist_init_required=world_size > 1)
+    engine, _, _, _ = deepspeed.initialize(model=TrainModule(model), optimizer=optimizer, lr_scheduler=schedule,
+                                           config=conf, dist_init_required=world_size > 1)
     return engine
 
 
@@ -146,10 +162,12 @@ def is_zero3(engine) -> bool:
 
 
 def full_state_dict(engine) -> dict | None:
-    """The whole model's weights on the CPU on rank 0 (None elsewhere); collective under ZeRO-3."""
+    """The policy's whole weights on the CPU on rank 0 (None elsewhere), keyed as `policy.state_dict()`;
+    collective under ZeRO-3 (gathered from every rank's partition)."""
+    prefix = "policy."
     if is_zero3(engine):
-        return engine._zero3_consolidated_16bit_state_dict()
-    if int(os.environ.get("RANK", "0")) != 0 and torch.distributed.is_initialized() \
-            and torch.distributed.get_rank() != 0:
+        full = engine._zero3_consolidated_16bit_state_dict()
+        return None if full is None else {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return None
-    return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
+    return {k: v.detach().cpu() for k, v in engine.module.policy.state_dict().items()}
