@@ -14,6 +14,8 @@ import logging
 
 from tqdm import tqdm
 
+from mmpg.runs import MEDIA_DIR, video_key
+from mmpg.runs.layout import MEDIA_META
 from mmpg.train import dist
 from mmpg.train.checkpoint import save_checkpoint
 
@@ -51,9 +53,10 @@ def run_loop(job, session) -> None:
                 writer.log_metrics(step, out.metrics)
                 every_rollouts = cfg.logging.rollouts_every
                 if out.rollouts and every_rollouts > 0 and step % every_rollouts == 0:
-                    for record in out.rollouts:
-                        if record.media_key is None and record.video in media:
-                            record.media_key = media[record.video]
+                    for record in out.rollouts:  # thumbnails of a video are written once, at its first step
+                        key = media.get(record.video) or video_key(record.video)
+                        if (session.run_dir / MEDIA_DIR / key / MEDIA_META).is_file():
+                            record.media_key = key
                     writer.write_rollouts(step, out.rollouts)
                 log.info(_line(step, total, out.metrics))
                 bar.set_postfix({short: f"{out.metrics[k]:.3g}" for k, short in _SHOWN if k in out.metrics})
