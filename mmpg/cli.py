@@ -56,7 +56,7 @@ def _cmd_synth(args) -> int:
 def _cmd_demo(args) -> int:
     from mmpg.demo import run_demo
 
-    return run_demo(args.workdir, family=args.family)
+    return run_demo(args.workdir, family=args.family, train_steps=args.train_steps)
 
 
 def _cmd_check_data(args) -> int:
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the default job: tiny model + synthetic videos, end to end on a CPU")
     p.add_argument("--workdir", default="data/generated/demo", help="where the tiny model and videos are kept")
     p.add_argument("--family", default="qwen2_5_vl", help="qwen2_5_vl or qwen3_vl")
+    p.add_argument("--train-steps", type=_non_negative_int, default=3, help="GRPO steps at the end (0: none)")
     p.set_defaults(func=_cmd_demo)
     return parser
 

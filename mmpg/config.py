@@ -47,7 +47,8 @@ class DataConfig:
     train: str = _f("", "Training annotations (Charades-STA txt/JSON, ActivityNet JSON, Time-R1 list, JSONL).")
     val: str = _f("", "Held-out annotations for eval.every_n_steps (empty: no evaluation during training).")
     videos: str = _f("", "Folder holding the videos the annotations name.")
-    format: str = _f("auto", "Annotation format: auto, charades, captions, time_r1, jsonl.")
+    format: str = _f("auto", "Annotation format: auto, charades (txt), captions (Charades-STA / ActivityNet "
+                      "JSON), time_r1, jsonl (data/README.md).")
     template: str = _f("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only.")
     batch_size: int = _f(8, "Prompts per training step over all ranks (each gets rollout.n responses).")
     fps: float = _f(2.0, "Frames sampled per second of video (Time-R1: 2).")
@@ -184,7 +185,9 @@ CHOICES = {
     "optim.scheduler": ("constant", "cosine"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "data.template": ("time_r1", "time_r1_frames", "answer_only"),
-    "data.format": ("auto", "charades", "captions", "time_r1", "jsonl"),
+    # mmpg.data.formats.FORMAT_CHOICES (tests/test_config.py keeps the two equal)
+    "data.format": ("auto", "charades", "captions", "time_r1", "jsonl", "activitynet", "anet", "charades_json",
+                    "charades_txt"),
 }
 
 

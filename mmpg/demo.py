@@ -4,7 +4,8 @@
 2. load them as a user loads real ones: `from_pretrained`, the annotation loader, qwen-vl-utils (decord);
 3. sample a group of answers to one grounding question with the shared-prefix rollout (video prefilled once);
 4. score them with the grounding rewards and compute GRPO-style group-normalised advantages;
-5. recompute the answers' logprobs with the grouped forward and with the naive repeated forward, and compare.
+5. recompute the answers' logprobs with the grouped forward and with the naive repeated forward, and compare;
+6. run a few GRPO training steps (`mmpg train`, DeepSpeed on the CPU) and say where the run directory is.
 The model is random, so its answers are noise; the point is that every stage runs on real formats and code paths.
 """
 
@@ -41,7 +42,24 @@ def _first_sample(data_dir: Path):
     return result.samples[0], len(result.samples)
 
 
-def run_demo(workdir: str | Path = "data/generated/demo", family: str = "qwen2_5_vl") -> int:
+def _train_briefly(model_dir: Path, data_dir: Path, workdir: Path, family: str, steps: int) -> Path:
+    """A few GRPO steps on the demo's videos through the same entry point as `mmpg train`."""
+    from mmpg.config import load_config
+    from mmpg.rl.trainer import train
+
+    name = f"demo-{family}-{time.strftime('%Y%m%d-%H%M%S')}"
+    cfg = load_config(None, [
+        f"model.path={model_dir}", "model.dtype=float32", f"data.train={data_dir / 'train.json'}",
+        f"data.videos={data_dir / 'videos'}", "data.batch_size=2", "data.fps=1.0", "data.max_frames=8",
+        "data.num_workers=0", f"rollout.n={GROUP_SIZE}", f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
+        f"trainer.micro_batch_size={GROUP_SIZE}", "trainer.device=cpu", f"trainer.output_dir={workdir / 'runs'}",
+        f"trainer.run_name={name}", f"trainer.total_steps={steps}", "optim.lr=1e-4",
+        f"checkpoint.every_n_steps={steps}", "checkpoint.keep_last=1", "logging.tensorboard=false"])
+    train(cfg, ["mmpg", "demo"])
+    return workdir / "runs" / name
+
+
+def run_demo(workdir: str | Path = "data/generated/demo", family: str = "qwen2_5_vl", train_steps: int = 3) -> int:
     from mmpg.data.prompts import build_prompt_inputs
     from mmpg.data.video import VideoSpec, load_video
     from mmpg.grouping import grouped_logprobs, repeated_logprobs
@@ -52,6 +70,8 @@ def run_demo(workdir: str | Path = "data/generated/demo", family: str = "qwen2_5
     from mmpg.errors import UserError
     from mmpg.models.tiny import VL_FAMILIES
 
+    if train_steps < 0:
+        raise UserError(f"--train-steps must be >= 0, got {train_steps}")
     if family not in VL_FAMILIES:
         raise UserError(f"the demo needs a video model family; choose one of {', '.join(VL_FAMILIES)}")
     start = time.perf_counter()
@@ -89,5 +109,14 @@ def run_demo(workdir: str | Path = "data/generated/demo", family: str = "qwen2_5
     print(f"    (a correct answer would score {sample_reward(truth, sample)['overall']:.2f}: format 1 + iou_v2 1)")
     print(f"  grouped vs repeated forward: max |logprob difference| = {diff:.2e} over "
           f"{int(rollout.completion_mask.sum())} response tokens (float32)")
+    if train_steps > 0:
+        from mmpg.runs import RunReader
+
+        run_dir = _train_briefly(model_dir, data_dir, workdir, family, train_steps)
+        print(f"  training:    {train_steps} GRPO steps (DeepSpeed, CPU) -> run directory {run_dir}")
+        for m in RunReader(run_dir).metrics():
+            print(f"    step {m['step']}: reward {m['reward/mean']:.3f}, tIoU {m['reward/iou']:.3f}, "
+                  f"{m['timing_s/step']:.1f} s")
+        print(f"    metrics.jsonl, rollouts/ and checkpoints/ are there; longer: bash scripts/train_cpu_demo.sh")
     print("  next: bash scripts/test.sh runs the test suite; README.md explains the pieces")
     return 0 if diff <= 1e-4 else 1

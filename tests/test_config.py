@@ -275,3 +275,9 @@ def test_cli_train_help_names_every_group(capsys):
     out = " ".join(capsys.readouterr().out.split())   # argparse rewraps the epilog
     assert "config groups: " + ", ".join(GROUPS) in out
     assert "--fields" in out
+
+
+def test_format_choices_are_the_loaders():
+    from mmpg.data.formats import FORMAT_CHOICES
+
+    assert set(CHOICES["data.format"]) == set(FORMAT_CHOICES)

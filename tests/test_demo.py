@@ -15,6 +15,11 @@ def test_demo_runs_and_reports(tmp_path, capsys, family):
     assert "built now:   tiny" in out and "6 synthetic videos" in out
     assert "grouped vs repeated forward: max |logprob difference|" in out
     assert "would score 2.00" in out
+    assert "3 GRPO steps" in out and "step 3: reward" in out
+    from mmpg.runs import RunReader
+
+    runs = sorted((tmp_path / "demo" / "runs").iterdir())
+    assert len(runs) == 1 and [m["step"] for m in RunReader(runs[0]).metrics()] == [1, 2, 3]
     # a second run reuses what is there
-    assert run_demo(tmp_path / "demo", family=family) == 0
+    assert run_demo(tmp_path / "demo", family=family, train_steps=0) == 0
     assert "nothing (reused what was there)" in capsys.readouterr().out
