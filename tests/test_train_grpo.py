@@ -4,6 +4,7 @@ give the same training, a policy learns a reward it can earn, bad input is one l
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 from pathlib import Path
@@ -195,3 +196,26 @@ def test_prompt_seeds_depend_on_step_sample_and_round_only():
     assert prompt_seed(0, 1, "a#0", 1) == prompt_seed(0, 1, "a#0", 1)
     seeds = {prompt_seed(0, s, sid, r) for s in range(50) for sid in ("a#0", "a#1", "b#0") for r in (1, 2)}
     assert len(seeds) == 50 * 3 * 2
+
+
+def test_dynamic_sampling_dapo_and_eval_during_training(grpo_data, tmp_path):
+    """The options a DAPO-style run uses, together: dynamic sampling (digit_share is 0 for most groups of a random
+    policy, so groups are dropped and more prompts drawn), token-level loss, truncated responses masked, batch-std
+    advantages, and a held-out evaluation every 2 steps written to eval.jsonl."""
+    synth = grpo_data["synth"]
+    _train(overrides(grpo_data, tmp_path, "dapo", **{
+        "algorithm.dynamic_sampling": True, "algorithm.max_sampling_rounds": 3, "algorithm.loss_type": "dapo",
+        "algorithm.mask_truncated": True, "algorithm.scale_rewards": "batch", "algorithm.epsilon_high": 0.28,
+        "trainer.total_steps": 4, "eval.every_n_steps": 2, "data.val": str(synth / "val.json"),
+        "eval.max_new_tokens": 8}))
+    lines = metrics(tmp_path / "dapo")
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert sum(m["data/dropped_groups"] for m in lines) > 0
+    assert max(m["data/sampling_rounds"] for m in lines) > 1
+    assert all(m["data/sampling_rounds"] <= 3 for m in lines)
+    assert all(math.isfinite(m["actor/loss"]) and math.isfinite(m["actor/grad_norm"]) for m in lines
+               if "actor/loss" in m)
+    evals = [json.loads(line) for line in (tmp_path / "dapo" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [2, 4]
+    for e in evals:
+        assert e["eval/count"] == 1.0 and 0.0 <= e["eval/miou"] <= 1.0 and "eval/r1@0.5" in e
