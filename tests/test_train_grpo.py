@@ -3,6 +3,7 @@ give the same training, a policy learns a reward it can earn, bad input is one l
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import shutil
@@ -169,8 +170,11 @@ def test_bad_videos_in_strict_mode_stop_with_one_line(grpo_data, tmp_path):
     ({"rollout.temprature": 1.0}, ["rollout.temprature", "rollout.temperature"]),
     ({"model.path": "models/q25"}, ["models/q25"]),
     ({"data.train": "no/such/annotations.json"}, ["no/such/annotations.json"]),
-], ids=["G=1", "split-group", "unknown-key", "missing-model", "missing-annotations"])
+    ({"logging.wandb": True}, ["wandb"]),
+], ids=["G=1", "split-group", "unknown-key", "missing-model", "missing-annotations", "no-wandb"])
 def test_bad_input_is_one_line_and_writes_nothing(grpo_data, tmp_path, extra, words):
+    if "logging.wandb" in extra and importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
     out = tmp_path / "out"
     proc = run_cli(["train"] + overrides(grpo_data, out, "bad", **extra), timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]

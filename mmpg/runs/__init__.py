@@ -9,6 +9,7 @@ from mmpg.runs.checkpoints import (
     prune_checkpoints,
     temp_checkpoint_dir,
 )
+from mmpg.runs.evals import EvalReader, EvalWriter, PredictionRecord, list_run_evals, run_eval_dir
 from mmpg.runs.files import atomic_write_json, atomic_write_text, read_jsonl
 from mmpg.runs.layout import (
     CHECKPOINTS_DIR,
@@ -31,6 +32,11 @@ from mmpg.runs.writer import RunWriter
 __doc__ = _layout.__doc__  # the layout is documented once, in mmpg/runs/layout.py
 
 __all__ = [
+    "EvalReader",
+    "EvalWriter",
+    "PredictionRecord",
+    "list_run_evals",
+    "run_eval_dir",
     "CHECKPOINTS_DIR",
     "COMPLETE",
     "CONFIG_YAML",

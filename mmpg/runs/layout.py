@@ -20,6 +20,7 @@ and record); a reader refuses a version newer than its own and says to upgrade m
       checkpoints/step_00000012/    a complete checkpoint: a folder holding the file COMPLETE, written last
       checkpoints/.tmp-step_...     a checkpoint being written (readers ignore it; pruning removes stale ones)
       train.log                     the trainer's log (written by the trainer, not by mmpg.runs)
+      evals/<benchmark>/step_XXXXXXXX/  evaluation folders of this run's checkpoints (layout in mmpg/runs/evals.py)
 
 A rollout line (`GroupRecord.to_json()`; units and meanings of each field in mmpg/runs/records.py):
 

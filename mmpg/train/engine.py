@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -69,6 +70,12 @@ def prepare_deepspeed_env(device: str) -> None:
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
+    # DeepSpeed JIT-builds ops with the first `ninja` on PATH. Two ninja versions (the venv's, the system's) hash
+    # build commands differently, so processes started with and without the venv on PATH rebuild the op (1-2 min)
+    # every time. Use the ninja installed beside this Python when there is one.
+    bin_dir = Path(sys.executable).parent
+    if (bin_dir / "ninja").is_file() and not os.environ.get("PATH", "").startswith(str(bin_dir) + os.pathsep):
+        os.environ["PATH"] = str(bin_dir) + os.pathsep + os.environ.get("PATH", "")
 
 
 def deepspeed_config(cfg, world_size: int, micro_batch: int, dtype: str) -> dict:
