@@ -31,6 +31,29 @@ class StepOutput:
     thumbnails: list | None = None  # (video path, frames, times) not yet stored (rank 0)
 
 
+class _NoTracker:
+    """Stands in for wandb when it is off, so the loop has no `if wandb:` branches."""
+
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def _tracker(session):
+    """wandb on rank 0 when `logging.wandb` is on (resumes the same wandb run for a resumed mmpg run)."""
+    cfg = session.cfg
+    if not cfg.logging.wandb or session.rank != 0:
+        return _NoTracker()
+    import wandb  # presence checked in open_session, before anything was written
+
+    from mmpg.config import to_dict
+
+    return wandb.init(project=cfg.logging.wandb_project, name=session.run_dir.name, id=session.run_dir.name,
+                      resume="allow", dir=str(session.run_dir), config=to_dict(cfg))
+
+
 def _line(step: int, total: int, metrics: dict) -> str:
     keys = [k for k in ("reward/mean", "reward/iou", "reward/format", "actor/loss", "actor/kl", "actor/grad_norm",
                         "response/length_mean", "timing_s/step") if k in metrics]
@@ -41,6 +64,7 @@ def run_loop(job, session) -> None:
     cfg, writer = session.cfg, session.writer
     total, start = cfg.trainer.total_steps, session.start_step
     every_ckpt, every_eval = cfg.checkpoint.every_n_steps, cfg.eval.every_n_steps
+    tracker = _tracker(session)
     bar = tqdm(total=total, initial=start, desc=f"{job.kind}", unit="step", disable=session.rank != 0,
                dynamic_ncols=True)
     try:
@@ -51,6 +75,7 @@ def run_loop(job, session) -> None:
                 for video, frames, times in out.thumbnails or []:
                     media[video] = writer.write_thumbnails(video, frames, times)
                 writer.log_metrics(step, out.metrics)
+                tracker.log(out.metrics, step=step)
                 every_rollouts = cfg.logging.rollouts_every
                 if out.rollouts and every_rollouts > 0 and step % every_rollouts == 0:
                     for record in out.rollouts:  # thumbnails of a video are written once, at its first step
@@ -65,6 +90,7 @@ def run_loop(job, session) -> None:
                 metrics = job.evaluate(step)
                 if session.rank == 0 and metrics:
                     writer.log_eval(step, metrics)
+                    tracker.log(metrics, step=step)
                     log.info("eval at step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
             if step == total or (every_ckpt > 0 and step % every_ckpt == 0):
                 path = save_checkpoint(session.run_dir, step, session.engine, session.processor,
@@ -74,4 +100,5 @@ def run_loop(job, session) -> None:
     finally:
         bar.close()
         writer.close()
+        tracker.finish()
         dist.barrier()

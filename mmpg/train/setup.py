@@ -82,6 +82,12 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     """Everything up to the first step. Raises UserError on bad input before anything is written."""
     if not cfg.model.path:
         raise UserError("model.path is required (a checkpoint folder; mmpg make-tiny builds a tiny one)")
+    if cfg.logging.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UserError("logging.wandb=true but the wandb package is not installed; pip install wandb, or "
+                            "turn it off") from None
     device = resolve_device(cfg.trainer.device)
     dtype = resolve_dtype_name(cfg.model.dtype, device)
     prepare_deepspeed_env(device)
