@@ -75,9 +75,29 @@ def _cmd_train(args) -> int:
     if args.resume:
         overrides.append(f"checkpoint.resume={args.resume}")
     cfg = load_config(args.config, overrides)
+    if args.command == "sft":
+        from mmpg.sft.job import sft
+
+        return sft(cfg, ["mmpg", "sft"] + list(args.argv))
     from mmpg.rl.trainer import train
 
     return train(cfg, ["mmpg", "train"] + list(args.argv))
+
+
+def _cmd_eval(args) -> int:
+    from mmpg.eval.cli import run
+
+    return run(args)
+
+
+def _cmd_inspect(args) -> int:
+    from app.server import launch
+
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"mmpg inspect: serving on {args.host}: anyone who can reach this machine can read {args.path}",
+              file=sys.stderr)
+    launch(args.path, host=args.host, port=args.port)
+    return 0
 
 
 def _train_epilog() -> str:
@@ -127,16 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_arguments(p)
     p.set_defaults(func=bench_cli.run)
 
-    p = sub.add_parser("train", help="GRPO training on DeepSpeed (one process, torchrun or the deepspeed launcher)",
-                       epilog=_train_epilog())
-    p.add_argument("--config", default=None, help="YAML config (configs/*.yaml); defaults <- file <- overrides")
-    p.add_argument("--resume", default=None, help="'auto' (latest complete checkpoint of the run) or a checkpoint "
-                   "folder; same as checkpoint.resume=...")
-    p.add_argument("--fields", nargs="?", const="", default=None, metavar="GROUP",
-                   help="print every config field (of GROUP) with its default and help, and exit")
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.n=8")
-    p.set_defaults(func=_cmd_train)
+    for name, text in (("train", "GRPO training on DeepSpeed (one process, torchrun or the deepspeed launcher)"),
+                       ("sft", "supervised warm start on grounding annotations (same config tree and run directory)")):
+        p = sub.add_parser(name, help=text, epilog=_train_epilog())
+        p.add_argument("--config", default=None, help="YAML config (configs/*.yaml); defaults <- file <- overrides")
+        p.add_argument("--resume", default=None, help="'auto' (latest complete checkpoint of the run) or a "
+                       "checkpoint folder; same as checkpoint.resume=...")
+        p.add_argument("--fields", nargs="?", const="", default=None, metavar="GROUP",
+                       help="print every config field (of GROUP) with its default and help, and exit")
+        p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.n=8")
+        p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("demo", help="the default job: tiny model + synthetic videos, end to end on a CPU")
     p.add_argument("--workdir", default="data/generated/demo", help="where the tiny model and videos are kept")

@@ -158,6 +158,14 @@ class EvalConfig:
 
 
 @dataclass
+class SFTConfig:
+    think: str = _f("I watch the frames and find when the described moment starts and ends.",
+                    "Text inside <think>..</think> of the supervised target (used when the prompt template asks for "
+                    "reasoning); the answer follows as <answer>START to END</answer>.")
+    decimals: int = _f(2, "Decimals of the target times (trailing zeros dropped: 12.5, 17).")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -170,6 +178,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 GROUPS = [f.name for f in dataclasses.fields(Config)]

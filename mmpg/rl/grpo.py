@@ -28,6 +28,7 @@ from mmpg.rl import algos
 from mmpg.rl.batch import PromptGroup, micro_batches, split_groups
 from mmpg.rollout import HFEngine, SamplingParams
 from mmpg.train import dist
+from mmpg.train.engine import stage0_grad_norm
 
 MAX_EMPTY_ROUNDS = 50  # rounds in a row in which some rank had no usable sample at all -> the data is unusable
 HEAD_CHUNK = 2048  # LM-head rows per chunk (before equalising the chunk count across ranks)
@@ -35,17 +36,6 @@ HEAD_CHUNK = 2048  # LM-head rows per chunk (before equalising the chunk count a
 
 def prompt_seed(seed: int, step: int, sample_id: str, round_: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + round_ * 104_729 + zlib.crc32(sample_id.encode())) % (2 ** 62)
-
-
-def _stage0_grad_norm(engine) -> float | None:
-    """Global gradient norm before clipping, for ZeRO stage 0 in float32 (DeepSpeed clips there without keeping
-    the norm). After the boundary backward the gradients are already averaged over ranks."""
-    if engine.zero_optimization_stage() != 0:
-        return None
-    grads = [p.grad for p in engine.module.policy.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
 
 class Timer:
@@ -206,7 +196,7 @@ class GRPOStep:
                     weights = algos.loss_token_weights(mask, alg.loss_type)
                     loss = (weights * per_tok).sum() / denom if denom > 0 else (per_tok * 0).sum()
                     engine.backward(loss * self.world, scale_wrt_gas=False)
-                    own_norm = _stage0_grad_norm(engine) if i == len(mbs) - 1 else None
+                    own_norm = stage0_grad_norm(engine) if i == len(mbs) - 1 else None
                     engine.step()
                     if it == 0:
                         self._accumulate(sums, loss, logp, mb, mask, clipped, kl)

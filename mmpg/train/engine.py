@@ -178,3 +178,14 @@ def full_state_dict(engine) -> dict | None:
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return None
     return {k: v.detach().cpu() for k, v in engine.module.policy.state_dict().items()}
+
+
+def stage0_grad_norm(engine) -> float | None:
+    """Global gradient norm before clipping, for ZeRO stage 0 in float32 (DeepSpeed clips there without keeping
+    the norm). After the boundary backward the gradients are already averaged over ranks."""
+    if engine.zero_optimization_stage() != 0:
+        return None
+    grads = [p.grad for p in engine.module.policy.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))

@@ -21,7 +21,7 @@ from mmpg.train.checkpoint import save_checkpoint
 
 log = logging.getLogger("mmpg.train")
 
-_SHOWN = (("reward/mean", "reward"), ("reward/iou", "tIoU"), ("timing_s/step", "s/step"))
+_SHOWN = (("reward/mean", "reward"), ("reward/iou", "tIoU"), ("sft/loss", "loss"), ("timing_s/step", "s/step"))
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ def _tracker(session):
 
 
 def _line(step: int, total: int, metrics: dict) -> str:
-    keys = [k for k in ("reward/mean", "reward/iou", "reward/format", "actor/loss", "actor/kl", "actor/grad_norm",
+    keys = [k for k in ("reward/mean", "reward/iou", "reward/format", "sft/loss", "actor/loss", "actor/kl", "actor/grad_norm",
                         "response/length_mean", "timing_s/step") if k in metrics]
     return f"step {step}/{total} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys)
 

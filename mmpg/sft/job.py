@@ -1,0 +1,158 @@
+"""`mmpg sft`: supervised warm start. Each sample's target is the answer in the prompt's own format,
+
+    <think>{sft.think}</think><answer>{start} to {end}</answer><|im_end|>      (no <think> part for answer_only)
+
+and the loss is the token-mean negative log-likelihood of the target tokens only (the prompt and the video are
+context), over the whole global batch: sum over micro-batches and ranks of -log p, divided by the number of target
+tokens of the global batch. The forward is the grouped one with one "response" per prompt, so the LM head runs only
+on target positions. Same config tree, DeepSpeed engine, run directory, step loop, checkpoints and resume as
+`mmpg train` (`mmpg.train`); metrics: sft/loss, sft/target_tokens, actor/grad_norm, actor/lr, timing_s/*, perf/*.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from mmpg.config import Config
+from mmpg.data.dataset import strict_error
+from mmpg.data.prompts import get_template
+from mmpg.errors import UserError
+from mmpg.rl.batch import PromptGroup, micro_batches
+from mmpg.rl.report import peak_memory_mb
+from mmpg.train import dist
+from mmpg.train.data import make_train_loader
+from mmpg.train.engine import stage0_grad_norm
+from mmpg.train.loop import StepOutput, run_loop
+from mmpg.train.setup import load_train_samples, open_session, video_spec
+
+log = logging.getLogger("mmpg.train")
+
+
+def _number(x: float, decimals: int) -> str:
+    text = f"{x:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def target_text(sample, think: str | None, decimals: int = 2) -> str:
+    """The supervised answer for a sample, in the format the grounding reward and parser expect."""
+    s, e = sample.span
+    answer = f"<answer>{_number(s, decimals)} to {_number(e, decimals)}</answer>"
+    return f"<think>{think}</think>{answer}" if think is not None else answer
+
+
+class SFTJob:
+    kind = "sft"
+
+    def __init__(self, session, samples):
+        cfg = session.cfg
+        self.session, self.cfg = session, cfg
+        self.template = get_template(cfg.data.template)
+        self.position = int(session.state.get("data_position", 0))
+        loader = make_train_loader(samples, video_spec(cfg, session.family), session.processor, self.template,
+                                   global_batch=cfg.data.batch_size, rank=session.rank, world=session.world,
+                                   seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
+                                   num_workers=cfg.data.num_workers, strict=cfg.data.strict)
+        self.batches, self.pulled = iter(loader), 0
+        self.skipped_total = int(session.state.get("skipped_total", 0))
+        self.tokenizer = getattr(session.processor, "tokenizer", session.processor)
+        eos = session.model.generation_config.eos_token_id
+        self.stop_id = eos if isinstance(eos, int) else eos[0]
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_id
+        self.coll = "cuda" if session.device == "cuda" and dist.active() else "cpu"
+        self.eval_samples = None
+
+    def trainer_state(self) -> dict:
+        return {"data_position": self.position + self.pulled * self.cfg.data.batch_size,
+                "skipped_total": self.skipped_total, "kind": self.kind}
+
+    def _groups(self, batch) -> list[PromptGroup]:
+        """One PromptGroup per sample: its prompt and its target as the single 'response' [1, T]."""
+        from mmpg.grouping.inputs import prompt_attention_mask, split_visuals_per_prompt
+
+        think = self.cfg.sft.think if self.template.think else None
+        attn = prompt_attention_mask(batch.inputs)
+        visuals = split_visuals_per_prompt(self.session.model, batch.inputs)
+        groups = []
+        for b, sample in enumerate(batch.samples):
+            ids = self.tokenizer(target_text(sample, think, self.cfg.sft.decimals),
+                                 add_special_tokens=False)["input_ids"] + [self.stop_id]
+            one = {k: batch.inputs[k][b:b + 1, attn[b]] for k in ("input_ids", "attention_mask", "mm_token_type_ids")
+                   if batch.inputs.get(k) is not None}
+            one.update(visuals[b])
+            target = torch.tensor([ids])
+            groups.append(PromptGroup(sample=sample, video=None, inputs=one, completion_ids=target,
+                                      completion_mask=torch.ones_like(target), rollout_logprobs=torch.zeros(1, len(ids)),
+                                      texts=[""], finish_reasons=["stop"], advantages=torch.zeros(1)))
+        return groups
+
+    @staticmethod
+    def _nll(policy, mb, chunk):
+        from mmpg.grouping import grouped_logprobs
+
+        return grouped_logprobs(policy, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
+                                chunk_size=chunk)
+
+    def train_step(self, step: int) -> StepOutput:
+        t0 = time.perf_counter()
+        batch = next(self.batches)
+        self.pulled += 1
+        if batch.skipped and self.cfg.data.strict:
+            raise strict_error(batch.skipped[0])
+        if not dist.all_true(len(batch) > 0, self.coll):
+            raise UserError("a whole batch of unusable videos on some rank; check the data with mmpg check-data")
+        groups = self._groups(batch)
+        t_data = time.perf_counter() - t0
+        engine = self.session.engine
+        mbs = micro_batches(groups, max(1, self.cfg.trainer.micro_batch_size), self.pad_id)
+        target = int(dist.all_max([len(mbs)], self.coll)[0])
+        while len(mbs) < target:  # lockstep filler (ZeRO-3), weight 0
+            mbs.append(micro_batches(groups[:1], 1, self.pad_id)[0])
+            mbs[-1].dummy = True
+        tokens = dist.all_sum([sum(float(mb.completion_mask.sum()) for mb in mbs if not mb.dummy)], self.coll)[0]
+        loss_sum = 0.0
+        for i, mb in enumerate(mbs):
+            engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+            logp = engine(self._nll, mb, 2048)
+            mask = mb.completion_mask.to(logp.device).float() * (0.0 if mb.dummy else 1.0)
+            loss = -(logp * mask).sum() / tokens
+            engine.backward(loss * self.session.world, scale_wrt_gas=False)
+            own_norm = stage0_grad_norm(engine) if i == len(mbs) - 1 else None
+            engine.step()
+            loss_sum += float(loss)
+        infos = dist.gather_objects({"skipped": len(batch.skipped), "prompt_tokens": sum(
+            int(g.inputs["input_ids"].shape[1]) for g in groups)})
+        self.skipped_total += sum(i["skipped"] for i in infos)
+        loss_total = dist.all_sum([loss_sum], self.coll)[0]
+        if self.session.rank != 0:
+            return StepOutput(metrics=None)
+        norm = engine.get_global_grad_norm()
+        norm = own_norm if norm is None else norm
+        step_s = time.perf_counter() - t0
+        all_tokens = tokens + sum(i["prompt_tokens"] for i in infos)
+        metrics = {"sft/loss": loss_total, "sft/target_tokens": tokens,
+                   "actor/grad_norm": float(norm) if norm is not None else float("nan"),
+                   "actor/lr": float(engine.get_lr()[0]), "data/skipped": float(sum(i["skipped"] for i in infos)),
+                   "data/skipped_total": float(self.skipped_total), "timing_s/data": t_data,
+                   "timing_s/update": step_s - t_data, "timing_s/step": step_s,
+                   "perf/tokens_per_s": all_tokens / step_s, "perf/peak_memory_mb": peak_memory_mb(
+                       self.session.device)}
+        return StepOutput(metrics=metrics)
+
+    def evaluate(self, step: int) -> dict | None:
+        from mmpg.rl.evaluate import evaluate_heldout
+
+        return evaluate_heldout(self, step)
+
+
+def sft(cfg: Config, command: list[str]) -> int:
+    """Run (or resume) a supervised warm start; returns the exit status."""
+    samples = load_train_samples(cfg)
+    micro = cfg.trainer.micro_batch_size
+    session = open_session(cfg, "sft", command, micro_batch=micro, total_updates=cfg.trainer.total_steps)
+    run_loop(SFTJob(session, samples), session)
+    if session.rank == 0:
+        print(f"[mmpg] run directory: {session.run_dir}", flush=True)
+    return 0
