@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from mmpg.errors import UserError
 from mmpg.runs.layout import LAYOUT_VERSION
@@ -189,3 +189,16 @@ def repair_tail(path: str | os.PathLike) -> bool:
         f.flush()
         os.fsync(f.fileno())
     return True
+
+
+def resolve_inside(root: str | os.PathLike, relpath: str | os.PathLike, what: str = "the run directory") -> Path:
+    """The real path of `relpath` inside `root`; UserError for anything that would leave it (an absolute path,
+    '..', or a symlink pointing outside). Every file a reader hands out goes through here."""
+    rel = PurePath(relpath)
+    if rel.is_absolute() or rel.anchor or ".." in rel.parts:
+        raise UserError(f"{os.fspath(relpath)!r}: only paths inside {what} are allowed")
+    base = Path(root).resolve()
+    full = (base / rel).resolve()
+    if not full.is_relative_to(base):
+        raise UserError(f"{os.fspath(relpath)!r} leads outside {what} {base} (through a symlink)")
+    return full

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path, PurePath
+from pathlib import Path
 
 import yaml
 
 from mmpg.errors import UserError
 from mmpg.runs.checkpoints import list_checkpoints
-from mmpg.runs.files import read_jsonl
+from mmpg.runs.files import read_jsonl, resolve_inside
 from mmpg.runs.layout import (
     CONFIG_YAML,
     EVAL_JSONL,
@@ -148,11 +148,4 @@ class RunReader:
     def resolve(self, relpath: str | os.PathLike) -> Path:
         """The real path of `relpath` inside the run directory; UserError for anything that would leave it
         (an absolute path, '..', or a symlink pointing outside)."""
-        rel = PurePath(relpath)
-        if rel.is_absolute() or rel.anchor or ".." in rel.parts:
-            raise UserError(f"{os.fspath(relpath)!r}: only paths inside the run directory are allowed")
-        root = self.run_dir.resolve()
-        full = (root / rel).resolve()
-        if not full.is_relative_to(root):
-            raise UserError(f"{os.fspath(relpath)!r} leads outside the run directory {root} (through a symlink)")
-        return full
+        return resolve_inside(self.run_dir, relpath, "the run directory")
