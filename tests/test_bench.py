@@ -214,3 +214,98 @@ def test_rollout_level_reports_a_missing_engine(tmp_path, monkeypatch):
                                                in_process=True, log=lambda m: None))
     assert rows[0]["note"] == "" and rows[0]["time_s"] > 0
     assert rows[1]["note"].startswith("n/a: mmpg.rollout not available")
+
+
+def test_step_level_in_process_times_every_phase(tmp_path, capsys):
+    # one whole GRPO step per variant through the trainer's own code (GRPOStep.update on a DeepSpeed engine):
+    # generate + repeated forward vs shared-prefix rollout + grouped forward, every phase timed
+    import os
+
+    from mmpg.bench.step import PHASES
+    from mmpg.train import dist
+
+    touched = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")
+    saved = {k: os.environ.get(k) for k in touched}  # dist.init / prepare_deepspeed_env set them for the process
+    was_initialized = torch.distributed.is_initialized()
+    out = tmp_path / "step.json"
+    try:
+        assert cli.run(_args("--preset", "tiny", "--levels", "step", "--in-process", "--out", str(out))) == 0
+    finally:
+        if not was_initialized:
+            dist.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["level"], r["variant"]) for r in rows] == [("step", "naive"), ("step", "mmpg")]
+    naive, ours = rows
+    G, S, P = naive["G"], naive["S"], naive["P"]
+    for row in rows:
+        assert row["note"] == "", row["note"]
+        assert set(row["phases"]) == {*PHASES, "total"}
+        for name, phase in row["phases"].items():
+            assert phase["time_s"] > 0 and phase["speedup"] > 0, (row["variant"], name, phase)
+            assert phase["peak_MB"] is None  # in-process: memory is not measured
+        assert row["time_s"] == row["phases"]["total"]["time_s"]
+        assert row["response_tokens"] == G * S  # no stop token: both decode exactly S tokens per response
+        for key in ("rho_rollout", "rho_fwd", "rho_flops", "rho_step"):
+            assert row[key] > 1, key
+    assert naive["tokens"] == G * (P + S) and ours["tokens"] == P + G * S  # the update's forward
+    assert ours["phases"]["update"]["ceiling"] == ours["rho_flops"]
+    assert ours["phases"]["total"]["ceiling"] == ours["rho_step"] and ours["phases"]["reward"]["ceiling"] is None
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("level") and "phase" in line)
+    cols = header.split()
+    lines = [line.split() for line in printed[printed.index(header):].splitlines()[2:] if line.startswith("step")]
+    assert [(c[cols.index("variant")], c[cols.index("phase")]) for c in lines] == [
+        (v, p) for v in ("naive", "mmpg") for p in (*PHASES, "total")]
+    assert all(c[cols.index("peak_MB")] == "n/a" for c in lines)
+
+
+def test_step_phase_memory_is_relative_to_the_step_start(monkeypatch):
+    # each phase resets the high-water mark at its start; its peak is counted from the RSS when the step began
+    # (100), and the step's peak is the largest phase peak
+    from mmpg.bench import worker
+    from mmpg.bench.step import PhaseClock
+
+    hwm = iter([150, 100, 400])  # rollout, reward (no growth: not seen), update
+    monkeypatch.setattr(worker, "_rss", lambda: 100)
+    monkeypatch.setattr(worker, "_reset_hwm", lambda: True)
+    monkeypatch.setattr(worker, "_hwm", lambda: next(hwm))
+    clock = PhaseClock(torch.device("cpu"), memory=True)
+    with clock.step():
+        for name in ("rollout", "reward", "update"):
+            with clock(name):
+                pass
+    assert clock.peaks == {"rollout": 50, "reward": None, "update": 300, "total": 300}
+    assert set(clock.seconds) == {"rollout", "reward", "update", "total"} and clock.method == "VmHWM-after-clear_refs"
+
+
+def test_grpo_step_flops_small_case():
+    # the dims of tests/test_flops.py: linear 44 per token, attention 8 per pair, LM head 4 per position;
+    # P=4, S=2, G=3 (forward: repeated 1248, grouped 768)
+    from mmpg.bench.flops import (
+        ModelDims, VisionDims, grpo_step_flops, rho_rollout, rho_step, rollout_flops, step_flops,
+    )
+
+    dims = ModelDims(hidden=2, layers=1, heads=1, kv_heads=1, intermediate=1, vocab=1)
+    # prefill of one copy: 44·4 + 8·(4·4/2) + head 4 = 176 + 64 + 4 = 244 (shared: once; generate: 3 copies)
+    # decode: G(S-1) = 3 one-token steps, each attending P + 1 = 5 keys: 44·3 + 8·15 + 4·3 = 132 + 120 + 12 = 264
+    assert rollout_flops(dims, 4, 2, 3, shared=True) == 244 + 264
+    assert rollout_flops(dims, 4, 2, 3, shared=False) == 3 * 244 + 264
+    assert rho_rollout(dims, 4, 2, 3) == pytest.approx(996 / 508)
+    # step = rollout + reference forward + forward and backward (3 forwards)
+    assert grpo_step_flops(dims, 4, 2, 3, grouped=True) == 508 + 768 + 3 * 768
+    assert grpo_step_flops(dims, 4, 2, 3, grouped=False) == 996 + 1248 + 3 * 1248
+    assert grpo_step_flops(dims, 4, 2, 3, grouped=True, reference=False) == 508 + 3 * 768
+    assert rho_step(dims, 4, 2, 3) == pytest.approx(5988 / 3580)
+    # a frozen vision tower (304 per video, see tests/test_flops.py) runs forward only: 1× instead of 3×
+    v = VisionDims(hidden=2, depth=1, intermediate=1, out_hidden=2, merge=1)
+    vdims = ModelDims(hidden=2, layers=1, heads=1, kv_heads=1, intermediate=1, vocab=1, vision=v)
+    video = {"video_patches": 4, "frame_patches": 2}
+    assert step_flops(vdims, 4, 2, 3, False, train_vision=False, **video) == 3 * 1248 + 3 * 304
+    assert step_flops(vdims, 4, 2, 3, True, train_vision=False, **video) == 3 * 768 + 304
+    # the rollout encodes the video once in both variants
+    assert rollout_flops(vdims, 4, 2, 3, False, **video) - rollout_flops(dims, 4, 2, 3, False) == 304

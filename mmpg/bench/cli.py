@@ -4,6 +4,8 @@
     mmpg bench --preset cpu-grid --dry-run          the grid with its ceilings and memory estimates, nothing run
     mmpg bench --preset gpu --out $OUT/bench.json   on one GPU
     mmpg bench --preset cpu-targets --levels rollout   prefill once vs num_return_sequences
+    mmpg bench --preset cpu-targets --levels step      one whole GRPO step per phase: generate + repeated forward
+                                                       vs shared-prefix rollout + grouped forward
 
 Prints a fixed-width table and writes JSON (default runs/bench/<timestamp>.json). A program, never a test.
 """
@@ -16,6 +18,7 @@ import sys
 
 from mmpg.errors import UserError
 
+LEVELS = ("attention", "model", "rollout", "step")
 DEFAULTS = {  # preset -> (rounds, repeats, warmup)
     "cpu-targets": (2, 2, 1), "cpu-grid": (1, 2, 1), "gpu": (2, 3, 2), "tiny": (1, 1, 1),
 }
@@ -40,10 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--preset", default="cpu-targets", choices=PRESETS, help="plan to run (default cpu-targets)")
     parser.add_argument("--levels", type=_str_list, default=None,
-                        help="comma list of attention,model,rollout (default: attention,model); rollout reuses "
-                             "the preset's model configs")
+                        help="comma list of attention,model,rollout,step (default: attention,model); rollout "
+                             "reuses the preset's model configs; step times one whole GRPO step per phase (rollout, "
+                             "reward, logprob, update) on the trainer's code (the gpu preset's step is untested)")
     parser.add_argument("--family", default="qwen2", help="model family for model/rollout levels (qwen2, qwen3, "
-                        "qwen2_5_vl, qwen3_vl; VL families have no upstream variant)")
+                        "qwen2_5_vl, qwen3_vl; VL families have no upstream variant); the step level takes a VL "
+                        "family and uses qwen2_5_vl for a text-only one")
     parser.add_argument("--P", type=_int_list, default=None, help="override prefix lengths, e.g. 1024,4096")
     parser.add_argument("--S", type=_int_list, default=None, help="override response lengths")
     parser.add_argument("--G", type=_int_list, default=None, help="override group sizes")
@@ -66,10 +71,9 @@ def plan(args) -> list[dict]:
     from mmpg.bench.presets import build
 
     levels = args.levels or ["attention", "model"]
-    unknown = set(levels) - {"attention", "model", "rollout"}
+    unknown = set(levels) - set(LEVELS)
     if unknown:
-        raise UserError(f"unknown bench level(s) {', '.join(sorted(unknown))}; "
-                        "choose from attention, model, rollout")
+        raise UserError(f"unknown bench level(s) {', '.join(sorted(unknown))}; choose from {', '.join(LEVELS)}")
     configs = []
     for config in build(args.preset, args.family):
         if config["level"] == "model" and "rollout" in levels:
@@ -77,7 +81,7 @@ def plan(args) -> list[dict]:
             configs.append(rollout)
         if config["level"] in levels:
             configs.append(config)
-    configs.sort(key=lambda c: ["attention", "model", "rollout"].index(c["level"]))
+    configs.sort(key=lambda c: LEVELS.index(c["level"]))
     out, seen = [], set()
     for config in configs:
         for P, S, G in itertools.product(args.P or [config["P"]], args.S or [config["S"]], args.G or [config["G"]]):

@@ -27,6 +27,10 @@ Ceilings printed beside every measurement:
     ρ_lin   = G (P+S) / (P + G S)                               token ratio: the linear layers' (and activations') gain
     ρ_attn  = causal repeated pairs / causal grouped pairs      the attention kernels' gain
     ρ_flops = step FLOPs repeated / step FLOPs grouped          for a concrete model (its dims), LM head and vision in
+and, for a whole GRPO step (`mmpg bench --levels step`), one ceiling per phase:
+    ρ_rollout = generate(num_return_sequences=G) FLOPs / shared-prefix rollout FLOPs    only the prefill differs
+    ρ_fwd     = repeated / grouped forward FLOPs                the reference model's no-grad logprobs
+    ρ_step    = naive / mmpg FLOPs of rollout + reference forward + update
 
 The paper's figures (arXiv 2506.05433; README of the upstream package: FLOPs at prefix lengths 4096/8192/16384 over
 prefix/suffix ratios) are reproduced by `paper_reduction`: the step-FLOPs ratio of a Qwen2.5-7B-sized LM
@@ -121,21 +125,39 @@ def vision_flops(v: VisionDims, patches: int, frame_patches: int) -> float:
     return v.depth * per_block + merger
 
 
-def step_flops(dims: ModelDims, P: int, S: int, G: int, grouped: bool, *, causal: bool = True,
-               head: str = "responses", video_patches: int = 0, frame_patches: int = 0) -> float:
-    """FLOPs of one forward+backward (3× forward) for one prompt of P tokens and G responses of S tokens.
+def forward_flops(dims: ModelDims, P: int, S: int, G: int, grouped: bool, *, causal: bool = True,
+                  head: str = "responses", video_patches: int = 0, frame_patches: int = 0) -> float:
+    """FLOPs of one forward (no backward) for one prompt of P tokens and G responses of S tokens, vision tower in.
 
     head: "responses" (logits only where they predict response tokens, G·S positions in both variants) or "all"
     (logits at every position, as a plain HF forward computes them). video_patches: patches of the prompt's video
     (0 for text-only); frame_patches: patches each patch attends to (per-frame attention)."""
+    return _lm_forward(dims, P, S, G, grouped, causal, head) + _vision_forward(dims, G, grouped, video_patches,
+                                                                                frame_patches)
+
+
+def _lm_forward(dims: ModelDims, P, S, G, grouped: bool, causal: bool, head: str) -> float:
     tokens = P + G * S if grouped else G * (P + S)
     fwd = dims.layers * (dims.linear_per_token() * tokens
                          + dims.attn_per_pair() * attention_pairs(P, S, G, grouped, causal))
     head_tokens = G * S if head == "responses" else tokens
-    fwd += 2 * dims.hidden * dims.vocab * head_tokens
-    if video_patches and dims.vision is not None:
-        fwd += (1 if grouped else G) * vision_flops(dims.vision, video_patches, frame_patches or video_patches)
-    return 3 * fwd
+    return fwd + 2 * dims.hidden * dims.vocab * head_tokens
+
+
+def _vision_forward(dims: ModelDims, G: int, grouped: bool, video_patches: int, frame_patches: int) -> float:
+    if not video_patches or dims.vision is None:
+        return 0.0
+    return (1 if grouped else G) * vision_flops(dims.vision, video_patches, frame_patches or video_patches)
+
+
+def step_flops(dims: ModelDims, P: int, S: int, G: int, grouped: bool, *, causal: bool = True,
+               head: str = "responses", video_patches: int = 0, frame_patches: int = 0,
+               train_vision: bool = True) -> float:
+    """FLOPs of one forward+backward (3× forward) for one prompt of P tokens and G responses of S tokens; arguments
+    as `forward_flops`. train_vision=False: a frozen vision tower (the trainer's `model.freeze_vision`) runs its
+    forward only (1× instead of 3×)."""
+    lm = _lm_forward(dims, P, S, G, grouped, causal, head)
+    return 3 * lm + (3 if train_vision else 1) * _vision_forward(dims, G, grouped, video_patches, frame_patches)
 
 
 def rho_flops(dims: ModelDims, P: int, S: int, G: int, **kwargs) -> float:
@@ -147,6 +169,51 @@ def paper_reduction(G: int, prefix_over_suffix: float, P: int = 4096, dims: Mode
     """The paper's FLOPs reduction at group size G and prefix/suffix ratio (see the module docstring)."""
     S = P / prefix_over_suffix
     return rho_flops(dims, P, S, G, causal=False, head="responses")
+
+
+# ---- one whole GRPO step: rollout + reference forward + update -----------------------------------------------------
+def rollout_flops(dims: ModelDims, P: int, S: int, G: int, shared: bool, *, video_patches: int = 0,
+                  frame_patches: int = 0) -> float:
+    """FLOPs of sampling G responses of exactly S tokens for one prompt (forward only, KV cache):
+
+        prefill  the prompt's P tokens once (shared: HFEngine) or G times (`generate(num_return_sequences=G)`),
+                 causal (P²/2 pairs per copy), LM head on the last position of each copy
+        video    encoded once in both: transformers >= 5 `generate` runs the vision tower before expanding the
+                 inputs G ways and repeats only its output
+        decode   the same in both: S - 1 one-token forwards per response (token 0 is sampled from the prefill's
+                 logits), token t attending P + t keys: G (S-1) tokens, G (S-1)(P + S/2) pairs, LM head on each
+    """
+    layers, head = dims.layers, 2 * dims.hidden * dims.vocab
+    copies = 1 if shared else G
+    prefill = copies * (layers * (dims.linear_per_token() * P + dims.attn_per_pair() * P * P / 2) + head)
+    steps = G * (S - 1)
+    decode = layers * (dims.linear_per_token() * steps + dims.attn_per_pair() * steps * (P + S / 2)) + head * steps
+    return prefill + decode + _vision_forward(dims, 1, True, video_patches, frame_patches)
+
+
+def grpo_step_flops(dims: ModelDims, P: int, S: int, G: int, grouped: bool, *, reference: bool = True,
+                    train_vision: bool = False, video_patches: int = 0, frame_patches: int = 0) -> float:
+    """FLOPs of one GRPO step of one prompt: rollout (`rollout_flops`, shared when grouped) + the reference model's
+    forward when the KL term is on (`forward_flops`) + the policy's forward and backward (`step_flops`)."""
+    kw = {"video_patches": video_patches, "frame_patches": frame_patches}
+    total = rollout_flops(dims, P, S, G, grouped, **kw) + step_flops(dims, P, S, G, grouped, train_vision=train_vision,
+                                                                     **kw)
+    return total + (forward_flops(dims, P, S, G, grouped, **kw) if reference else 0.0)
+
+
+def rho_rollout(dims: ModelDims, P: int, S: int, G: int, **kwargs) -> float:
+    """Rollout ceiling: `generate(num_return_sequences=G)` FLOPs / shared-prefix FLOPs (only the prefill differs)."""
+    return rollout_flops(dims, P, S, G, False, **kwargs) / rollout_flops(dims, P, S, G, True, **kwargs)
+
+
+def rho_forward(dims: ModelDims, P: int, S: int, G: int, **kwargs) -> float:
+    """No-grad forward ceiling (the reference logprobs): repeated / grouped forward FLOPs."""
+    return forward_flops(dims, P, S, G, False, **kwargs) / forward_flops(dims, P, S, G, True, **kwargs)
+
+
+def rho_step(dims: ModelDims, P: int, S: int, G: int, **kwargs) -> float:
+    """Whole-step ceiling: naive GRPO step FLOPs / mmpg GRPO step FLOPs (`grpo_step_flops`)."""
+    return grpo_step_flops(dims, P, S, G, False, **kwargs) / grpo_step_flops(dims, P, S, G, True, **kwargs)
 
 
 def dims_from_config(config) -> ModelDims:

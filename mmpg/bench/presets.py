@@ -3,11 +3,15 @@
     cpu-targets  the two rows the project is judged on (2 CPU cores):
                    attention  P 8192, S 128, G 16, fp32, 4 heads of 64: naive vs upstream vs mmpg (sdpa)
                    model      P 4096, S 256, G 8, text-only qwen2, hidden 256, 4 layers, 4/2 heads, I 512
+                 and, with --levels step, one whole GRPO step (naive vs mmpg) of a Qwen2.5-VL model with that LM
+                 (tiny vision tower: hidden 32, depth 2), one video prompt of P 2059 (2048 video tokens), G 8, S 128
     cpu-grid     P ∈ {1024, 4096, 8192} × G ∈ {4, 8, 16} × S ∈ {128, 512}, both levels, same shapes; configs whose
                  naive variant would exceed --max-gb are skipped and say so
     gpu          P 16K, S 512, G 16: attention with Qwen2.5-VL-3B's attention shape (16 q / 2 kv heads of 128, bf16)
                  and a Qwen2.5-VL-3B-sized LM (random weights, bf16, gradient checkpointing); mmpg with every
-                 backend that imports (flash, flex)
+                 backend that imports (flash, flex); with --levels step (UNTESTED: never run yet) one GRPO step
+                 of a Qwen2-VL-2B-sized model (LM hidden 1536, 28 layers, 12/2 heads; Qwen2.5-VL's vision tower
+                 1280 × 32), random weights, bf16, gradient checkpointing, one video prompt of P ~8192, G 8, S 256
     tiny         seconds-long sizes for smoke tests
 """
 
@@ -20,12 +24,16 @@ from mmpg.errors import UserError
 ATTN_VARIANTS = ["naive", "upstream", "mmpg"]
 MODEL_VARIANTS = ["repeated", "upstream", "mmpg"]
 ROLLOUT_VARIANTS = ["hf_generate", "mmpg"]
+STEP_VARIANTS = ["naive", "mmpg"]
 
 CPU_ATTN = {"heads": 4, "kv_heads": 4, "head_dim": 64, "dtype": "float32"}
 CPU_MODEL_SPEC = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512}
 # Qwen2.5-VL-3B (public config): LM hidden 2048, 36 layers, 16/2 heads, I 11008, vocab 151936; vision 1280 × 32.
 QWEN2_5_VL_3B_SPEC = {"hidden_size": 2048, "num_layers": 36, "num_heads": 16, "num_kv_heads": 2,
                       "intermediate_size": 11008, "vision_depth": 32, "vision_hidden_size": 1280, "vision_heads": 16}
+# Qwen2-VL-2B's LM (public config: hidden 1536, 28 layers, 12/2 heads, I 8960) with Qwen2.5-VL's vision tower.
+QWEN2_VL_2B_SPEC = {"hidden_size": 1536, "num_layers": 28, "num_heads": 12, "num_kv_heads": 2,
+                    "intermediate_size": 8960, "vision_depth": 32, "vision_hidden_size": 1280, "vision_heads": 16}
 TINY_SPEC = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
 
 
@@ -41,6 +49,17 @@ def model(P, S, G, family="qwen2", spec=None, variants=None, level="model", **ex
         variants = [v for v in variants if v != "upstream"]
     return {"level": level, "P": P, "S": S, "G": G, "family": family, "spec": dict(spec or CPU_MODEL_SPEC),
             "dtype": "float32", **extra, "variants": list(variants)}
+
+
+def step(P, S, G, family="qwen2_5_vl", spec=None, variants=None, **extra) -> dict:
+    """One whole GRPO step (`mmpg.bench.step`). The trainer trains video models only: a text-only `family` (the
+    --family default, qwen2) becomes qwen2_5_vl. beta 0.04: the KL term's reference forward is the logprob phase."""
+    from mmpg.models.tiny import VL_FAMILIES
+
+    family = family if family in VL_FAMILIES else "qwen2_5_vl"
+    return {"level": "step", "P": P, "S": S, "G": G, "family": family, "spec": dict(spec or CPU_MODEL_SPEC),
+            "dtype": "float32", "beta": 0.04, "freeze_vision": True, **extra,
+            "variants": list(variants or STEP_VARIANTS)}
 
 
 def _gpu_backends() -> list[str]:
@@ -63,7 +82,7 @@ def _gpu_backends() -> list[str]:
 def build(preset: str, family: str = "qwen2") -> list[dict]:
     """The configs of a preset. `family` picks the model-level family (VL families drop the upstream variant)."""
     if preset == "cpu-targets":
-        return [attention(8192, 128, 16), model(4096, 256, 8, family)]
+        return [attention(8192, 128, 16), model(4096, 256, 8, family), step(2048, 128, 8, family)]
     if preset == "cpu-grid":
         grid = list(itertools.product((1024, 4096, 8192), (128, 512), (4, 8, 16)))
         return [attention(P, S, G) for P, S, G in grid] + [model(P, S, G, family) for P, S, G in grid]
@@ -75,10 +94,12 @@ def build(preset: str, family: str = "qwen2") -> list[dict]:
             extra["vision_intermediate"] = 3420
         return [attention(16384, 512, 16, ["naive", "upstream", *mmpg_variants], **gpu_attn),
                 model(16384, 512, 16, family, QWEN2_5_VL_3B_SPEC, ["repeated", "upstream", mmpg_variants[0]],
-                      **extra)]
+                      **extra),
+                step(8192, 256, 8, family, QWEN2_VL_2B_SPEC, vocab=151936, dtype="bfloat16", grad_ckpt=True,
+                     vision_intermediate=3420)]  # untested: never run yet
     if preset == "tiny":
         return [attention(64, 8, 3, heads=4, kv_heads=2, head_dim=8, dtype="float32"),
-                model(48, 6, 3, family, TINY_SPEC)]
+                model(48, 6, 3, family, TINY_SPEC), step(48, 6, 3, family, TINY_SPEC)]
     raise UserError(f"unknown bench preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 

@@ -9,6 +9,12 @@ Columns (one row per config × variant):
     mem_ratio  baseline peak / this peak            compare with ρ_lin, the token ratio; n/a without both peaks
     rho_*      the ceilings of `mmpg.bench.flops`
 
+Step level (`--levels step`): one line per phase (rollout, reward, logprob, update, total) of each variant, with
+    ceil       the phase's own ceiling: ρ_rollout, none (reward), ρ_fwd, ρ_flops (update), ρ_step (total); see
+               `mmpg.bench.flops`; %ceil = speedup / ceil × 100
+    peak_MB    the phase's high-water minus the memory in use when the step began (`mmpg.bench.step`)
+The JSON row of a variant holds the same numbers under "phases" (its time_s, speedup and peak_MB are the total's).
+
 %ceil can pass 100 on a CPU with a small model: there the repeated baseline is partly memory-bound (norms,
 activations, copies and the allocator scale with tokens, i.e. with ρ_lin, not with FLOPs), so the FLOPs ceiling is
 not a wall-clock ceiling; ρ_lin bounds that part.
@@ -31,6 +37,10 @@ COLUMNS = [  # (key, header, width, format)
 ]
 
 
+STEP_COLUMNS = COLUMNS[:5] + [("phase", "phase", 7, "{}")] + COLUMNS[5:7] + [("ceiling", "ceil", 5, "{:.2f}")] \
+    + COLUMNS[7:]
+LEFT = ("level", "variant", "phase")  # left-aligned columns
+
 MEMORY_COLUMNS = ("peak_MB", "mem_ratio")
 
 
@@ -40,20 +50,41 @@ def _cell(row: dict, key: str, width: int, fmt: str) -> str:
         text = "n/a" if key in MEMORY_COLUMNS and row.get("time_s") is not None else "-"
     else:
         text = fmt.format(value)
-    return text.rjust(width) if key not in ("level", "variant") else text.ljust(width)
+    return text.rjust(width) if key not in LEFT else text.ljust(width)
 
 
 def format_table(rows: list[dict]) -> str:
-    """Fixed-width table; a row's note (skipped, OOM, n/a, error) follows its numbers."""
-    header = "  ".join(h.rjust(w) if k not in ("level", "variant") else h.ljust(w) for k, h, w, _ in COLUMNS)
+    """Fixed-width table; a row's note (skipped, OOM, n/a, error) follows its numbers. Step-level rows get a table of
+    their own below the others, one line per phase (`STEP_COLUMNS`)."""
+    plain = [r for r in rows if r["level"] != "step"]
+    step = [line for r in rows if r["level"] == "step" for line in _phase_lines(r)]
+    tables = [_table(plain, COLUMNS) if plain or not step else None, _table(step, STEP_COLUMNS) if step else None]
+    return "\n\n".join(t for t in tables if t)
+
+
+def _phase_lines(row: dict) -> list[dict]:
+    """A step-level row as one line per phase (the row's own numbers are the total's). A row that did not run (dry
+    run, skipped, failed) still shows each phase's ceiling, its note on the first line."""
+    from mmpg.bench.step import PHASE_CEILINGS, PHASES
+
+    keep = {k: row.get(k) for k in ("level", "P", "S", "G", "variant", "rho_lin", "rho_attn", "rho_flops")}
+    names = (*PHASES, "total")
+    phases = row.get("phases") or {name: {"ceiling": row.get(PHASE_CEILINGS[name] or "")} for name in names}
+    names = [name for name in names if name in phases]
+    return [dict(keep, phase=name, note=row.get("note") if i == 0 or row.get("phases") else "", **phases[name])
+            for i, name in enumerate(names)]
+
+
+def _table(rows: list[dict], columns) -> str:
+    header = "  ".join(h.rjust(w) if k not in LEFT else h.ljust(w) for k, h, w, _ in columns)
     lines = [header + "  note", "-" * (len(header) + 6)]
     last = None
     for row in rows:
-        key = (row["level"], row["P"], row["S"], row["G"])
+        key = (row["level"], row["P"], row["S"], row["G"], row.get("variant") if "phase" in row else None)
         if last is not None and key != last:
             lines.append("")
         last = key
-        cells = "  ".join(_cell(row, k, w, f) for k, _, w, f in COLUMNS)
+        cells = "  ".join(_cell(row, k, w, f) for k, _, w, f in columns)
         lines.append(f"{cells}  {row.get('note') or ''}".rstrip())
     return "\n".join(lines)
 
@@ -64,6 +95,13 @@ def describe_config(config: dict) -> str:
         return (f"attention: {config['heads']} q / {config['kv_heads']} kv heads of {config['head_dim']}, "
                 f"{config.get('dtype', 'float32')}")
     spec = config["spec"]
+    if config["level"] == "step":
+        return (f"step: one GRPO step of {config['family']} hidden {spec['hidden_size']}, {spec['num_layers']} layers, "
+                f"{spec['num_heads']}/{spec['num_kv_heads']} heads, vision {spec.get('vision_hidden_size', 32)} x "
+                f"{spec.get('vision_depth', 2)} (frozen), {config.get('dtype', 'float32')}"
+                + (", gradient checkpointing" if config.get("grad_ckpt") else "")
+                + f"; {config['G']} responses of exactly {config['S']} tokens, KL beta {config.get('beta', 0.04)} "
+                "(reference forward), DeepSpeed ZeRO 0 + AdamW")
     text = (f"{config['level']}: {config['family']} hidden {spec['hidden_size']}, {spec['num_layers']} layers, "
             f"{spec['num_heads']}/{spec['num_kv_heads']} heads, intermediate {spec['intermediate_size']}, "
             f"{config.get('dtype', 'float32')}")

@@ -11,6 +11,10 @@ time_s = median of the rounds × repeats timed steps; peak memory = median over 
 interleaving is across processes, so slow drift on a shared machine (other jobs starting or stopping) spreads over
 all variants instead of landing on whichever ran last; repeats inside one process run back to back.
 
+The step level (`mmpg.bench.step`) times its own phases inside each step: its rows also hold "phases" (per phase the
+median time, the median over rounds of the cold step's peak, the speed-up, memory ratio and % of the phase's own
+ceiling) and "response_tokens".
+
 A config whose repeated/naive variant would need more than `max_gb` (estimated before running) is skipped whole and
 says so in its note. `in_process=True` runs the workers' `measure` here instead (fast, for smoke tests) and measures
 no memory: a step there reuses pages that earlier variants and rounds left in the process, so its RSS growth reads 0
@@ -29,7 +33,7 @@ import tempfile
 
 from mmpg.bench import flops
 
-BASELINE = {"attention": "naive", "model": "repeated", "rollout": "hf_generate"}
+BASELINE = {"attention": "naive", "model": "repeated", "rollout": "hf_generate", "step": "naive"}
 
 
 def split_variant(label: str) -> tuple[str, str | None]:
@@ -80,13 +84,24 @@ def naive_bytes(config: dict, shape: dict) -> float:
 
 
 def ceilings(config: dict, shape: dict) -> dict:
+    """rho_lin, rho_attn, rho_flops; the step level adds one per phase (`mmpg.bench.step.PHASE_CEILINGS`): rho_rollout,
+    rho_fwd (reference logprobs), rho_step (the whole step), and its rho_flops is the update's (vision frozen)."""
     P, S, G = shape["P"], config["S"], config["G"]
     out = {"rho_lin": flops.rho_lin(P, S, G), "rho_attn": flops.rho_attn(P, S, G)}
     if config["level"] == "attention":
         out["rho_flops"] = out["rho_attn"]  # one attention layer: its FLOPs are the attention FLOPs
-    else:
-        out["rho_flops"] = flops.rho_flops(shape["dims"], P, S, G, video_patches=shape.get("video_patches", 0),
-                                           frame_patches=shape.get("frame_patches", 0))
+        return out
+    dims, video = shape["dims"], {"video_patches": shape.get("video_patches", 0),
+                                  "frame_patches": shape.get("frame_patches", 0)}
+    if config["level"] != "step":
+        out["rho_flops"] = flops.rho_flops(dims, P, S, G, **video)
+        return out
+    train_vision = not config.get("freeze_vision", True)
+    out["rho_flops"] = flops.rho_flops(dims, P, S, G, train_vision=train_vision, **video)
+    out["rho_rollout"] = flops.rho_rollout(dims, P, S, G, **video)
+    out["rho_fwd"] = flops.rho_forward(dims, P, S, G, **video)
+    out["rho_step"] = flops.rho_step(dims, P, S, G, reference=config.get("beta", 0.04) > 0, train_vision=train_vision,
+                                     **video)
     return out
 
 
@@ -147,9 +162,27 @@ def _aggregate(runs: list[dict]) -> dict:
         return {"note": errors[0]}
     times = [t for r in runs for t in r["times"]]
     peaks = [r["peak_bytes"] for r in runs if r.get("peak_bytes") is not None]
-    return {"time_s": statistics.median(times) if times else None, "times": times,
-            "cold_s": [r["cold_s"] for r in runs], "peak_MB": statistics.median(peaks) / 2**20 if peaks else None,
-            "mem_method": runs[0].get("mem_method"), "tokens": runs[0]["info"].get("tokens"), "note": ""}
+    out = {"time_s": statistics.median(times) if times else None, "times": times,
+           "cold_s": [r["cold_s"] for r in runs], "peak_MB": statistics.median(peaks) / 2**20 if peaks else None,
+           "mem_method": runs[0].get("mem_method"), "tokens": runs[0]["info"].get("tokens"), "note": ""}
+    if any("phase_times" in r for r in runs):
+        out["response_tokens"] = runs[0]["info"].get("response_tokens")
+        out["phases"] = _aggregate_phases(runs)
+    return out
+
+
+def _aggregate_phases(runs: list[dict]) -> dict:
+    """{phase: {"time_s": median, "times", "peak_MB": median over rounds}} for the step level (total included)."""
+    from mmpg.bench.step import PHASES
+
+    phases = {}
+    for name in (*PHASES, "total"):
+        times = [t[name] for r in runs for t in r["phase_times"]]
+        peaks = [r["phase_peak_bytes"][name] for r in runs
+                 if (r.get("phase_peak_bytes") or {}).get(name) is not None]
+        phases[name] = {"time_s": statistics.median(times) if times else None, "times": times,
+                        "peak_MB": statistics.median(peaks) / 2**20 if peaks else None}
+    return phases
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -165,9 +198,27 @@ def add_ratios(rows: list[dict]) -> list[dict]:
             if base is None or row.get("time_s") is None or base.get("time_s") is None:
                 continue
             row["speedup"] = base["time_s"] / row["time_s"]
-            ceiling = row["rho_lin"] if row["level"] == "rollout" else row["rho_flops"]
+            ceiling = {"rollout": "rho_lin", "step": "rho_step"}.get(row["level"], "rho_flops")
             if row is not base:
-                row["pct_ceiling"] = 100 * row["speedup"] / ceiling
+                row["pct_ceiling"] = 100 * row["speedup"] / row[ceiling]
             if row.get("peak_MB") and base.get("peak_MB"):
                 row["mem_ratio"] = base["peak_MB"] / row["peak_MB"]
+            if row.get("phases") and base.get("phases"):
+                _phase_ratios(row, base)
     return rows
+
+
+def _phase_ratios(row: dict, base: dict) -> None:
+    """Speed-up, memory ratio and % of its own ceiling per phase of a step-level row (in place)."""
+    from mmpg.bench.step import PHASE_CEILINGS
+
+    for name, phase in row["phases"].items():
+        ref, key = base["phases"].get(name, {}), PHASE_CEILINGS.get(name)
+        phase["ceiling"] = row.get(key) if key else None
+        phase["speedup"] = phase["pct_ceiling"] = phase["mem_ratio"] = None
+        if phase.get("time_s") and ref.get("time_s"):
+            phase["speedup"] = ref["time_s"] / phase["time_s"]
+            if row is not base and phase["ceiling"]:
+                phase["pct_ceiling"] = 100 * phase["speedup"] / phase["ceiling"]
+        if phase.get("peak_MB") and ref.get("peak_MB"):
+            phase["mem_ratio"] = ref["peak_MB"] / phase["peak_MB"]

@@ -16,6 +16,10 @@ The cold step is the one measured because later steps reuse pages the allocator 
 same reason a CPU step whose RSS did not grow has no measured peak (None, shown as n/a), not a peak of 0: its
 memory came from pages the process already held. `measure(..., memory=False)` (the runner's in-process mode, where
 earlier variants left such pages behind and a repeat reads 0) does not measure memory at all.
+
+A step with `phased = True` (the step level, `mmpg.bench.step.StepRunner`) times its own phases and measures their
+memory itself when called with memory=True (a `_Memory` around it would be reset by the phases' own resets); the
+result then also holds `phase_times` (one dict of phase seconds per timed step) and `phase_peak_bytes`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import traceback
 
 import torch
 
-LEVELS = ("attention", "model", "rollout")
+LEVELS = ("attention", "model", "rollout", "step")
 NOT_MEASURED = "not measured (in-process)"
 
 
@@ -43,6 +47,8 @@ def _setup(case: dict, device: torch.device):
         from mmpg.bench.model import setup
     elif level == "rollout":
         from mmpg.bench.rollout import setup
+    elif level == "step":
+        from mmpg.bench.step import setup
     else:
         raise ValueError(f"unknown bench level {level!r}; choose one of {', '.join(LEVELS)}")
     return setup(case, device)
@@ -124,6 +130,9 @@ def measure(case: dict, warmup: int = 1, repeats: int = 3, memory: bool = True) 
     out = {"times": [], "cold_s": None, "peak_bytes": None, "mem_method": None, "info": {}, "error": None}
     try:
         prepare, step, out["info"] = _setup(case, device)
+        if getattr(step, "phased", False):
+            _measure_phased(step, out, warmup, repeats, memory)
+            return out
         with _Memory(device) if memory else contextlib.nullcontext() as mem:
             if prepare is not None:
                 prepare()
@@ -143,6 +152,23 @@ def measure(case: dict, warmup: int = 1, repeats: int = 3, memory: bool = True) 
         out["error"] = f"{type(err).__name__}: {err}"
         out["traceback"] = traceback.format_exc()
     return out
+
+
+def _measure_phased(step, out: dict, warmup: int, repeats: int, memory: bool) -> None:
+    """A step that times its phases (and, when asked, measures their memory) itself; fills `out` in place."""
+    cold = step(memory=memory)
+    out["cold_s"] = cold["seconds"]["total"]
+    if memory:
+        out["peak_bytes"], out["phase_peak_bytes"] = cold["peak_bytes"]["total"], cold["peak_bytes"]
+        out["mem_method"] = cold["mem_method"]
+    else:
+        out["mem_method"] = NOT_MEASURED
+    for _ in range(max(warmup - 1, 0)):
+        step()
+    runs = [step() for _ in range(repeats)]
+    out["times"] = [r["seconds"]["total"] for r in runs]
+    out["phase_times"] = [r["seconds"] for r in runs]
+    out["info"].update(runs[-1]["info"] if runs else cold["info"])
 
 
 def _write_json(path: str, obj) -> None:

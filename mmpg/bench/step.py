@@ -1,0 +1,261 @@
+"""Step-level variants: one whole GRPO step of the trainer on a random-weight video model, timed per phase.
+
+    naive  rollout `model.generate(num_return_sequences=G, do_sample=True)` (`GenerateEngine`), update with the
+           repeated forward (`repeated_logprobs`): the trainer with `algorithm.grouping=false` and a generate rollout
+    mmpg   rollout `HFEngine.generate_groups` (each prompt prefilled once), update with `grouped_logprobs`: the
+           trainer as it runs
+
+One step is what `mmpg.rl.grpo.GRPOStep.run` does for one prompt, with its data pull and dynamic sampling left out:
+
+    rollout   G responses of exactly S tokens: no stop token, so both variants decode the same number of tokens
+    (split)   `split_groups` cuts the rollout into `PromptGroup`s, as `GRPOStep.collect` does
+    reward    the trainer's built-in grounding reward per response, plus its share of digits (a random policy never
+              writes a parsable answer; the digits give the group a spread, so advantages and gradients are not 0)
+    (adv.)    `GRPOStep.advantages` (`algos.group_advantages`)
+    logprob   `GRPOStep.update`: the frozen reference's logprobs for the k3 KL term (algorithm.beta > 0), no grad
+    update    `GRPOStep.update`: policy logprobs through the DeepSpeed engine (ZeRO 0, AdamW), clipped loss + beta KL,
+              backward, optimizer step
+    total     wall time of all of the above (the trainer's timing_s/step); the phases do not cover the two steps in
+              parentheses, which take milliseconds
+
+Each phase is timed with CUDA synchronised at both ends. Memory (the worker's cold step only, see
+`mmpg.bench.worker`): a phase's peak is its high-water mark minus the memory in use when the step began, the
+step's peak the largest of them. The vision tower is frozen (the trainer's default `model.freeze_vision`), so the
+update runs it forward only. The cold step also allocates AdamW's state, in both variants alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import time
+import types
+
+import torch
+
+VARIANTS = ("naive", "mmpg")
+PHASES = ("rollout", "reward", "logprob", "update")
+# the ceiling (a key of the row, see `mmpg.bench.runner.ceilings`) each phase's speed-up is compared with
+PHASE_CEILINGS = {"rollout": "rho_rollout", "reward": None, "logprob": "rho_fwd", "update": "rho_flops",
+                  "total": "rho_step"}
+
+
+class GenerateEngine:
+    """The naive rollout: `model.generate(num_return_sequences=G, do_sample=True)`, returned in the `Rollout` layout
+    of `HFEngine` (rows of a prompt contiguous, completion ids/mask [N, S] right-padded, texts, finish reasons,
+    logprobs). generate expands the prompt G times before the prefill; transformers >= 5 runs the vision tower once
+    and repeats its output. Benchmark only: one group size for every prompt, and stop_token_ids=() (every row
+    decodes exactly max_new_tokens, as `HFEngine` does with no stop token)."""
+
+    def __init__(self, model, tokenizer):
+        from mmpg.grouping.inputs import placeholder_token_ids
+
+        self.model, self.tokenizer = model, tokenizer
+        self.banned = placeholder_token_ids(model) or None  # HFEngine never samples a vision placeholder either
+
+    def generate_groups(self, prompt_inputs, group_size: int, sampling, prompt_seeds=None):
+        from mmpg.rollout import FINISH_LENGTH, Rollout
+
+        if not isinstance(group_size, int) or sampling.stop_token_ids != ():
+            raise ValueError("GenerateEngine takes one int group size and stop_token_ids=() (exactly S tokens)")
+        S, n_prompts = sampling.max_new_tokens, int(prompt_inputs["input_ids"].shape[0])
+        if prompt_seeds is not None:  # generate draws every row from one stream: seed it from the first prompt
+            torch.manual_seed(int(prompt_seeds[0]))
+        modes = {m: m.training for m in self.model.modules()}
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                out = self.model.generate(
+                    **prompt_inputs, num_return_sequences=group_size, do_sample=True,
+                    temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                    max_new_tokens=S, min_new_tokens=S, suppress_tokens=self.banned,
+                    pad_token_id=self.model.generation_config.pad_token_id, return_dict_in_generate=True,
+                    output_scores=sampling.logprobs)
+        finally:
+            for module, training in modes.items():
+                module.training = training
+        ids = out.sequences[:, -S:]  # [N, S]: every row has exactly S new tokens
+        logprobs = None
+        if sampling.logprobs:  # the processed scores: tempered, placeholders at -inf
+            scores = torch.stack(out.scores, dim=1).float()  # [N, S, V]
+            logprobs = scores.log_softmax(-1).gather(-1, ids[..., None])[..., 0].cpu()
+        return Rollout(completion_ids=ids.cpu(), completion_mask=torch.ones_like(ids).cpu(),
+                       group_sizes=[group_size] * n_prompts,
+                       texts=self.tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True),
+                       finish_reasons=[FINISH_LENGTH] * ids.shape[0], logprobs=logprobs)
+
+
+class PhaseClock:
+    """The `timer` `GRPOStep.update` takes: `with clock("update"): ...` adds the phase's wall seconds (CUDA
+    synchronised at both ends) and, with memory=True, records its peak: high-water during the phase minus the
+    memory in use when the step began (`with clock.step(): ...`). CPU: VmHWM reset by /proc/self/clear_refs at the
+    phase start, or the process high-water `ru_maxrss` where that is not writable (then a phase that did not raise
+    it has no measured peak, None); a CPU peak that is not above the step's start is None too (see
+    `mmpg.bench.worker`). GPU: `max_memory_allocated` after `reset_peak_memory_stats`."""
+
+    def __init__(self, device: torch.device, memory: bool):
+        from mmpg.bench import worker
+
+        self.device, self.memory, self.worker = device, memory, worker
+        self.seconds: dict[str, float] = {}
+        self.peaks: dict[str, int | None] = {}
+        self.method, self.base = None, 0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def step(self):
+        if self.memory:
+            gc.collect()
+            self._sync()
+            self.base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else \
+                self.worker._rss()
+        self._sync()
+        t0 = time.perf_counter()
+        yield self
+        self._sync()
+        self.seconds["total"] = time.perf_counter() - t0
+        if self.memory:
+            seen = [p for p in self.peaks.values() if p is not None]
+            self.peaks["total"] = max(seen) if seen else None
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        before = self._reset_peak() if self.memory else None
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            if self.memory:
+                peak, old = self._peak(before), self.peaks.get(name)
+                self.peaks[name] = peak if old is None else max(old, peak or 0)
+
+    def _reset_peak(self) -> int | None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.method = "cuda.max_memory_allocated"
+            return None
+        if self.worker._reset_hwm():
+            self.method = "VmHWM-after-clear_refs"
+            return None
+        self.method = "ru_maxrss"
+        return self.worker._maxrss()
+
+    def _peak(self, before: int | None) -> int | None:
+        if self.device.type == "cuda":
+            return max(torch.cuda.max_memory_allocated(self.device) - self.base, 0)
+        if before is not None:  # ru_maxrss: seen only when the phase raised the process high-water
+            high = self.worker._maxrss()
+            return high - self.base if high > before else None
+        grown = self.worker._hwm() - self.base
+        return grown if grown > 0 else None
+
+
+def step_config(case: dict, grouping: bool):
+    """The trainer's config for the case: G = rollout.n responses of S tokens, one prompt per step, one micro-batch
+    of one whole group, ZeRO 0, the KL term at `beta` (case, default 0.04)."""
+    from mmpg.config import load_config
+
+    G, S = case["G"], case["S"]
+    overrides = {"rollout.n": G, "rollout.max_new_tokens": S, "rollout.temperature": 1.0,
+                 "trainer.micro_batch_size": G, "data.batch_size": 1, "algorithm.grouping": str(grouping).lower(),
+                 "algorithm.beta": case.get("beta", 0.04), "model.dtype": case.get("dtype", "float32"),
+                 "deepspeed.zero_stage": 0}
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def bench_scorer(cfg):
+    """The trainer's built-in reward plus the response's share of digits (see the module docstring)."""
+    from mmpg.rl.rewards import make_scorer
+
+    scorer = make_scorer(cfg.reward, think=True)
+
+    def score(text: str, sample) -> dict:
+        out = scorer(text, sample)
+        digits = sum(c.isdigit() for c in text) / max(1, len(text))
+        return dict(out, overall=out["overall"] + digits, digits=digits)
+
+    return score
+
+
+class StepRunner:
+    """`runner(memory=False)` runs one GRPO step and returns {"seconds": {phase: s, "total": s}, "peak_bytes":
+    {phase: bytes or None, "total": ...} or None, "mem_method", "info": {"response_tokens"}}. `phased` tells
+    `mmpg.bench.worker` that the step times its own phases."""
+
+    phased = True
+
+    def __init__(self, grpo, rollout_engine, prompt: dict, sample, device: torch.device):
+        self.grpo, self.rollout_engine, self.prompt, self.device = grpo, rollout_engine, prompt, device
+        self.batch = types.SimpleNamespace(inputs=prompt, samples=[sample], videos=[None])  # what split_groups reads
+        self.calls = 0
+
+    def __call__(self, memory: bool = False) -> dict:
+        from mmpg.rl.batch import split_groups
+        from mmpg.rl.grpo import prompt_seed
+        from mmpg.rollout import SamplingParams
+
+        grpo, cfg = self.grpo, self.grpo.cfg
+        self.calls += 1  # a new step: new seeds, new responses
+        seeds = [prompt_seed(cfg.trainer.seed, self.calls, self.batch.samples[0].sample_id, 1)]
+        sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=())
+        clock = PhaseClock(self.device, memory)
+        with clock.step():
+            with clock("rollout"):
+                rollout = self.rollout_engine.generate_groups(self.prompt, cfg.rollout.n, sampling,
+                                                              prompt_seeds=seeds)
+            groups = split_groups(grpo.policy, self.batch, rollout, seeds)
+            with clock("reward"):
+                for g in groups:
+                    g.rewards = [grpo.scorer(text, g.sample) for text in g.texts]
+            grpo.advantages(groups)
+            grpo.update(groups, clock)
+        missing = [p for p in PHASES if p not in clock.seconds]
+        assert not missing, f"phases {missing} did not run (algorithm.beta must be > 0 for the logprob phase)"
+        return {"seconds": clock.seconds, "peak_bytes": clock.peaks if memory else None, "mem_method": clock.method,
+                "info": {"response_tokens": sum(int(g.completion_mask.sum()) for g in groups)}}
+
+
+def setup(case: dict, device: torch.device):
+    """(None, runner, info): the model, its frozen reference copy, the DeepSpeed engine and `GRPOStep` are built
+    here, outside every measurement; `runner()` is one GRPO step (`StepRunner`)."""
+    from mmpg.bench.model import build_model, make_inputs
+    from mmpg.data.samples import GroundingSample
+    from mmpg.train import dist
+    from mmpg.train.engine import build_engine, prepare_deepspeed_env
+
+    variant = case["variant"]
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown step variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    prepare_deepspeed_env(device.type)  # before deepspeed is imported (build_engine imports it)
+    dist.init(device.type)  # one process: a private process group, as the trainer makes
+    from mmpg.rl.grpo import GRPOStep
+    from mmpg.rl.trainer import check_grpo_config
+
+    model, ids = build_model(case, device)
+    if ids["video"] is None:
+        raise ValueError(f"the step level needs a video model (qwen2_5_vl, qwen3_vl), got {case['family']!r}")
+    text = model.config.get_text_config()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = text.eos_token_id, text.pad_token_id
+    if case.get("freeze_vision", True):
+        model.model.visual.requires_grad_(False)
+    prompt, _, _, info = make_inputs(model, case, ids, device)
+    cfg = step_config(case, grouping=variant == "mmpg")
+    check_grpo_config(cfg)
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.beta > 0 else None
+    engine = build_engine(model, cfg, world_size=1, micro_batch=cfg.trainer.micro_batch_size,
+                          dtype=case.get("dtype", "float32"), total_updates=10 ** 6)
+    grpo = GRPOStep(cfg, engine, ref, ids["tokenizer"], iter(()), bench_scorer(cfg), device.type)
+    rollout_engine = grpo.rollout_engine if variant == "mmpg" else GenerateEngine(grpo.policy, ids["tokenizer"])
+    sample = GroundingSample(sample_id="bench#0", video="bench.mp4", duration=30.0, query="the person opens a door",
+                             span=(4.0, 11.0))
+    G, S = case["G"], case["S"]
+    info["tokens"] = info["P"] + G * S if variant == "mmpg" else G * (info["P"] + S)  # the update's forward
+    return None, StepRunner(grpo, rollout_engine, prompt, sample, device), info
