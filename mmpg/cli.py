@@ -159,6 +159,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.n=8")
         p.set_defaults(func=_cmd_train)
 
+    from mmpg.eval import cli as eval_cli
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint (or every checkpoint of a run) on a grounding benchmark: "
+                       "R1@0.3/0.5/0.7, mIoU, report, plots", epilog=eval_cli.epilog())
+    eval_cli.add_arguments(p)
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("inspect", help="browse a run's rollouts, rewards and curves (or an evaluation folder) "
+                       "in a local web page")
+    p.add_argument("path", metavar="RUN_DIR", help="a run directory (it may still be written) or an evaluation folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_positive_int, default=None, help="port (default: 7860 or the next free one)")
+    p.set_defaults(func=_cmd_inspect)
+
     p = sub.add_parser("demo", help="the default job: tiny model + synthetic videos, end to end on a CPU")
     p.add_argument("--workdir", default="data/generated/demo", help="where the tiny model and videos are kept")
     p.add_argument("--family", default="qwen2_5_vl", help="qwen2_5_vl or qwen3_vl")

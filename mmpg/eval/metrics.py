@@ -5,12 +5,22 @@
 
 Published evaluations disagree on "above": Time-R1's code counts tIoU > m, VideoChat-R1's tIoU >= m. Both are
 reported (`r1@0.5` with `>`, `r1@0.5_ge` with `>=`); they differ only for predictions whose tIoU equals m exactly,
-which happens on benchmarks with whole-second spans.
+which happens on benchmarks with whole-second spans. tIoU is compared as computed (no rounding), as both papers' code
+does.
+
+An answer is scored through `mmpg.rewards.parse_answer`: the span inside the last <answer> tags, clamped to
+[0, duration]; an answer with no span, a reversed span (unless swap_reversed), an empty span or a span wholly outside
+the video is unparseable and scores 0. A sample whose video could not be used ("failed") scores 0 and counts in the
+denominator when bad_videos="fail", and is left out of it when bad_videos="skip"; either way it is counted apart
+from the unparseable answers.
 """
 
 from __future__ import annotations
 
-from mmpg.rewards import temporal_iou
+import math
+from typing import NamedTuple, Sequence
+
+from mmpg.rewards import parse_answer, temporal_iou
 
 THRESHOLDS = (0.3, 0.5, 0.7)
 
@@ -29,4 +39,66 @@ def grounding_metrics(preds: list[tuple[float, float] | None], truths: list[tupl
     for m in thresholds:
         out[f"r1@{m}"] = sum(iou > m for iou in ious) / n
         out[f"r1@{m}_ge"] = sum(iou >= m for iou in ious) / n
+    return out
+
+
+class Scored(NamedTuple):
+    """One answer scored against the truth: the parsed span (None when unparseable), its tIoU, why not parsed."""
+
+    span: tuple[float, float] | None
+    iou: float
+    reason: str | None
+
+
+def score_answer(text: str, truth: tuple[float, float], duration: float | None,
+                 swap_reversed: bool = False) -> Scored:
+    """Parse `text` as `parse_answer` does and score it against `truth` (IoU 0 when unparseable)."""
+    parsed = parse_answer(text, duration, swap_reversed=swap_reversed)
+    if not parsed.ok:
+        return Scored(None, 0.0, parsed.reason)
+    return Scored(parsed.span, temporal_iou(parsed.span, tuple(truth)), None)
+
+
+def recall(ious: Sequence[float], m: float, rule: str = "gt") -> float:
+    """Share of `ious` above m: tIoU > m (rule "gt") or tIoU >= m ("ge"); NaN for no samples."""
+    if rule not in ("gt", "ge"):
+        raise ValueError(f"rule must be 'gt' or 'ge', got {rule!r}")
+    if not ious:
+        return math.nan
+    return sum((iou > m) if rule == "gt" else (iou >= m) for iou in ious) / len(ious)
+
+
+def recall_curve(ious: Sequence[float], rule: str = "gt", points: int = 101) -> tuple[list[float], list[float]]:
+    """(thresholds 0..1, recall at each) for the recall-vs-threshold plot."""
+    xs = [i / (points - 1) for i in range(points)]
+    return xs, [recall(ious, x, rule) for x in xs]
+
+
+def benchmark_metrics(ious: Sequence[float], unparseable: Sequence[bool], failed: Sequence[bool],
+                      bad_videos: str = "fail", thresholds=THRESHOLDS) -> dict[str, float]:
+    """Metrics of a whole benchmark from per-sample values (one entry per evaluated sample, in any order).
+
+    ious: tIoU of each sample (0 for unparseable and failed ones); unparseable: the answer had no usable span;
+    failed: the video could not be used. Returns fractions in [0, 1] (NaN when nothing is scored):
+    count (samples in the denominators), total (samples evaluated), failed / failed_share, unparseable /
+    unparseable_count (share and number of answered samples in the denominators without a span), miou,
+    r1@m (tIoU > m) and r1@m_ge (tIoU >= m) for every m.
+    """
+    if not len(ious) == len(unparseable) == len(failed):
+        raise ValueError(f"lengths differ: {len(ious)} ious, {len(unparseable)} unparseable, {len(failed)} failed")
+    if bad_videos not in ("fail", "skip"):
+        raise ValueError(f"bad_videos must be 'fail' or 'skip', got {bad_videos!r}")
+    rows = [(iou, bad, fail) for iou, bad, fail in zip(ious, unparseable, failed)]
+    scored = [(0.0 if fail else iou, bad and not fail) for iou, bad, fail in rows
+              if bad_videos == "fail" or not fail]
+    n, total = len(scored), len(rows)
+    n_failed, n_unparseable = sum(failed), sum(b for _, b in scored)
+    values = [iou for iou, _ in scored]
+    out = {"count": float(n), "total": float(total), "failed": float(n_failed),
+           "failed_share": n_failed / total if total else math.nan,
+           "unparseable_count": float(n_unparseable), "unparseable": n_unparseable / n if n else math.nan,
+           "miou": sum(values) / n if n else math.nan}
+    for m in thresholds:
+        out[f"r1@{m}"] = recall(values, m, "gt")
+        out[f"r1@{m}_ge"] = recall(values, m, "ge")
     return out

@@ -32,11 +32,11 @@ import json
 import math
 import os
 import re
-from pathlib import Path, PurePath
+from pathlib import Path
 
 from mmpg.errors import UserError
 from mmpg.runs.files import append_line, atomic_write_json, atomic_write_text, check_version, jsonable, \
-    read_jsonl, repair_tail
+    read_jsonl, repair_tail, resolve_inside
 from mmpg.runs.layout import LAYOUT_VERSION
 
 EVAL_JSON = "eval.json"
@@ -169,14 +169,7 @@ class EvalReader:
 
     def resolve(self, relpath: str | os.PathLike) -> Path:
         """The real path of `relpath` inside the folder; UserError for anything that would leave it."""
-        rel = PurePath(relpath)
-        if rel.is_absolute() or rel.anchor or ".." in rel.parts:
-            raise UserError(f"{os.fspath(relpath)!r}: only paths inside the evaluation folder are allowed")
-        root = self.folder.resolve()
-        full = (root / rel).resolve()
-        if not full.is_relative_to(root):
-            raise UserError(f"{os.fspath(relpath)!r} leads outside the evaluation folder {root}")
-        return full
+        return resolve_inside(self.folder, relpath, "the evaluation folder")
 
 
 def run_eval_dir(run_dir: str | os.PathLike, benchmark: str, step: int) -> Path:

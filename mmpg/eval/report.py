@@ -1,0 +1,117 @@
+"""The Markdown texts of an evaluation: `report.md` for one checkpoint, `over_steps.md` for a run (pure functions).
+
+Numbers are percentages with two decimals (papers print R1@m x 100); "n/a" where nothing was scored.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+
+from mmpg.eval.metrics import THRESHOLDS, score_answer
+
+RULES = {  # threshold_rule -> (row label, comparison)
+    "gt": ("tIoU > m (Time-R1)", ">"),
+    "ge": ("tIoU >= m (VideoChat-R1)", ">="),
+}
+SUFFIX = {"gt": "", "ge": "_ge"}  # metric key suffix of each rule in metrics.json
+PLOTS = (("recall_vs_threshold.png", "Recall against the IoU threshold"), ("iou_histogram.png", "IoU histogram"),
+         ("start_end.png", "Predicted against true start and end"))
+
+
+def pct(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.2f}"
+
+
+def rule_order(first: str) -> list[str]:
+    return [first] + [r for r in RULES if r != first]
+
+
+def metrics_table(metrics: dict, first: str = "gt") -> list[str]:
+    head = "| convention | " + " | ".join(f"R1@{m}" for m in THRESHOLDS) + " | mIoU |"
+    lines = [head, "|---" * (len(THRESHOLDS) + 2) + "|"]
+    for rule in rule_order(first):
+        cells = [pct(metrics.get(f"r1@{m}{SUFFIX[rule]}")) for m in THRESHOLDS]
+        lines.append(f"| {RULES[rule][0]} | " + " | ".join(cells) + f" | {pct(metrics.get('miou'))} |")
+    return lines
+
+
+def _reason_kind(reason: str) -> str:
+    return re.sub(r"-?\d+(?:\.\d+)?", "N", reason)
+
+
+def _problems(metrics: dict, records, settings: dict) -> list[str]:
+    n, total = int(metrics.get("count", 0)), int(metrics.get("total", 0))
+    k = int(metrics.get("unparseable_count", 0))
+    lines = [f"Scored samples: **{n}** of {total} evaluated.", "",
+             f"Unparseable answers (scored IoU 0): **{k}** of {n} ({pct(metrics.get('unparseable'))} %)."]
+    reasons = Counter()
+    for r in records:
+        if r.error is None and r.pred_span is None:
+            why = score_answer(r.text, tuple(r.gt_span), r.duration, settings.get("swap_reversed", False)).reason
+            reasons[_reason_kind(why or "?")] += 1
+    lines += [f"- {count} x {why}" for why, count in reasons.most_common(5)]
+    failed = [r for r in records if r.error is not None]
+    how = ("scored as failures (IoU 0, in the denominators; bad_videos=fail)" if settings.get("bad_videos") == "fail"
+           else "left out of the metrics (bad_videos=skip)")
+    lines += ["", f"Failed samples (video missing, unreadable or corrupt): **{len(failed)}** of {total}, {how}."]
+    lines += [f"- `{r.sample_id}` (index {r.index}): {r.error}" for r in failed[:10]]
+    if len(failed) > 10:
+        lines.append(f"- ... and {len(failed) - 10} more (predictions.jsonl has them all, with `error` set)")
+    return lines
+
+
+def _settings_rows(info: dict) -> list[str]:
+    s = dict(info.get("settings", {}))
+    template = s.pop("template_text", None)
+    rows = ["| setting | value |", "|---|---|",
+            f"| checkpoint | `{info.get('checkpoint')}` |", f"| protocol | {info.get('protocol')} |"]
+    rows += [f"| {k} | {'null' if v is None else v} |" for k, v in s.items() if not isinstance(v, dict)]
+    rows += [f"| {k}.{kk} | {vv} |" for k, v in s.items() if isinstance(v, dict) for kk, vv in v.items()]
+    if template:
+        rows += ["", "Prompt (system, then user; {placeholders} filled per sample):", "", "```text",
+                 f"[system] {template.get('system') or '(the chat template default)'}", template.get("user", ""),
+                 "```"]
+    return rows
+
+
+def eval_report(info: dict, metrics: dict, records, protocol_summary: str = "") -> str:
+    """report.md: what was evaluated, the metrics under both conventions (the protocol's first), unparseable and
+    failed samples, every setting that changes the numbers, the plots."""
+    settings = info.get("settings", {})
+    first = settings.get("threshold_rule", "gt")
+    loaded = info.get("benchmark_size")
+    left_out = info.get("annotations_left_out", [])
+    lines = [f"# Evaluation: {info.get('benchmark')}", "",
+             f"- checkpoint: `{info.get('checkpoint')}`" + (f" (step {info['step']})" if info.get("step") is not None
+                                                           else ""),
+             f"- protocol: **{info.get('protocol')}**" + (f" — {protocol_summary}" if protocol_summary else ""),
+             f"- annotations: `{info.get('annotations')}` ({loaded} samples"
+             + (f", evaluated the first {settings.get('max_samples')}" if settings.get("max_samples") else "") + ")",
+             f"- videos: `{info.get('videos')}`", "", "## Metrics (%)", ""]
+    lines += metrics_table(metrics, first)
+    lines += ["", f"R1@m counts a sample when its tIoU {RULES[first][1]} m under the protocol's convention (first "
+              "row); the other row is the other convention. mIoU does not depend on it.", ""]
+    lines += _problems(metrics, records, settings)
+    if left_out:
+        count = info.get("annotations_left_out_count", len(left_out))
+        lines += ["", f"Annotation records left out when loading (not evaluated): **{count}**"]
+        lines += [f"- {where}: {why}" for where, why in left_out[:5]]
+    lines += ["", "## Settings that change the numbers", ""] + _settings_rows(info)
+    lines += ["", "## Plots", ""] + [f"![{title}](plots/{name})" for name, title in PLOTS]
+    return "\n".join(lines) + "\n"
+
+
+def over_steps_report(benchmark: str, run_dir: str, rows: list[tuple[int, dict]], first: str = "gt") -> str:
+    """over_steps.md: one row per evaluated checkpoint (step, metrics), R1 under the protocol's convention."""
+    suffix = SUFFIX[first]
+    lines = [f"# {benchmark} over training steps", "", f"Run: `{run_dir}`. R1@m counts tIoU {RULES[first][1]} m "
+             f"({RULES[first][0]}); each step's report.md has both conventions. Values in %.", "",
+             "| step | " + " | ".join(f"R1@{m}" for m in THRESHOLDS) + " | mIoU | unparseable | failed | samples |",
+             "|---" * (len(THRESHOLDS) + 6) + "|"]
+    for step, m in rows:
+        cells = [pct(m.get(f"r1@{t}{suffix}")) for t in THRESHOLDS]
+        lines.append(f"| {step} | " + " | ".join(cells) + f" | {pct(m.get('miou'))} | {pct(m.get('unparseable'))} "
+                     f"| {int(m.get('failed') or 0)} | {int(m.get('count') or 0)} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,133 @@
+"""Evaluation settings: one flat dataclass, merged defaults <- protocol preset <- `key=value` overrides.
+
+    settings = load_settings("time_r1", ["max_new_tokens=512", "batch_size=4"])   # -> EvalSettings
+
+OmegaConf does the merge and the type checks, as for the training config (`mmpg/config.py`, whose error formatting
+is reused): an unknown key is one `UserError` line naming it and the nearest valid names; the CLI prints it and exits
+with status 2. `mmpg eval --fields` lists every setting with its default and help, and the protocols.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from typing import Optional
+
+from mmpg.config import _f, _omegaconf_error
+from mmpg.errors import UserError
+
+# Settings that change the numbers (stored in eval.json and the report, compared on a rerun). The others only change
+# how fast the same predictions are made.
+RUNTIME_ONLY = ("batch_size", "num_workers", "device")
+
+
+@dataclass
+class EvalSettings:
+    template: str = _f("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only (mmpg/data/prompts.py), or "
+                       "a protocol's own: time_r1_eval, videochat_r1_eval (mmpg/eval/protocols.py).")
+    fps: float = _f(2.0, "Frames sampled per second of video (before min_frames / max_frames).")
+    min_frames: int = _f(4, "Fewest frames per video.")
+    max_frames: int = _f(64, "Most frames per video; long videos get a lower effective fps.")
+    min_pixels: Optional[int] = _f(None, "Smallest H*W of a frame (null: 16 tokens per frame).")
+    max_pixels: Optional[int] = _f(None, "Largest H*W of a frame (null: 256 tokens per frame).")
+    total_pixels: Optional[int] = _f(None, "Pixel budget of a whole video, shared by its frames (null: 8192 tokens).")
+    dtype: str = _f("auto", "Weights and compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, "
+                    "float16.")
+    max_new_tokens: int = _f(256, "Most tokens per answer (greedy decoding); a longer answer is cut and usually "
+                             "unparseable.")
+    threshold_rule: str = _f("gt", "Which R1@m convention the report shows first: gt (tIoU > m, Time-R1) or ge "
+                             "(tIoU >= m, VideoChat-R1). Both are always computed.")
+    swap_reversed: bool = _f(False, "Read an answer 'END to START' as START to END instead of unparseable.")
+    bad_videos: str = _f("fail", "A sample whose video is missing or corrupt: fail (scored IoU 0, counted) or skip "
+                         "(left out of the metrics, counted).")
+    max_samples: int = _f(0, "Evaluate only the first N samples of the benchmark (0: all).")
+    format: str = _f("auto", "Annotation format: auto, charades, captions, time_r1, jsonl (data/README.md).")
+    batch_size: int = _f(8, "Prompts per greedy decoding batch (per rank).")
+    num_workers: int = _f(2, "DataLoader workers decoding videos (0: in the main process).")
+    device: str = _f("auto", "auto (cuda when available), cpu or cuda.")
+
+
+CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "threshold_rule": ("gt", "ge"),
+    "bad_videos": ("fail", "skip"),
+    "device": ("auto", "cpu", "cuda"),
+}
+FIELDS = [f.name for f in dataclasses.fields(EvalSettings)]
+
+
+def _unknown(key: str, source: str) -> UserError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], FIELDS, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; settings are {', '.join(FIELDS)}"
+    return UserError(f"{source}: unknown eval setting '{key}'{hint} (mmpg eval --fields lists them)")
+
+
+def _validate(s: EvalSettings) -> None:
+    from mmpg.data.formats import FORMAT_CHOICES
+    from mmpg.eval.protocols import template_names
+
+    choices = dict(CHOICES, format=FORMAT_CHOICES, template=tuple(template_names()))
+    for key, allowed in choices.items():
+        if getattr(s, key) not in allowed:
+            raise UserError(f"eval setting '{key}' is {getattr(s, key)!r}; choose one of {', '.join(allowed)}")
+    checks = [
+        ("fps", s.fps > 0, "must be > 0"),
+        ("min_frames", s.min_frames >= 2, "must be >= 2 (two frames make one temporal patch)"),
+        ("max_frames", s.max_frames >= s.min_frames, "must be >= min_frames"),
+        ("max_new_tokens", s.max_new_tokens >= 1, "must be >= 1"),
+        ("batch_size", s.batch_size >= 1, "must be >= 1"),
+        ("max_samples", s.max_samples >= 0, "must be >= 0 (0: all)"),
+        ("num_workers", s.num_workers >= 0, "must be >= 0"),
+    ] + [(k, getattr(s, k) is None or getattr(s, k) > 0, "must be > 0 or null")
+         for k in ("min_pixels", "max_pixels", "total_pixels")]
+    for key, ok, what in checks:
+        if not ok:
+            raise UserError(f"eval setting '{key}' is {getattr(s, key)!r}; it {what}")
+
+
+def load_settings(protocol: str = "default", overrides: list[str] | tuple[str, ...] = ()) -> EvalSettings:
+    """EvalSettings defaults <- the protocol's preset <- `key=value` overrides; UserError on a bad key or value."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mmpg.eval.protocols import get_protocol
+
+    preset = get_protocol(protocol)
+    merged = OmegaConf.merge(OmegaConf.structured(EvalSettings), preset.settings)
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if "=" not in item or not key:
+            raise UserError(f"override {item!r} must look like key=value, e.g. max_new_tokens=512")
+        if key not in FIELDS:
+            raise _unknown(key, f"override {item!r}")
+        if item.endswith("="):
+            item = item + "''"
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            err = _omegaconf_error(e, f"override {item!r}", EvalSettings)
+            raise UserError(str(err).replace("config key", "eval setting", 1)) from None
+    settings = OmegaConf.to_object(merged)
+    _validate(settings)
+    return settings
+
+
+def numbers_settings(s: EvalSettings) -> dict:
+    """The settings that change the numbers (everything but RUNTIME_ONLY), as a plain dict."""
+    return {k: v for k, v in dataclasses.asdict(s).items() if k not in RUNTIME_ONLY}
+
+
+def describe() -> str:
+    """Every setting with its default and help, then the protocols and what each sets."""
+    from mmpg.eval.protocols import PROTOCOLS
+
+    lines = ["settings (key=value on the command line):"]
+    for f in dataclasses.fields(EvalSettings):
+        lines.append(f"  {f.name} = {f.default!r}\n      {f.metadata.get('help', '')}")
+    lines.append("\nprotocols (--protocol NAME; settings given as key=value still win):")
+    for p in PROTOCOLS.values():
+        lines.append(f"  {p.name}: {p.summary}")
+        lines += [f"      {k} = {v!r}" for k, v in p.settings.items()]
+        lines.append("      " + p.source.replace("\n", "\n      "))
+    return "\n".join(lines)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Evaluate a checkpoint on a grounding benchmark: R1@0.3/0.5/0.7 and mIoU (both threshold conventions), report.md,
+# plots, predictions.jsonl (a rerun continues a killed evaluation).
+#   bash scripts/eval_grounding.sh CHECKPOINT ANNOTATIONS VIDEOS [PROTOCOL] [key=value ...]
+#   NUM_GPUS=8 bash scripts/eval_grounding.sh runs/grpo/checkpoints/step_00000200 \
+#       data/charades/charades_sta_test.txt data/charades/Charades_v1 time_r1
+#   bash scripts/eval_grounding.sh --run runs/grpo ANNOTATIONS VIDEOS [PROTOCOL]   every checkpoint of a run
+# Knobs, as key=value after the protocol (`mmpg eval --fields` lists all, with each protocol's sources):
+#   template=...        prompt: time_r1 (mmpg's training prompt), time_r1_eval / videochat_r1_eval (the papers')
+#   fps=2 max_frames=768 min_pixels=... max_pixels=... total_pixels=...   what the model sees of each video
+#   max_new_tokens=1024 answer length (too short cuts the <answer> off: unparseable, IoU 0)
+#   dtype=auto          bfloat16 on GPUs, float32 on CPUs
+#   bad_videos=fail     a missing/corrupt video scores 0 and is counted; skip: left out, still counted
+#   max_samples=0       only the first N samples (0: all), for a quick look
+#   batch_size=8 num_workers=2   speed only: prompts per decoding batch per GPU, video-decoding workers
+# Output: --out DIR (default: RUN/evals/<benchmark>/step_N for a run's checkpoint, else evals/<ckpt>/<benchmark>).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh" "${MMPG_EXTRAS:-dev}"
+if [ "${1:-}" = "--run" ]; then what=(--run "${2:?run directory}"); shift 2
+else what=(--checkpoint "${1:?checkpoint folder}"); shift; fi
+ann="${1:?annotation file}"; videos="${2:?video folder}"; protocol=default
+if [ $# -gt 2 ] && [[ "$3" != *=* ]]; then protocol="$3"; shift 3; else shift 2; fi
+args=("${what[@]}" --annotations "$ann" --videos "$videos" --protocol "$protocol" "$@")
+if [ "${NUM_GPUS:-1}" -gt 1 ]; then   # one rank per GPU; samples are sharded and the predictions merged on rank 0
+  exec torchrun --nproc_per_node "$NUM_GPUS" -m mmpg.cli eval "${args[@]}"
+fi
+exec mmpg eval "${args[@]}"
