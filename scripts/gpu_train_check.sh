@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU, a few minutes: `mmpg train` (GRPO on DeepSpeed, NCCL, CUDA) end to end on the tiny Qwen2.5-VL and a few
-# synthetic videos — bf16 with the grouped and the repeated forward, fp32 with both (their losses must agree), ZeRO-2
-# and ZeRO-3 in one process, a resume — then the `gpu`-marked grouping tests and the GRPO step benchmark's GPU preset.
+# synthetic videos — bf16 with the grouped forward, fp32 with the grouped and the repeated forward (same rewards,
+# gradient norms within 1e-4), ZeRO-3 in one process and a resume — then the `gpu`-marked grouping tests and the GRPO step benchmark's GPU preset.
 # Uses the Python on PATH as it is (no install step: run `source scripts/env.sh dev,gpu` first where pip works).
 #   bash scripts/gpu_train_check.sh            logs and JSON under $OUT when set, else runs/gpu-check/
 set -uo pipefail
@@ -28,10 +28,8 @@ run() {  # name, overrides...
     || { step "FAILED $name (exit $?)"; tail -30 "$out/$name.log"; status=1; }
 }
 run bf16-grouped model.dtype=bfloat16 algorithm.grouping=true
-run bf16-repeated model.dtype=bfloat16 algorithm.grouping=false
 run fp32-grouped model.dtype=float32 algorithm.grouping=true
 run fp32-repeated model.dtype=float32 algorithm.grouping=false
-run fp32-zero2 model.dtype=float32 deepspeed.zero_stage=2
 run fp32-zero3 model.dtype=float32 deepspeed.config=configs/deepspeed/zero3.json
 run fp32-zero3 model.dtype=float32 deepspeed.config=configs/deepspeed/zero3.json trainer.total_steps=6 \
     checkpoint.resume=auto
@@ -43,7 +41,7 @@ def lines(name):
     p = root / name / "metrics.jsonl"
     return [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
 print(f"{'run':16} {'step':>4} {'reward':>8} {'loss':>12} {'grad_norm':>10} {'gap_max':>9} {'s/step':>7} {'peak MB':>8}")
-for name in ("bf16-grouped", "bf16-repeated", "fp32-grouped", "fp32-repeated", "fp32-zero2", "fp32-zero3"):
+for name in ("bf16-grouped", "fp32-grouped", "fp32-repeated", "fp32-zero3"):
     for m in lines(name):
         print(f"{name:16} {m['step']:>4} {m['reward/mean']:8.4f} {m.get('actor/loss', float('nan')):12.4e} "
               f"{m.get('actor/grad_norm') or float('nan'):10.4f} {m.get('actor/logprob_gap_max', 0):9.2e} "
@@ -62,10 +60,10 @@ print("TRAIN CHECK", "PASSED" if ok else "FAILED")
 sys.exit(0 if ok else 1)
 PY
 step "gpu-marked grouping tests"
-timeout 150 $py -m pytest -m gpu tests/test_grouping_gpu.py -q -p no:cacheprovider -rs -x 2>&1 | tail -15 || status=1
+timeout 100 $py -m pytest -m gpu tests/test_grouping_gpu.py -q -p no:cacheprovider -rs -x 2>&1 | tail -15 || status=1
 if $py -m mmpg.cli bench --help 2>/dev/null | grep -q step; then
   step "GRPO step benchmark, GPU preset"
-  timeout 200 $py -m mmpg.cli bench --levels step --preset gpu --rounds 1 --out "$out/bench-step-gpu.json" 2>&1 \
+  timeout 150 $py -m mmpg.cli bench --levels step --preset gpu --rounds 1 --out "$out/bench-step-gpu.json" 2>&1 \
     | tail -25 || status=1
 fi
 step "exit status $status"
