@@ -160,3 +160,12 @@ def test_temperature_scales_both_paths_alike(qwen25):
         plain = grouped_logprobs(model, inputs, ids, mask, GROUPS)
     assert float((g - r).abs().max()) <= 1e-5
     assert float((g - plain).abs().max()) > 1e-3  # the temperature is applied, not ignored
+
+
+def test_transformers_older_than_the_tested_minimum_is_refused(monkeypatch):
+    """The grouped forward was seen to be wrong under transformers 5.17; such versions must fail loudly."""
+    import mmpg.grouping.patch as patch
+
+    monkeypatch.setattr(patch.transformers, "__version__", "5.17.0")
+    with pytest.raises(RuntimeError, match="5.24"):
+        patch._check_transformers()
