@@ -1,0 +1,20 @@
+"""The rollout inspector: a Gradio page over a run directory or an evaluation folder (`mmpg inspect PATH`).
+
+It reads only through `mmpg.runs` (never imports the trainer, `mmpg.rl` or `mmpg.train`) and picks up new steps
+while a run is writing. Modules:
+    data.py      RunSource (reader + caches by file stat), group summaries, filters, table rows, text parts
+    evals.py     EvalSource, predictions worst first
+    timeline.py  ground truth and predicted spans as SVG, coloured by reward
+    curves.py    training curves as long tables for line plots
+    frames.py    frame strips: stored thumbnails, or frames decoded on demand
+    render.py    HTML pieces and CSS;  guard.py  handlers never raise into the page
+    run_view.py, eval_view.py, server.py   the Gradio page and its server
+    synthetic.py, bench.py   a large synthetic run and the timing script
+"""
+
+
+def launch(*args, **kwargs):
+    """`app.server.launch`, imported lazily (Gradio takes a second to import)."""
+    from app.server import launch as _launch
+
+    return _launch(*args, **kwargs)

@@ -8,4 +8,12 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
 cd "$MMPG_ROOT"
 args=()
 if [ "${1:-}" = "--quick" ]; then shift; args+=(-m "not slow"); fi
+# The inspector's browser tests (slow) drive Debian's chromium through Playwright; nothing downloads a browser.
+# Installed once here when we are root with apt-get (as CI is); otherwise those tests skip and say why.
+if [ ${#args[@]} -eq 0 ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  echo "[mmpg] installing chromium for the browser tests (apt-get) ..."
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } \
+    >/dev/null 2>&1 || echo "[mmpg] could not install chromium: the browser tests will be skipped"
+fi
 exec python -m pytest -p no:cacheprovider "${args[@]}" "$@"

@@ -1,0 +1,60 @@
+"""Small HTML pieces of the inspector: the full text of a response (its <think> and <answer> parts set apart),
+status messages, and the page's CSS. Every piece of run data is HTML-escaped."""
+
+from __future__ import annotations
+
+import html
+
+from app.data import _fmt, split_response
+from mmpg.runs import ResponseRecord
+
+CSS = """
+.mmpg-query { font-size: 1.1em; font-weight: 600; margin-bottom: 4px; }
+.mmpg-facts { margin: 2px 0; }
+.mmpg-video { color: var(--body-text-color-subdued); margin: 2px 0; }
+.mmpg-note { background: #fff4d6; color: #6b4e00; border-radius: 4px; padding: 6px 10px; margin: 6px 0; }
+.mmpg-error { background: #fde2e1; color: #7a1c16; border-radius: 4px; padding: 6px 10px; margin: 6px 0; }
+.mmpg-info { color: var(--body-text-color-subdued); margin: 4px 0; }
+.mmpg-part { border-radius: 6px; padding: 8px 12px; margin: 6px 0; }
+.mmpg-part pre { white-space: pre-wrap; word-break: break-word; margin: 0; font-family: var(--font-mono); }
+.mmpg-part .tag { font-size: 0.8em; font-weight: 700; text-transform: uppercase; letter-spacing: 0.05em;
+                  margin-bottom: 4px; opacity: 0.75; }
+.mmpg-think { background: #eef2f7; color: #27323f; border-left: 4px solid #8aa1bd; }
+.mmpg-answer { background: #e6f4ea; color: #17351f; border-left: 4px solid #2e9d57; }
+.mmpg-text { background: #f6f6f6; color: #333; border-left: 4px solid #bbb; }
+.mmpg-response-facts { color: var(--body-text-color-subdued); margin-bottom: 4px; }
+#timeline, #eval-timeline { min-height: 60px; }
+.mmpg-strip { display: flex; gap: 6px; overflow-x: auto; padding: 4px 0 8px; }
+.mmpg-strip figure { margin: 0; flex: 0 0 auto; text-align: center; }
+.mmpg-strip img { height: 110px; border-radius: 4px; transition: transform 0.15s; transform-origin: top center;
+                  position: relative; }
+.mmpg-strip img:hover { transform: scale(2.2); z-index: 20; box-shadow: 0 4px 16px rgba(0, 0, 0, 0.35); }
+.mmpg-strip figcaption { font-size: 0.8em; color: var(--body-text-color-subdued); }
+.mmpg-plots img { max-height: 300px; margin: 4px; border: 1px solid #ddd; border-radius: 4px; }
+"""
+
+_TAGS = {"think": "think", "answer": "answer", "text": "outside the tags"}
+
+
+def response_html(index: int, r: ResponseRecord) -> str:
+    """A response with its facts on top and each part (<think>, <answer>, other text) in its own box."""
+    span = f"{_fmt(r.parsed_span[0], 2)} – {_fmt(r.parsed_span[1], 2)} s" if r.parsed_span else "did not parse"
+    rewards = ", ".join(f"{k} {_fmt(v)}" for k, v in r.rewards.items())
+    facts = (f"<b>Response #{index}</b> · parsed span {span} · {rewards} · advantage {_fmt(r.advantage)} · "
+             f"{r.length} tokens · finish: {html.escape(r.finish_reason)}"
+             + (" (hit max_new_tokens: truncated)" if r.finish_reason == "length" else ""))
+    return f'<div class="mmpg-response-facts">{facts}</div>' + text_parts_html(r.text)
+
+
+def text_parts_html(text: str) -> str:
+    if not text:
+        return '<div class="mmpg-info">(empty response)</div>'
+    return "".join(f'<div class="mmpg-part mmpg-{kind}"><div class="tag">{_TAGS[kind]}</div>'
+                   f"<pre>{html.escape(part)}</pre></div>" for kind, part in split_response(text))
+
+
+def message_html(text: str, kind: str = "info") -> str:
+    """A status line: kind 'info', 'note' (something is missing) or 'error'."""
+    if not text:
+        return ""
+    return f'<div class="mmpg-{kind}">{html.escape(text)}</div>'

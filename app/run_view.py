@@ -1,0 +1,295 @@
+"""The run tabs of the inspector: Rollouts (step and group pickers, filters, frames, timeline, response table and
+text) and Curves (training metrics over steps). Every handler returns {component: value} and goes through
+`guarded`, so a problem shows as a message, never as an error page.
+
+New steps appear while a run writes: a timer (and the Refresh button) re-lists the steps and re-reads the metrics,
+re-rendering only what changed; "follow the newest step" jumps to each new step as it lands.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import gradio as gr
+import pandas as pd
+
+from app.curves import EVAL_PANEL, PANELS, curve_frames, long_frame, metric_keys
+from app.data import FILTERS, SCOPES, RunSource, _fmt, filter_groups, group_header, parse_group_key, response_rows
+from app.frames import frame_items, strip_html
+from app.guard import guarded
+from app.render import message_html, response_html
+from app.timeline import Bar, timeline_data, timeline_svg
+from mmpg.errors import UserError
+
+
+def picker(label: str, elem_id: str, **kwargs) -> gr.Dropdown:
+    """A dropdown whose choices the server changes. It takes any value (allow_custom_value): a timer tick can carry
+    the old value while new choices are on their way, and Gradio's own check would then pop an error. The
+    handlers check every value they get."""
+    return gr.Dropdown(label=label, choices=[], elem_id=elem_id, allow_custom_value=True, **kwargs)
+
+
+def as_int(value, what: str = "a step number") -> int | None:
+    """A number from the browser (int, or text typed in a box); None for nothing; UserError for anything else."""
+    if value is None or value == "":
+        return None
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise UserError(f"{value!r} is not {what}") from None
+
+
+as_step = as_int
+
+
+def empty_table() -> pd.DataFrame:
+    return pd.DataFrame({"#": pd.Series(dtype="int64")})
+
+
+class RunView:
+    """Components and handlers of the run tabs. `build` goes inside the page's `gr.Tabs`, `wire` after it."""
+
+    def __init__(self, source: RunSource, status: gr.HTML, title: gr.Markdown, seen: gr.State):
+        self.src, self.status, self.title, self.seen = source, status, title, seen
+
+    # ------------------------------------------------------------------------------------------------- layout
+    def build(self) -> None:
+        with gr.Tab("Rollouts", id="rollouts"):
+            with gr.Row(equal_height=True):
+                self.step = picker("Step (type to search)", "step", scale=1)
+                with gr.Column(scale=0, min_width=90):
+                    self.prev = gr.Button("◀ previous", elem_id="step-prev", size="sm")
+                    self.next = gr.Button("next ▶", elem_id="step-next", size="sm")
+                self.filter = gr.Dropdown(list(FILTERS), value=FILTERS[0], label="Filter", elem_id="filter", scale=2)
+                self.scope = gr.Radio(list(SCOPES), value=SCOPES[0], label="Filter over", elem_id="scope", scale=1)
+                self.group = picker("Group", "group", scale=3)
+            self.picked = gr.HTML(elem_id="picked")
+            self.header = gr.HTML(elem_id="group-header")
+            self.gallery = gr.HTML(elem_id="frames")
+            self.frames_note = gr.HTML(elem_id="frames-note")
+            self.timeline = gr.HTML(elem_id="timeline")
+            self.table = gr.Dataframe(value=empty_table(), label="Responses: click a row to read it, a header to sort",
+                                      interactive=False, elem_id="responses", max_height=420)
+            self.response = picker("Response", "response")
+            self.text = gr.HTML(elem_id="response-text")
+        with gr.Tab("Curves", id="curves") as self.curves_tab:
+            self.plots = {}
+            panels = [(pid, title) for pid, title, _ in PANELS] + [EVAL_PANEL]
+            for i in range(0, len(panels), 2):
+                with gr.Row():
+                    for pid, title in panels[i:i + 2]:
+                        self.plots[pid] = gr.LinePlot(x="step", y="value", color="series", title=title, height=260,
+                                                      elem_id=f"curve-{pid}", label=title, show_label=False)
+            self.any_key = picker("Any logged metric", "any-metric")
+            self.any_plot = gr.LinePlot(x="step", y="value", color="series", height=260, elem_id="curve-any",
+                                        show_label=False, visible=False)
+            self.curves_note = gr.HTML(elem_id="curves-note")
+        self.view = [self.header, self.gallery, self.frames_note, self.timeline, self.table, self.response, self.text]
+
+    def outputs(self) -> list:
+        """Everything `on_refresh` may update (the page's load event uses the same list)."""
+        return [self.status, self.title, self.step, self.group, self.picked, *self.view, *self.plots.values(),
+                self.any_key, self.curves_note, self.seen]
+
+    def inputs(self) -> list:
+        return [self.step, self.filter, self.scope, self.group, self.seen]
+
+    def wire(self, refresh: gr.Button, follow: gr.Checkbox, timer: gr.Timer) -> None:
+        s = self.status
+        picks = [self.step, self.filter, self.scope]
+        for c in picks:  # progress shows on the group list (reading every step file for "all steps" takes seconds)
+            c.input(guarded(s)(self.on_pick), picks, [s, self.group, self.picked, *self.view],
+                    show_progress="full", show_progress_on=[self.picked])
+        pick_out = [s, self.group, self.picked, *self.view]
+        self.prev.click(guarded(s)(self.on_prev), picks, [self.step, *pick_out], show_progress="hidden")
+        self.next.click(guarded(s)(self.on_next), picks, [self.step, *pick_out], show_progress="hidden")
+        # quick reads straight from the cache: no queue round trip (queue=False)
+        self.group.input(guarded(s)(self.on_group), [self.group], [s, *self.view], queue=False)
+        self.table.select(guarded(s)(self.on_select), [self.group], [s, self.response, self.text], queue=False)
+        self.response.input(guarded(s)(self.on_response), [self.group, self.response], [s, self.text], queue=False)
+        self.any_key.input(guarded(s)(self.on_any), [self.any_key], [s, self.any_plot])
+        self.curves_tab.select(guarded(s)(self.on_curves_tab), [self.seen], [s, *self.plots.values(), self.any_key,
+                                                                        self.curves_note, self.seen])
+        ins = [*self.inputs(), follow]
+        refresh.click(guarded(s)(self.on_refresh_forced), ins, self.outputs())
+        timer.tick(guarded(s, clear=False)(self.on_refresh), ins, self.outputs(), show_progress="hidden")
+
+    # ----------------------------------------------------------------------------------------------- handlers
+    def on_pick(self, step, filt, scope, keep: str | None = None, progress=gr.Progress()) -> dict:
+        """Step, filter or scope changed: list the matching groups and show `keep` if listed, else the first."""
+        step = as_step(step)
+        try:
+            choices, note = self.group_choices(step, filt, scope,
+                                               lambda i, n: progress((i, n), desc="reading step files", unit="steps"))
+        except UserError as e:  # e.g. a damaged step file: say so, and do not leave another step's group on show
+            return {self.status: message_html(str(e), "error"), self.group: gr.update(choices=[], value=None),
+                    self.picked: "", **self.empty_view("this step cannot be shown")}
+        values = [v for _, v in choices]
+        key = keep if keep in values else (values[0] if values else None)
+        out = {self.group: gr.update(choices=choices, value=key), self.picked: note}
+        out.update(self.group_view(key) if key else self.empty_view("no group matches this filter"))
+        return out
+
+    def on_prev(self, step, filt, scope) -> dict:
+        return self.move(step, filt, scope, -1)
+
+    def on_next(self, step, filt, scope) -> dict:
+        return self.move(step, filt, scope, +1)
+
+    def move(self, step, filt, scope, delta: int) -> dict:
+        """The step before / after `step` among the steps with rollouts (stays at the ends)."""
+        steps, step = self.src.steps(), as_step(step)
+        if not steps:
+            raise UserError("no rollouts written yet")
+        if step in steps:
+            target = steps[min(len(steps) - 1, max(0, steps.index(step) + delta))]
+        else:
+            target = steps[-1] if delta < 0 else steps[0]
+        return {self.step: target, **self.on_pick(target, filt, scope)}
+
+    def on_group(self, key) -> dict:
+        return self.group_view(key)
+
+    def on_select(self, key, evt: gr.SelectData) -> dict:
+        row = evt.row_value or []
+        index = as_int(row[0] if row else evt.index[0], "a response number")  # column "#": right even when sorted
+        return {self.response: index, self.text: self.response_text(key, index)}
+
+    def on_response(self, key, index) -> dict:
+        return {self.text: self.response_text(key, index)}
+
+    def on_curves_tab(self, seen) -> dict:
+        """Curves are drawn when their tab is first opened (keeps the first page load light), then kept current."""
+        seen = dict(seen or {})
+        if self.src.problem():
+            return {self.curves_note: message_html("nothing logged yet", "note")}
+        seen["curves"], seen["metrics"] = True, self.src.metrics_key()
+        return {**self.curves(), self.seen: seen}
+
+    def on_any(self, key) -> dict:
+        return {self.any_plot: gr.update(value=long_frame(self.src.metrics(), [key] if key else []),
+                                         visible=bool(key))}
+
+    def on_load(self, follow: bool = True) -> dict:
+        return self.on_refresh(None, FILTERS[0], SCOPES[0], None, {}, follow, force=True)
+
+    def on_refresh_forced(self, step, filt, scope, key, seen, follow) -> dict:
+        return self.on_refresh(step, filt, scope, key, seen, follow, force=True)
+
+    def on_refresh(self, step, filt, scope, key, seen, follow, force: bool = False) -> dict:
+        """Pick up new steps and metrics; re-render only what changed (everything when `force`)."""
+        seen = dict(seen or {})
+        try:
+            step = as_step(step)
+        except UserError:
+            step = None  # half-typed text in the step box: treat as no step chosen
+        problem = self.src.problem()
+        if problem:
+            if seen.get("problem") == problem and not force:
+                return {}
+            seen["problem"] = problem
+            note = (f"{problem}. The page fills in once the run writes its first files (it checks every few "
+                    "seconds; or press Refresh).")
+            return {self.status: message_html(note, "note"), self.picked: "", self.seen: seen,
+                    **self.empty_view("nothing to show yet")}
+        out: dict = {self.status: ""} if seen.pop("problem", None) else {}
+        steps = self.src.steps()
+        if force or steps != seen.get("steps"):
+            target = steps[-1] if steps and (follow or step not in steps) else (step if steps else None)
+            out[self.step] = gr.update(choices=[(str(x), x) for x in steps], value=target)
+            if target is None:
+                out.update({self.picked: message_html("no rollouts written yet (rollouts/ is empty)", "note"),
+                            **self.empty_view("no rollouts written yet")})
+            elif force or target != step:
+                out.update(self.on_pick(target, filt, scope, keep=key))
+            out[self.title] = self.title_md(steps)
+            seen["steps"] = steps
+        mkey = self.src.metrics_key()
+        if seen.get("curves") and (force or mkey != seen.get("metrics")):
+            out.update(self.curves())
+            seen["metrics"] = mkey
+        out[self.seen] = seen
+        return out
+
+    # ----------------------------------------------------------------------------------------------- pieces
+    def group_choices(self, step, filt, scope, progress=None) -> tuple[list[tuple[str, str]], str]:
+        """([(label, 'step:position')], note) of the groups the filter keeps, this step or over the whole run."""
+        if scope == SCOPES[1]:
+            summaries, problems = self.src.all_summaries(progress)
+        else:
+            if step is None:
+                return [], message_html("pick a step", "info")
+            summaries, problems = self.src.summaries(int(step)), []
+        kept = filter_groups(summaries, filt or FILTERS[0])
+        where = "in the run" if scope == SCOPES[1] else f"at step {step}"
+        note = f"{len(kept)} group(s) listed of {len(summaries)} {where}"
+        if len(kept) == 200:
+            note += " (the first 200)"
+        html = message_html(note, "info") + "".join(message_html(p, "note") for p in problems[:3])
+        return [(s.label(scope == SCOPES[1]), s.key) for s in kept], html
+
+    def group_view(self, key) -> dict:
+        step, position = parse_group_key(key)
+        groups = self.src.groups(step)
+        if position >= len(groups):
+            raise UserError(f"step {step} has {len(groups)} groups; there is no group at position {position}")
+        g = groups[position]
+        summary = self.src.summaries(step)[position]
+        items, note = frame_items(self.src.reader(), g.media_key, g.video)
+        headers, rows = response_rows(g)
+        bars = [Bar(f"#{i}", r.parsed_span, r.rewards.get("overall"),
+                    f"#{i}: " + (f"{r.parsed_span[0]:.2f}–{r.parsed_span[1]:.2f} s" if r.parsed_span else "unparsed")
+                    + f", reward {_fmt(r.rewards.get('overall'))}, advantage {_fmt(r.advantage)}")
+                for i, r in enumerate(g.responses)]
+        svg = timeline_svg(timeline_data(g.gt_span, g.duration, bars), uid="run")
+        choices = [(f"#{i} · reward {_fmt(r.rewards.get('overall'))} · {r.finish_reason}", i)
+                   for i, r in enumerate(g.responses)]
+        return {
+            self.header: group_header(g, summary),
+            self.gallery: strip_html(items),
+            self.frames_note: message_html(note, "note" if not items or "missing" in note else "info"),
+            self.timeline: svg,
+            self.table: pd.DataFrame(rows, columns=headers),
+            self.response: gr.update(choices=choices, value=0 if choices else None),
+            self.text: response_html(0, g.responses[0]) if g.responses else message_html("no responses", "note"),
+        }
+
+    def empty_view(self, why: str) -> dict:
+        return {self.header: message_html(why, "info"), self.gallery: "",
+                self.frames_note: "", self.timeline: "",
+                self.table: empty_table(), self.response: gr.update(choices=[], value=None), self.text: ""}
+
+    def response_text(self, key, index) -> str:
+        step, position = parse_group_key(key)
+        groups = self.src.groups(step)
+        if position >= len(groups):
+            raise UserError(f"step {step} has no group at position {position}")
+        responses = groups[position].responses
+        i = as_int(index, "a response number")
+        if i is None or not 0 <= i < len(responses):
+            raise UserError(f"this group has {len(responses)} responses; there is no #{i}")
+        return response_html(i, responses[i])
+
+    def curves(self) -> dict:
+        metrics, evals = self.src.metrics(), self.src.eval_metrics()
+        frames = curve_frames(metrics, evals)
+        out = {self.plots[pid]: frame for pid, frame in frames.items()}
+        empty = [t for pid, t, _ in PANELS if frames[pid].empty] + ([EVAL_PANEL[1]] if frames["eval"].empty else [])
+        keys = metric_keys(metrics)
+        out[self.any_key] = gr.update(choices=keys)
+        note = f"{len(metrics)} step(s) in metrics.jsonl, {len(evals)} evaluation(s) in eval.jsonl."
+        if empty:
+            note += " Not logged by this run: " + "; ".join(empty) + "."
+        out[self.curves_note] = message_html(note, "info")
+        return out
+
+    def title_md(self, steps: list[int]) -> str:
+        info = self.src.reader().info()
+        parts = [f"**{self.src.run_dir.name}**", f"`{self.src.run_dir}`"]
+        if info.get("kind"):
+            parts.append(str(info["kind"]))
+        if info.get("created"):
+            parts.append(f"started {info['created']}")
+        parts.append(f"{len(steps)} step(s) with rollouts" + (f", newest {steps[-1]}" if steps else ""))
+        parts.append(f"checked {datetime.datetime.now():%H:%M:%S}")
+        return " · ".join(parts)

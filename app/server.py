@@ -1,0 +1,82 @@
+"""Build and serve the inspector page for one folder: a run directory (Rollouts, Curves, Evaluation tabs) or an
+evaluation folder (Evaluation tab only).
+
+Security: the server binds 127.0.0.1 unless told otherwise, and Gradio may serve files only from inside the
+folder (`allowed_paths` is that folder alone; Gradio resolves symlinks before checking). Every file path the app
+hands to Gradio comes from `RunReader.resolve` / `EvalReader.resolve`, which refuse '..', absolute paths and
+symlinks leading out; decoded video frames are handed over as arrays. Nothing is uploaded, nothing is written
+into the folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no network calls from the page's server
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import gradio as gr  # noqa: E402
+
+from app.data import RunSource  # noqa: E402
+from app.eval_view import EvalView  # noqa: E402
+from app.evals import run_evals  # noqa: E402
+from app.guard import guarded  # noqa: E402
+from app.render import CSS  # noqa: E402
+from app.run_view import RunView  # noqa: E402
+from mmpg.errors import UserError  # noqa: E402
+
+REFRESH_S = 5.0  # how often an open page checks the folder for new steps and metrics
+
+
+def is_eval_folder(path: Path) -> bool:
+    return (path / "eval.json").is_file()
+
+
+def build_app(path: str | os.PathLike, refresh_s: float = REFRESH_S) -> gr.Blocks:
+    """The page for `path` (an existing folder; it need not be a run directory yet)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise UserError(f"{root}: no such folder; pass a run directory or an evaluation folder")
+    eval_mode = is_eval_folder(root)
+    with gr.Blocks(title=f"mmpg inspect · {root.name}", analytics_enabled=False) as page:
+        with gr.Row(equal_height=True):
+            title = gr.Markdown(f"**{root.name}** · `{root}`", elem_id="title")
+            follow = gr.Checkbox(label="follow the newest step", value=False, visible=not eval_mode,
+                                 elem_id="follow", scale=0, min_width=200)
+            refresh = gr.Button("Refresh", elem_id="refresh", scale=0, min_width=100)
+        status = gr.HTML(elem_id="status")
+        seen = gr.State({})
+        timer = gr.Timer(refresh_s, active=not eval_mode)
+        if eval_mode:
+            ev = EvalView(lambda: {f"{root.parent.name} · {root.name}": root}, status)
+            with gr.Tabs():
+                ev.build()
+            ev.wire(lazy=False)
+            page.load(guarded(status)(ev.on_load), None, ev.outputs())
+            refresh.click(guarded(status)(ev.on_load), None, ev.outputs())
+        else:
+            rv = RunView(RunSource(root), status, title, seen)
+            ev = EvalView(lambda: run_evals(root), status)
+            with gr.Tabs():
+                rv.build()
+                ev.build()
+            rv.wire(refresh, follow, timer)
+            ev.wire(lazy=True)
+            page.load(guarded(status)(rv.on_load), [follow], rv.outputs(), queue=False)
+            refresh.click(guarded(status)(ev.on_refresh), [ev.pick], ev.outputs())
+    return page
+
+
+def launch(path: str | os.PathLike, host: str = "127.0.0.1", port: int | None = None, block: bool = True,
+           quiet: bool = False, refresh_s: float = REFRESH_S) -> tuple[gr.Blocks, str]:
+    """Serve the page; returns (blocks, local URL). With block=False the server runs in a thread (tests, scripts);
+    stop it with `blocks.close()`."""
+    root = Path(path).resolve()
+    page = build_app(root, refresh_s=refresh_s)
+    _, url, _ = page.launch(
+        server_name=host, server_port=port, prevent_thread_lock=not block, quiet=quiet, share=False,
+        inbrowser=False, show_error=False, ssr_mode=False, mcp_server=False, enable_monitoring=False,
+        allowed_paths=[str(root)], footer_links=[], theme=gr.themes.Default(), css=CSS,
+    )
+    return page, url

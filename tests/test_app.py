@@ -1,0 +1,305 @@
+"""The inspector's data functions, without a browser: filters, table rows, timeline data, curves, response text,
+caching and refresh, bad input, and the app's own path checks. The run directory and the evaluation folder are
+written by the writers of `mmpg.runs` (app.synthetic.make_small_run / make_eval_folder)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from urllib.parse import unquote
+
+import pytest
+
+from app.curves import curve_frames, long_frame
+from app.data import FILTERS, RunSource, filter_groups, parse_group_key, response_rows, split_response
+from app.evals import EvalSource, prediction_rows, worst_first
+from app.frames import decoded_items, frame_items, strip_html, thumbnail_items
+from app.synthetic import SMALL_EVAL, SMALL_GT, SMALL_SPANS, make_eval_folder, make_small_run
+from app.timeline import Bar, colour, nice_ticks, timeline_data, timeline_svg
+from mmpg.errors import UserError
+from mmpg.runs import GroupRecord, RunWriter, run_eval_dir
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("app")
+    run = make_small_run(root / "run", video_dir=root / "videos")
+    evals = make_eval_folder(run_eval_dir(run, "charades", 3))
+    return {"run": run, "eval": evals, "root": root}
+
+
+def copy_run(small, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(small["run"], dst, symlinks=True)
+    return dst
+
+
+# --------------------------------------------------------------------------------------------- filters, rows
+def test_filters_pick_the_known_groups(small):
+    src = RunSource(small["run"])
+    every = src.all_summaries()[0]
+    assert [s.key for s in every] == ["1:0", "1:1", "2:0", "2:1", "3:0", "3:1"]
+    assert [s.key for s in filter_groups(every, FILTERS[1])] == ["1:0"]  # all rewards equal
+    assert [s.key for s in filter_groups(every, FILTERS[2])] == ["1:1", "2:0"]  # an answer that does not parse
+    assert [s.key for s in filter_groups(every, FILTERS[3])] == ["2:0"]  # truncated
+    lowest, highest = filter_groups(every, FILTERS[4]), filter_groups(every, FILTERS[5])
+    assert lowest[0].key == "3:1" and highest[0].key == "3:0"
+    assert [s.mean_reward for s in lowest] == sorted(s.mean_reward for s in every)
+    assert [s.key for s in filter_groups(src.summaries(2), FILTERS[3])] == ["2:0"]  # "this step"
+    with pytest.raises(UserError, match="unknown filter"):
+        filter_groups(every, "nonsense")
+
+
+def test_response_rows_show_each_response(small):
+    g = RunSource(small["run"]).groups(2)[0]
+    headers, rows = response_rows(g)
+    assert headers == ["#", "start_s", "end_s", "overall", "format", "iou", "advantage", "length", "finish"]
+    assert len(rows) == 4
+    spans = [(r[1], r[2]) for r in rows]
+    assert spans == [tuple(s) if s else (None, None) for s, _ in SMALL_SPANS[(2, 0)]]
+    assert [r[-1] for r in rows] == ["stop", "stop", "length", "stop"]
+    iou = headers.index("iou")
+    # response 0: [1, 5] against [2, 6]: overlap 3, union 5
+    assert rows[0][iou] == pytest.approx(0.6)
+    assert rows[2][headers.index("overall")] == 0.0
+
+
+def test_group_keys_from_the_browser_are_checked():
+    assert parse_group_key("12:3") == (12, 3)
+    for bad in ("../x", "1:2:3", "", None, "1;2", "-1:0"):
+        with pytest.raises(UserError):
+            parse_group_key(bad)
+
+
+def test_split_response_sets_think_and_answer_apart():
+    assert split_response("<think>a b</think> <answer>1 to 2</answer>") == [("think", "a b"), ("answer", "1 to 2")]
+    assert split_response("pre <answer>x</answer> post") == [("text", "pre "), ("answer", "x"), ("text", " post")]
+    assert split_response("<think>cut short") == [("think", "cut short")]  # truncated: the tag runs to the end
+    assert split_response("") == [("text", "")]
+
+
+# ---------------------------------------------------------------------------------------------- timeline
+def test_timeline_data_places_every_span(small):
+    g = RunSource(small["run"]).groups(2)[1]
+    bars = [Bar(f"#{i}", r.parsed_span, r.rewards["overall"]) for i, r in enumerate(g.responses)]
+    data = timeline_data(g.gt_span, g.duration, bars)
+    assert data["axis_max"] == 20.0 and data["gt"] == SMALL_GT[1]
+    assert [(r["x0"], r["x1"]) for r in data["rows"]] == [tuple(s) for s, _ in SMALL_SPANS[(2, 1)]]
+    assert data["ticks"][0] == 0 and data["ticks"][-1] <= 20.0
+    # response 0 matches the truth exactly (reward 2), response 1 misses it (reward 1): greener is better
+    best, worst = data["rows"][0]["colour"], data["rows"][1]["colour"]
+    assert int(best[1:3], 16) < int(worst[1:3], 16)  # less red
+    svg = timeline_svg(data)
+    assert svg.count('class="span-bar"') == 4 and svg.count('class="gt-bar"') == 1
+
+
+def test_timeline_unparsed_reversed_and_overlong_spans():
+    data = timeline_data([1.0, 2.0], 10.0, [Bar("a", None, 0.0), Bar("b", [6.0, 4.0], 1.0), Bar("c", [8.0, 14.0],
+                                                                                                 math.nan)])
+    a, b, c = data["rows"]
+    assert a["note"] == "unparsed" and a["x0"] is None
+    assert (b["x0"], b["x1"], b["note"]) == (4.0, 6.0, "reversed span")
+    assert data["axis_max"] == 14.0 and c["colour"] == "#9e9e9e"  # axis grows to the longest span; NaN is grey
+    assert timeline_svg(data).count('class="span-bar"') == 2
+    assert colour(0.0, 0.0, 1.0) == "#d73027" and colour(1.0, 0.0, 1.0) == "#1a9850"
+    assert nice_ticks(25.2) == [0, 5, 10, 15, 20, 25] and nice_ticks(0.0) == [0.0]
+
+
+# ------------------------------------------------------------------------------------------------ curves
+def test_curves_from_metrics_and_eval_lines(small):
+    src = RunSource(small["run"])
+    frames = curve_frames(src.metrics(), src.eval_metrics())
+    assert set(frames["reward"]["series"]) == {"reward/mean", "reward/format"}
+    assert list(frames["iou"]["step"]) == [1, 2, 3]
+    assert list(frames["kl"]["value"]) == pytest.approx([0.001, 0.002, 0.003])
+    assert set(frames["timing"]["series"]) == {"timing_s/rollout", "timing_s/update"}
+    assert set(frames["eval"]["series"]) == {"miou", "r1@0.5"}
+    records = [{"step": i, "x": float(i)} for i in range(10_001)]
+    thin = long_frame(records, ["x"], max_points=1000)
+    assert len(thin) <= 1001 and thin["step"].iloc[-1] == 10_000 and thin["step"].iloc[0] == 0
+
+
+# ----------------------------------------------------------------------------------------------- evaluations
+def test_eval_rows_worst_first(small):
+    src = EvalSource(small["eval"])
+    records = src.predictions()
+    assert [r.index for r in worst_first(records)] == [4, 2, 3, 1, 0]  # failed, unparsed, missed, partial, exact
+    headers, rows = prediction_rows(records)
+    assert len(rows) == len(SMALL_EVAL)
+    assert rows[0][headers.index("status")].startswith("failed")
+    assert rows[-1][headers.index("iou")] == 1.0
+    assert [p.name for p in src.plots()] == ["iou_histogram.png"]
+
+
+# ----------------------------------------------------------------------------------------- frames and media
+def test_frames_from_thumbnails_or_decoded_or_a_note(small):
+    src = RunSource(small["run"])
+    g0, g1 = src.groups(1)
+    items, note = frame_items(src.reader(), g0.media_key, g0.video)
+    assert len(items) == 4 and note == "" and [c for _, c in items] == ["1.5 s", "4.5 s", "7.5 s", "10.5 s"]
+    assert all(p.is_relative_to(small["run"].resolve()) for p, _ in items)
+    items, note = frame_items(src.reader(), g1.media_key, g1.video)  # no thumbnails, the video exists
+    assert len(items) == 8 and items[0][0].shape[2] == 3 and "decoded" in note
+    assert strip_html(items).count('src="data:image/jpeg;base64,') == 8  # decoded frames are inlined
+    items, note = decoded_items("/no/such/video.mp4")
+    assert items == [] and note == "video file not available: /no/such/video.mp4"
+    items, _ = frame_items(src.reader(), g0.media_key, g0.video)
+    urls = re.findall(r'src="gradio_api/file=([^"]+)"', strip_html(items))
+    assert len(urls) == 4 and all(unquote(u).startswith(str(small["run"].resolve()) + "/media/") for u in urls)
+
+
+def test_missing_thumbnail_and_symlinks_out_are_reported(small, tmp_path):
+    run = copy_run(small, tmp_path)
+    src = RunSource(run)
+    key = src.groups(1)[0].media_key
+    (run / "media" / key / "frame_01.jpg").unlink()
+    items, note = thumbnail_items(src.reader(), key)
+    assert len(items) == 3 and note == f"1 of 4 thumbnails missing under media/{key}"
+    secret = tmp_path / "secret.jpg"
+    secret.write_bytes(b"not for the browser")
+    (run / "media" / key / "frame_02.jpg").unlink()
+    os.symlink(secret, run / "media" / key / "frame_02.jpg")
+    items, note = thumbnail_items(src.reader(), key)
+    assert items == [] and "outside the run directory" in note
+    items, note = thumbnail_items(src.reader(), "../../etc")
+    assert items == [] and "not a media key" in note
+
+
+def test_eval_plots_symlinked_out_are_left_out(small, tmp_path):
+    folder = tmp_path / "ev"
+    shutil.copytree(small["eval"], folder)
+    (tmp_path / "outside.png").write_bytes(b"x")
+    os.symlink(tmp_path / "outside.png", folder / "plots" / "leak.png")
+    assert [p.name for p in EvalSource(folder).plots()] == ["iou_histogram.png"]
+
+
+# ---------------------------------------------------------------------------------- cache, refresh, bad input
+def test_cache_follows_the_files(small, tmp_path):
+    run = copy_run(small, tmp_path)
+    src = RunSource(run)
+    first = src.groups(3)
+    assert src.groups(3) is first  # unchanged file: parsed once
+    g = first[0]
+    changed = GroupRecord(**{**{k: getattr(g, k) for k in ("step", "group_index", "sample_id", "video", "duration",
+                                                         "query", "gt_span", "media_key")}, "responses": []})
+    RunWriter(run, tensorboard=False).write_rollouts(3, [changed])  # a resumed run rewrites a step
+    assert len(src.groups(3)) == 1 and src.summaries(3)[0].size == 0
+    RunWriter(run, tensorboard=False).write_rollouts(4, [changed])  # a new step while the app is open
+    assert src.steps() == [1, 2, 3, 4]
+
+
+def test_truncated_last_lines_are_skipped(small, tmp_path):
+    run = copy_run(small, tmp_path)
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"v": 1, "step": 4, "reward/me')
+    with open(run / "rollouts" / "step_00000003.jsonl", "ab") as f:
+        f.write(b'{"v": 1, "step": 3, "group_ind')
+    src = RunSource(run)
+    assert [m["step"] for m in src.metrics()] == [1, 2, 3]
+    assert len(src.groups(3)) == 2
+
+
+def test_bad_folders_give_a_message_not_a_crash(tmp_path, small):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "not a run directory" in RunSource(empty).problem()
+    newer = copy_run(small, tmp_path)
+    info = json.loads((newer / "run.json").read_text())
+    (newer / "run.json").write_text(json.dumps({**info, "layout_version": 99}))
+    assert "upgrade mmpg" in RunSource(newer).problem()
+    # an older run directory: no run.json, records without media_key
+    old = tmp_path / "old"
+    (old / "rollouts").mkdir(parents=True)
+    shutil.copy(small["run"] / "metrics.jsonl", old)
+    lines = (small["run"] / "rollouts" / "step_00000001.jsonl").read_text().splitlines()
+    stripped = [json.dumps({k: v for k, v in json.loads(x).items() if k != "media_key"}) for x in lines]
+    (old / "rollouts" / "step_00000001.jsonl").write_text("\n".join(stripped) + "\n")
+    src = RunSource(old)
+    assert src.problem() is None and src.steps() == [1] and src.groups(1)[0].media_key is None
+
+
+# --------------------------------------------------------------------------------- the handlers, no browser
+@pytest.fixture
+def views():
+    """Build the page's components without serving it; handlers are then plain functions."""
+    import gradio as gr
+
+    from app.eval_view import EvalView
+    from app.evals import run_evals
+    from app.run_view import RunView
+
+    def make(run):
+        with gr.Blocks():
+            status, title, seen = gr.HTML(), gr.Markdown(), gr.State({})
+            rv = RunView(RunSource(run), status, title, seen)
+            ev = EvalView(lambda: run_evals(run), status)
+            with gr.Tabs():
+                rv.build()
+                ev.build()
+        return rv, ev
+
+    return make
+
+
+def test_load_pick_and_refresh_handlers(small, tmp_path, views):
+    run = copy_run(small, tmp_path)
+    rv, ev = views(run)
+    out = rv.on_load(follow=False)
+    assert out[rv.step]["value"] == 3 and out[rv.group]["value"] == "3:0"
+    assert len(out[rv.table]) == 4 and 'class="span-bar"' in out[rv.timeline]
+    out = rv.on_pick(2, FILTERS[3], "this step")
+    assert [v for _, v in out[rv.group]["choices"]] == ["2:0"]
+    assert list(out[rv.table]["finish"]) == ["stop", "stop", "length", "stop"]
+    seen = {"steps": [1, 2, 3], "curves": True, "metrics": rv.src.metrics_key()}
+    assert set(rv.on_refresh(2, FILTERS[0], "this step", "2:0", seen, False)) == {rv.seen}  # nothing changed
+    writer = RunWriter(run, tensorboard=False)
+    writer.write_rollouts(4, RunSource(run).groups(1))
+    writer.log_metrics(4, {"reward/mean": 0.5})
+    out = rv.on_refresh(2, FILTERS[0], "this step", "2:0", seen, True)  # following: jumps to the new step
+    assert out[rv.step]["value"] == 4 and out[rv.group]["value"] == "4:0" and rv.plots["reward"] in out
+    assert out[rv.seen]["steps"] == [1, 2, 3, 4]
+    text = rv.response_text("2:0", 2)
+    assert "mmpg-think" in text and "truncated" in text
+    out = ev.on_load()
+    assert len(out[ev.table]) == 5 and out[ev.sample]["value"] == 4
+
+
+def test_handlers_turn_errors_into_messages(small, tmp_path, views):
+    from app.guard import guarded
+
+    run = copy_run(small, tmp_path)
+    path = run / "rollouts" / "step_00000002.jsonl"
+    path.write_text("garbage\n" + path.read_text())  # a damaged line in the middle of a step file
+    rv, ev = views(run)
+    out = guarded(rv.status)(rv.on_pick)(2, FILTERS[0], "this step")
+    assert "damaged line" in out[rv.status] and out[rv.table].empty  # no other step's group left on show
+    out = guarded(rv.status)(rv.on_group)("9:0")
+    assert "no rollouts for step 9" in out[rv.status]
+    out = guarded(ev.status)(ev.on_pick)("/etc")
+    assert "is not one of this run&#x27;s evaluation folders" in out[ev.status]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rv, _ = views(empty)
+    out = rv.on_load()
+    assert "not a run directory" in out[rv.status] and "fills in once the run writes" in out[rv.status]
+
+
+def test_app_never_imports_the_trainer():
+    code = ("import sys, app.server, app.synthetic; bad = sorted(m for m in sys.modules if m.startswith(("
+            "'mmpg.rl', 'mmpg.train', 'deepspeed'))); print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_cli_defaults_to_localhost_and_refuses_a_missing_folder(tmp_path, capsys):
+    from mmpg.cli import build_parser, main
+
+    args = build_parser().parse_args(["inspect", str(tmp_path)])
+    assert args.host == "127.0.0.1" and args.port is None
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
+    assert "no such folder" in capsys.readouterr().err

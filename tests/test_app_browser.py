@@ -1,0 +1,234 @@
+"""The inspector in a real browser: Debian's chromium driven by Playwright (no browser is downloaded), the app
+served on 127.0.0.1 on a small run directory written by the writers of `mmpg.runs`.
+
+Screenshots go to test-artifacts/inspector/ (or $MMPG_TEST_ARTIFACTS). Skipped, with the reason, where chromium or
+the playwright package is missing; scripts/test.sh installs chromium with apt-get when it runs as root.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from app.synthetic import SMALL_EVAL, SMALL_SPANS, make_eval_folder, make_small_run
+from mmpg.runs import run_eval_dir
+
+pytestmark = [pytest.mark.slow,  # Gradio's own pandas 3 deprecation notices, not ours:
+              pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword).*")]
+
+CHROMIUM = os.environ.get("MMPG_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
+                 "--no-first-run", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = Path(os.environ.get("MMPG_TEST_ARTIFACTS") or Path(__file__).resolve().parents[1] / "test-artifacts"
+                 ) / "inspector"
+TIMEOUT_MS = 60_000  # two shared cores: generous, the usual wait is well under a second
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"no chromium at {CHROMIUM}: install Debian's package (apt-get install chromium; scripts/test.sh "
+                    "does it when run as root) or set MMPG_CHROMIUM")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed (dev extra)")
+    profile = tempfile.mkdtemp(prefix="mmpg-chromium-")
+    with sync_api.sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True,
+                                                   args=CHROMIUM_ARGS, viewport={"width": 1400, "height": 1000})
+        ctx.set_default_timeout(TIMEOUT_MS)
+        yield ctx
+        ctx.close()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("browser")
+    run = make_small_run(root / "run", video_dir=root / "videos")
+    ev = make_eval_folder(run_eval_dir(run, "charades", 3))
+    empty = root / "empty"
+    empty.mkdir()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    return {"run": run, "eval": ev, "empty": empty}
+
+
+@pytest.fixture(scope="module")
+def serve():
+    from app.server import launch
+
+    pages = []
+
+    def start(path):
+        page, url = launch(path, port=free_port(), block=False, quiet=True, refresh_s=1.0)
+        pages.append(page)
+        return url
+
+    yield start
+    for p in pages:
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def run_url(serve, folders):
+    """One server on the small run for the tests that only read it."""
+    return serve(folders["run"])
+
+
+def pick(page, elem_id: str, label: str) -> None:
+    """Choose `label` in a Gradio dropdown, as a user does: open it, click the option."""
+    page.locator(f"#{elem_id} input").click()
+    page.get_by_role("option", name=label, exact=True).click()
+
+
+def table_rows(page, elem_id: str) -> list[list[str]]:
+    rows = page.locator(f"#{elem_id} [role=row].virtual-row")
+    return [[c.strip() for c in r.locator("[role=gridcell]").all_inner_texts()] for r in rows.all()]
+
+
+def wait_rows(page, elem_id: str, first_cell_pattern: str | None = None, count: int | None = None):
+    page.wait_for_function(
+        """([id, n, pat]) => {
+            const rows = document.querySelectorAll(`#${id} [role=row].virtual-row`);
+            if (n !== null && rows.length !== n) return false;
+            if (pat === null) return rows.length > 0;
+            return Array.from(rows).some(r => new RegExp(pat).test(r.innerText));
+        }""", arg=[elem_id, count, first_cell_pattern])
+
+
+def wait_text(page, elem_id: str, text: str) -> None:
+    """Wait until the element #elem_id exists and its text contains `text`."""
+    page.wait_for_function("([id, t]) => (document.getElementById(id)?.innerText || '').includes(t)",
+                           arg=[elem_id, text])
+
+
+def no_error_page(page) -> None:
+    """No traceback, no server error page, no Gradio error toast (our handlers report through #status)."""
+    body = page.inner_text("body")
+    assert "Traceback" not in body and "Internal Server Error" not in body
+    toasts = page.locator("[data-testid=toast-body]").all_inner_texts()
+    assert not toasts, toasts
+
+
+def fmt(x) -> str:
+    return f"{x:g}"
+
+
+def test_pick_step_and_group_see_responses_timeline_and_text(browser, run_url):
+    page = browser.new_page()
+    page.goto(run_url)
+    wait_rows(page, "responses", count=4)
+    pick(page, "step", "2")
+    wait_text(page, "picked", "at step 2")
+    labels = page.locator("#group input")
+    labels.click()  # the list now holds step 2's groups
+    options = page.get_by_role("option").all_inner_texts()
+    assert len(options) == 2 and options[1].strip().startswith("group 1"), options
+    page.get_by_role("option").nth(1).click()
+    wait_text(page, "group-header", "sample-1")
+    wait_rows(page, "responses", count=4, first_cell_pattern="10")
+    rows = table_rows(page, "responses")
+    assert len(rows) == 4
+    expected = [(fmt(s[0]), fmt(s[1])) for s, _ in SMALL_SPANS[(2, 1)]]
+    assert [(r[1], r[2]) for r in rows] == expected
+    assert page.locator("#timeline svg.mmpg-timeline rect.span-bar").count() == 4
+    assert page.locator("#timeline svg rect.gt-bar").count() == 1
+    assert labels.input_value().startswith("group 1")
+    page.locator("#responses [role=row].virtual-row").nth(2).locator("[role=gridcell]").nth(3).click()
+    wait_text(page, "response-text", "Response #2")
+    assert page.locator("#response-text .mmpg-think").count() == 1
+    assert page.locator("#response-text .mmpg-answer").inner_text().find("14.0 to 19.5") >= 0
+    assert page.locator("#frames img").count() == 8  # no thumbnails: decoded from the video file
+    no_error_page(page)
+    page.screenshot(path=str(ARTIFACTS / "rollouts_step2_group1.png"), full_page=True)
+    page.close()
+
+
+def test_filter_over_the_run_and_step_buttons(browser, run_url):
+    page = browser.new_page()
+    page.goto(run_url)
+    wait_rows(page, "responses", count=4)
+    page.get_by_label("all steps").check()
+    pick(page, "filter", "truncated responses")
+    wait_text(page, "picked", "1 group(s) listed of 6")
+    assert page.locator("#group input").input_value().startswith("step 2 · group 0")
+    wait_rows(page, "responses", count=4, first_cell_pattern="length")
+    assert [r[-1] for r in table_rows(page, "responses")] == ["stop", "stop", "length", "stop"]
+    assert page.locator("#frames img").count() == 4  # the stored thumbnails, served from inside the run
+    page.wait_for_function("() => Array.from(document.querySelectorAll('#frames img'))"
+                           ".every(i => i.complete && i.naturalWidth > 0)")
+    assert page.locator("#timeline text.note", has_text="unparsed").count() == 1
+    page.screenshot(path=str(ARTIFACTS / "rollouts_filter_truncated.png"), full_page=True)
+    page.get_by_label("this step").check()
+    pick(page, "filter", "all groups")
+    page.locator("#step-prev").click()  # from step 3 (the newest, shown first) to step 2
+    wait_text(page, "picked", "at step 2")
+    assert page.locator("#step input").input_value() == "2"
+    page.wait_for_timeout(1500)  # a timer tick (every second here) while the choices changed: no error toast
+    no_error_page(page)
+    page.close()
+
+
+def test_curves_render(browser, run_url):
+    page = browser.new_page()
+    page.goto(run_url)
+    wait_rows(page, "responses", count=4)
+    page.get_by_role("tab", name="Curves").click()
+    for pid in ("reward", "iou", "length", "kl", "clip", "timing", "eval"):
+        page.locator(f"#curve-{pid} canvas, #curve-{pid} svg").first.wait_for()
+    assert "3 step(s) in metrics.jsonl, 3 evaluation(s)" in page.inner_text("#curves-note")
+    no_error_page(page)
+    page.screenshot(path=str(ARTIFACTS / "curves.png"), full_page=True)
+    page.close()
+
+
+def test_evaluation_views(browser, serve, folders, run_url):
+    for name, url in (("eval_tab_of_run", run_url), ("eval_folder", serve(folders["eval"]))):
+        page = browser.new_page()
+        page.goto(url)
+        if name == "eval_tab_of_run":
+            wait_rows(page, "responses", count=4)
+            page.get_by_role("tab", name="Evaluation").click()
+        wait_rows(page, "eval-samples", count=len(SMALL_EVAL))
+        rows = table_rows(page, "eval-samples")
+        assert [r[0] for r in rows] == ["4", "2", "3", "1", "0"]  # worst first
+        assert rows[0][-1].startswith("failed")
+        page.locator("#eval-samples [role=row].virtual-row").nth(3).locator("[role=gridcell]").nth(2).click()
+        wait_text(page, "eval-header", "eval query 1")
+        assert page.locator("#eval-timeline rect.span-bar").count() == 1
+        assert "video file not available" in page.inner_text("#eval-frames-note")
+        assert page.locator("#eval-metrics").inner_text().find("miou") >= 0
+        page.wait_for_function("() => { const i = document.querySelector('#eval-plots img');"
+                               " return i && i.complete && i.naturalWidth > 0; }")  # served from inside the folder
+        no_error_page(page)
+        page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+        page.close()
+
+
+def test_bad_folders_show_a_message(browser, serve, folders, tmp_path):
+    page = browser.new_page()
+    page.goto(serve(folders["empty"]))
+    wait_text(page, "status", "not a run directory")
+    no_error_page(page)
+    page.screenshot(path=str(ARTIFACTS / "empty_folder.png"), full_page=True)
+    # the run starts writing while the page is open: the timer picks it up
+    make_small_run(folders["empty"])
+    wait_text(page, "title", "3 step(s) with rollouts")  # a tick may land mid-write: later ones catch up
+    wait_rows(page, "responses", count=4)
+    # a damaged step file: the other steps still work, the damaged one says what is wrong
+    path = folders["empty"] / "rollouts" / "step_00000001.jsonl"
+    path.write_text("garbage\n" + path.read_text())
+    pick(page, "step", "1")
+    wait_text(page, "status", "damaged line")
+    no_error_page(page)
+    page.screenshot(path=str(ARTIFACTS / "damaged_step.png"), full_page=True)
+    page.close()

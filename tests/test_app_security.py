@@ -1,0 +1,65 @@
+"""The inspector's server: binds 127.0.0.1 by default and serves files only from inside the folder it was opened
+on; path traversal and symlinks pointing out are refused. Plain HTTP requests, no browser."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+
+import pytest
+
+from app.synthetic import make_small_run
+from mmpg.runs import RunReader
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from app.server import launch
+
+    root = tmp_path_factory.mktemp("served")
+    run = make_small_run(root / "run")
+    (root / "secret.txt").write_text("outside the run directory")
+    key = RunReader(run).rollouts(1)[0].media_key
+    os.symlink(root / "secret.txt", run / "media" / key / "leak.txt")
+    page, url = launch(run, port=free_port(), block=False, quiet=True)
+    yield {"run": run.resolve(), "root": root.resolve(), "key": key, "page": page, "url": url}
+    page.close()
+
+
+def get(served, path: str) -> int:
+    """Status of GET `path`, sent as is (http.client does not normalise '..' the way browsers do)."""
+    conn = http.client.HTTPConnection("127.0.0.1", served["page"].server_port, timeout=30)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_binds_localhost_by_default(served):
+    assert served["page"].server_name == "127.0.0.1"
+    assert served["url"].startswith("http://127.0.0.1:")
+
+
+def test_files_inside_the_run_are_served(served):
+    assert get(served, f"/gradio_api/file={served['run']}/media/{served['key']}/frame_00.jpg") == 200
+
+
+@pytest.mark.parametrize("path", [
+    "/gradio_api/file=/etc/passwd",
+    "/gradio_api/file={root}/secret.txt",
+    "/gradio_api/file={run}/../secret.txt",
+    "/gradio_api/file={run}/media/../../secret.txt",
+    "/gradio_api/file={run}/media/{key}/leak.txt",  # a symlink inside the run pointing out
+    "/gradio_api/file={run}/media/{key}/%2e%2e/%2e%2e/%2e%2e/secret.txt",
+])
+def test_files_outside_are_refused(served, path):
+    path = path.format(root=served["root"], run=served["run"], key=served["key"])
+    assert get(served, path) == 403, path
