@@ -43,19 +43,24 @@ def _first_sample(data_dir: Path):
 
 
 def _train_briefly(model_dir: Path, data_dir: Path, workdir: Path, family: str, steps: int) -> Path:
-    """A few GRPO steps on the demo's videos through the same entry point as `mmpg train`."""
-    from mmpg.config import load_config
-    from mmpg.rl.trainer import train
+    """A few GRPO steps on the demo's videos: `mmpg train` in its own process, exactly as a user starts it."""
+    import subprocess
+    import sys
+
+    from mmpg.errors import UserError
 
     name = f"demo-{family}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg = load_config(None, [
+    overrides = [
         f"model.path={model_dir}", "model.dtype=float32", f"data.train={data_dir / 'train.json'}",
         f"data.videos={data_dir / 'videos'}", "data.batch_size=2", "data.fps=1.0", "data.max_frames=8",
         "data.num_workers=0", f"rollout.n={GROUP_SIZE}", f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
         f"trainer.micro_batch_size={GROUP_SIZE}", "trainer.device=cpu", f"trainer.output_dir={workdir / 'runs'}",
         f"trainer.run_name={name}", f"trainer.total_steps={steps}", "optim.lr=1e-4",
-        f"checkpoint.every_n_steps={steps}", "checkpoint.keep_last=1", "logging.tensorboard=false"])
-    train(cfg, ["mmpg", "demo"])
+        f"checkpoint.every_n_steps={steps}", "checkpoint.keep_last=1", "logging.tensorboard=false"]
+    proc = subprocess.run([sys.executable, "-m", "mmpg.cli", "train", *overrides], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UserError(f"the demo's training run failed (exit {proc.returncode}): "
+                        f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
     return workdir / "runs" / name
 
 
