@@ -52,3 +52,16 @@ def completions(group_sizes: list[int], lengths: list[int], vocab: int, seed: in
     ids = torch.randint(0, vocab, (len(lengths), width), generator=g)
     mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
     return ids, mask
+
+
+def assert_recompute_matches(model, inputs, rollout, temperature: float, atol: float) -> None:
+    """The rollout's logprobs equal `grouped_logprobs` recomputed on the same responses, within `atol`."""
+    from mmpg.grouping import grouped_logprobs
+
+    with torch.no_grad():
+        recomputed = grouped_logprobs(model, inputs, rollout.completion_ids, rollout.completion_mask,
+                                      rollout.group_sizes, temperature=temperature)
+    diff = (recomputed - rollout.logprobs).abs()
+    worst = int(diff.argmax())
+    assert float(diff.max()) <= atol, \
+        f"logprob diff {float(diff.max()):.3g} at row {worst // diff.shape[1]}, token {worst % diff.shape[1]}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from batches import text_batch, vl_batch
+from batches import assert_recompute_matches, text_batch, vl_batch
 from mmpg.grouping import grouped_logprobs, repeated_logprobs
 from mmpg.grouping.inputs import placeholder_token_ids, split_visuals_per_prompt
 from mmpg.rollout import FINISH_LENGTH, FINISH_STOP, HFEngine, RolloutEngine, SamplingParams
@@ -94,13 +94,7 @@ def test_sampling_logprobs_match_grouped_recompute(family, load_tiny):
     engine = HFEngine(model, processor)
     rollout = engine.generate_groups(inputs, [3, 1, 2], sampling)
     _check_layout(rollout, model.generation_config.pad_token_id)
-    with torch.no_grad():
-        recomputed = grouped_logprobs(model, inputs, rollout.completion_ids, rollout.completion_mask,
-                                      rollout.group_sizes, temperature=sampling.temperature)
-    diff = (recomputed - rollout.logprobs).abs()
-    worst = int(diff.argmax())
-    assert float(diff.max()) <= LOGP_ATOL, \
-        f"logprob diff {float(diff.max()):.3g} at row {worst // diff.shape[1]}, token {worst % diff.shape[1]}"
+    assert_recompute_matches(model, inputs, rollout, sampling.temperature, LOGP_ATOL)
     # a training loop alternates the two: sampling with the grouped-attention-patched model changes nothing
     again = engine.generate_groups(inputs, [3, 1, 2], sampling)
     assert torch.equal(again.completion_ids, rollout.completion_ids)

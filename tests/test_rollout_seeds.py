@@ -17,8 +17,7 @@ import math
 import pytest
 import torch
 
-from batches import text_batch, vl_batch
-from mmpg.grouping import grouped_logprobs
+from batches import assert_recompute_matches, text_batch, vl_batch
 from mmpg.grouping.inputs import split_visuals_per_prompt
 from mmpg.rollout import HFEngine, SamplingParams
 from mmpg.rollout.sampling import next_tokens
@@ -144,13 +143,7 @@ def test_prompt_seeds_logprobs_match_grouped_recompute(family, load_tiny):
     inputs = vl_batch(processor, family, VIDEOS)
     sampling = SamplingParams(max_new_tokens=8, temperature=0.7, top_k=50, top_p=0.9)
     rollout = HFEngine(model, processor).generate_groups(inputs, SIZES, sampling, prompt_seeds=SEEDS)
-    with torch.no_grad():
-        recomputed = grouped_logprobs(model, inputs, rollout.completion_ids, rollout.completion_mask,
-                                      rollout.group_sizes, temperature=sampling.temperature)
-    diff = (recomputed - rollout.logprobs).abs()
-    worst = int(diff.argmax())
-    assert float(diff.max()) <= LOGP_ATOL, \
-        f"logprob diff {float(diff.max()):.3g} at row {worst // diff.shape[1]}, token {worst % diff.shape[1]}"
+    assert_recompute_matches(model, inputs, rollout, sampling.temperature, LOGP_ATOL)
 
 
 def test_greedy_ignores_prompt_seeds(load_tiny):
