@@ -46,7 +46,7 @@ def _cmd_synth(args) -> int:
     from mmpg.data.synth import generate_dataset
 
     summary = generate_dataset(args.out, args.n, args.seed, overwrite=args.overwrite,
-                               min_duration=args.min_duration, max_duration=args.max_duration)
+                               min_duration=args.min_duration, max_duration=args.max_duration, easy=args.easy)
     print(f"wrote {args.n} synthetic grounding videos (seed {args.seed}) to {args.out}")
     for key, value in summary.items():
         print(f"  {key}: {value}")
@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--min-duration", type=float, default=8.0, help="seconds")
     p.add_argument("--max-duration", type=float, default=90.0, help="seconds")
+    p.add_argument("--easy", action="store_true", help="the task a tiny model learns on a CPU: one large white "
+                   "shape on black, 64x64, 2 fps, whole seconds")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=_cmd_synth)
 

@@ -296,3 +296,24 @@ def test_failure_midway_leaves_no_partial_output(tmp_path, monkeypatch, existing
         assert [p.name for p in out.iterdir()] == ["keep.txt"]
     else:
         assert list(tmp_path.iterdir()) == []
+
+
+def test_easy_videos_show_one_white_shape_exactly_within_whole_second_spans(tmp_path):
+    """The learning demo's task: one large white shape on black, 64x64 at 2 fps, whole-second spans."""
+    synth.generate_dataset(tmp_path / "easy", 6, 3, min_duration=8, max_duration=20, easy=True)
+    truth = _load(tmp_path / "easy", "events")
+    for video_id, video in truth.items():
+        assert (video["width"], video["height"], video["fps"]) == (64, 64, 2.0)
+        assert video["duration"] == int(video["duration"]) and 8 <= video["duration"] <= 20
+        (event,) = video["events"]
+        start, end = event["start"], event["end"]
+        assert start == int(start) and end == int(end) and 2 <= end - start <= max(2, int(0.6 * video["duration"]))
+        assert event["sentence"] in ("a white circle appears", "a white square appears")
+        frames = _decode(tmp_path / "easy", video_id)  # [T, H, W, 3]
+        assert frames.shape[0] == video["n_frames"]
+        for i, frame in enumerate(frames):
+            centre = frame[28:36, 28:36].astype(int).mean()
+            corner = frame[:4, :4].astype(int).mean()
+            inside = start <= i / video["fps"] < end
+            assert corner < 30, (video_id, i)
+            assert (centre > 200) == inside, (video_id, i, centre, inside)

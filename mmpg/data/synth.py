@@ -114,8 +114,13 @@ def generate_dataset(
     sizes: Sequence[tuple[int, int]] = ((320, 240), (256, 192), (384, 216)),
     fps_choices: Sequence[float] = (8.0, 10.0, 12.0, 15.0),
     splits: tuple[float, float, float] = (0.7, 0.15, 0.15),
+    easy: bool = False,
 ) -> dict:
     """Write n synthetic videos plus annotations into `out`; return a summary (counts, paths).
+
+    easy: the task a tiny model can learn on a CPU in minutes — one large white circle or square on black, in the
+    middle of a 64x64 frame at 2 fps, visible only while start <= t < end; whole-second durations (min..max) and
+    spans (2 s to 60 % of the duration); `sizes` and `fps_choices` are then ignored.
 
     Everything is written to a hidden sibling folder first and renamed into place at the end, so a
     failure or Ctrl-C never leaves a half-written `out` (with overwrite, the old folder is removed
@@ -128,7 +133,8 @@ def generate_dataset(
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)  # a stale one from a crashed run with our pid
     try:
-        plans, split_counts = _write_all(tmp, n, seed, min_duration, max_duration, sizes, fps_choices, splits)
+        plans, split_counts = _write_all(tmp, n, seed, min_duration, max_duration, sizes, fps_choices, splits,
+                                         easy)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -213,7 +219,7 @@ def _move_children(tmp: Path, out: Path) -> None:
     tmp.rmdir()
 
 
-def _write_all(tmp, n, seed, min_duration, max_duration, sizes, fps_choices, splits):
+def _write_all(tmp, n, seed, min_duration, max_duration, sizes, fps_choices, splits, easy=False):
     """Plan, draw and encode every video into `tmp`, then write the JSON files.
 
     Returns (plans, {split name: number of videos}).
@@ -223,8 +229,10 @@ def _write_all(tmp, n, seed, min_duration, max_duration, sizes, fps_choices, spl
     rngs = np.random.default_rng(seed).spawn(n)
     plans = []
     for i, rng in enumerate(rngs):
-        plan = plan_video(rng, f"synth_{i:0{width}d}", min_duration, max_duration, sizes, fps_choices)
-        _encode_plan(tmp / "videos" / f"{plan.video_id}.mp4", plan, rng)
+        vid = f"synth_{i:0{width}d}"
+        plan = plan_easy_video(rng, vid, min_duration, max_duration) if easy else \
+            plan_video(rng, vid, min_duration, max_duration, sizes, fps_choices)
+        _encode_plan(tmp / "videos" / f"{plan.video_id}.mp4", plan, rng, black=easy)
         plans.append(plan)
     assignment = split_ids([p.video_id for p in plans], splits, np.random.default_rng(seed))
     by_id = {p.video_id: p for p in plans}
@@ -254,6 +262,21 @@ def plan_video(rng: np.random.Generator, video_id: str, min_duration: float, max
     return VideoPlan(video_id, fps, width, height, n_frames, duration, tuple(events))
 
 
+EASY_FPS, EASY_SIZE = 2.0, 64
+
+
+def plan_easy_video(rng: np.random.Generator, video_id: str, min_duration: float, max_duration: float) -> VideoPlan:
+    """One large white circle or square in the middle of a black 64x64 frame, 2 fps, whole seconds."""
+    duration = int(rng.integers(int(np.ceil(min_duration)), int(np.floor(max_duration)) + 1))
+    longest = max(int(MIN_SPAN_S), int(0.6 * duration))
+    length = int(rng.integers(int(MIN_SPAN_S), longest + 1))
+    start = int(rng.integers(0, duration - length + 1))
+    shape = ("circle", "square")[int(rng.integers(2))]
+    centre = (EASY_SIZE / 2, EASY_SIZE / 2)
+    event = Event("white", shape, "appears", float(start), float(start + length), 0.6 * EASY_SIZE, centre, centre)
+    return VideoPlan(video_id, EASY_FPS, EASY_SIZE, EASY_SIZE, int(duration * EASY_FPS), float(duration), (event,))
+
+
 def _plan_event(rng: np.random.Generator, colour: str, motion: str, to_colour: str | None,
                 duration: float, region: tuple[int, int, int, int], frame: tuple[int, int]) -> Event:
     """Span (>= MIN_SPAN_S, inside the video, rounded to 10 ms) and path inside `region` for one event."""
@@ -276,9 +299,11 @@ def _plan_event(rng: np.random.Generator, colour: str, motion: str, to_colour: s
     return Event(colour, shape, motion, start, end, size, centre_start, centre_end, to_colour)
 
 
-def _encode_plan(path: Path, plan: VideoPlan, rng: np.random.Generator) -> None:
-    """Draw the background from the video's rng and encode every frame of `plan` to `path`."""
-    planes = render.background_planes(render.make_background(rng, plan.width, plan.height))
+def _encode_plan(path: Path, plan: VideoPlan, rng: np.random.Generator, black: bool = False) -> None:
+    """Draw the background from the video's rng (or plain black) and encode every frame of `plan` to `path`."""
+    background = np.zeros((plan.height, plan.width, 3), np.uint8) if black else \
+        render.make_background(rng, plan.width, plan.height)
+    planes = render.background_planes(background)
 
     def frames() -> Iterator[np.ndarray]:
         for i in range(plan.n_frames):
