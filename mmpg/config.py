@@ -247,6 +247,16 @@ def _field(key: str, schema=Config):
     return found
 
 
+def _quote_text(item: str, schema=Config) -> str:
+    """`key=value` with the value taken as written when the field is a string: YAML would turn `run_name=off` into
+    False and `run_name=1e3` into 1000.0. An empty value is the empty string (null is spelled null)."""
+    key, _, value = item.partition("=")
+    f = _field(key.strip(), schema)
+    if f is None or f.type not in (str, "str") or value == "null" or value[:1] in ("'", '"'):
+        return item if value else item + "''"
+    return f"{key}='" + value.replace("'", "''") + "'"
+
+
 def _check_keys(data: dict, source: str, schema=Config, prefix: str = "", root=None) -> None:
     """Refuse unknown keys (named in full: 'rolout.n', not 'rolout') and groups given a plain value, before
     OmegaConf sees them; OmegaConf names only the first unknown part and reports a group set to 3 as key ''."""
@@ -337,8 +347,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():
             raise UserError(f"override {item!r} must look like key=value, e.g. rollout.n=8")
-        if item.endswith("="):  # `reward.function=` means the empty string, as in a shell (null is spelled null)
-            item = item + "''"
+        item = _quote_text(item, schema)
         try:
             dotlist = OmegaConf.from_dotlist([item])
             _check_keys(OmegaConf.to_container(dotlist, resolve=False), f"override {item!r}", schema)

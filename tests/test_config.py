@@ -281,3 +281,11 @@ def test_format_choices_are_the_loaders():
     from mmpg.data.formats import FORMAT_CHOICES
 
     assert set(CHOICES["data.format"]) == set(FORMAT_CHOICES)
+
+
+def test_text_fields_keep_the_override_as_written():
+    cfg = load_config(None, ["trainer.run_name=off", "reward.function=", "data.template=time_r1",
+                             "model.path=models/it's-here", "sft.think=The shape is: visible"])
+    assert cfg.trainer.run_name == "off" and cfg.reward.function == "" and cfg.model.path == "models/it's-here"
+    assert cfg.sft.think == "The shape is: visible"
+    assert load_config(None, ["trainer.run_name=1e3"]).trainer.run_name == "1e3"
