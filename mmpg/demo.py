@@ -123,5 +123,6 @@ def run_demo(workdir: str | Path = "data/generated/demo", family: str = "qwen2_5
             print(f"    step {m['step']}: reward {m['reward/mean']:.3f}, tIoU {m['reward/iou']:.3f}, "
                   f"{m['timing_s/step']:.1f} s")
         print("    metrics.jsonl, rollouts/ and checkpoints/ are there; longer: bash scripts/train_cpu_demo.sh")
+        print(f"    look at it: mmpg inspect {run_dir}")
     print("  next: bash scripts/test.sh runs the test suite; README.md explains the pieces")
     return 0 if diff <= 1e-4 else 1

@@ -15,7 +15,7 @@ def test_demo_runs_and_reports(tmp_path, capsys, family):
     assert "built now:   tiny" in out and "6 synthetic videos" in out
     assert "grouped vs repeated forward: max |logprob difference|" in out
     assert "would score 2.00" in out
-    assert "3 GRPO steps" in out and "step 3: reward" in out
+    assert "3 GRPO steps" in out and "step 3: reward" in out and "mmpg inspect" in out
     from mmpg.runs import RunReader
 
     runs = sorted((tmp_path / "demo" / "runs").iterdir())
