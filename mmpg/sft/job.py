@@ -83,9 +83,10 @@ class SFTJob:
                    if batch.inputs.get(k) is not None}
             one.update(visuals[b])
             target = torch.tensor([ids])
-            groups.append(PromptGroup(sample=sample, video=None, inputs=one, completion_ids=target,
-                                      completion_mask=torch.ones_like(target), rollout_logprobs=torch.zeros(1, len(ids)),
-                                      texts=[""], finish_reasons=["stop"], advantages=torch.zeros(1)))
+            groups.append(PromptGroup(
+                sample=sample, video=None, inputs=one, completion_ids=target, completion_mask=torch.ones_like(target),
+                rollout_logprobs=torch.zeros(1, len(ids)), texts=[""], finish_reasons=["stop"],
+                advantages=torch.zeros(1)))
         return groups
 
     @staticmethod

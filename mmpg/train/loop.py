@@ -55,8 +55,8 @@ def _tracker(session):
 
 
 def _line(step: int, total: int, metrics: dict) -> str:
-    keys = [k for k in ("reward/mean", "reward/iou", "reward/format", "sft/loss", "actor/loss", "actor/kl", "actor/grad_norm",
-                        "response/length_mean", "timing_s/step") if k in metrics]
+    keys = [k for k in ("reward/mean", "reward/iou", "reward/format", "sft/loss", "actor/loss", "actor/kl",
+                        "actor/grad_norm", "response/length_mean", "timing_s/step") if k in metrics]
     return f"step {step}/{total} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys)
 
 

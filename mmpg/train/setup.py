@@ -112,7 +112,8 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
         log.info("run directory %s; %s, %s, %d rank(s), ZeRO stage %s%s", run_dir, device, dtype, world,
                  engine.zero_optimization_stage(), f"; resumed from {resume} (step {start})" if resume else "")
     return Session(cfg=cfg, device=device, dtype=dtype, rank=rank, world=world, run_dir=run_dir,
-                   model=engine.module.policy, processor=processor, engine=engine, family=family, writer=writer, start_step=start, state=state)
+                   model=engine.module.policy, processor=processor, engine=engine, family=family, writer=writer,
+                   start_step=start, state=state)
 
 
 def load_train_samples(cfg):
