@@ -14,7 +14,6 @@ Metrics (one `metrics.jsonl` line per step, also TensorBoard), over the whole gl
 
 from __future__ import annotations
 
-import math
 import resource
 
 import numpy as np
@@ -77,7 +76,7 @@ def step_metrics(summaries: list[dict], sums: dict, infos: list[dict], skipped_t
     step_s = m["timing_s/step"]
     m["perf/tokens_per_s"] = all_tokens / step_s if step_s > 0 else 0.0
     m["perf/peak_memory_mb"] = peak_memory_mb(device)
-    return {k: (v if isinstance(v, float) and math.isfinite(v) else v) for k, v in m.items()}
+    return m  # non-finite values are written as null by mmpg.runs
 
 
 def group_records(step: int, groups, first_index: int, media_keys: dict, swap_reversed: bool) -> list[GroupRecord]:

@@ -10,6 +10,7 @@ with other jobs; what is GRPO's lives in `mmpg.rl.grpo` (the step) and `mmpg.rl.
 from __future__ import annotations
 
 import logging
+import os
 
 from mmpg.config import Config
 from mmpg.errors import UserError
@@ -33,7 +34,7 @@ def check_grpo_config(cfg: Config) -> None:
     if cfg.trainer.micro_batch_size % g:
         raise UserError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} responses would split a group of "
                         f"rollout.n={g}; use a multiple of {g} (a group stays whole in one micro-batch)")
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; the process group is not up yet
     if cfg.data.batch_size % world:
         raise UserError(f"data.batch_size={cfg.data.batch_size} prompts cannot be split evenly over {world} ranks")
 
