@@ -1,17 +1,26 @@
 """The grouped attention function, registered through transformers' `AttentionInterface`.
 
 One function is registered per base implementation the model was loaded with (`mmpg_grouped_sdpa`,
-`mmpg_grouped_eager`, `mmpg_grouped_flash_attention_2`, ...). It behaves exactly like the base implementation
-unless the layer call carries `mmpg_layout=<GroupLayout>` in its kwargs — which only `grouped_logprobs` passes — and
-then it runs the grouped backend named by the layout. So a patched model still generates and trains normally, and
-the layout reaches every layer (also the recomputation under gradient checkpointing, which replays layer kwargs).
-The same base's mask function is registered under the new name, so ordinary calls build the masks they always did.
+`mmpg_grouped_eager`, `mmpg_grouped_fa2` for `flash_attention_2`, ...). The names never contain "flash": transformers
+(5.24) takes any implementation name with "flash" in it for a flash kernel and tries to load it from flash-attn or the
+hub when the name is set (`ValueError: Could not find the currently requested flash attention implementation`), and
+also switches generation and mask code to its flash conventions; ours is neither. The function behaves exactly like
+the base implementation unless the layer call carries `mmpg_layout=<GroupLayout>` in its kwargs — which only
+`grouped_logprobs` passes — and then it runs the grouped backend named by the layout. So a patched model still
+generates and trains normally, and the layout reaches every layer (also the recomputation under gradient
+checkpointing, which replays layer kwargs). The same base's mask function is registered under the new name, so
+ordinary calls build the masks they always did.
+
+Before the backend runs, q/k/v are brought to one dtype (`attention_dtype`), and the layout to the layer's device
+(`GroupLayout.for_device`: a model spread over several GPUs with `device_map` hands each layer its own copy).
 """
 
 from __future__ import annotations
 
+import re
 import sys
 
+import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -22,6 +31,28 @@ PREFIX = "mmpg_grouped_"
 # Handed to the text model as its `attention_mask` during a grouped forward: a 4-D tensor is passed through mask
 # creation untouched by every Qwen text model, and the grouped attention ignores it (the layout is the mask).
 LAYOUT_KWARG = "mmpg_layout"
+
+
+def grouped_name(base: str) -> str:
+    """Registry name of the grouped function wrapping `base`, without "flash" in it (module docstring):
+    flash_attention_2 -> mmpg_grouped_fa2, kernels-community/flash-attn3 -> mmpg_grouped_kernels-community_fa3."""
+    if base.startswith(PREFIX):
+        return base
+    return PREFIX + re.sub(r"flash[_-]?(attention|attn)?[_-]?", "fa", base).replace("/", "_").replace(":", "_")
+
+
+def attention_dtype(module, query, key, value) -> torch.dtype:
+    """The one dtype q/k/v go to the backend in, chosen as transformers' own flash wrapper chooses it: under autocast
+    the autocast dtype (fp32 weights under bf16 autocast give bf16 projections, and fp32 q/k once multiplied by the
+    fp32 rotary tables, while v stays bf16); otherwise their common dtype, or, if they differ, the dtype of the
+    layer's projections. flash-attn refuses mixed dtypes, and FlexAttention's backward refuses them too."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if query.dtype == key.dtype == value.dtype:
+        return query.dtype
+    linear = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+    return linear.weight.dtype if linear is not None else value.dtype
 
 
 def _ordinary(base: str) -> str:
@@ -50,9 +81,12 @@ def _make_attention(base: str):
         if kwargs.get("sliding_window") is not None:
             raise ValueError("grouped attention does not support sliding-window layers (use_sliding_window=False)")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        dtype = attention_dtype(module, query, key, value)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
+        layout = layout.for_device(query.device)
         return get_backend(layout.backend)(query, key, value, layout, scale), None
 
-    grouped_attention.__name__ = f"{PREFIX}{base}"
+    grouped_attention.__name__ = grouped_name(base).replace("-", "_")
     return grouped_attention
 
 
@@ -60,7 +94,7 @@ def register_grouped_attention(base: str) -> str:
     """Register (once) the grouped function wrapping `base`; returns its registry name."""
     if base.startswith(PREFIX):
         return base
-    name = PREFIX + base
+    name = grouped_name(base)
     if name not in ALL_ATTENTION_FUNCTIONS:
         if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
             raise ValueError(f"attention implementation {base!r} is not registered in transformers")

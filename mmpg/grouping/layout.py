@@ -9,7 +9,9 @@ Attention rule (what every backend computes):
     response token -> the whole prefix of its group + earlier tokens of its own response
 
 `GroupLayout` holds this as index tensors, built once per grouped forward and shared by every layer (and by the
-recomputation under gradient checkpointing, since it travels in the layer's kwargs).
+recomputation under gradient checkpointing, since it travels in the layer's kwargs). Its tensors live on one device;
+a model spread over several devices (`device_map`) gets one copy per device through `for_device`, so a kernel is
+never handed an index or cu_seqlens tensor on another device than its q/k/v.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class GroupLayout:
     backend: str = "sdpa"
 
     def __post_init__(self):
+        self.device = torch.device(self.device)
         if len(self.prefix_lens) != len(self.response_lens):
             raise ValueError(f"{len(self.prefix_lens)} prefixes but {len(self.response_lens)} response groups")
         starts, pos = [], 0
@@ -50,6 +53,16 @@ class GroupLayout:
         """All responses of group b, contiguous right after its prefix."""
         s = self.group_starts[b] + self.prefix_lens[b]
         return s, s + sum(self.response_lens[b])
+
+    def for_device(self, device: torch.device) -> GroupLayout:
+        """This layout with its tensors on `device` (itself when it is there already); built once per device."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        copies = self.__dict__.setdefault("_per_device", {})
+        if device not in copies:
+            copies[device] = dataclasses.replace(self, device=device)
+        return copies[device]
 
     @property
     def num_groups(self) -> int:

@@ -16,7 +16,7 @@ from mmpg.grouping.inputs import (
     Completions, check_completions, mm_token_type_ids, placeholder_token_ids, prompt_attention_mask,
     split_visuals_per_prompt,
 )
-from mmpg.grouping.backends import resolve_backend
+from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.layout import GroupLayout
 from mmpg.grouping.patch import apply_grouped_attention, model_kind
 
@@ -27,6 +27,7 @@ def _token_logprobs(lm_head, hidden, targets, temperature):
     logits = lm_head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
+    targets = targets.to(logits.device)  # a no-op unless the head sits on another device (device_map)
     return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
@@ -75,7 +76,7 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     apply_grouped_attention(model)
     device = model.get_input_embeddings().weight.device
     prompt_inputs = _on_device(prompt_inputs, device)
-    backend = resolve_backend(backend or model._mmpg_backend, device, model.get_input_embeddings().weight.dtype)
+    backend = resolve_backend(backend or model._mmpg_backend, device, compute_dtype(model, device))
     prefixes = prefix_positions(model, prompt_inputs)
     packed_ids, packed_pos = pack(prefixes, completions, device)
     layout = GroupLayout(
@@ -83,7 +84,8 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
         response_lens=[[completions.lengths[i] for i in completions.rows_of(b)] for b in range(len(prefixes.ids))],
         device=device, backend=backend)
     hidden = packed_hidden_states(model, prompt_inputs, packed_ids, packed_pos, layout)  # [T, H]
-    flat = head_logprobs(model.get_output_embeddings(), hidden[layout.predictor_index],
+    # with device_map the last layer (and so `hidden`) may sit on another device than the embedding
+    flat = head_logprobs(model.get_output_embeddings(), hidden[layout.for_device(hidden.device).predictor_index],
                          packed_ids[layout.response_index], temperature, chunk_size)  # [sum L_i]
     return _scatter_rows(flat, completions)
 

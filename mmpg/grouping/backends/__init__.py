@@ -1,9 +1,11 @@
-"""Grouped attention backends. Each maps (query [1, Hq, T, D], key/value [1, Hkv, T, D], layout, scale) to the
-attention output [1, T, Hq, D] under the layout's rule; see `mmpg.grouping.layout`."""
+"""Grouped attention backends. Each maps (query [1, Hq, T, D], key/value [1, Hkv, T, D] of one dtype, layout on their
+device, scale) to the attention output [1, T, Hq, D] under the layout's rule; see `mmpg.grouping.layout`."""
 
 from __future__ import annotations
 
 import torch
+
+from mmpg.grouping.backends.probe import flash_status
 
 
 def get_backend(name: str):
@@ -29,16 +31,20 @@ def get_backend(name: str):
 BACKENDS = ("auto", "sdpa", "flash", "flex", "lse_reference")
 
 
+def compute_dtype(model, device: torch.device) -> torch.dtype:
+    """The dtype attention will run in: the autocast dtype when autocast is on for the device (fp32 weights under
+    bf16 autocast attend in bf16, see `mmpg.grouping.attention.attention_dtype`), else the weights' dtype."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return model.get_input_embeddings().weight.dtype
+
+
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto" -> flash on CUDA in fp16/bf16 when flash-attn imports, else sdpa (exact everywhere). Resolved at each
-    call, so a model patched on the CPU and moved to a GPU (or cast) gets the right one."""
+    """"auto" -> flash on CUDA in fp16/bf16 when a usable flash-attn is installed (`probe.flash_status`: version,
+    GPU generation, a kernel for this GPU), else sdpa (exact everywhere). Resolved at each call, so a model patched on
+    the CPU and moved to a GPU (or cast, or run under autocast) gets the right one."""
     if name != "auto":
         return name
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash"
-        except ImportError:
-            pass
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_status(device)[0]:
+        return "flash"
     return "sdpa"

@@ -18,19 +18,26 @@ def block_mask(layout: GroupLayout):
     cached = layout.__dict__.get("_flex_block_mask")
     if cached is not None:
         return cached
-    from torch.nn.attention.flex_attention import create_block_mask
-
     group, resp = layout.token_labels()
 
     def mask_mod(b, h, q_idx, kv_idx):
         visible = (resp[kv_idx] == -1) | (resp[kv_idx] == resp[q_idx])
         return (group[q_idx] == group[kv_idx]) & (kv_idx <= q_idx) & visible
 
-    # _compile: build the block mask blockwise; uncompiled it materialises a dense [T, T] mask first
-    mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=layout.total, KV_LEN=layout.total,
-                             device=str(layout.device), _compile=True)
+    mask = _compiled_create_block_mask()(mask_mod, B=None, H=None, Q_LEN=layout.total, KV_LEN=layout.total,
+                                         device=str(layout.device))
     layout.__dict__["_flex_block_mask"] = mask
     return mask
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    """create_block_mask compiled the way torch 2.14 documents (`torch.compile(create_block_mask)`; its `_compile=True`
+    flag is deprecated and warns on every call). Compiled, it builds the block mask blockwise; uncompiled it would
+    materialise a dense [T, T] mask first. One compiled function for the process, so layouts reuse its graphs."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 @functools.cache

@@ -13,8 +13,8 @@ Per group b (prefix P_b tokens, then its responses, R_b = sum_g S_bg tokens, con
       K/V is read in place (copied once per group only to expand GQA heads), and no score is computed that the
       rule masks out, except in the short padding of (b).
   Other devices (`_masked_responses`): one SDPA call of the R_b queries against the keys [prefix_b | responses_b] (a
-      slice of the row; GQA heads expanded once per group) with a bool mask [R_b, P_b + R_b]; exact, but computes the
-      R_b^2 - sum S_bg^2 masked scores.
+      slice of the row; GQA heads expanded once per group, see MASKED_EXPAND_KV_HEADS) with a bool mask
+      [R_b, P_b + R_b]; exact, but computes the R_b^2 - sum S_bg^2 masked scores.
 """
 
 from __future__ import annotations
@@ -42,15 +42,25 @@ def response_mask(layout: GroupLayout, b: int) -> torch.Tensor:
     return cache[b]
 
 
+# Masked path on CUDA: expand GQA K/V heads (one copy of the group's K/V per query head) or pass `enable_gqa=True`.
+# The copy was written on the belief that SDPA's memory-efficient kernel (the only fused CUDA kernel that takes an
+# arbitrary mask) refuses `enable_gqa` and would fall back to the math kernel and its full [R_b, P_b + R_b] score
+# matrix per head. torch 2.14's documentation lists GQA support for the memory-efficient kernel too; if that holds,
+# the copy only costs memory (Hq/Hkv times the group's K/V). Unmeasured: tests/test_grouping_gpu.py::
+# test_gpu_sdpa_masked_kernel_choice prints which kernel runs each way (profiler kernel names); flip this flag when
+# a GPU run shows the memory-efficient kernel with enable_gqa. Both settings are exact (tested on CPU).
+MASKED_EXPAND_KV_HEADS = True
+
+
 def _masked_responses(q, k, v, layout, b, scale):
     a, _ = layout.prefix_span(b)
     r0, r1 = layout.responses_span(b)
-    # GQA heads are expanded here (once per group) rather than with enable_gqa: SDPA's memory-efficient kernel takes
-    # masks but not enable_gqa, so the combination would fall back to the math kernel and its full score matrix.
     rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q[:, :, r0:r1], _expand_heads(k[:, :, a:r1], rep),
-                                          _expand_heads(v[:, :, a:r1], rep), attn_mask=response_mask(layout, b),
-                                          scale=scale)
+    keys, values = k[:, :, a:r1], v[:, :, a:r1]
+    if MASKED_EXPAND_KV_HEADS:
+        keys, values = _expand_heads(keys, rep), _expand_heads(values, rep)
+    return F.scaled_dot_product_attention(q[:, :, r0:r1], keys, values, attn_mask=response_mask(layout, b),
+                                          scale=scale, enable_gqa=not MASKED_EXPAND_KV_HEADS and rep > 1)
 
 
 class _Batched:

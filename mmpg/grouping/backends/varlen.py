@@ -1,12 +1,14 @@
 """Varlen attention kernels behind one small interface, and the exact LSE merge used by the `flash` backend.
 
 A kernel computes attention over concatenated segments (FlashAttention's varlen convention):
-    forward(q [Tq, Hq, D], k [Tk, Hkv, D], v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out [Tq, Hq, D], lse [Hq, Tq])
+    forward(q [Tq, Hq, D], k [Tk, Hkv, D], v, cu_q, cu_k, max_q, max_k, causal, scale)
+        -> (out [Tq, Hq, D], lse [Hq, Tq])
     backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale) -> (dq, dk, dv)
 Segment i of q attends to segment i of k; `lse` is float32 log-sum-exp of the scaled scores per query and head.
 
-`FlashVarlenKernel` calls flash-attn's varlen functions (GPU only). `TorchVarlenKernel` is a pure-torch stand-in with
-the same contract; it lets the merge and its custom backward be tested exactly on a CPU.
+`FlashVarlenKernel` calls flash-attn's varlen functions (GPU; on the CPU through the tests' stand-in package).
+`TorchVarlenKernel` is a pure-torch kernel with the same contract; it lets the merge and its custom backward be
+tested exactly on a CPU (backend `lse_reference`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import inspect
 
 import torch
+
+from mmpg.grouping.backends.probe import flash_interface
 
 
 class TorchVarlenKernel:
@@ -86,26 +90,30 @@ def _call_with_supported(fn, **kwargs):
 
 
 class FlashVarlenKernel:
-    """flash-attn 2.x varlen forward/backward (CUDA, fp16/bf16). Untested on CPU by construction; see gpu tests."""
+    """flash-attn 2 (>= 2.7) varlen forward/backward: CUDA, fp16/bf16, head size a multiple of 8 up to 256. On the CPU
+    its call sites run through the stand-in package in tests/fake_flash_attn (tests/test_flash_standin.py); the real
+    kernel only in the `gpu` tests."""
 
     def __init__(self):
-        import flash_attn
-        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward, _flash_attn_varlen_forward
-        from packaging.version import Version
+        self._fwd, self._bwd = flash_interface()  # ImportError naming the problem (version, FA4-only, missing)
 
-        # 2.6 settled the internal API used here: forward returns (out, lse, S_dmask, rng_state) and takes
-        # window_size_left / window_size_right.
-        if Version(flash_attn.__version__) < Version("2.6"):
-            raise ImportError(f"the flash backend needs flash-attn >= 2.6, found {flash_attn.__version__}")
-
-        self._fwd, self._bwd = _flash_attn_varlen_forward, _flash_attn_varlen_backward
+    @staticmethod
+    def _explain(err: RuntimeError, q) -> RuntimeError:
+        return RuntimeError(
+            f"flash-attn refused the grouped attention call: {err}. q/k/v were {q.dtype}, head size {q.shape[-1]}, on "
+            f"{q.device}; the flash backend needs fp16/bf16 on CUDA (load the model in bf16 or run under "
+            "torch.autocast) and a head size that is a multiple of 8 up to 256, else use backend='sdpa'")
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-        res = _call_with_supported(
-            self._fwd, q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False)
-        return res[0], res[1]
+        try:
+            res = _call_with_supported(
+                self._fwd, q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale,
+                causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                return_softmax=False)
+        except RuntimeError as err:
+            raise self._explain(err, q) from err
+        return res[0], res[1]  # out [Tq, Hq, D], lse float32 [Hq, Tq]
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -184,14 +192,8 @@ def varlen_grouped_attention(query, key, value, layout, scaling, kernel) -> torc
     return out[None]
 
 
-_FLASH_KERNEL = None
-
-
 def flash_grouped_attention(query, key, value, layout, scaling):
-    global _FLASH_KERNEL
-    if _FLASH_KERNEL is None:
-        _FLASH_KERNEL = FlashVarlenKernel()
-    return varlen_grouped_attention(query, key, value, layout, scaling, _FLASH_KERNEL)
+    return varlen_grouped_attention(query, key, value, layout, scaling, FlashVarlenKernel())
 
 
 def reference_grouped_attention(query, key, value, layout, scaling):
