@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The default job on a CPU: build the tiny Qwen2.5-VL checkpoint and synthetic grounding videos if missing, load
-# them as a user would, answer one grounding question, and check the grouped forward against the naive one.
-#   bash scripts/demo.sh [--family qwen3_vl] [--workdir DIR]
+# The default job on a CPU: a tiny Qwen2.5-VL learns video temporal grounding. Builds the tiny checkpoint and the easy
+# synthetic videos if missing, evaluates the untrained model, warms it up with SFT, trains it with GRPO, evaluates
+# after each stage, and prints the three evaluations beside trivial baselines with the paths to look at next.
+#   bash scripts/demo.sh [--quick | --long] [--seed N] [--workdir DIR]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
 cd "$MMPG_ROOT"

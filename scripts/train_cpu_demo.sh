@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# A short GRPO run on a CPU, one process, a few minutes: the tiny Qwen2.5-VL and synthetic videos are built once under
-# data/generated/demo/, then `mmpg train --config configs/cpu_demo.yaml` runs on the same code path as a GPU job.
-#   bash scripts/train_cpu_demo.sh [key=value ...]      e.g. trainer.total_steps=20 rollout.n=8
-# The run directory is printed at the end (runs/cpu-demo-<time> by default).
+# The demo's two training stages by hand, on a CPU, one process each: the tiny Qwen2.5-VL and the easy synthetic
+# videos are built once under data/generated/demo/, then a supervised warm start (configs/sft_cpu_demo.yaml, skipped
+# when runs/sft-demo already has its checkpoint) and GRPO from it (configs/cpu_demo.yaml) on the same code path as a
+# GPU job.
+#   bash scripts/train_cpu_demo.sh [key=value ...]      GRPO overrides, e.g. trainer.total_steps=200 rollout.n=16
+# The GRPO run directory is printed at the end (runs/cpu-demo-<time>).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
 cd "$MMPG_ROOT"
-work=data/generated/demo
-[ -f "$work/tiny-qwen2_5_vl/config.json" ] || mmpg make-tiny --family qwen2_5_vl --out "$work/tiny-qwen2_5_vl" --overwrite
-[ -f "$work/synth/train.json" ] || mmpg synth --out "$work/synth" --n 24 --min-duration 8 --max-duration 20 --overwrite
-exec mmpg train --config configs/cpu_demo.yaml trainer.run_name="cpu-demo-$(date +%Y%m%d-%H%M%S)" "$@"
+mmpg demo --build-only
+sft=runs/sft-demo/checkpoints/step_00000150
+[ -f "$sft/COMPLETE" ] || mmpg sft --config configs/sft_cpu_demo.yaml trainer.output_dir=runs trainer.run_name=sft-demo
+exec mmpg train --config configs/cpu_demo.yaml model.path="$sft" trainer.run_name="cpu-demo-$(date +%Y%m%d-%H%M%S)" "$@"
