@@ -16,7 +16,7 @@ from mmpg.demo import PRESETS, run_demo
 
 SFT_OVER_BASELINES = 0.10  # mIoU and R1@0.5 above the better trivial baseline, absolute
 REWARD_RISE = 0.03  # mean training reward, last third of the GRPO steps minus the first third
-GRPO_OVER_SFT = 0.01  # held-out mIoU, absolute
+GRPO_OVER_SFT = 0.03  # held-out mIoU, absolute
 
 
 @pytest.mark.slow
