@@ -99,6 +99,12 @@ def _cmd_eval(args) -> int:
     return run(args)
 
 
+def _cmd_vllm_serve(args) -> int:
+    from mmpg.serve.launch import serve
+
+    return serve(list(args.argv))
+
+
 def _cmd_inspect(args) -> int:
     from app.server import launch
 
@@ -183,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_positive_int, default=None, help="port (default: 7860 or the next free one)")
     p.set_defaults(func=_cmd_inspect)
+
+    from mmpg.serve import vllm_server
+
+    p = sub.add_parser("vllm-serve", help="serve rollouts with vLLM for rollout.engine=vllm (runs in .venv-vllm, "
+                       "made by scripts/env.sh vllm)", description="An HTTP server around vllm.LLM on 127.0.0.1: "
+                       "generate (token ids + frames), weight updates after every optimizer step, health.")
+    vllm_server.add_arguments(p)
+    p.set_defaults(func=_cmd_vllm_serve)
 
     p = sub.add_parser("demo", help="the default job: a tiny video model learns grounding on a CPU (SFT, then GRPO)",
                        description="Build a tiny Qwen2.5-VL and easy synthetic videos (once), evaluate the untrained "

@@ -71,7 +71,20 @@ class RolloutConfig:
     top_p: float = _f(1.0, "Nucleus sampling (1: off).")
     top_k: int = _f(0, "Top-k sampling (0: off).")
     max_new_tokens: int = _f(256, "Most tokens per response, the stop token included.")
-    engine: str = _f("hf", "Rollout engine: hf (the training model itself, each prompt prefilled once).")
+    engine: str = _f("hf", "Rollout engine: hf (the training model itself, each prompt prefilled once) or vllm (a "
+                     "`mmpg vllm-serve` server in its own venv; weights synced after every optimizer step).")
+    decode: str = _f("cascade", "How the hf engine decodes behind the shared prefix: cascade (each prompt's K/V held "
+                     "and read once per step, each row's own tokens apart, merged by log-sum-exp) or copy (the "
+                     "prefill's K/V copied G ways; same tokens, more memory and time on long prompts).")
+    vllm_url: str = _f("http://127.0.0.1:8000", "rollout.engine=vllm: address of the `mmpg vllm-serve` server "
+                       "(scripts/vllm_serve.sh); it must see the trainer's files (weight sync goes through one).")
+    vllm_timeout_s: float = _f(600.0, "rollout.engine=vllm: most seconds one request (a rollout batch, a weight "
+                               "update) may take before the step fails with a clear error instead of hanging.")
+    vllm_wait_s: float = _f(300.0, "rollout.engine=vllm: most seconds the trainer waits at start for the server "
+                            "to come up (it loads the model first).")
+    tis_cap: float = _f(0.0, "Truncated importance sampling for the rollout/training mismatch: each token's loss is "
+                        "weighted by min(pi_train_old / pi_rollout, tis_cap) (useful with rollout.engine=vllm); "
+                        "0: off.")
 
 
 @dataclass
@@ -187,7 +200,7 @@ GROUPS = [f.name for f in dataclasses.fields(Config)]
 CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.grouping_backend": ("auto", "sdpa", "flash", "flex"),
-    "rollout.engine": ("hf",),
+    "rollout.engine": ("hf", "vllm"),
     "reward.accuracy": ("iou_v2", "iou"),
     "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
     "algorithm.scale_rewards": ("group", "batch", "none"),
@@ -305,6 +318,8 @@ def _validate(cfg: Config) -> None:
         ("rollout.n", cfg.rollout.n >= 1, "must be >= 1"),
         ("rollout.max_new_tokens", cfg.rollout.max_new_tokens >= 1, "must be >= 1"),
         ("rollout.temperature", cfg.rollout.temperature > 0, "must be > 0 for GRPO sampling"),
+        ("rollout.tis_cap", cfg.rollout.tis_cap == 0 or cfg.rollout.tis_cap >= 1, "must be 0 (off) or >= 1"),
+        ("rollout.vllm_timeout_s", cfg.rollout.vllm_timeout_s > 0, "must be > 0"),
         ("data.batch_size", cfg.data.batch_size >= 1, "must be >= 1"),
         ("trainer.micro_batch_size", cfg.trainer.micro_batch_size >= 1, "must be >= 1"),
         ("trainer.total_steps", cfg.trainer.total_steps >= 1, "must be >= 1"),

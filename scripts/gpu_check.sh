@@ -68,6 +68,15 @@ timeout "$TESTS_S" "$py" -m pytest -m gpu tests/test_grouping_gpu.py -v -s -p no
   --junitxml="$junit" 2>&1 | tee -a "$log"
 say "gpu tests exit status ${PIPESTATUS[0]}"
 
+# 3b. opt-in, UNTESTED so far: the vLLM rollout engine on the GPU (the `vllm` package in .venv-vllm, NCCL weight
+# sync); installing vllm takes minutes, so only with MMPG_GPU_VLLM=1, and its result is not in the summary table
+if [ "${MMPG_GPU_VLLM:-0}" = 1 ]; then
+  say "vLLM GPU path (tests/test_vllm_gpu.py; makes .venv-vllm first)"
+  timeout "$(left)" bash -c 'source scripts/env.sh vllm && "$0" -m pytest -m "gpu and vllm" tests/test_vllm_gpu.py \
+    -v -s -p no:cacheprovider -rs' "$py" 2>&1 | tee -a "$log"
+  say "vLLM GPU tests exit status ${PIPESTATUS[0]}"
+fi
+
 # 4. the bench: the slowest worker is the repeated 3B-model step, about ${STEP_S} s by the FLOPs model
 bench_s=$(( $(left) - 15 ))
 bench_rc=""

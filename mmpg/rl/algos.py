@@ -25,12 +25,20 @@ Aggregation, L_i = the token count of row i, T = max_new_tokens:
 Each is sum(w * l) / D with per-row weights w and a denominator D additive over row splits, so the trainer sums D over
 micro-batches and ranks and gets exactly the one-batch loss (`loss_denominator`, `aggregate_loss(..., denominator=)`).
 
+Truncated importance sampling (TIS; Yao et al., "Your efficient RL framework secretly brings you off-policy RL
+training", 2025): the responses were sampled by the rollout engine's pi_rollout, whose logprobs differ from the
+trainer's pi_old (other kernels, vLLM). Each token's policy loss is weighted by
+    w = min(exp(old_logp - rollout_logp), C)        (a constant: no gradient through w)
+so the gradient estimates the pi_old objective; the cap C bounds the variance. With identical engines w = 1.
+
 Where we depart from the papers: the log-ratio is clamped to [-20, 20] before exp (as verl does) so exp never
 overflows; such a token is far outside any clip range. Masked positions are dropped with `where`, so a NaN or inf in
 padding never reaches the loss.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -203,3 +211,20 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     m = mask.bool()
     kept = torch.where(m, x, torch.zeros_like(x))
     return kept.sum() / m.sum().clamp(min=1).to(kept.dtype)
+
+
+def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float, mask: Tensor | None = None) -> Tensor:
+    """old_logp, rollout_logp [N, S] -> [N, S] float32 w = min(exp(old_logp - rollout_logp), cap), detached.
+
+    old_logp: the training forward's logprobs of the sampled tokens (pi_old); rollout_logp: the rollout engine's.
+    Positions where `mask` [N, S] is 0 get w = 0 (a NaN or inf there never leaks). The log-ratio is clamped at
+    log(cap) before exp, so a huge ratio never overflows."""
+    _check_same_shape(old_logp=old_logp, rollout_logp=rollout_logp)
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap!r}")
+    log_ratio = (old_logp.detach().float() - rollout_logp.detach().float()).clamp(max=math.log(cap))
+    w = torch.exp(log_ratio)
+    if mask is not None:
+        _check_same_shape(old_logp=old_logp, mask=mask)
+        w = torch.where(mask.bool(), w, torch.zeros_like(w))
+    return w

@@ -1,12 +1,16 @@
 """One GRPO step: prompts -> shared-prefix rollout -> rewards -> advantages -> grouped logprobs -> loss -> update.
 
     collect():  pull this rank's share of a global batch (refilled past unusable videos), sample G responses per
-                prompt with one prefill each (HFEngine), score them; with dynamic sampling drop groups whose rewards
-                are all equal and pull more prompts until every rank has its share (or the round cap is hit)
+                prompt with one prefill each (HFEngine; or a vLLM server, rollout.engine=vllm), score them; with
+                dynamic sampling drop groups whose rewards are all equal and pull more prompts until every rank has
+                its share (or the round cap is hit)
     update():   micro-batches of whole groups; per token  -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)
                 + beta k3(pi, ref); aggregated as algorithm.loss_type says with the normaliser summed over every
                 micro-batch and rank, so W ranks x M micro-batches give the gradient of one big batch; num_iterations
-                passes (mu), each one optimizer update
+                passes (mu), each one optimizer update; with rollout.tis_cap the policy loss of each token is
+                weighted by min(pi_old / pi_rollout, C) (truncated importance sampling, `algos.truncated_is_weights`)
+    sync:       rollout.engine=vllm: after the update, rank 0 sends the trainable tensors to the server
+                (timing_s/weight_sync); the other ranks wait for it
 
 Rank lockstep (needed by ZeRO-3, whose every forward gathers weights): every rank pulls the same number of batches,
 decodes until every rank is done, runs the same number of micro-batches (a rank with fewer repeats one with loss
@@ -68,9 +72,58 @@ class GRPOStep:
         self.local_batch = cfg.data.batch_size // self.world
         sync = (lambda done: dist.all_true(done, self._coll_device)) if self.world > 1 else None
         self.policy = engine.module.policy
-        self.rollout_engine = HFEngine(self.policy, processor, all_done=sync)
-        self.pad_id = self.rollout_engine._pad_id()
+        self.vllm = cfg.rollout.engine == "vllm"
+        if self.vllm:
+            self.rollout_engine = self._vllm_engine(cfg, processor)
+            self.pad_id = HFEngine(self.policy, processor)._pad_id()
+        else:
+            self.rollout_engine = HFEngine(self.policy, processor, all_done=sync)
+            self.pad_id = self.rollout_engine._pad_id()
         self.batches_pulled = 0  # global batches consumed (the data position is start + this * batch_size)
+
+    def _vllm_engine(self, cfg, processor):
+        """Connect to the vLLM server (waiting up to rollout.vllm_wait_s) and give it this policy's weights (a resumed
+        run's differ from the checkpoint the server loaded)."""
+        from mmpg.rollout.vllm import VLLMEngine
+        from mmpg.serve.wire import ServerError
+
+        try:
+            engine = VLLMEngine(self.policy, processor, url=cfg.rollout.vllm_url, timeout_s=cfg.rollout.vllm_timeout_s,
+                                wait_s=cfg.rollout.vllm_wait_s)
+            if dist.rank() == 0:
+                engine.sync_weights()
+        except ServerError as e:
+            raise UserError(str(e)) from None
+        dist.all_true(True, self._coll_device)  # every rank samples only once the weights are there
+        return engine
+
+    def sync_weights(self) -> dict:
+        """rollout.engine=vllm: the trainable tensors to the server (rank 0), the other ranks wait."""
+        from mmpg.serve.wire import ServerError
+
+        out = {}
+        if dist.rank() == 0:
+            try:
+                out = self.rollout_engine.sync_weights()
+            except ServerError as e:
+                raise UserError(str(e)) from None
+        dist.all_true(True, self._coll_device)
+        return out
+
+    def _generate(self, batch, sampling, seeds):
+        if not self.vllm:
+            return self.rollout_engine.generate_groups(batch.inputs, self.cfg.rollout.n, sampling, prompt_seeds=seeds)
+        from mmpg.rollout.vllm import PromptTooLongError
+        from mmpg.serve.wire import ServerError
+
+        try:
+            return self.rollout_engine.generate_groups(batch.inputs, self.cfg.rollout.n, sampling, prompt_seeds=seeds,
+                                                       videos=batch.videos)
+        except PromptTooLongError as e:
+            raise UserError(f"{batch.samples[e.index].where}: {e}".replace(f"prompt {e.index} has", "the prompt has")
+                            ) from None
+        except ServerError as e:
+            raise UserError(str(e)) from None
 
     @property
     def _coll_device(self):
@@ -101,8 +154,7 @@ class GRPOStep:
             info["rounds"] += 1
             seeds = [prompt_seed(cfg.trainer.seed, step, s.sample_id, info["rounds"]) for s in batch.samples]
             with timer("rollout"):
-                rollout = self.rollout_engine.generate_groups(batch.inputs, cfg.rollout.n, sampling,
-                                                              prompt_seeds=seeds)
+                rollout = self._generate(batch, sampling, seeds)
             new = split_groups(self.policy, batch, rollout, seeds)
             with timer("reward"):
                 for g in new:
@@ -190,6 +242,12 @@ class GRPOStep:
                     per_tok, clipped = algos.clipped_policy_loss(logp, old_i, mb.advantages.to(logp.device),
                                                                  alg.epsilon_low, alg.epsilon_high)
                     mask = mask.to(logp.device)
+                    if cfg.rollout.tis_cap > 0:
+                        tis = algos.truncated_is_weights(old_i, mb.rollout_logprobs.to(logp.device),
+                                                         cfg.rollout.tis_cap, mask)
+                        per_tok = per_tok * tis
+                        if it == 0:
+                            self._accumulate_tis(sums, tis, mask, cfg.rollout.tis_cap)
                     kl = algos.kl_k3(logp, ref[i]) if ref[i] is not None else None
                     if kl is not None:
                         per_tok = per_tok + alg.beta * kl
@@ -209,6 +267,13 @@ class GRPOStep:
         out["grad_norm"] = grad_norms[-1]
         out["lr"] = float(engine.get_lr()[0])
         return out
+
+    @staticmethod
+    def _accumulate_tis(sums, tis, mask, cap: float) -> None:
+        """TIS weight sums (rollout.tis_cap > 0): mean weight and share of tokens capped, over loss tokens."""
+        with torch.no_grad():
+            sums["tis_weight"] = sums.get("tis_weight", 0.0) + float((tis * mask).sum())
+            sums["tis_capped"] = sums.get("tis_capped", 0.0) + float(((tis >= cap) & mask.bool()).sum())
 
     @staticmethod
     def _accumulate(sums, loss, logp, mb, mask, clipped, kl) -> None:
@@ -238,6 +303,9 @@ class GRPOStep:
             sums = {"skipped_update": 1.0}
         else:
             sums = self.update(groups, timer)
+        if self.vllm:  # the server samples the next step with this step's weights
+            with timer("weight_sync"):
+                info["weight_sync"] = self.sync_weights()
         timer.seconds["step"] = time.perf_counter() - t0
         info["timing"] = timer.seconds
         return sums, groups, info

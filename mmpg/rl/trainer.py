@@ -37,6 +37,25 @@ def check_grpo_config(cfg: Config) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; the process group is not up yet
     if cfg.data.batch_size % world:
         raise UserError(f"data.batch_size={cfg.data.batch_size} prompts cannot be split evenly over {world} ranks")
+    if cfg.rollout.engine == "vllm":
+        check_vllm_config(cfg)
+
+
+def check_vllm_config(cfg: Config) -> None:
+    """rollout.engine=vllm: what the vLLM path does not support (yet), refused before anything is loaded."""
+    if cfg.rollout.temperature != 1.0:
+        raise UserError(f"rollout.engine=vllm with rollout.temperature={cfg.rollout.temperature}: the server returns "
+                        "vLLM's raw logprobs (temperature 1), which the loss and the mismatch metrics compare with "
+                        "the trainer's; use rollout.temperature=1 or rollout.engine=hf")
+    stage = cfg.deepspeed.zero_stage
+    if cfg.deepspeed.config and os.path.isfile(cfg.deepspeed.config):
+        import json
+
+        with open(cfg.deepspeed.config) as f:
+            stage = int(json.load(f).get("zero_optimization", {}).get("stage", stage))
+    if stage == 3:
+        raise UserError("rollout.engine=vllm with ZeRO-3: the weight sync reads whole parameters and ZeRO-3 shards "
+                        "them; use deepspeed.zero_stage 0-2 or rollout.engine=hf")
 
 
 class GRPOJob:
@@ -96,12 +115,26 @@ class GRPOJob:
             return StepOutput(metrics=None)
         metrics = step_metrics([s for part in summaries for s in part], sums, infos, self.skipped_total,
                                self.session.device)
+        if self.cfg.rollout.engine == "vllm":
+            metrics.update(vllm_metrics(infos))
+        if self.cfg.rollout.tis_cap > 0 and "tis_weight" in sums:
+            tokens = sums.get("tokens", 0.0)
+            metrics["actor/tis_weight_mean"] = sums["tis_weight"] / tokens if tokens else 0.0
+            metrics["actor/tis_capped"] = sums["tis_capped"] / tokens if tokens else 0.0
         return StepOutput(metrics=metrics, rollouts=flat, thumbnails=[m for part in media for m in part])
 
     def evaluate(self, step: int) -> dict | None:
         from mmpg.rl.evaluate import evaluate_heldout
 
         return evaluate_heldout(self, step)
+
+
+def vllm_metrics(infos: list[dict]) -> dict:
+    """timing_s/weight_sync (slowest rank: the others wait for rank 0) and what rank 0 sent."""
+    sent = next((i["weight_sync"] for i in infos if i.get("weight_sync")), {})
+    return {"timing_s/weight_sync": max(i["timing"].get("weight_sync", 0.0) for i in infos),
+            "perf/weight_sync_mb": sent.get("bytes", 0) / 2 ** 20,
+            "perf/weight_sync_server_s": sent.get("server_seconds", 0.0)}
 
 
 def train(cfg: Config, command: list[str]) -> int:

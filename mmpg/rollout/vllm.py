@@ -1,0 +1,289 @@
+"""The vLLM engine: rollouts sampled by a vLLM server (`mmpg vllm-serve`) behind the `RolloutEngine` interface.
+
+    engine = VLLMEngine(policy, processor, url="http://127.0.0.1:8000")
+    rollout = engine.generate_groups(batch.inputs, 8, SamplingParams(...), prompt_seeds=seeds, videos=batch.videos)
+    ... optimizer step ...
+    engine.sync_weights()          # the policy's trainable tensors -> the server (every step)
+
+This process never imports vllm (it runs in its own venv, `mmpg.serve`). Each prompt goes as its token ids (exactly
+what the trainer's processor made: no re-templating, so Qwen3-VL's timestamp tokens cannot drift) plus the decoded
+frames and their metadata; the server's processor turns the frames into patches with `do_resize=False`, as the
+trainer's did. vLLM's prefix cache holds each prompt's K/V once for its G samples (`n = G` in one request).
+
+What comes back is laid out as `Rollout` documents. `Rollout.logprobs` are the engine's: log softmax(logits / T) at
+each sampled token before top-k / top-p (the server asks vLLM for processed logprobs with those filters off in the
+logprob, see `mmpg.serve.vllm_server`), the quantity `grouped_logprobs(..., temperature=T)` recomputes. They differ
+from the recompute by the engines' kernels (the train/inference mismatch, logged as actor/logprob_gap_*, corrected
+by `algos.truncated_is_weights` when rollout.tis_cap > 0).
+
+Weight sync: the trainable tensors (the language model when the vision tower is frozen) are written to one
+safetensors file (in /dev/shm when there) that the server's workers load (`collective_rpc`); the server then drops
+its prefix cache. A server that restarted (new instance id) is noticed on the next request and gets every tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+
+import torch
+
+from mmpg.rollout.engine import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Rollout,
+    RolloutEngine,
+    SamplingParams,
+    group_sizes_for,
+)
+from mmpg.serve.wire import DEFAULT_URL, ServerError, call, frames_array, pack
+
+log = logging.getLogger("mmpg.rollout.vllm")
+
+
+class PromptTooLongError(ValueError):
+    """A prompt plus max_new_tokens exceeds the server's max_model_len; `index` is the prompt (0..B-1)."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+
+class VLLMEngine(RolloutEngine):
+    """Samples with a vLLM server. model: the trainer's policy (stop / pad ids, placeholder ids, weights to sync);
+    processor: decodes the responses. wait_s: how long the constructor waits for the server to come up."""
+
+    def __init__(self, model, processor, url: str = DEFAULT_URL, timeout_s: float = 600.0, wait_s: float = 0.0):
+        from mmpg.grouping.inputs import placeholder_token_ids
+
+        self.model, self.processor, self.url, self.timeout_s = model, processor, url, float(timeout_s)
+        self.banned = [int(t) for t in placeholder_token_ids(model)]  # never sampled (HFEngine bans them too)
+        self.health = wait_for_server(url, wait_s) if wait_s > 0 else self._health()
+        self.version = int(self.health["version"])  # weight version the server holds (0: its checkpoint)
+        self.last_sync: dict = {}
+        self._sender = None  # the NCCL weight sender (GPU servers started with --nccl), made on first use
+
+    # ---- sampling -----------------------------------------------------------------------------------------------
+    def generate_groups(self, prompt_inputs, group_size: int | Sequence[int], sampling: SamplingParams | None = None,
+                        prompt_seeds: Sequence[int] | None = None, videos: Sequence | None = None) -> Rollout:
+        """As `HFEngine.generate_groups`; `videos`: the B prompts' decoded videos (`DecodedVideo`, or (frames
+        [T, C, H, W], metadata) pairs, None for a text-only prompt), needed when the prompts hold a video. Seeds: row
+        j of prompt b comes from the server's generator for (prompt_seeds[b] or sampling.seed + b), so it does not
+        depend on the other prompts of the batch."""
+        sampling = sampling or SamplingParams()
+        if sampling.logprobs and sampling.temperature not in (0, 1):
+            raise ValueError(f"VLLMEngine returns vLLM's raw logprobs (temperature 1); temperature "
+                             f"{sampling.temperature} would make them another distribution's: use 1 (or 0, greedy), "
+                             "or SamplingParams(logprobs=False)")
+        ids = _prompt_ids(prompt_inputs)
+        sizes = group_sizes_for(group_size, len(ids))
+        if prompt_seeds is not None and len(prompt_seeds) != len(sizes):
+            raise ValueError(f"{len(prompt_seeds)} prompt seeds for {len(sizes)} prompts; give one per prompt")
+        seeds = list(prompt_seeds) if prompt_seeds is not None else [sampling.seed + b for b in range(len(sizes))]
+        limit = int(self.health["max_model_len"])
+        for b, p in enumerate(ids):
+            if len(p) + sampling.max_new_tokens > limit:
+                raise PromptTooLongError(b, f"prompt {b} has {len(p)} tokens; with max_new_tokens="
+                                            f"{sampling.max_new_tokens} that exceeds the vLLM server's max_model_len "
+                                            f"{limit}: restart it with a larger --max-model-len, or use fewer frames")
+        self._warn_positions(prompt_inputs)
+        body = pack(*self._request(ids, sizes, seeds, sampling, prompt_inputs, videos))
+        try:
+            answer = call(self.url, "/generate", body=body, timeout=self.timeout_s, what="a rollout request")
+        except ServerError as e:
+            if e.status != 409:  # 409: a restarted server (new instance id), see mmpg.serve.vllm_server
+                raise
+            log.warning("the vLLM server at %s restarted; sending it every weight again", self.url)
+            self.health, self._sender = self._health(), None  # a new server: a new NCCL group too
+            self.sync_weights(everything=True)
+            body = pack(*self._request(ids, sizes, seeds, sampling, prompt_inputs, videos))
+            answer = call(self.url, "/generate", body=body, timeout=self.timeout_s, what="a rollout request")
+        _check_prompts(answer.get("prompt_token_ids"), ids)
+        return self._rollout(answer["outputs"], sizes, sampling)
+
+    def _request(self, ids, sizes, seeds, sampling: SamplingParams, prompt_inputs, videos) -> tuple[dict, dict]:
+        """The request's JSON part and its frames."""
+        video_token = _video_token_id(self.model)
+        arrays, prompts = {}, []
+        for b, (p, g, seed) in enumerate(zip(ids, sizes, seeds)):
+            # vLLM expands a video's placeholder itself (from the frames): it gets the run collapsed to one token
+            entry = {"token_ids": _collapse_runs(p, video_token), "n": g, "seed": int(seed) % (2 ** 63),
+                     "video": None}
+            if video_token is not None and video_token in p:
+                if videos is None or b >= len(videos) or videos[b] is None:
+                    raise ValueError(f"prompt {b} holds a video but no frames were given; VLLMEngine needs the "
+                                     "decoded videos: generate_groups(..., videos=batch.videos)")
+                frames, meta = _frames_and_metadata(videos[b])
+                arrays[f"video_{b}"] = frames_array(frames)
+                entry["video"] = {"key": f"video_{b}", "metadata": meta}
+            prompts.append(entry)
+        stop = list(sampling.stop_token_ids) if sampling.stop_token_ids is not None else _eos_ids(self.model)
+        meta = {"prompts": prompts, "expect": {"instance": self.health["instance"], "version": self.version},
+                "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                             "max_tokens": sampling.max_new_tokens, "stop_token_ids": stop, "banned": self.banned,
+                             "logprobs": sampling.logprobs}}
+        return meta, arrays
+
+    def _rollout(self, outputs: list[list[dict]], sizes: list[int], sampling: SamplingParams) -> Rollout:
+        rows = [o for per_prompt in outputs for o in per_prompt]
+        if [len(o) for o in outputs] != sizes:
+            raise ServerError(f"vLLM server returned {[len(o) for o in outputs]} responses per prompt, asked for "
+                              f"{sizes}")
+        width = max(len(r["token_ids"]) for r in rows)
+        ids = torch.full((len(rows), width), _pad_id(self.model), dtype=torch.long)  # [N, S]
+        mask = torch.zeros(len(rows), width, dtype=torch.long)  # [N, S]
+        logps = torch.zeros(len(rows), width, dtype=torch.float32)  # [N, S]
+        for i, r in enumerate(rows):
+            n = len(r["token_ids"])
+            ids[i, :n], mask[i, :n] = torch.tensor(r["token_ids"], dtype=torch.long), 1
+            if sampling.logprobs:
+                logps[i, :n] = torch.tensor(r["logprobs"], dtype=torch.float32)
+        return Rollout(completion_ids=ids, completion_mask=mask, group_sizes=list(sizes),
+                       texts=self.processor.batch_decode([r["token_ids"] for r in rows], skip_special_tokens=True),
+                       finish_reasons=[FINISH_STOP if r["finish_reason"] == "stop" else FINISH_LENGTH for r in rows],
+                       logprobs=logps if sampling.logprobs else None)
+
+    def _warn_positions(self, prompt_inputs) -> None:
+        """Qwen2.5-VL: after a video, transformers 5.x continues the text at start + max(H, W) / merge, vLLM (like the
+        original Qwen code) at max(video positions) + 1. They differ when the video's temporal positions reach
+        further than its spatial ones (long videos); every later token then sits elsewhere in the two engines, and
+        the logprob gap grows from ~1e-6 to 1e-3..1e-1 (measured on the tiny model). Said once per engine."""
+        if getattr(self, "_warned_positions", False) or self.model.config.model_type != "qwen2_5_vl":
+            return
+        grids, spans = prompt_inputs.get("video_grid_thw"), prompt_inputs.get("second_per_grid_ts")
+        if grids is None:
+            return
+        vision = self.model.config.vision_config
+        merge, tps = vision.spatial_merge_size, vision.tokens_per_second
+        for i, (t, h, w) in enumerate(grids.tolist()):
+            span = float(spans[i]) if spans is not None else 1.0
+            if int((t - 1) * span * tps) >= max(h, w) // merge:
+                log.warning("video %d of this batch (grid %dx%dx%d): vLLM and the trainer's transformers place the "
+                            "text after it at different mRoPE positions (temporal extent %d >= spatial %d); expect "
+                            "actor/logprob_gap_* of 1e-3 and up; rollout.tis_cap corrects the loss for it", i, t, h,
+                            w, int((t - 1) * span * tps), max(h, w) // merge)
+                self._warned_positions = True
+                return
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+    def sync_weights(self, everything: bool = False) -> dict:
+        """Send the policy's trainable tensors (every tensor with `everything`) to the server; returns
+        {"tensors", "bytes", "seconds", "server_seconds"}. The file lives in /dev/shm when there (no disk I/O)."""
+        t0 = time.perf_counter()
+        from safetensors.torch import save_file
+
+        params = {n: p.detach() for n, p in self.model.named_parameters() if everything or p.requires_grad}
+        if not params:
+            return {"tensors": 0, "bytes": 0, "seconds": 0.0, "server_seconds": 0.0}
+        if self.health.get("nccl") and next(iter(params.values())).is_cuda:  # GPU: vLLM's NCCL transfer (UNTESTED)
+            answer = self._nccl().send(params, self.version + 1)
+            return self._synced(params, answer, t0)
+        tensors = {n: p.to("cpu").contiguous() for n, p in params.items()}
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        fd, path = tempfile.mkstemp(prefix="mmpg-weights-", suffix=".safetensors", dir=folder)
+        os.close(fd)
+        try:
+            save_file(tensors, path)
+            answer = call(self.url, "/update_weights", payload={"path": path, "version": self.version + 1,
+                                                                "instance": self.health["instance"]},
+                          timeout=self.timeout_s, what="a weight update")
+        finally:
+            os.unlink(path)
+        return self._synced(tensors, answer, t0)
+
+    def _synced(self, tensors: dict, answer: dict, t0: float) -> dict:
+        self.version = int(answer["version"])
+        self.last_sync = {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                          "seconds": time.perf_counter() - t0, "server_seconds": float(answer["seconds"])}
+        return self.last_sync
+
+    def _nccl(self):
+        if self._sender is None:
+            from mmpg.rollout.vllm_nccl import NCCLWeightSender
+
+            self._sender = NCCLWeightSender(self.url, workers=int(self.health.get("workers", 1)),
+                                            timeout_s=self.timeout_s)
+        return self._sender
+
+    def _health(self) -> dict:
+        return call(self.url, "/health", timeout=min(self.timeout_s, 30.0), what="a health check")
+
+
+def wait_for_server(url: str, wait_s: float, poll_s: float = 2.0) -> dict:
+    """Poll /health until the server answers or `wait_s` seconds pass (then a ServerError saying what to do)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return call(url, "/health", timeout=min(10.0, max(1.0, wait_s)), what="a health check")
+        except ServerError as e:
+            if time.monotonic() + poll_s > deadline:
+                raise ServerError(f"{e} (waited {wait_s:g} s: rollout.vllm_wait_s)") from None
+            time.sleep(poll_s)
+
+
+# ---- model facts (the same rules as HFEngine) ----------------------------------------------------------------------
+def _prompt_ids(prompt_inputs) -> list[list[int]]:
+    """[B] lists of the prompts' token ids without padding (either side)."""
+    if "input_ids" not in prompt_inputs:
+        raise ValueError("prompt_inputs needs 'input_ids' (the processor output for the B prompts)")
+    ids = prompt_inputs["input_ids"]  # [B, P]
+    mask = prompt_inputs.get("attention_mask")
+    mask = torch.ones_like(ids) if mask is None else mask  # [B, P]
+    out = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    group_sizes_for(1, len(out))  # refuses an empty batch
+    for b, p in enumerate(out):
+        if not p:
+            raise ValueError(f"prompt {b} is empty (all-zero attention_mask); drop it from the batch")
+    return out
+
+
+def _collapse_runs(ids: list[int], token: int | None) -> list[int]:
+    """[P] -> the ids with every run of `token` shortened to one (the chat template's form of a video)."""
+    if token is None:
+        return ids
+    return [t for i, t in enumerate(ids) if t != token or i == 0 or ids[i - 1] != token]
+
+
+def _check_prompts(served: list[list[int]] | None, ids: list[list[int]]) -> None:
+    """The prompts vLLM ran (its own video expansion) must be the trainer's, token for token: else every logprob
+    would be conditioned on another prompt."""
+    if served is None:
+        raise ServerError("the vLLM server did not return its prompt token ids; is it an older mmpg vllm-serve?")
+    for b, (got, want) in enumerate(zip(served, ids)):
+        if got != want:
+            at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+            raise ServerError(f"prompt {b}: vLLM expanded it to {len(got)} tokens, the trainer's processor to "
+                              f"{len(want)} (first difference at token {at}); the two processors disagree on this "
+                              "model family's video tokens (checked: Qwen2.5-VL); use rollout.engine=hf")
+
+
+def _frames_and_metadata(video) -> tuple[torch.Tensor, dict]:
+    """A DecodedVideo or (frames, metadata) -> frames [T, C, H, W] and the metadata the processor needs."""
+    frames, meta = (video.frames, dict(video.metadata)) if hasattr(video, "frames") else (video[0], dict(video[1]))
+    meta.setdefault("total_num_frames", int(frames.shape[0]))
+    meta.setdefault("frames_indices", list(range(int(frames.shape[0]))))
+    if "fps" not in meta:
+        raise ValueError("video metadata needs 'fps' (frames per second of the source); qwen-vl-utils gives it")
+    return frames, {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in meta.items()}
+
+
+def _video_token_id(model) -> int | None:
+    tid = getattr(model.config, "video_token_id", None)
+    return int(tid) if tid is not None else None
+
+
+def _eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        raise ValueError("the model's generation_config has no eos_token_id; pass SamplingParams(stop_token_ids=)")
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+def _pad_id(model) -> int:
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = model.config.get_text_config().pad_token_id
+    return int(pad if pad is not None else _eos_ids(model)[0])

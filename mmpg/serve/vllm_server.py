@@ -1,0 +1,272 @@
+"""`mmpg vllm-serve`: an HTTP server around one `vllm.LLM`, for `mmpg.rollout.vllm.VLLMEngine` (runs in .venv-vllm).
+
+    python -m mmpg.serve.vllm_server --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--max-model-len 8192]
+
+Endpoints (JSON answers; errors are {"error": "..."} with a 4xx/5xx status):
+    GET  /health           {"instance", "version", "max_model_len", "checkpoint", "device", "nccl"}: instance is new at
+                           every start, so a client notices a restart; version counts the weight updates applied
+    POST /generate         a `mmpg.serve.wire` blob: per prompt token ids, n, seed, an optional video (frames +
+                           metadata); sampling settings. -> {"outputs": [[{"token_ids", "logprobs", "finish_reason"}]]}
+    POST /update_weights   {"path", "version"}: a safetensors file of changed tensors (HF names), loaded by every
+                           worker through `collective_rpc`, then the prefix cache is dropped
+    POST /init_weight_transfer, /update_weights_nccl: vLLM's NCCL weight transfer (GPU only; UNTESTED, no GPU here)
+
+Why not `vllm serve` (the OpenAI server): its completions endpoint takes text or token ids but not decoded frames with
+their metadata next to token ids, nor per-request logprobs of the sampled tokens in one array, nor weight updates.
+The server is stdlib `http.server` (one request at a time for the engine, a lock around it; /health never waits).
+
+Logprobs: vLLM's default `raw_logprobs`, i.e. log softmax of the model's logits before temperature, banned-token bias
+and top-k / top-p. That is the trainer's policy logprob for temperature 1 (and for greedy decoding, where HFEngine also
+reports the T = 1 policy), so the client refuses other temperatures when it wants logprobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+
+from mmpg.serve.wire import unpack
+
+log = logging.getLogger("mmpg.serve")
+BAN_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]; e^-100 is zero next to any real logit gap
+
+
+class RequestError(ValueError):
+    """A bad request: answered with status 400 and this message."""
+
+
+class Backend:
+    """The vLLM engine and the server's state (weight version, instance id)."""
+
+    def __init__(self, args):
+        from vllm import LLM
+
+        kwargs = {"model": args.checkpoint, "dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed,
+                  "enable_prefix_caching": True, "limit_mm_per_prompt": {"video": 1, "image": 0},
+                  "gpu_memory_utilization": args.gpu_memory_utilization, "logprobs_mode": "raw_logprobs",
+                  "enforce_eager": args.enforce_eager, "worker_extension_cls": "mmpg.serve.worker.WeightFileLoader"}
+        if args.nccl:  # GPU: vLLM's RL weight transfer (UNTESTED here)
+            kwargs["weight_transfer_config"] = {"backend": "nccl"}
+        self.llm = LLM(**kwargs)
+        self.checkpoint = os.path.abspath(args.checkpoint)
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.instance = uuid.uuid4().hex
+        self.version = 0
+        self.lock = threading.Lock()
+        self.device = args.device
+        self.nccl = bool(args.nccl)
+
+    def health(self) -> dict:
+        return {"instance": self.instance, "version": self.version, "max_model_len": self.max_model_len,
+                "checkpoint": self.checkpoint, "device": self.device, "nccl": self.nccl}
+
+    # ---- generate -------------------------------------------------------------------------------------------
+    def generate(self, blob: bytes) -> dict:
+        meta, arrays = unpack(blob)
+        expect = meta.get("expect") or {}
+        if expect.get("instance") not in (None, self.instance):
+            raise Conflict("the vLLM server restarted since this client synced its weights (it serves the "
+                           f"checkpoint {self.checkpoint} again)")
+        prompts = [self._prompt(p, arrays) for p in meta["prompts"]]
+        params = [self._sampling(meta["sampling"], p) for p in meta["prompts"]]
+        with self.lock:
+            outs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        want_logprobs = bool(meta["sampling"].get("logprobs", True))
+        # greedy: vLLM wants n = 1; the G rows are the same answer, repeated
+        repeat = [1 if sp.n == int(p["n"]) else int(p["n"]) for sp, p in zip(params, meta["prompts"])]
+        answer = {"instance": self.instance, "version": self.version,
+                  "outputs": [[_completion(c, want_logprobs) for c in o.outputs] * k for o, k in zip(outs, repeat)],
+                  "prompt_token_ids": [list(o.prompt_token_ids) for o in outs]}  # as vLLM expanded the videos
+        if meta["sampling"].get("prompt_logprobs"):  # diagnostics: log p(prompt token t | tokens < t), t >= 1
+            answer["prompt_logprobs"] = [[float(step[t].logprob) for step, t in zip(o.prompt_logprobs[1:],
+                                                                                   o.prompt_token_ids[1:])]
+                                         for o in outs]
+        return answer
+
+    @staticmethod
+    def _prompt(p: dict, arrays: dict) -> dict:
+        prompt = {"prompt_token_ids": [int(t) for t in p["token_ids"]]}
+        video = p.get("video")
+        if video:
+            frames = arrays.get(video["key"])
+            if frames is None:
+                raise RequestError(f"request names {video['key']} but holds no such tensor")
+            meta = dict(video["metadata"], do_sample_frames=False)
+            meta.setdefault("duration", meta["total_num_frames"] / float(meta["fps"]))
+            meta.setdefault("video_backend", "mmpg")
+            # frames [T, H, W, 3] as the trainer's processor saw them (sized by qwen-vl-utils): no resize here either
+            prompt["multi_modal_data"] = {"video": [(np.asarray(frames), meta)]}
+            prompt["mm_processor_kwargs"] = {"do_resize": False, "do_sample_frames": False}
+        return prompt
+
+    @staticmethod
+    def _sampling(s: dict, p: dict):
+        from vllm import SamplingParams
+
+        greedy = float(s["temperature"]) == 0
+        return SamplingParams(
+            n=1 if greedy else int(p["n"]), seed=int(p["seed"]), temperature=float(s["temperature"]),
+            top_p=float(s["top_p"]),
+            top_k=int(s["top_k"]) if s["top_k"] > 0 else 0, max_tokens=int(s["max_tokens"]),
+            stop_token_ids=[int(t) for t in s["stop_token_ids"]], ignore_eos=True,  # only the client's stop ids
+            logprobs=0 if s.get("logprobs", True) else None, detokenize=False,
+            prompt_logprobs=0 if s.get("prompt_logprobs") else None,
+            logit_bias={int(t): BAN_BIAS for t in s.get("banned", [])} or None)
+
+    # ---- weights --------------------------------------------------------------------------------------------
+    def update_weights(self, payload: dict) -> dict:
+        path = payload.get("path")
+        if not path or not os.path.isfile(path):
+            raise RequestError(f"weight file {path!r} does not exist on the server's host; the CPU weight sync needs "
+                               "the trainer and the server on one machine (GPU: the NCCL transfer)")
+        t0 = time.perf_counter()
+        with self.lock:
+            counts = self.llm.collective_rpc("mmpg_load_weights_file", args=(path,))  # mmpg.serve.worker
+            # the reload dropped the workers' vision-encoder outputs: the scheduler must forget them too (else
+            # "Encoder cache miss" kills the engine); cached K/V was computed with the old weights
+            self.llm.llm_engine.reset_encoder_cache()
+            self.llm.reset_prefix_cache()
+            self.version = int(payload.get("version", self.version + 1))
+        return {"version": self.version, "tensors": int(counts[0]), "seconds": time.perf_counter() - t0}
+
+    def init_weight_transfer(self, payload: dict) -> dict:
+        """GPU, UNTESTED: join the trainer's NCCL group (unique-id rendezvous; workers at ranks 1..)."""
+        info = {"nccl_unique_id_b64": payload["nccl_unique_id_b64"], "rank_offset": 1,
+                "world_size": int(payload["world_size"]), "packed": False}
+        with self.lock:
+            self.llm.collective_rpc("init_weight_transfer_engine", args=(info,))
+        return {"ok": True}
+
+    def update_weights_nccl(self, payload: dict) -> dict:
+        """GPU, UNTESTED: receive tensors broadcast one by one by the trainer (names, dtype names, shapes given)."""
+        t0 = time.perf_counter()
+        info = {k: payload[k] for k in ("names", "dtype_names", "shapes")}
+        with self.lock:
+            self.llm.collective_rpc("start_weight_update")
+            self.llm.collective_rpc("update_weights", args=(info,))
+            self.llm.collective_rpc("finish_weight_update")
+            self.llm.llm_engine.reset_encoder_cache()
+            self.llm.reset_prefix_cache()
+            self.version = int(payload.get("version", self.version + 1))
+        return {"version": self.version, "tensors": len(info["names"]), "seconds": time.perf_counter() - t0}
+
+
+class Conflict(RequestError):
+    """Answered with status 409: the client's view of the server is stale (a restart)."""
+
+
+def _completion(c, want_logprobs: bool) -> dict:
+    """One vLLM CompletionOutput -> token ids, the sampled tokens' logprobs and "stop" / "length"."""
+    ids = [int(t) for t in c.token_ids]
+    logps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids)] if want_logprobs and c.logprobs else []
+    return {"token_ids": ids, "logprobs": logps, "finish_reason": "stop" if c.finish_reason == "stop" else "length"}
+
+
+def make_handler(backend: Backend):
+    routes_get = {"/health": lambda _body: backend.health()}
+    routes_post = {"/generate": backend.generate,
+                   "/update_weights": lambda body: backend.update_weights(json.loads(body)),
+                   "/init_weight_transfer": lambda body: backend.init_weight_transfer(json.loads(body)),
+                   "/update_weights_nccl": lambda body: backend.update_weights_nccl(json.loads(body))}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _answer(self, routes):
+            route = routes.get(self.path)
+            if route is None:
+                return self._send(404, {"error": f"no endpoint {self.command} {self.path}"})
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+            try:
+                self._send(200, route(body))
+            except Conflict as e:
+                self._send(409, {"error": str(e)})
+            except (RequestError, KeyError, ValueError) as e:
+                self._send(400, {"error": f"{type(e).__name__}: {e}"})
+            except Exception as e:  # the engine failed: say so, keep serving
+                log.exception("request %s failed", self.path)
+                self._send(500, {"error": f"{type(e).__name__}: {e}"})
+
+        def do_GET(self):
+            self._answer(routes_get)
+
+        def do_POST(self):
+            self._answer(routes_post)
+
+        def _send(self, status: int, payload: dict):
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, fmt, *args):  # one line per request at debug level, not stderr noise
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+    return Handler
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mmpg vllm-serve", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `mmpg vllm-serve` (also parsed by mmpg.cli, which hands them over unchanged)."""
+    p.add_argument("--checkpoint", required=True, help="HF checkpoint folder (the trainer's model.path)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int, default=8192, help="most prompt + response tokens per sequence")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of accelerator memory (CPU: of the KV cache space; default 0.9 GPU, 0.2 CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs: starts faster, "
+                   "decodes slower")
+    p.add_argument("--nccl", action="store_true", help="GPU: enable vLLM's NCCL weight transfer (UNTESTED)")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[mmpg vllm-serve] %(message)s")
+    if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        print(f"mmpg vllm-serve: error: {args.checkpoint} holds no config.json; give the trainer's model.path",
+              file=sys.stderr)
+        return 2
+    import torch
+
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = 0.9 if args.device == "cuda" else 0.2
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s: anyone who can reach this machine can change the served weights", args.host)
+    # SIGTERM ends the server like Ctrl-C: through `finally`, so vLLM's engine process is shut down, not orphaned
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    backend = Backend(args)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(backend))
+    log.info("ready on http://%s:%d (checkpoint %s, max_model_len %d)", args.host, server.server_address[1],
+             backend.checkpoint, backend.max_model_len)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        backend.llm.llm_engine.engine_core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: the guard keeps the child from starting a server
+    sys.exit(main())
