@@ -73,9 +73,10 @@ class RolloutConfig:
     max_new_tokens: int = _f(256, "Most tokens per response, the stop token included.")
     engine: str = _f("hf", "Rollout engine: hf (the training model itself, each prompt prefilled once) or vllm (a "
                      "`mmpg vllm-serve` server in its own venv; weights synced after every optimizer step).")
-    decode: str = _f("cascade", "How the hf engine decodes behind the shared prefix: cascade (each prompt's K/V held "
-                     "and read once per step, each row's own tokens apart, merged by log-sum-exp) or copy (the "
-                     "prefill's K/V copied G ways; same tokens, more memory and time on long prompts).")
+    decode: str = _f("auto", "How the hf engine decodes behind the shared prefix: cascade (each prompt's K/V held "
+                     "and read once per step, each row's own tokens apart, merged by log-sum-exp), copy (the "
+                     "prefill's K/V copied G ways; same tokens, more memory and time on long prompts), or auto "
+                     "(cascade on the CPU, copy on CUDA until the cascade GPU kernels have been tested).")
     vllm_url: str = _f("http://127.0.0.1:8000", "rollout.engine=vllm: address of the `mmpg vllm-serve` server "
                        "(scripts/vllm_serve.sh); it must see the trainer's files (weight sync goes through one).")
     vllm_timeout_s: float = _f(600.0, "rollout.engine=vllm: most seconds one request (a rollout batch, a weight "
@@ -201,6 +202,7 @@ CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.grouping_backend": ("auto", "sdpa", "flash", "flex"),
     "rollout.engine": ("hf", "vllm"),
+    "rollout.decode": ("auto", "cascade", "copy"),
     "reward.accuracy": ("iou_v2", "iou"),
     "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
     "algorithm.scale_rewards": ("group", "batch", "none"),

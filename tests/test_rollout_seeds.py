@@ -8,7 +8,7 @@ generated alone; the inverse-CDF draw itself is checked by hand, at its edges an
 all_done: under ZeRO-3 every rank must run the same number of forwards. Another rank is simulated in-process by an
 `all_done` that reports "everyone done" only at its K-th call; the rollout must not change, and the forwards (counted
 on the decoder) must be the prefill, one per decode step, then one-token idle steps up to the K-th call, never past
-max_new_tokens. Float32 tiny models."""
+max_new_tokens. Float32 tiny models, in the default cascade decode mode, and once (Qwen3-VL) in the copy mode."""
 
 from __future__ import annotations
 
@@ -177,19 +177,19 @@ class _OtherRank:
         return local_done and self.calls >= self.finish_at
 
 
-def _synced_run(model, processor, inputs, sampling, all_done, log):
+def _synced_run(model, processor, inputs, sampling, all_done, log, decode="cascade"):
     """Generate with a forward hook on the decoder that logs ("forward", batch, tokens) for every call."""
     decoder = getattr(model.model, "language_model", model.model)
     hook = decoder.register_forward_hook(lambda m, args, out: log.append(("forward", *out.last_hidden_state.shape[:2])))
     try:
-        return HFEngine(model, processor, all_done=all_done).generate_groups(inputs, SIZES, sampling,
-                                                                             prompt_seeds=SEEDS)
+        return HFEngine(model, processor, all_done=all_done, decode=decode).generate_groups(
+            inputs, SIZES, sampling, prompt_seeds=SEEDS)
     finally:
         hook.remove()
 
 
-@pytest.mark.parametrize("family", VL + ["qwen2"])
-def test_synced_decoding_idles_until_all_ranks_are_done(family, load_tiny):
+@pytest.mark.parametrize("family, decode", [(f, "cascade") for f in VL + ["qwen2"]] + [("qwen3_vl", "copy")])
+def test_synced_decoding_idles_until_all_ranks_are_done(family, decode, load_tiny):
     """This rank stops all its rows by step T (stop ids: every row's 3rd token, so T <= 3 < max_new_tokens); the
     simulated other rank is done at call K = T + 3. Expected, per step t: a sample, all_done(t + 1 >= T), then a
     forward: a decode step while rows are live, one pad token (batch 1, length 1) after; no forward after call K."""
@@ -201,13 +201,13 @@ def test_synced_decoding_idles_until_all_ranks_are_done(family, load_tiny):
     sampling = SamplingParams(max_new_tokens=steps, stop_token_ids=tuple(set(free.completion_ids[:, 2].tolist())))
 
     log: list = []
-    alone = _synced_run(model, processor, inputs, sampling, None, log)
+    alone = _synced_run(model, processor, inputs, sampling, None, log, decode)
     local_steps = max(alone.lengths)
     assert local_steps <= 3 and log[0][0] == "forward" and len(log) == local_steps, log
 
     finish_at = local_steps + 3
     log = []
-    synced = _synced_run(model, processor, inputs, sampling, _OtherRank(finish_at, log), log)
+    synced = _synced_run(model, processor, inputs, sampling, _OtherRank(finish_at, log), log, decode)
     assert torch.equal(synced.completion_ids, alone.completion_ids)
     assert torch.equal(synced.logprobs, alone.logprobs) and synced.finish_reasons == alone.finish_reasons
     # the event log: prefill, then per step t all_done(t + 1 >= T) and a forward, no forward after the K-th call

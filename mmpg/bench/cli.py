@@ -3,7 +3,9 @@
     mmpg bench --preset cpu-targets                 the two judged rows (attention level and model level)
     mmpg bench --preset cpu-grid --dry-run          the grid with its ceilings and memory estimates, nothing run
     mmpg bench --preset gpu --out $OUT/bench.json   on one GPU
-    mmpg bench --preset cpu-targets --levels rollout   prefill once vs num_return_sequences
+    mmpg bench --preset cpu-targets --levels rollout   generate(num_return_sequences) vs the copy and the cascade
+                                                       shared-prefix rollout, with prefill/decode time and K/V memory
+    mmpg bench --preset rollout-cpu                 the rollout target row alone (P 4096, S 256, G 8); rollout-gpu
     mmpg bench --preset cpu-targets --levels step      one whole GRPO step per phase: generate + repeated forward
                                                        vs shared-prefix rollout + grouped forward
 
@@ -21,6 +23,7 @@ from mmpg.errors import UserError
 LEVELS = ("attention", "model", "rollout", "step")
 DEFAULTS = {  # preset -> (rounds, repeats, warmup)
     "cpu-targets": (2, 2, 1), "cpu-grid": (1, 2, 1), "gpu": (2, 3, 2), "tiny": (1, 1, 1),
+    "rollout-cpu": (2, 2, 1), "rollout-gpu": (1, 2, 1),
 }
 
 
@@ -68,16 +71,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan(args) -> list[dict]:
     """The configs to run: the preset, its levels, overrides and variant filter applied (duplicates dropped)."""
-    from mmpg.bench.presets import build
+    from mmpg.bench.presets import ROLLOUT_VARIANTS, build
 
-    levels = args.levels or ["attention", "model"]
+    built = build(args.preset, args.family)
+    own_rollout = any(c["level"] == "rollout" for c in built)  # else rollout rows reuse the model configs
+    levels = args.levels or (["rollout"] if all(c["level"] == "rollout" for c in built) else ["attention", "model"])
     unknown = set(levels) - set(LEVELS)
     if unknown:
         raise UserError(f"unknown bench level(s) {', '.join(sorted(unknown))}; choose from {', '.join(LEVELS)}")
     configs = []
-    for config in build(args.preset, args.family):
-        if config["level"] == "model" and "rollout" in levels:
-            rollout = dict(config, level="rollout", variants=["hf_generate", "mmpg"], grad_ckpt=False)
+    for config in built:
+        if config["level"] == "model" and "rollout" in levels and not own_rollout:
+            rollout = dict(config, level="rollout", variants=list(ROLLOUT_VARIANTS), grad_ckpt=False)
             configs.append(rollout)
         if config["level"] in levels:
             configs.append(config)
@@ -109,7 +114,7 @@ def meta(args, rounds, repeats, warmup, max_gb, env, partial) -> dict:
 
 
 def run(args) -> int:
-    from mmpg.bench import report, runner
+    from mmpg.bench import report, rollout, runner
 
     rounds, repeats, warmup = (v if v is not None else d
                                for v, d in zip((args.rounds, args.repeats, args.warmup), DEFAULTS[args.preset]))
@@ -130,14 +135,16 @@ def run(args) -> int:
             rows += [dict(level=config["level"], P=shape["P"], S=config["S"], G=config["G"], variant=v, note=note,
                           config=config, **runner.ceilings(config, shape)) for v in config["variants"]]
             continue
-        done = runner.run_config(config, rounds=rounds, warmup=warmup, repeats=repeats, timeout=args.timeout,
-                                 max_gb=max_gb, in_process=args.in_process,
-                                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        run_one = rollout.run_config if config["level"] == "rollout" else runner.run_config
+        done = run_one(config, rounds=rounds, warmup=warmup, repeats=repeats, timeout=args.timeout, max_gb=max_gb,
+                       in_process=args.in_process, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         rows += runner.add_ratios(done)
         print(report.format_table(done), file=sys.stderr, flush=True)  # progress; the full table comes last
         report.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=True))
     runner.add_ratios(rows)
     print(report.format_table(rows))
+    if any(r["level"] == "rollout" for r in rows) and not args.dry_run:
+        print("\n" + rollout.format_table(rows))
     path = report.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=False))
     print(f"wrote {path}")
     failed = [r for r in rows if (r.get("note") or "").split(":")[0] not in ("", "OOM", "n/a", "skipped")

@@ -13,6 +13,12 @@
                  of a Qwen2-VL-2B-sized model (LM hidden 1536, 28 layers, 12/2 heads; Qwen2.5-VL's vision tower
                  1280 × 32), random weights, bf16, gradient checkpointing, one video prompt of P ~8192, G 8, S 256
     tiny         seconds-long sizes for smoke tests
+    rollout-cpu  the rollout target row alone (`--levels rollout` is implied): P 4096, S 256, G 8, text-only qwen2,
+                 hidden 256, 4 layers, 4/2 heads, fp32: generate(num_return_sequences) vs the copy and the cascade
+                 shared-prefix rollout (`mmpg.bench.rollout`)
+    rollout-gpu  the same on one GPU (UNTESTED: never run yet): P 16K, S 256, G 16, a Qwen2.5-VL-3B-sized LM
+                 (random weights, bf16, vocab 151936), cascade with each CUDA kernel: math (the engine's auto
+                 choice off the CPU), sdpa (torch's memory-efficient kernel) and flash (when flash-attn imports)
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from mmpg.errors import UserError
 
 ATTN_VARIANTS = ["naive", "upstream", "mmpg"]
 MODEL_VARIANTS = ["repeated", "upstream", "mmpg"]
-ROLLOUT_VARIANTS = ["hf_generate", "mmpg"]
+ROLLOUT_VARIANTS = ["hf_generate", "mmpg:copy", "mmpg:cascade"]
 STEP_VARIANTS = ["naive", "mmpg"]
 
 CPU_ATTN = {"heads": 4, "kv_heads": 4, "head_dim": 64, "dtype": "float32"}
@@ -51,6 +57,10 @@ def model(P, S, G, family="qwen2", spec=None, variants=None, level="model", **ex
             "dtype": "float32", **extra, "variants": list(variants)}
 
 
+def rollout(P, S, G, family="qwen2", spec=None, variants=None, **extra) -> dict:
+    return model(P, S, G, family, spec, variants or ROLLOUT_VARIANTS, level="rollout", **extra)
+
+
 def step(P, S, G, family="qwen2_5_vl", spec=None, variants=None, **extra) -> dict:
     """One whole GRPO step (`mmpg.bench.step`). The trainer trains video models only: a text-only `family` (the
     --family default, qwen2) becomes qwen2_5_vl. beta 0.04: the KL term's reference forward is the logprob phase."""
@@ -62,14 +72,24 @@ def step(P, S, G, family="qwen2_5_vl", spec=None, variants=None, **extra) -> dic
             "variants": list(variants or STEP_VARIANTS)}
 
 
-def _gpu_backends() -> list[str]:
-    out = []
-    try:
-        import flash_attn  # noqa: F401
+def _flash_usable() -> bool:
+    """What "auto" would decide (`probe.flash_status`: version, no FA4-only install, GPU generation, a kernel call) on
+    a GPU; without one, whether a usable flash-attn version is installed."""
+    import torch
 
-        out.append("mmpg:flash")
+    from mmpg.grouping.backends.probe import flash_interface, flash_status
+
+    if torch.cuda.is_available():
+        return flash_status(torch.device("cuda"))[0]
+    try:
+        flash_interface()
+        return True
     except ImportError:
-        pass
+        return False
+
+
+def _gpu_backends() -> list[str]:
+    out = ["mmpg:flash"] if _flash_usable() else []
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
 
@@ -100,7 +120,13 @@ def build(preset: str, family: str = "qwen2") -> list[dict]:
     if preset == "tiny":
         return [attention(64, 8, 3, heads=4, kv_heads=2, head_dim=8, dtype="float32"),
                 model(48, 6, 3, family, TINY_SPEC), step(48, 6, 3, family, TINY_SPEC)]
+    if preset == "rollout-cpu":
+        return [rollout(4096, 256, 8, family)]
+    if preset == "rollout-gpu":  # untested: never run yet
+        kernels = ["mmpg:cascade_sdpa"] + (["mmpg:cascade_flash"] if "mmpg:flash" in _gpu_backends() else [])
+        return [rollout(16384, 256, 16, family, QWEN2_5_VL_3B_SPEC, [*ROLLOUT_VARIANTS, *kernels], vocab=151936,
+                        dtype="bfloat16")]
     raise UserError(f"unknown bench preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 
-PRESETS = ("cpu-targets", "cpu-grid", "gpu", "tiny")
+PRESETS = ("cpu-targets", "cpu-grid", "gpu", "tiny", "rollout-cpu", "rollout-gpu")

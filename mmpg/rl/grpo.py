@@ -77,7 +77,7 @@ class GRPOStep:
             self.rollout_engine = self._vllm_engine(cfg, processor)
             self.pad_id = HFEngine(self.policy, processor)._pad_id()
         else:
-            self.rollout_engine = HFEngine(self.policy, processor, all_done=sync)
+            self.rollout_engine = HFEngine(self.policy, processor, all_done=sync, decode=cfg.rollout.decode)
             self.pad_id = self.rollout_engine._pad_id()
         self.batches_pulled = 0  # global batches consumed (the data position is start + this * batch_size)
 

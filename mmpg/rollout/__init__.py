@@ -7,6 +7,8 @@
                              rollout.group_sizes, temperature=1.0)  # == rollout.logprobs up to float rounding
 
 `RolloutEngine` is the interface (room for a vLLM engine); `HFEngine` samples with the training model itself.
+By default (`decode="cascade"`, config `rollout.decode`) it keeps each prompt's K/V once and reads it once per step
+for all G rows (`mmpg.rollout.cascade`); `decode="copy"` copies the prefill's cache G ways (the A/B reference).
 """
 
 from mmpg.rollout.engine import FINISH_LENGTH, FINISH_STOP, Rollout, RolloutEngine, SamplingParams

@@ -4,9 +4,15 @@
 goes through the vision tower and every decoder layer G times. Here:
 
     B prompts, left-padded ──prefill (one forward, vision tower once, use_cache)──> cache [B, L], logits [B, V]
-                         ──cache rows index_select'ed by repeat_interleave(arange(B), G_b)──> cache [N, L]
+      decode="cascade":  the B prefixes stay once in a `SharedPrefixCache`; each row gets its own K/V buffer, and
+      (auto on the CPU)  the decode attention reads each prefix once for all its rows (`mmpg.rollout.cascade`)
+      decode="copy":     ──cache rows index_select'ed by repeat_interleave(arange(B), G_b)──> cache [N, L]
+      (auto on CUDA)     (until the cascade CUDA kernels have been tested on a GPU)
     token 0 of every row: sampled from its prompt's prefill logits (independently per row)
     token t > 0:          one forward of the model on the N' still-running rows (finished rows leave the cache)
+
+Both decode modes give the same tokens (tested: greedy and seeded sampling, token for token); cascade holds
+P + G·S tokens of K/V per prompt instead of G·(P + S) and reads the prefix once per step instead of G times.
 
 Positions: the prompt gets exactly the positions `grouped_logprobs` gives it (`mmpg.grouping.adapters.
 prefix_positions`: the model's own 3-D mRoPE `get_rope_index` for Qwen2.5-VL / Qwen3-VL, 0..P-1 for text models), and
@@ -32,14 +38,26 @@ from transformers import DynamicCache
 from mmpg.grouping.adapters import prefix_positions
 from mmpg.grouping.inputs import placeholder_token_ids, prompt_attention_mask
 from mmpg.grouping.patch import model_kind
+from mmpg.rollout.cascade import SharedPrefixCache
+from mmpg.rollout.cascade_attention import CASCADE_KWARG, CascadeCall, cascade_attention_enabled
+from mmpg.rollout.cascade_kernels import resolve_backend
 from mmpg.rollout.engine import (
     FINISH_LENGTH, FINISH_STOP, Rollout, RolloutEngine, SamplingParams, group_sizes_for,
 )
 from mmpg.rollout.sampling import next_tokens
 
+DECODE_MODES = ("auto", "copy", "cascade")
+
 # Processor outputs the prefill forward takes besides ids and mask; positions are passed explicitly, so
 # mm_token_type_ids and second_per_grid_ts are only read by `prefix_positions`.
 _VISUAL_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+
+
+def resolve_decode(decode: str, device: torch.device) -> str:
+    """"auto" -> cascade on the CPU, copy on CUDA (the cascade CUDA kernels are untested); others as given."""
+    if decode != "auto":
+        return decode
+    return "copy" if device.type == "cuda" else "cascade"
 
 
 class HFEngine(RolloutEngine):
@@ -48,10 +66,21 @@ class HFEngine(RolloutEngine):
     model: the policy (any device and dtype; its train/eval mode is restored after each call).
     processor: the model's processor or tokenizer, used to decode the responses."""
 
-    def __init__(self, model, processor, all_done: Callable[[bool], bool] | None = None):
+    def __init__(self, model, processor, all_done: Callable[[bool], bool] | None = None, decode: str = "auto",
+                 cascade_backend: str = "auto"):
         model_kind(model)  # refuses unsupported model types with a clear message
+        if decode not in DECODE_MODES:
+            raise ValueError(f"HFEngine decode={decode!r}; choose one of {', '.join(DECODE_MODES)}")
+        resolve_backend(cascade_backend, torch.device("cpu"))  # checks the name
         self.model = model
         self.processor = processor
+        # "cascade": each prompt's K/V held once (`mmpg.rollout.cascade`); "copy": the prefill's cache copied G ways
+        # (DynamicCache), kept for A/B and as the reference. Same tokens either way (tested on the CPU). "auto"
+        # (default): cascade on the CPU, copy on CUDA until the cascade CUDA kernels have run on a GPU
+        # (tests/test_cascade_gpu.py has never run: no GPU has been lent yet).
+        self.decode = decode
+        self.cascade_backend = cascade_backend  # auto, sdpa, flash or math (`mmpg.rollout.cascade_kernels`)
+        self.last_kv_bytes: int | None = None  # K/V bytes the cache held after the last call's final decode step
         # Synced decoding for sharded models (ZeRO-3 gathers weights inside every forward, so every rank must run
         # the same number of forwards): all_done(this_rank_done) -> whether every rank is done. A rank that is done
         # early runs one-token idle forwards until then. None: stop as soon as this process is done.
@@ -91,12 +120,28 @@ class HFEngine(RolloutEngine):
     # ---- the three stages -------------------------------------------------------------------------------------------
     def _generate(self, prompt_inputs, sizes: list[int], sampling: SamplingParams, prompt_seeds=None) -> Rollout:
         device = self.model.get_input_embeddings().weight.device
+        rows = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+        if resolve_decode(self.decode, device) == "cascade":
+            cache = SharedPrefixCache.for_model(self.model, sampling.max_new_tokens)
+            logits, attn, start = self._prefill(prompt_inputs, device, cache)  # logits [B, V]; attn [B, L]; start [B]
+            cache.start_decode(rows, attn.bool())  # N rows behind the B prefixes, nothing copied
+            call = CascadeCall(cache, resolve_backend(self.cascade_backend, device))
+            with cascade_attention_enabled(self.model):
+                return self._decode(call, logits, attn, start, rows, sizes, sampling, prompt_seeds)
+        cache = DynamicCache(config=self.model.config)
+        logits, attn, start = self._prefill(prompt_inputs, device, cache)
+        cache.reorder_cache(rows)  # [B, ...] -> [N, ...]: the G-way copy of each prompt's K/V
+        return self._decode(cache, logits, attn, start, rows, sizes, sampling, prompt_seeds)
+
+    def _decode(self, cache, logits, attn, start, rows, sizes, sampling: SamplingParams, prompt_seeds) -> Rollout:
+        """Sample token 0 from the prefill logits, then decode the live rows; `cache` is the copied DynamicCache
+        [N, ...] or a `CascadeCall`. Rows that finish leave the cache (`reorder_cache`)."""
+        device = logits.device
         stop_ids = torch.tensor(self._stop_ids(sampling), dtype=torch.long, device=device)  # may be empty
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
         banned = torch.tensor(placeholder_token_ids(self.model), dtype=torch.long, device=device)
-        cache, logits, attn, start = self._prefill(prompt_inputs, device)  # logits [B, V]; attn [B, L]; start [B]
-        rows = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
-        cache.reorder_cache(rows)  # [B, ...] -> [N, ...]: the G-way copy of each prompt's K/V
+        step_fn = self._cascade_step if isinstance(cache, CascadeCall) else self._decode_step
+        kv = cache.cache if isinstance(cache, CascadeCall) else cache
         n, steps = rows.numel(), sampling.max_new_tokens
         tokens = torch.full((n, steps), self._pad_id(), dtype=torch.long, device=device)  # [N, max_new_tokens]
         logps = torch.zeros(n, steps, dtype=torch.float32, device=device)
@@ -120,19 +165,20 @@ class HFEngine(RolloutEngine):
                 local_done = t + 1 == steps or bool(done.all())
                 if not local_done and bool(done.any()):
                     keep = (~done).nonzero()[:, 0]
-                    cache.reorder_cache(keep)
+                    kv.reorder_cache(keep)
                     live, tok = live[keep], tok[keep]
             if (self.all_done(local_done) if self.all_done is not None else local_done) or t + 1 == steps:
                 break
             if local_done:  # other ranks still decode: keep making the same collective calls (ZeRO-3)
                 self._idle_step(device)
             else:
-                step_logits = self._decode_step(cache, tok, attn[rows[live]], start[rows[live]], t)
+                step_logits = step_fn(cache, tok, attn[rows[live]], start[rows[live]], t)
+        self.last_kv_bytes = _kv_bytes(kv)
         return self._rollout(tokens, logps, lengths, stopped, sizes, sampling)
 
-    def _prefill(self, prompt_inputs, device):
-        """One forward over the B prompts, left-padded. Returns the cache [B, L], the last position's logits [B, V],
-        the left-padded attention mask [B, L] and the first completion position of each prompt [B]."""
+    def _prefill(self, prompt_inputs, device, cache):
+        """One forward over the B prompts, left-padded, filling `cache` [B, L]. Returns the last position's logits
+        [B, V], the left-padded attention mask [B, L] and the first completion position of each prompt [B]."""
         ids_list, pos_list, starts = prefix_positions(self.model, prompt_inputs)  # per prompt: [P_b], [A, P_b], int
         width = max(p.numel() for p in ids_list)
         ids = torch.stack([F.pad(p, (width - p.numel(), 0), value=self._pad_id()) for p in ids_list]).to(device)
@@ -141,10 +187,9 @@ class HFEngine(RolloutEngine):
         start = torch.tensor(starts, device=device)  # [B] where each prompt's completions continue, on every axis
         position_ids = pos if self._is_vl else pos[0]  # [3, B, L] mRoPE or [B, L]
         visuals = {k: prompt_inputs[k].to(device) for k in _VISUAL_KEYS if prompt_inputs.get(k) is not None}
-        cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True,
                          logits_to_keep=1, **{self._cache_kwarg: cache}, **visuals)
-        return cache, out.logits[:, -1], attn, start
+        return out.logits[:, -1], attn, start
 
     def _decode_step(self, cache, tok, prompt_attn, start, t: int) -> torch.Tensor:
         """Feed token t of the live rows: tok [n], prompt_attn [n, L], start [n] -> next logits [n, V]."""
@@ -154,6 +199,18 @@ class HFEngine(RolloutEngine):
         position_ids = pos[None].expand(3, n, 1) if self._is_vl else pos
         out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=position_ids, use_cache=True,
                          logits_to_keep=1, **{self._cache_kwarg: cache})
+        return out.logits[:, -1]
+
+    def _cascade_step(self, call: CascadeCall, tok, prompt_attn, start, t: int) -> torch.Tensor:
+        """Feed token t of the live rows through the cascade attention: tok [n], start [n] -> next logits [n, V]. The
+        attention mask is a 4-D marker that mask creation passes through untouched; the prefix padding is the cache's
+        key mask and own tokens need none."""
+        n = tok.numel()
+        pos = (start + t)[:, None]  # [n, 1]
+        position_ids = pos[None].expand(3, n, 1) if self._is_vl else pos
+        marker = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=tok.device)
+        out = self.model(input_ids=tok[:, None], attention_mask=marker, position_ids=position_ids, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kwarg: call.cache, CASCADE_KWARG: call})
         return out.logits[:, -1]
 
     def _idle_step(self, device) -> None:
@@ -197,6 +254,14 @@ class HFEngine(RolloutEngine):
         if pad is None:
             pad = self._stop_ids(SamplingParams())[0]
         return int(pad)
+
+
+def _kv_bytes(cache) -> int:
+    """Bytes of K/V a cache holds now (the copy path's DynamicCache or a SharedPrefixCache)."""
+    if isinstance(cache, SharedPrefixCache):
+        return cache.kv_bytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
 
 
 def _row_generators(prompt_seeds: Sequence[int], sizes: list[int]) -> list[torch.Generator]:

@@ -1,0 +1,90 @@
+"""Attention kernels that also return the log-sum-exp, for the two parts of cascade decoding.
+
+    attend(q [B, H, Lq, D], k/v [B, H, Lk, D], key_mask [B, Lk] bool or None, scale, backend)
+        -> (out [B, H, Lq, D] in q's dtype, lse [B, H, Lq] float32)
+
+Queries and keys have the same head count: the caller folds GQA's query heads into Lq. `key_mask` marks the real keys
+of a left-padded prefix batch (True = attend); every query row has at least one real key. Backends:
+
+    sdpa   torch's own kernels. CPU: `_scaled_dot_product_flash_attention_for_cpu` (returns the LSE; tested).
+           CUDA: `_scaled_dot_product_efficient_attention(compute_log_sumexp=True)` (UNTESTED: no GPU here; see
+           tests/test_cascade_gpu.py)
+    flash  flash-attn 2.6+ `flash_attn_with_kvcache(..., cache_leftpad=, return_softmax_lse=True)`, CUDA fp16/bf16
+           (UNTESTED: no GPU here; see tests/test_cascade_gpu.py)
+    math   float32 (float64 for float64 inputs) matmul + logsumexp on any device; the reference in tests, and what
+           "auto" picks off the CPU until the CUDA kernels have been run
+"""
+
+from __future__ import annotations
+
+import torch
+
+BACKENDS = ("auto", "sdpa", "flash", "math")
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """"auto" -> sdpa on CPU (torch's CPU flash kernel, tested), math elsewhere: the CUDA kernels (flash, sdpa) are
+    opt-in until tests/test_cascade_gpu.py has passed on a GPU; math is plain torch ops, exact on any device."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown cascade attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name != "auto":
+        return name
+    return "sdpa" if device.type == "cpu" else "math"
+
+
+def attend(q, k, v, key_mask, scale: float, backend: str):
+    if backend == "math":
+        return _math(q, k, v, key_mask, scale)
+    if backend == "flash":
+        return _flash(q, k, v, key_mask, scale)
+    if backend != "sdpa":
+        raise ValueError(f"unknown cascade attention backend {backend!r}")
+    if q.device.type == "cpu":
+        mask = None  # the CPU kernel takes an additive mask of q's dtype: [B, 1, 1, Lk], -inf on padding
+        if key_mask is not None:
+            mask = q.new_zeros(key_mask.shape).masked_fill_(~key_mask, float("-inf"))[:, None, None, :]
+        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        return out, lse.float()
+    return _cuda_efficient(q, k, v, key_mask, scale)
+
+
+def _math(q, k, v, key_mask, scale):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [B, H, Lq]
+    out = torch.matmul(torch.exp(s - lse[..., None]), v.to(acc))
+    return out.to(q.dtype), lse
+
+
+def _cuda_efficient(q, k, v, key_mask, scale):
+    """UNTESTED (no GPU here). The memory-efficient kernel takes an additive bias whose last dim must be 16-aligned:
+    it is built padded and sliced, as torch's own SDPA does; its LSE comes padded along Lq (to 32) and is sliced."""
+    bias = None
+    if key_mask is not None:
+        B, H, Lq, _ = q.shape
+        Lk = k.shape[2]
+        padded = (Lk + 15) // 16 * 16
+        bias = q.new_zeros(B, H, Lq, padded)[..., :Lk]
+        bias.masked_fill_(~key_mask[:, None, None, :], float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, False, scale=scale)[:2]
+    return out, lse[..., : q.shape[2]].float()
+
+
+def _flash(q, k, v, key_mask, scale):
+    """UNTESTED (no GPU here). flash-attn's layout is [B, L, H, D]; the left padding of a prefix batch is its
+    `cache_leftpad` (keys [leftpad, Lk) of each batch row are attended)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    B, _, _, _ = q.shape
+    Lk = k.shape[2]
+    seqlens = torch.full((B,), Lk, dtype=torch.int32, device=q.device)
+    leftpad = None if key_mask is None else (~key_mask).sum(dim=1).to(torch.int32)
+    out, lse = flash_attn_with_kvcache(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache_seqlens=seqlens, cache_leftpad=leftpad,
+        softmax_scale=scale, causal=False, return_softmax_lse=True)
+    return out.transpose(1, 2), lse.float()  # [B, H, Lq, D], [B, H, Lq]

@@ -1,0 +1,80 @@
+"""Cascade decoding's CUDA kernels (`sdpa`: torch's memory-efficient kernel with its LSE; `flash`: flash-attn's
+`flash_attn_with_kvcache` with `cache_leftpad` and its LSE) against the float32 `math` kernel, and the cascade engine
+on CUDA against the copy path. Skipped without a CUDA device; NEVER RUN YET (written on a CPU-only machine).
+
+fp32: the same bounds as the CPU tests (token-identical greedy decoding, logprobs within 1e-4 of the grouped
+recompute). bf16: the two paths round differently, so differences are printed and bounded loosely."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batches import assert_recompute_matches, vl_batch
+from mmpg.rollout import HFEngine, SamplingParams
+from mmpg.rollout.cascade_kernels import attend
+
+pytestmark = pytest.mark.gpu
+
+VIDEOS = [(4, 56, 84), None, (6, 56, 112)]
+SIZES = [2, 1, 3]
+
+
+def _needs(backend, dtype):
+    if backend == "flash":
+        pytest.importorskip("flash_attn")
+        if dtype == torch.float32:
+            pytest.skip("flash-attn has no fp32 kernels")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "leftpad"])
+def test_cuda_kernel_matches_math(backend, dtype, padded):
+    _needs(backend, dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, Lq, Lk, D = 3, 2, 16, 300, 64  # Lq = G_max * rep of a prefix block; Lk not a multiple of 16
+    q, k, v = (torch.randn(B, H, n, D, generator=g, device="cuda", dtype=dtype) for n in (Lq, Lk, Lk))
+    mask = None
+    if padded:
+        mask = torch.arange(Lk, device="cuda")[None, :] >= torch.tensor([0, 17, 250], device="cuda")[:, None]
+    out, lse = attend(q, k, v, mask, 0.125, backend)
+    ref, ref_lse = attend(q.float(), k.float(), v.float(), mask, 0.125, "math")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    print(f"{backend} {dtype}: out {float((out.float() - ref).abs().max()):.2e}, "
+          f"lse {float((lse - ref_lse).abs().max()):.2e}")
+    assert out.shape == q.shape and lse.shape == (B, H, Lq) and lse.dtype == torch.float32
+    assert float((out.float() - ref).abs().max()) < tol and float((lse - ref_lse).abs().max()) < tol
+
+
+def _on_cuda(model, inputs, dtype):
+    model = model.to("cuda", dtype=dtype)
+    moved = {k: (v.to("cuda") if torch.is_tensor(v) else v) for k, v in inputs.items()}
+    if "pixel_values_videos" in moved:
+        moved["pixel_values_videos"] = moved["pixel_values_videos"].to(dtype)
+    return model, moved
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])  # math: what "auto" picks on CUDA until these have passed
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_cuda_cascade_equals_copy_fp32(family, backend, load_tiny):
+    model, processor = load_tiny(family)
+    model, inputs = _on_cuda(model, vl_batch(processor, family, VIDEOS), torch.float32)
+    greedy = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=())
+    copy = HFEngine(model, processor, decode="copy").generate_groups(inputs, SIZES, greedy)
+    cascade = HFEngine(model, processor, decode="cascade", cascade_backend=backend).generate_groups(
+        inputs, SIZES, greedy)
+    assert torch.equal(copy.completion_ids, cascade.completion_ids)
+    assert_recompute_matches(model, inputs, cascade, 1.0, 1e-4)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash"])
+def test_cuda_cascade_bf16(backend, load_tiny):
+    _needs(backend, torch.bfloat16)
+    model, processor = load_tiny("qwen2_5_vl")
+    model, inputs = _on_cuda(model, vl_batch(processor, "qwen2_5_vl", VIDEOS), torch.bfloat16)
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0, seed=0, stop_token_ids=())
+    rollout = HFEngine(model, processor, decode="cascade", cascade_backend=backend).generate_groups(
+        inputs, SIZES, sampling, prompt_seeds=[1, 2, 3])
+    assert rollout.completion_ids.shape == (sum(SIZES), 10)
+    assert_recompute_matches(model, inputs, rollout, 1.0, 0.05)
