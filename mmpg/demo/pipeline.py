@@ -197,7 +197,8 @@ def run_demo(workdir: str | Path = "data/generated/demo", preset: str | Preset =
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars; each stage prints its own progress
     p = PRESETS[preset] if isinstance(preset, str) else preset
-    p = dataclasses.replace(p, sft_steps=sft_steps or p.sft_steps, grpo_steps=grpo_steps or p.grpo_steps)
+    p = dataclasses.replace(p, sft_steps=p.sft_steps if sft_steps is None else sft_steps,
+                            grpo_steps=p.grpo_steps if grpo_steps is None else grpo_steps)
     if p.sft_steps <= 0 or p.grpo_steps <= 0:
         raise UserError(f"the demo needs at least one SFT and one GRPO step, got {p.sft_steps} and {p.grpo_steps}")
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{p.name}-seed{seed}"

@@ -103,12 +103,12 @@ def reward_trend(metrics: list[dict]) -> dict[str, float]:
 
 
 def reward_plot(path: Path, metrics: list[dict]) -> Path | None:
-    """reward/mean and reward/iou per GRPO step with a moving average; None when matplotlib cannot be used."""
+    """reward/mean and reward/iou per GRPO step with a moving average; None when the run logged no reward."""
     from mmpg.eval.plots import _pyplot, _save
 
     plt = _pyplot()
     rows = [m for m in metrics if "reward/mean" in m]
-    if plt is None or not rows:
+    if not rows:
         return None
     steps = [m["step"] for m in rows]
     fig, ax = plt.subplots(figsize=(7, 3.5))
