@@ -62,7 +62,7 @@ def _ordinary(base: str) -> str:
     return "sdpa" if "flash" in base else base
 
 
-def _base_attention(base: str, module):
+def base_attention(base: str, module):
     base = _ordinary(base)
     if base == "eager":
         # eager lives in each modeling file, not in the registry
@@ -74,7 +74,7 @@ def _make_attention(base: str):
     def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layout = kwargs.pop(LAYOUT_KWARG, None)
         if layout is None:
-            return _base_attention(base, module)(
+            return base_attention(base, module)(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if dropout:
             raise ValueError("grouped attention is exact only without attention dropout; set attention_dropout=0")

@@ -21,13 +21,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-import sys
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from mmpg.grouping.attention import base_attention
 from mmpg.rollout.cascade import SharedPrefixCache
 from mmpg.rollout.cascade_kernels import attend
 
@@ -43,22 +43,12 @@ class CascadeCall:
     backend: str  # a resolved name of `mmpg.rollout.cascade_kernels` (sdpa, flash, math)
 
 
-def _ordinary(base: str, module):
-    """The function ordinary calls use. transformers' flash path looks its kernel up by the configured name, which is
-    ours while cascade decoding is on, so a flash-loaded model's ordinary calls (the idle steps) run sdpa."""
-    if "flash" in base and not base.startswith("mmpg_grouped_"):
-        base = "sdpa"
-    if base == "eager":
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[base]
-
-
 def _make_attention(base: str):
     def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         call = kwargs.pop(CASCADE_KWARG, None)
         if call is None:
-            return _ordinary(base, module)(module, query, key, value, attention_mask, scaling=scaling,
-                                           dropout=dropout, **kwargs)
+            return base_attention(base, module)(module, query, key, value, attention_mask, scaling=scaling,
+                                                dropout=dropout, **kwargs)
         if kwargs.get("sliding_window") is not None:
             raise ValueError("cascade decoding does not support sliding-window layers (use_sliding_window=False)")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
