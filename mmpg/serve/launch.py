@@ -18,12 +18,14 @@ SERVER_MODULE = "mmpg.serve.vllm_server"
 
 
 def vllm_python() -> str | None:
-    """The python of the vLLM venv, or None when there is none."""
+    """The python of the vLLM venv, or None when there is none. `.venv-vllm` counts only once `scripts/env.sh vllm`
+    has stamped it ready (`.mmpg-installed`): a half-made one (a failed install) is no environment."""
     env = os.environ.get("MMPG_VLLM_PYTHON")
     if env:
         return env if os.access(env, os.X_OK) else None
     path = ROOT / ".venv-vllm" / "bin" / "python"
-    return str(path) if os.access(path, os.X_OK) else None
+    ready = (ROOT / ".venv-vllm" / ".mmpg-installed").is_file()
+    return str(path) if ready and os.access(path, os.X_OK) else None
 
 
 def serve(argv: list[str]) -> int:
