@@ -1,8 +1,9 @@
 """Family adapters: prompt positions, and one packed forward of the model's own modules.
 
 Positions (ARCHITECTURE.md "Packed group layout"):
-  * Qwen2.5-VL / Qwen3-VL: the prefix takes the model's own 3-D mRoPE index (`get_rope_index`); each response
-    continues on all three axes where the model's own forward would put a text token after the prompt.
+  * Qwen2.5-VL / Qwen3-VL: the prefix takes the model's own 3-D mRoPE index (`get_rope_index`; Qwen2.5-VL's on the
+    convention its checkpoints were trained with, `mmpg.grouping.positions`); each response continues on all three
+    axes where the model's own forward would put a text token after the prompt.
   * Qwen2 / Qwen3 text models: 1-D positions 0..P-1, responses from P.
 The vision tower runs once on the B prompts' pixels; its output goes in through the model's `mm_encoder_outputs`
 argument, so the model scatters features and (Qwen3-VL) adds deepstack features itself, in its own code.
@@ -18,6 +19,7 @@ from mmpg.grouping.attention import LAYOUT_KWARG
 from mmpg.grouping.inputs import mm_token_type_ids, prompt_attention_mask, split_visuals_per_prompt
 from mmpg.grouping.layout import GroupLayout
 from mmpg.grouping.patch import model_kind
+from mmpg.grouping.positions import use_qwen_positions
 
 
 class Prefixes(NamedTuple):
@@ -33,14 +35,15 @@ def prefix_positions(model, prompt_inputs) -> Prefixes:
     """Positions of each prompt and where its responses start: exactly what the model's own forward gives the
     prompt followed by one response (the reference `repeated_logprobs` is that forward).
 
-    VL: `get_rope_index` per prompt on [prompt | one text token]; the extra token's position is the start. This is
-    last position + 1 for a prompt ending in text — not max(positions) + 1, which is where transformers' `generate`
-    continues (its rope deltas) and which differs after a long Qwen2.5-VL video in transformers 5.x."""
+    VL: `get_rope_index` per prompt on [prompt | one text token]; the extra token's position is the start (last
+    position + 1 for a prompt ending in text, which on the trained convention is also max(positions) + 1, where vLLM
+    continues)."""
     ids = prompt_inputs["input_ids"]
     attn = prompt_attention_mask(prompt_inputs)
     rows = [ids[b][attn[b]] for b in range(ids.shape[0])]
     if model_kind(model) != "vl":
         return Prefixes(rows, [torch.arange(r.numel(), device=r.device)[None] for r in rows], [r.numel() for r in rows])
+    use_qwen_positions(model)
     types = mm_token_type_ids(model, prompt_inputs)
     visuals = split_visuals_per_prompt(model, prompt_inputs)
     positions, starts = [], []

@@ -19,6 +19,7 @@ from mmpg.grouping.inputs import (
 from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.layout import GroupLayout
 from mmpg.grouping.patch import apply_grouped_attention, model_kind
+from mmpg.grouping.positions import use_qwen_positions
 
 
 def _token_logprobs(lm_head, hidden, targets, temperature):
@@ -119,8 +120,10 @@ def _repeated_rows(model, prompt_inputs, completions: Completions) -> dict:
 
 def repeated_logprobs(model, prompt_inputs, completion_ids, completion_mask, group_sizes, *,
                       temperature: float = 1.0) -> torch.Tensor:
-    """The naive reference: every prompt and its video repeated G_b times, the model's own forward. [N, S] float32."""
+    """The naive reference: every prompt and its video repeated G_b times, the model's own forward (Qwen2.5-VL on its
+    trained mRoPE convention, `mmpg.grouping.positions`). [N, S] float32."""
     _check_temperature(temperature)
+    use_qwen_positions(model)
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
                                     placeholder_token_ids(model))
     batch = _repeated_rows(model, _on_device(prompt_inputs, model.get_input_embeddings().weight.device), completions)

@@ -12,6 +12,7 @@ from packaging.version import Version
 
 from mmpg.grouping.attention import register_grouped_attention
 from mmpg.grouping.backends import BACKENDS
+from mmpg.grouping.positions import use_qwen_positions
 
 # model_type -> adapter kind. Tested: tiny Qwen2.5-VL, Qwen3-VL, Qwen2, Qwen3 (tests/test_grouping_*.py).
 SUPPORTED_MODEL_TYPES = {"qwen2_5_vl": "vl", "qwen3_vl": "vl", "qwen2": "text", "qwen3": "text"}
@@ -38,10 +39,12 @@ def model_kind(model) -> str:
 
 
 def apply_grouped_attention(model, backend: str | None = None):
-    """Select the grouped attention for the text model and remember the backend. Safe to call again (it then only
-    changes the backend when one is given). Returns the model."""
+    """Select the grouped attention for the text model, put Qwen2.5-VL on its trained mRoPE convention
+    (`mmpg.grouping.positions`) and remember the backend. Safe to call again (it then only changes the backend when
+    one is given). Returns the model."""
     _check_transformers()
     model_kind(model)
+    use_qwen_positions(model)
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown grouped attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     text_config = model.config.get_text_config()

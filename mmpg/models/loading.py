@@ -76,7 +76,8 @@ def load_policy(path: str | Path, dtype: str | torch.dtype = "float32", attn_imp
     """A Qwen-VL (or text-only Qwen) policy from `path`, with the given dtype and attention implementation.
 
     freeze_vision: no gradients for the vision tower (common for grounding RL); the grouped forward then still runs
-    it once per prompt, under no_grad."""
+    it once per prompt, under no_grad. Qwen2.5-VL comes with the mRoPE convention its checkpoints were trained with
+    (`mmpg.grouping.positions`), also for `generate`."""
     path = resolve_checkpoint(path)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -89,4 +90,6 @@ def load_policy(path: str | Path, dtype: str | torch.dtype = "float32", attn_imp
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if freeze_vision and hasattr(model, "model") and hasattr(model.model, "visual"):
         model.model.visual.requires_grad_(False)
-    return model
+    from mmpg.grouping.positions import use_qwen_positions
+
+    return use_qwen_positions(model)

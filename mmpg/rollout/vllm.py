@@ -89,7 +89,6 @@ class VLLMEngine(RolloutEngine):
                 raise PromptTooLongError(b, f"prompt {b} has {len(p)} tokens; with max_new_tokens="
                                             f"{sampling.max_new_tokens} that exceeds the vLLM server's max_model_len "
                                             f"{limit}: restart it with a larger --max-model-len, or use fewer frames")
-        self._warn_positions(prompt_inputs)
         body = pack(*self._request(ids, sizes, seeds, sampling, prompt_inputs, videos))
         try:
             answer = call(self.url, "/generate", body=body, timeout=self.timeout_s, what="a rollout request")
@@ -145,28 +144,6 @@ class VLLMEngine(RolloutEngine):
                        texts=self.processor.batch_decode([r["token_ids"] for r in rows], skip_special_tokens=True),
                        finish_reasons=[FINISH_STOP if r["finish_reason"] == "stop" else FINISH_LENGTH for r in rows],
                        logprobs=logps if sampling.logprobs else None)
-
-    def _warn_positions(self, prompt_inputs) -> None:
-        """Qwen2.5-VL: after a video, transformers 5.x continues the text at start + max(H, W) / merge, vLLM (like the
-        original Qwen code) at max(video positions) + 1. They differ when the video's temporal positions reach
-        further than its spatial ones (long videos); every later token then sits elsewhere in the two engines, and
-        the logprob gap grows from ~1e-6 to 1e-3..1e-1 (measured on the tiny model). Said once per engine."""
-        if getattr(self, "_warned_positions", False) or self.model.config.model_type != "qwen2_5_vl":
-            return
-        grids, spans = prompt_inputs.get("video_grid_thw"), prompt_inputs.get("second_per_grid_ts")
-        if grids is None:
-            return
-        vision = self.model.config.vision_config
-        merge, tps = vision.spatial_merge_size, vision.tokens_per_second
-        for i, (t, h, w) in enumerate(grids.tolist()):
-            span = float(spans[i]) if spans is not None else 1.0
-            if int((t - 1) * span * tps) >= max(h, w) // merge:
-                log.warning("video %d of this batch (grid %dx%dx%d): vLLM and the trainer's transformers place the "
-                            "text after it at different mRoPE positions (temporal extent %d >= spatial %d); expect "
-                            "actor/logprob_gap_* of 1e-3 and up; rollout.tis_cap corrects the loss for it", i, t, h,
-                            w, int((t - 1) * span * tps), max(h, w) // merge)
-                self._warned_positions = True
-                return
 
     # ---- weights ------------------------------------------------------------------------------------------------
     def sync_weights(self, everything: bool = False) -> dict:
