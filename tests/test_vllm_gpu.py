@@ -5,15 +5,10 @@ near-tie, the top-2 logprobs within BF16_TIE_TOL), and its logprobs agree with `
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
-
 import pytest
 import torch
 from batches import vl_batch
-from vllm_server import free_port, need_vllm
+from vllm_server import need_vllm
 
 from mmpg.rollout import HFEngine, SamplingParams
 
@@ -27,29 +22,17 @@ BF16_ATOL = 0.1  # |vLLM logprob - grouped_logprobs| in bfloat16 (different kern
 def gpu_server(tmp_path_factory):
     need_vllm()
     from mmpg.models.tiny import TinySpec, make_tiny
-    from mmpg.serve.launch import ROOT, SERVER_MODULE, vllm_python
-    from mmpg.serve.wire import ServerError, call
+    from mmpg.serve.launch import ServerProcess
 
     ckpt = make_tiny("qwen2_5_vl", tmp_path_factory.mktemp("vllm_gpu") / "q25", seed=0,
                      spec=TinySpec(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512,
                                    vision_depth=2))
-    port, log = free_port(), tmp_path_factory.mktemp("vllm_gpu_log") / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([vllm_python(), "-m", SERVER_MODULE, "--checkpoint", str(ckpt), "--port", str(port),
-                                 "--dtype", "bfloat16", "--max-model-len", "2048", "--gpu-memory-utilization", "0.3",
-                                 "--nccl"], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            call(url, "/health", timeout=5)
-            break
-        except ServerError:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(2)
-    yield ckpt, url
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=60)
+    log = tmp_path_factory.mktemp("vllm_gpu_log") / "server.log"
+    server = ServerProcess(ckpt, log, dtype="bfloat16", max_model_len=2048, eager=False,
+                           extra=("--gpu-memory-utilization", "0.3", "--nccl"))
+    server.wait(600)
+    yield ckpt, server.url
+    server.stop()
 
 
 def test_gpu_nccl_sync_then_greedy_matches_trainer(gpu_server):

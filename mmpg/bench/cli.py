@@ -6,6 +6,8 @@
     mmpg bench --preset cpu-targets --levels rollout   generate(num_return_sequences) vs the copy and the cascade
                                                        shared-prefix rollout, with prefill/decode time and K/V memory
     mmpg bench --preset rollout-cpu                 the rollout target row alone (P 4096, S 256, G 8); rollout-gpu
+    mmpg bench --preset rollout-vllm-cpu            the vLLM engine beside the HF engine and generate (B 2, G 8,
+                                                    S 32, 8 frames 112x112); --vllm adds it to any rollout config
     mmpg bench --preset cpu-targets --levels step      one whole GRPO step per phase: generate + repeated forward
                                                        vs shared-prefix rollout + grouped forward
 
@@ -23,7 +25,7 @@ from mmpg.errors import UserError
 LEVELS = ("attention", "model", "rollout", "step")
 DEFAULTS = {  # preset -> (rounds, repeats, warmup)
     "cpu-targets": (2, 2, 1), "cpu-grid": (1, 2, 1), "gpu": (2, 3, 2), "tiny": (1, 1, 1),
-    "rollout-cpu": (2, 2, 1), "rollout-gpu": (1, 2, 1),
+    "rollout-cpu": (2, 2, 1), "rollout-gpu": (1, 2, 1), "rollout-vllm-cpu": (2, 2, 1), "rollout-vllm-gpu": (1, 2, 1),
 }
 
 
@@ -57,6 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--G", type=_int_list, default=None, help="override group sizes")
     parser.add_argument("--variants", type=_str_list, default=None,
                         help="keep only these variants (e.g. naive,mmpg or mmpg:flex)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="add the vLLM engine (variant vllm) to the rollout level: starts a `mmpg vllm-serve` "
+                        "(.venv-vllm, 127.0.0.1) per config on a saved copy of its model, 1-3 min on a CPU; "
+                        "qwen2_5_vl with head_dim >= 32 (else the row says skipped); also asked by vllm in --variants")
+    parser.add_argument("--vllm-url", default=None,
+                        help="time the vllm variant against this running server instead (implies --vllm; it must "
+                        "serve the config's model, e.g. one started on --vllm-checkpoint's folder)")
+    parser.add_argument("--vllm-checkpoint", default=None,
+                        help="serve this checkpoint folder instead of a saved copy of the config's model (its "
+                        "architecture must be the config's; checked)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (fresh process each)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per process (>= 1: the memory step)")
@@ -79,6 +91,8 @@ def plan(args) -> list[dict]:
     unknown = set(levels) - set(LEVELS)
     if unknown:
         raise UserError(f"unknown bench level(s) {', '.join(sorted(unknown))}; choose from {', '.join(LEVELS)}")
+    vllm = {k: getattr(args, f"vllm_{k}", None) for k in ("url", "checkpoint")}
+    want_vllm = bool(getattr(args, "vllm", False) or vllm["url"] or "vllm" in (args.variants or []))
     configs = []
     for config in built:
         if config["level"] == "model" and "rollout" in levels and not own_rollout:
@@ -86,6 +100,7 @@ def plan(args) -> list[dict]:
             configs.append(rollout)
         if config["level"] in levels:
             configs.append(config)
+    configs = [_with_vllm(c, want_vllm, vllm) for c in configs]
     configs.sort(key=lambda c: LEVELS.index(c["level"]))
     out, seen = [], set()
     for config in configs:
@@ -98,6 +113,18 @@ def plan(args) -> list[dict]:
                 seen.add(key)
                 out.append(c)
     return out
+
+
+def _with_vllm(config: dict, want: bool, given: dict) -> dict:
+    """A rollout config with the vllm variant appended when asked (opt-in: a server start costs minutes), and the
+    --vllm-url / --vllm-checkpoint it uses (keys vllm_url, vllm_checkpoint; only when given)."""
+    if config["level"] != "rollout":
+        return config
+    if want and "vllm" not in config["variants"]:
+        config = dict(config, variants=[*config["variants"], "vllm"])
+    if "vllm" in config["variants"]:
+        config = dict(config, **{f"vllm_{k}": v for k, v in given.items() if v})
+    return config
 
 
 def default_max_gb() -> float:

@@ -70,13 +70,14 @@ def build_model(case: dict, device: torch.device):
     return model.train(), ids
 
 
-def prompt_shape(P: int, config) -> dict:
+def prompt_shape(P: int, config, video=None) -> dict:
     """The prompt actually built for a requested P: {"P"} for text-only; for VL also the video grid (t, h, w),
-    its LM tokens, patches and patches per frame (what the vision tower's attention spans)."""
+    its LM tokens, patches and patches per frame (what the vision tower's attention spans). `video` (frames, height,
+    width) in pixels fixes the video instead of sizing it from P; P then only adds text after it."""
     vc = getattr(config, "vision_config", None)
     if vc is None:
         return {"P": P}
-    t, h, w = video_grid(P)
+    t, h, w = video_grid(P) if video is None else pixel_grid(video, vc)
     n_tok = t * h * w // vc.spatial_merge_size ** 2
     return {"P": n_tok + 2 + max(P - n_tok - 2, 9), "grid": (t, h, w), "video_tokens": n_tok,
             "video_patches": t * h * w, "frame_patches": h * w}
@@ -89,11 +90,24 @@ def video_grid(P: int) -> tuple[int, int, int]:
     return max(1, round(n / (m * m))), 2 * m, 2 * m
 
 
-def make_inputs(model, case: dict, ids: dict, device) -> tuple[dict, torch.Tensor, torch.Tensor, dict]:
-    """prompt_inputs for one prompt, completion ids/mask [G, S], and `prompt_shape` (the actual P)."""
+def pixel_grid(video, vision_config) -> tuple[int, int, int]:
+    """(frames, height, width) in pixels -> the (t, h, w) patch grid; the sizes must tile exactly (no resize)."""
+    frames, height, width = (int(x) for x in video)
+    tps, patch = vision_config.temporal_patch_size, vision_config.patch_size
+    side = patch * vision_config.spatial_merge_size
+    if frames % tps or height % side or width % side or min(frames, height, width) < 1:
+        raise ValueError(f"video {frames}x{height}x{width}: frames must be a multiple of {tps} and height, width "
+                         f"multiples of {side} (patch {patch} x merge {vision_config.spatial_merge_size})")
+    return frames // tps, height // patch, width // patch
+
+
+def make_inputs(model, case: dict, ids: dict, device, seed: int = 1) -> tuple[dict, torch.Tensor, torch.Tensor,
+                                                                               dict]:
+    """prompt_inputs for one prompt, completion ids/mask [G, S], and `prompt_shape` (the actual P). `seed` draws
+    the prompt's text, patches and completions (another seed: another prompt of the same shape)."""
     S, G = case["S"], case["G"]
-    gen = torch.Generator().manual_seed(1)
-    shape = prompt_shape(case["P"], model.config)
+    gen = torch.Generator().manual_seed(seed)
+    shape = prompt_shape(case["P"], model.config, case.get("video"))
     text = torch.randint(0, TEXT_IDS, (shape["P"],), generator=gen)
     if ids["video"] is None:
         prompt = {"input_ids": text[None]}

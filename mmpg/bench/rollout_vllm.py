@@ -1,123 +1,217 @@
-"""Rollout bench, vLLM beside the HF engine: G responses of S tokens for B video prompts, on a checkpoint on disk.
+"""The rollout level's `vllm` variant: `VLLMEngine.generate_groups` against a `mmpg vllm-serve` beside the HF engine.
 
-    python -m mmpg.bench.rollout_vllm --checkpoint DIR [--url URL | --start] [--frames 8 --size 112x112]
-        [--prompts 2 --G 8 --S 64 --repeats 3] [--out runs/bench/rollout_vllm.json]
+    mmpg bench --preset rollout-vllm-cpu                   B 2, G 8, S 32, 8 frames 112x112 (P 102), qwen2_5_vl
+    mmpg bench --preset cpu-targets --levels rollout --family qwen2_5_vl --vllm      any rollout config, vllm added
+    mmpg bench --preset rollout-vllm-cpu --vllm-url http://127.0.0.1:8000           a server already running
+    mmpg bench --preset rollout-vllm-gpu        (UNTESTED: never run yet) rollout-gpu's shape on qwen2_5_vl, bf16
 
-    hf     `HFEngine().generate_groups` (its default decode, cascade) with the checkpoint loaded here (float32 on CPU)
-    vllm   `VLLMEngine.generate_groups` against a `mmpg vllm-serve` (given by --url, or started here with --start:
-           vllm-cpu wants head_dim >= 32, e.g. `mmpg make-tiny --hidden-size 256 --heads 4 --kv-heads 2`)
+Opt-in (`--vllm`, `--vllm-url`, `vllm` in `--variants`, or a `rollout-vllm-*` preset): starting a server takes
+1-3 min on a CPU. Per config that holds the variant, the parent process (`mmpg.bench.rollout.run_config`):
 
-Every response runs exactly S tokens (no stop token) with temperature 1. A program that prints a table and writes
-JSON, never a test. It is not yet wired into `mmpg bench --levels rollout` (mmpg/bench/rollout.py builds its models
-in memory; vLLM needs a checkpoint folder and a server, so the variant lives here until that hook exists).
+    1. refuses what vLLM cannot serve, as a "skipped: ..." row (never a crash): no .venv-vllm; a text-only or
+       Qwen3-VL family (mmpg vllm-serve sets limit_mm_per_prompt, which vLLM refuses for text models; Qwen3-VL's
+       timestamped video tokens are not the bench prompt's); head_dim < 32 (vllm-cpu's attention refuses 16)
+    2. saves the config's model (the same seeded random weights as the other variants) with `save_pretrained` and
+       the tiny builder's processor to a temporary folder, or takes --vllm-checkpoint (same architecture, checked)
+    3. starts `python -m mmpg.serve.vllm_server` in .venv-vllm on 127.0.0.1 (a free port, --dtype = the config's,
+       eager on the CPU, --max-model-len P + S), waits for /health, kills its process group in a finally; its log
+       is deleted after a clean run and its path is printed when anything failed. --vllm-url skips 2 and 3.
+
+Each worker process then builds the model on the meta device (config and token ids only: the server holds the
+weights), the same B prompts as the other variants (`mmpg.bench.model.make_inputs` seeds 1..B) plus frames whose
+patch grid is the prompt's (T = t·temporal_patch, H = h·patch, W = w·patch, no resize), and times
+`generate_groups(B prompts, G, S tokens exactly, no stop, temperature 1, no logprobs)`. Step k sends prompts whose
+first text token and frames are shifted by k, so vLLM's prefix and multimodal caches cannot skip the prefill of a
+later step (a GRPO step's prompts are new too); inside one request the G samples share the prompt's K/V (n = G).
+What is compared: vLLM's own kernels and scheduler (CPU: its paged attention, eager) in the server's dtype, HTTP,
+frame packing and the server's frames -> patches preprocessing included (the other variants get patches made in
+setup), against transformers + torch in the bench's own process. The server's prefill/decode split, K/V and memory
+are not seen from here (the row shows - and n/a).
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import itertools
 import json
 import os
-import signal
-import statistics
-import time
+import tempfile
 from pathlib import Path
 
+import torch
 
-def _inputs(processor, prompts: int, frames: int, h: int, w: int):
-    """B prompts with one random video each: (processor output, [(frames [T, C, H, W], metadata)])."""
-    import torch
+from mmpg.serve.launch import ServerStartError
 
-    texts, videos, meta = [], [], []
-    for b in range(prompts):
-        content = [{"type": "video"}, {"type": "text", "text": f"When does the shape appear? ({b})"}]
-        texts.append(processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                   add_generation_prompt=True))
-        videos.append(torch.randint(0, 256, (frames, 3, h, w), generator=torch.Generator().manual_seed(b)).float())
-        meta.append({"fps": 2.0, "total_num_frames": frames, "frames_indices": list(range(frames))})
-    inputs = processor(text=texts, videos=videos, video_metadata=meta, do_sample_frames=False, do_resize=False,
-                       padding=True, padding_side="left", return_tensors="pt")
-    return inputs, list(zip(videos, meta))
+SKIP_NO_VENV = "skipped: no .venv-vllm (bash scripts/env.sh vllm)"
+START_TIMEOUT_S = 900.0  # vllm-cpu loads and warms up in 1-3 min here, more while other jobs run
+MIN_HEAD_DIM = 32  # vllm-cpu's attention refuses smaller heads (the default tiny size's 16)
+CHECKED_FAMILY = "qwen2_5_vl"  # the family whose video tokens VLLMEngine checks against vLLM's, token for token
+SAME_ARCH = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "vocab_size")
 
 
-def _time(fn, repeats: int) -> dict:
-    fn()  # warm-up; later vLLM repeats find the prompts in the prefix cache, as a GRPO step's G samples do
-    seconds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "runs": seconds}
+def skip_reason(config: dict, python: str | None = "auto") -> str | None:
+    """The "skipped: ..." note of the config's vllm row, or None when it can run. `python`: the .venv-vllm
+    interpreter ("auto": `mmpg.serve.launch.vllm_python()`); not needed with config["vllm_url"]."""
+    from mmpg.bench.model import model_config
+
+    family = config.get("family")
+    if family != CHECKED_FAMILY:
+        why = ("mmpg vllm-serve serves video models (vLLM refuses limit_mm_per_prompt for a text model)"
+               if family in ("qwen2", "qwen3") else "its video tokens are checked on qwen2_5_vl only")
+        return f"skipped: vllm variant needs --family qwen2_5_vl ({family}: {why})"
+    text = model_config(config)[0].get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if head_dim < MIN_HEAD_DIM:
+        return (f"skipped: head_dim {head_dim} < {MIN_HEAD_DIM}, which vLLM's attention refuses (e.g. hidden 256 / "
+                "4 heads)")
+    if config.get("vllm_checkpoint"):
+        mismatch = checkpoint_mismatch(config, config["vllm_checkpoint"])
+        if mismatch:
+            return f"skipped: --vllm-checkpoint is not the config's model ({mismatch})"
+    if config.get("vllm_url"):
+        return None
+    if python == "auto":
+        from mmpg.serve.launch import vllm_python
+
+        python = vllm_python()
+    return SKIP_NO_VENV if python is None else None
 
 
-def run(args) -> list[dict]:
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+def checkpoint_mismatch(config: dict, checkpoint: str | Path) -> str | None:
+    """'hidden_size 64 vs 256' for the first architecture field where the checkpoint differs from the config's
+    model; None when they agree (the weights may differ: only the shapes matter for timing)."""
+    from mmpg.bench.model import model_config
 
-    from mmpg.rollout import HFEngine, SamplingParams
-    from mmpg.rollout.vllm import VLLMEngine
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        return f"{path} does not exist"
+    theirs = json.loads(path.read_text())
+    ours = model_config(config)[0]
+    text_theirs, text_ours = theirs.get("text_config", theirs), ours.get_text_config()
+    for key in SAME_ARCH:
+        mine = getattr(ours, key) if key == "model_type" else getattr(text_ours, key, None)
+        other = theirs.get(key) if key == "model_type" else text_theirs.get(key, theirs.get(key))
+        if other != mine:
+            return f"{key} {other} vs {mine}"
+    return None
 
-    h, w = (int(x) for x in args.size.split("x"))
-    model = AutoModelForImageTextToText.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
-    processor = AutoProcessor.from_pretrained(args.checkpoint)
-    inputs, videos = _inputs(processor, args.prompts, args.frames, h, w)
-    sampling = SamplingParams(max_new_tokens=args.S, temperature=1.0, stop_token_ids=(), logprobs=True)
-    P = int(inputs["attention_mask"].sum(dim=1).max())
-    rows = [{"variant": "hf", "P": P, **_time(lambda: HFEngine(model, processor).generate_groups(
-        inputs, args.G, sampling), args.repeats)}]
-    server = _start(args) if args.start else None
+
+def save_checkpoint(config: dict, folder: Path) -> Path:
+    """The config's model (seeded as `build_model` seeds every variant's) and the tiny builder's processor, saved
+    as a checkpoint vLLM loads like a hub one."""
+    from mmpg.bench.model import build_model
+    from mmpg.models.tiny import TinySpec, build_tiny_processor
+
+    model, _ = build_model(config, torch.device("cpu"))
+    text = model.config.get_text_config()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = text.eos_token_id, text.pad_token_id
+    model.save_pretrained(folder)
+    build_tiny_processor(config["family"], TinySpec(**config["spec"]), seed=0).save_pretrained(folder)
+    return folder
+
+
+@contextlib.contextmanager
+def serving(config: dict, P: int, log=print):
+    """Yields {"url", "log", "start_s", "checkpoint"} of a server for the config's model: config["vllm_url"] as is,
+    else one started here (see the module docstring) and stopped on the way out. The log is kept when the caller
+    sets served["keep_log"] or anything raised; ServerStartError when it does not come up."""
+    if config.get("vllm_url"):
+        yield {"url": config["vllm_url"], "log": None, "start_s": None, "checkpoint": _served(config)}
+        return
+    from mmpg.serve.launch import ServerProcess
+
+    fd, log_path = tempfile.mkstemp(prefix="mmpg-bench-vllm-", suffix=".log")
+    os.close(fd)
+    served, server, ok = {"log": log_path, "keep_log": False}, None, False
+    with tempfile.TemporaryDirectory(prefix="mmpg-bench-vllm-") as tmp:
+        try:
+            checkpoint = config.get("vllm_checkpoint") or save_checkpoint(config, Path(tmp) / "model")
+            served["checkpoint"] = str(config.get("vllm_checkpoint") or "a saved copy of the config's model")
+            # UNTESTED on a GPU: there the other variants' workers share it with the server (40 % of its memory)
+            gpu = ("--gpu-memory-utilization", "0.4") if torch.cuda.is_available() else ()
+            server = ServerProcess(checkpoint, log_path, dtype=config.get("dtype", "float32"),
+                                   max_model_len=max(1024, P + config["S"] + 16), eager=not torch.cuda.is_available(),
+                                   extra=gpu, env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")})
+            log(f"  vllm: starting a server on {server.url} (log {log_path})")
+            served.update(url=server.url, start_s=server.wait(START_TIMEOUT_S))
+            log(f"  vllm: server up in {served['start_s']:.0f} s")
+            yield served
+            ok = not served["keep_log"]
+        finally:
+            if server is not None:
+                server.stop()
+            if ok:
+                os.unlink(log_path)
+            else:
+                log(f"  vllm: server log kept at {log_path}")
+
+
+def _served(config: dict) -> str:
+    """The checkpoint the server at config["vllm_url"] serves, checked against the config's model when it is on this
+    machine; ServerStartError when there is no server or it serves another architecture."""
+    from mmpg.serve.wire import ServerError, call
+
+    url = config["vllm_url"]
     try:
-        engine = VLLMEngine(model, processor, url=args.url, wait_s=600 if server else 5)
-        rows.append({"variant": "vllm", "P": P, **_time(lambda: engine.generate_groups(
-            inputs, args.G, sampling, videos=videos), args.repeats)})
-    finally:
-        if server is not None:  # the server and the engine processes it spawned (its own process group)
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
-    tokens = args.prompts * args.G * args.S
-    for r in rows:
-        r.update(B=args.prompts, G=args.G, S=args.S, tokens_per_s=tokens / r["median_s"])
-    return rows
+        checkpoint = call(url, "/health", timeout=10, what="a health check")["checkpoint"]
+    except ServerError as err:
+        raise ServerStartError(f"no vLLM server at --vllm-url {url}: {err}") from None
+    mismatch = checkpoint_mismatch(config, checkpoint) if Path(checkpoint).is_dir() else None
+    if mismatch:
+        raise ServerStartError(f"the server at {url} serves {checkpoint}, not the config's model ({mismatch})")
+    return checkpoint
 
 
-def _start(args):
-    """A server on args.url's port, in .venv-vllm (float32, eager: comparable with the float32 HF engine)."""
-    import subprocess
-    from urllib.parse import urlparse
-
-    from mmpg.serve.launch import ROOT, SERVER_MODULE, vllm_python
-
-    python = vllm_python()
-    if python is None:
-        raise SystemExit("no .venv-vllm: run bash scripts/env.sh vllm first")
-    port = urlparse(args.url).port or 8000
-    return subprocess.Popen([python, "-m", SERVER_MODULE, "--checkpoint", args.checkpoint, "--port", str(port),
-                             "--dtype", "float32", "--enforce-eager"], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+# ---- the worker's side --------------------------------------------------------------------------------------------
+def videos_for(prompt: dict, vision_config) -> list[tuple[torch.Tensor, dict]]:
+    """Per prompt b, seeded frames [T, 3, H, W] (0..255) whose patch grid is video_grid_thw[b], and their metadata."""
+    out = []
+    for b, (t, h, w) in enumerate(prompt["video_grid_thw"].tolist()):
+        T, H, W = t * vision_config.temporal_patch_size, h * vision_config.patch_size, w * vision_config.patch_size
+        frames = torch.randint(0, 256, (T, 3, H, W), generator=torch.Generator().manual_seed(b)).float()
+        out.append((frames, {"fps": 2.0, "total_num_frames": T, "frames_indices": list(range(T))}))
+    return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mmpg.bench.rollout_vllm", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--start", action="store_true", help="start a server on --url's port for the bench")
-    p.add_argument("--prompts", type=int, default=2)
-    p.add_argument("--frames", type=int, default=8)
-    p.add_argument("--size", default="112x112", help="HxW of the frames (multiples of 28)")
-    p.add_argument("--G", type=int, default=8)
-    p.add_argument("--S", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="")
-    args = p.parse_args(argv)
-    rows = run(args)
-    print(f"{'variant':8} {'P':>6} {'B':>3} {'G':>3} {'S':>5} {'median s':>9} {'tokens/s':>9}")
-    for r in rows:
-        print(f"{r['variant']:8} {r['P']:6d} {r['B']:3d} {r['G']:3d} {r['S']:5d} {r['median_s']:9.2f} "
-              f"{r['tokens_per_s']:9.1f}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"level": "rollout_vllm", "rows": rows}, indent=1))
-    return 0
+def _fresh(prompt: dict, videos: list, k: int, text_ids: int) -> tuple[dict, list]:
+    """Step k's prompts: the first (text) token and the frames shifted by k, so no cache of vLLM's knows them."""
+    if k == 0:
+        return prompt, videos
+    ids = prompt["input_ids"].clone()
+    ids[:, 0] = (ids[:, 0] + k) % text_ids
+    return dict(prompt, input_ids=ids), [((f + k) % 256, m) for f, m in videos]
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def setup(case: dict, device: torch.device):
+    """(None, step, info) for the worker: `step()` samples the B groups on the server at case["vllm_url"]."""
+    from mmpg.bench.model import TEXT_IDS, build_model
+
+    try:
+        from mmpg.rollout import SamplingParams
+        from mmpg.rollout.vllm import VLLMEngine
+    except Exception as err:  # noqa: BLE001 - any import failure means the engine is not usable here
+        raise NotImplementedError(f"mmpg.rollout.vllm not available ({type(err).__name__}: {err})") from None
+    if not case.get("vllm_url"):
+        raise NotImplementedError("no vLLM server for this case (mmpg.bench.rollout.run_config starts one)")
+    from mmpg.bench.rollout import make_batch
+
+    model, ids = build_model(case, torch.device("meta"))  # config and token ids: the server holds the weights
+    prompt, info = make_batch(model, case, ids, torch.device("cpu"))
+    videos = videos_for(prompt, model.config.vision_config)
+    engine = VLLMEngine(model, ids["tokenizer"], url=case["vllm_url"])
+    G, S, B = case["G"], case["S"], prompt["input_ids"].shape[0]
+    sampling = SamplingParams(max_new_tokens=S, temperature=1.0, stop_token_ids=(), logprobs=False)
+    steps, info["phases"] = itertools.count(), []
+
+    def step():
+        inputs, frames = _fresh(prompt, videos, next(steps), TEXT_IDS)
+        rollout = engine.generate_groups(inputs, G, sampling, videos=frames)
+        lengths = rollout.completion_mask.sum(dim=1)  # [B·G]
+        if rollout.completion_ids.shape[0] != B * G or not bool((lengths == S).all()):
+            raise RuntimeError(f"vLLM returned {rollout.completion_ids.shape[0]} rows of lengths "
+                               f"{sorted(set(lengths.tolist()))}, asked for {B * G} rows of exactly {S} tokens")
+        info["phases"].append({"prefill_s": None, "decode_s": None, "kv_bytes": None})  # the server's, unseen
+
+    info["tokens"] = B * (info["P"] + G * S)
+    return None, step, info

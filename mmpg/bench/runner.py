@@ -63,7 +63,7 @@ def shape_of(config: dict) -> dict:
     from mmpg.bench.model import model_config, prompt_shape
 
     model_cfg, _ = model_config(config)
-    shape = prompt_shape(config["P"], model_cfg)
+    shape = prompt_shape(config["P"], model_cfg, config.get("video"))
     shape["dims"] = flops.dims_from_config(model_cfg)
     return shape
 
@@ -76,7 +76,8 @@ def naive_bytes(config: dict, shape: dict) -> float:
         return 3 * tokens * (config["heads"] + 2 * config["kv_heads"]) * config["head_dim"] * b
     d = shape["dims"]
     patches = G * shape.get("video_patches", 0)
-    if config["level"] == "rollout":  # no backward: the K/V cache of G rows, and the vision tower's transients
+    if config["level"] == "rollout":  # no backward: the K/V cache of B × G rows, and the vision tower's transients
+        tokens, patches = tokens * config.get("B", 1), patches * config.get("B", 1)
         return tokens * d.layers * 2 * d.kv_heads * d.d * b + (patches * 8 * d.vision.hidden * b if d.vision else 0)
     per_token_layer = d.hidden if config.get("grad_ckpt") else 16 * d.hidden + 4 * d.intermediate + 2 * d.heads * d.d
     per_patch_block = (1 if config.get("grad_ckpt") else 12) * d.vision.hidden if d.vision else 0

@@ -16,7 +16,11 @@ from typing import NamedTuple
 import torch
 
 from mmpg.grouping.attention import LAYOUT_KWARG
-from mmpg.grouping.inputs import mm_token_type_ids, prompt_attention_mask, split_visuals_per_prompt
+from mmpg.grouping.inputs import (
+    mm_token_type_ids,
+    prompt_attention_mask,
+    split_visuals_per_prompt,
+)
 from mmpg.grouping.layout import GroupLayout
 from mmpg.grouping.patch import model_kind
 from mmpg.grouping.positions import use_qwen_positions
