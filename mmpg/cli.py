@@ -84,6 +84,14 @@ def _cmd_train(args) -> int:
     if args.resume:
         overrides.append(f"checkpoint.resume={args.resume}")
     cfg = load_config(args.config, overrides)
+    if args.get is not None:
+        value = cfg
+        for part in args.get.split("."):
+            if not hasattr(value, part):
+                raise UserError(f"--get {args.get}: no config field {part!r} (mmpg {args.command} --fields lists them)")
+            value = getattr(value, part)
+        print(value)
+        return 0
     if args.command == "sft":
         from mmpg.sft.job import sft
 
@@ -172,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "checkpoint folder; same as checkpoint.resume=...")
         p.add_argument("--fields", nargs="?", const="", default=None, metavar="GROUP",
                        help="print every config field (of GROUP) with its default and help, and exit")
+        p.add_argument("--get", default=None, metavar="KEY", help="print one field's value after the config file "
+                       "and the overrides (e.g. model.path), and exit; for launch scripts")
         p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.n=8")
         p.set_defaults(func=_cmd_train)
