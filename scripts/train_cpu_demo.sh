@@ -9,6 +9,6 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
 cd "$MMPG_ROOT"
 mmpg demo --build-only
-sft=runs/sft-demo/checkpoints/step_00000150
+sft=runs/sft-demo/checkpoints/step_00000200
 [ -f "$sft/COMPLETE" ] || mmpg sft --config configs/sft_cpu_demo.yaml trainer.output_dir=runs trainer.run_name=sft-demo
 exec mmpg train --config configs/cpu_demo.yaml model.path="$sft" trainer.run_name="cpu-demo-$(date +%Y%m%d-%H%M%S)" "$@"

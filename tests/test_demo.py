@@ -1,6 +1,6 @@
 """The README's main job: a tiny model learns grounding on the CPU (slow: builds a model, renders 400 videos, trains).
 
-The quick preset with seed 0 must show learning by stated margins (measured over seeds 0, 1, 2 in the issue note):
+The quick preset with seed 0 must show learning by stated margins (measured with seeds 0 and 2, README's Tests section):
 the SFT checkpoint well above both trivial baselines on the held-out test split, the GRPO run's training reward
 rising, and the GRPO checkpoint's held-out mIoU above the SFT checkpoint's. Then the inspector opens its run.
 """

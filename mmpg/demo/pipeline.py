@@ -37,9 +37,9 @@ class Preset:
 
 
 PRESETS = {
-    "quick": Preset("quick", sft_steps=150, grpo_steps=60),
-    "default": Preset("default", sft_steps=150, grpo_steps=200),
-    "long": Preset("long", sft_steps=150, grpo_steps=500),
+    "quick": Preset("quick", sft_steps=200, grpo_steps=90),
+    "default": Preset("default", sft_steps=200, grpo_steps=200),
+    "long": Preset("long", sft_steps=200, grpo_steps=500),
 }
 
 
