@@ -29,7 +29,9 @@ if [ "${1:-}" = vllm ]; then
       return 1 2>/dev/null || exit 1
     fi
     echo "$_vwant" > "$_vvenv/.mmpg-installed"
-    echo "[mmpg] .venv-vllm ready in $((SECONDS - _t0)) s ($(du -sh "$_vvenv" | cut -f1) on disk)"
+    # du counts a hard-linked file once, under the first folder named: the second line is what .venv-vllm adds
+    echo "[mmpg] .venv-vllm ready in $((SECONDS - _t0)) s ($(du -sh "$MMPG_ROOT/.venv" "$_vvenv" 2>/dev/null \
+      | tail -1 | cut -f1) on disk beside .venv)"
   fi
   export MMPG_VLLM_PYTHON="$_vvenv/bin/python"
   return 0 2>/dev/null || exit 0
