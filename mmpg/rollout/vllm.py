@@ -6,9 +6,13 @@
     engine.sync_weights()          # the policy's trainable tensors -> the server (every step)
 
 This process never imports vllm (it runs in its own venv, `mmpg.serve`). Each prompt goes as its token ids (exactly
-what the trainer's processor made: no re-templating, so Qwen3-VL's timestamp tokens cannot drift) plus the decoded
-frames and their metadata; the server's processor turns the frames into patches with `do_resize=False`, as the
-trainer's did. vLLM's prefix cache holds each prompt's K/V once for its G samples (`n = G` in one request).
+what the trainer's processor made: no re-templating) with every video collapsed back to the chat template's
+`<|vision_start|><|video_pad|><|vision_end|>`, plus the decoded frames and their metadata; the server's processor
+turns the frames into patches with `do_resize=False`, as the trainer's did, and vLLM expands the placeholder again:
+Qwen2.5-VL's run of video tokens, or Qwen3-VL's per-frame `<t seconds><|vision_start|>...<|vision_end|>` (timestamps
+from the metadata's fps and frames_indices, as transformers computes them). The prompt vLLM ran must equal the
+trainer's token for token, else the request fails (`_check_prompts`). vLLM's prefix cache holds each prompt's K/V
+once for its G samples (`n = G` in one request).
 
 What comes back is laid out as `Rollout` documents. `Rollout.logprobs` are the engine's: log softmax(logits / T) at
 each sampled token before top-k / top-p (the server asks vLLM for processed logprobs with those filters off in the
@@ -106,10 +110,11 @@ class VLLMEngine(RolloutEngine):
     def _request(self, ids, sizes, seeds, sampling: SamplingParams, prompt_inputs, videos) -> tuple[dict, dict]:
         """The request's JSON part and its frames."""
         video_token = _video_token_id(self.model)
+        brackets = _vision_brackets(self.model)
         arrays, prompts = {}, []
         for b, (p, g, seed) in enumerate(zip(ids, sizes, seeds)):
-            # vLLM expands a video's placeholder itself (from the frames): it gets the run collapsed to one token
-            entry = {"token_ids": _collapse_runs(p, video_token), "n": g, "seed": int(seed) % (2 ** 63),
+            # vLLM expands a video's placeholder itself (from the frames): it gets the chat template's form back
+            entry = {"token_ids": _collapse_videos(p, video_token, brackets), "n": g, "seed": int(seed) % (2 ** 63),
                      "video": None}
             if video_token is not None and video_token in p:
                 if videos is None or b >= len(videos) or videos[b] is None:
@@ -224,6 +229,41 @@ def _collapse_runs(ids: list[int], token: int | None) -> list[int]:
     return [t for i, t in enumerate(ids) if t != token or i == 0 or ids[i - 1] != token]
 
 
+def _collapse_videos(ids: list[int], token: int | None, brackets: tuple[int, int] | None) -> list[int]:
+    """[P] -> the prompt as the chat template wrote it, each video one `<|vision_start|><|video_pad|><|vision_end|>`,
+    which vLLM expands again from the frames (it replaces the lone `<|video_pad|>`, as transformers >= 5.10 does).
+
+        Qwen2.5-VL   <vs> pad*n <ve>                                             -> <vs> pad <ve>
+        Qwen3-VL     <vs> <0.2 seconds> <vs> pad*n <ve> <1.2 seconds> <vs> pad*n <ve> <ve>  -> <vs> pad <ve>
+
+    A top-level <vs>...<ve> span that holds the video token keeps its outer pair and gets one video token inside;
+    nested pairs and the timestamp text inside it go (vLLM writes them again). Anything else is kept, runs of the
+    video token outside a span collapsed to one."""
+    if token is None or brackets is None:
+        return _collapse_runs(ids, token)
+    start, end = brackets
+    out, i = [], 0
+    while i < len(ids):
+        close = _matching_end(ids, i, start, end) if ids[i] == start else None
+        if close is not None and token in ids[i + 1: close]:
+            out += [start, token, end]
+            i = close + 1
+        else:
+            out.append(ids[i])
+            i += 1
+    return _collapse_runs(out, token)
+
+
+def _matching_end(ids: list[int], i: int, start: int, end: int) -> int | None:
+    """The index of the <ve> that closes the <vs> at `i` (pairs nest), or None when it is never closed."""
+    depth = 0
+    for j in range(i, len(ids)):
+        depth += (ids[j] == start) - (ids[j] == end)
+        if depth == 0:
+            return j
+    return None
+
+
 def _check_prompts(served: list[list[int]] | None, ids: list[list[int]]) -> None:
     """The prompts vLLM ran (its own video expansion) must be the trainer's, token for token: else every logprob
     would be conditioned on another prompt."""
@@ -234,7 +274,9 @@ def _check_prompts(served: list[list[int]] | None, ids: list[list[int]]) -> None
             at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
             raise ServerError(f"prompt {b}: vLLM expanded it to {len(got)} tokens, the trainer's processor to "
                               f"{len(want)} (first difference at token {at}); the two processors disagree on this "
-                              "model family's video tokens (checked: Qwen2.5-VL); use rollout.engine=hf")
+                              "model family's video tokens (checked: Qwen2.5-VL, and Qwen3-VL with transformers >= "
+                              "5.10 on both sides, whose timestamps need the frames' fps and frames_indices); use "
+                              "rollout.engine=hf")
 
 
 def _frames_and_metadata(video) -> tuple[torch.Tensor, dict]:
@@ -250,6 +292,12 @@ def _frames_and_metadata(video) -> tuple[torch.Tensor, dict]:
 def _video_token_id(model) -> int | None:
     tid = getattr(model.config, "video_token_id", None)
     return int(tid) if tid is not None else None
+
+
+def _vision_brackets(model) -> tuple[int, int] | None:
+    """(<|vision_start|>, <|vision_end|>) ids of a VL model, None for a text model."""
+    start, end = (getattr(model.config, k, None) for k in ("vision_start_token_id", "vision_end_token_id"))
+    return (int(start), int(end)) if start is not None and end is not None else None
 
 
 def _eos_ids(model) -> list[int]:

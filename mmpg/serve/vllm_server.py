@@ -57,6 +57,10 @@ class Backend:
                   "enforce_eager": args.enforce_eager, "worker_extension_cls": "mmpg.serve.worker.WeightFileLoader"}
         if args.nccl:  # GPU: vLLM's RL weight transfer (UNTESTED here)
             kwargs["weight_transfer_config"] = {"backend": "nccl"}
+        mismatch = normalization_mismatch(args.checkpoint)
+        if mismatch:
+            log.info("normalizing video frames in the processor, not on the device: %s", mismatch)
+            kwargs["mm_device_do_normalize"] = False
         self.llm = LLM(**kwargs)
         self.checkpoint = os.path.abspath(args.checkpoint)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
@@ -159,6 +163,40 @@ class Backend:
             self.llm.reset_prefix_cache()
             self.version = int(payload.get("version", self.version + 1))
         return {"version": self.version, "tensors": len(info["names"]), "seconds": time.perf_counter() - t0}
+
+
+def normalization_mismatch(checkpoint: str) -> str | None:
+    """Why vLLM's on-device pixel normalization would be wrong for this checkpoint's videos, or None.
+
+    vLLM 0.32 (Qwen3-VL, among others) ships raw uint8 patches and rescales / normalizes them in the model with the
+    *image* processor's mean, std and rescale factor, for videos too. A checkpoint whose video processor normalizes
+    differently (mmpg's tiny Qwen3-VL: CLIP mean/std for images, 0.5 / 0.5 for videos) would then see other pixels
+    than the trainer's processor gave its model (measured: logprobs off by up to 0.2). Released Qwen-VL checkpoints
+    should normalize both alike (not checked here: no downloads); for any that does not, the server turns the device
+    path off (the processor normalizes, as the trainer's does)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "mm_device_do_normalize" not in getattr(EngineArgs, "__dataclass_fields__", {}):
+        return None  # a vLLM without the device path normalizes in the processor anyway
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(checkpoint)
+    except (OSError, ValueError):
+        return None  # no multimodal processor: nothing to normalize
+    image, video = getattr(processor, "image_processor", None), getattr(processor, "video_processor", None)
+    if image is None or video is None:
+        return None
+    keys = ("do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
+    differ = {k: (getattr(image, k, None), getattr(video, k, None)) for k in keys
+              if _as_list(getattr(image, k, None)) != _as_list(getattr(video, k, None))}
+    if not differ:
+        return None
+    return "the image and video processors differ in " + ", ".join(f"{k} ({i} vs {v})" for k, (i, v) in differ.items())
+
+
+def _as_list(value):
+    return [float(x) for x in value] if isinstance(value, (list, tuple)) else value
 
 
 class Conflict(RequestError):
