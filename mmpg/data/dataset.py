@@ -21,6 +21,7 @@ workers over a strict dataset would only skip: use `make_dataloader` / `Groundin
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from typing import Sequence
 
@@ -132,7 +133,25 @@ def collate_grounding(items: list[VideoItem]) -> GroundingBatch:
     return GroundingCollator()(items)
 
 
-class GroundingLoader(DataLoader):
+class VideoDataLoader(DataLoader):
+    """A DataLoader whose workers never collect garbage they inherited: it forks them with the garbage collector
+    frozen. Such garbage can hold a decord VideoReader (an exception's traceback keeps the frame that held it, e.g.
+    one a caller kept), and decord aborts a forked worker that frees one (seen in CI: "DataLoader worker ... is killed
+    by signal: Aborted" while the collector ran in the worker). Garbage is collected here first, so only live objects
+    are frozen, and they are unfrozen once the workers exist. Every loader that decodes videos in workers is one."""
+
+    def __iter__(self):
+        if self.num_workers == 0:
+            return super().__iter__()
+        gc.collect()
+        gc.freeze()
+        try:
+            return super().__iter__()  # forks the workers (the first time, with persistent_workers)
+        finally:
+            gc.unfreeze()
+
+
+class GroundingLoader(VideoDataLoader):
     """A DataLoader of `GroundingBatch`es that, when `strict`, raises `strict_error` in the main process for the
     first skipped sample of a batch (see the module docstring for why not in the worker)."""
 

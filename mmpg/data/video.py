@@ -123,11 +123,18 @@ def probe_video(path: str) -> tuple[int, float]:
         raise VideoError(f"{path}: video file is empty (0 bytes)")
     import decord
 
+    # Errors are raised after the except block, so the VideoError does not carry decord's exception as its context:
+    # that traceback keeps the reader alive, and a reader freed later by the garbage collector in a forked DataLoader
+    # worker aborts it (see GroundingLoader).
+    failed = None
     try:
         reader = decord.VideoReader(path, num_threads=1)
         n, fps = len(reader), float(reader.get_avg_fps())
+        del reader
     except Exception as e:  # decord raises RuntimeError / DECORDError with C++ traces
-        raise VideoError(f"{path}: cannot open video ({_first_line(e)})") from None
+        failed = _first_line(e)
+    if failed is not None:
+        raise VideoError(f"{path}: cannot open video ({failed})")
     if n <= 0:
         raise VideoError(f"{path}: video has no frames")
     if not fps > 0:
@@ -163,14 +170,16 @@ def load_video(path: str, spec: VideoSpec, clip_start: float | None = None,
     threaded decoding may conceal a damaged stream or not, depending on timing, and a bad file must be reported the
     same way every time (and the same way `mmpg check-data` reports it)."""
     duration = verify_video(path)
+    failed = None
     with _backend_warnings() as warnings:
         try:
             frames, metadata = _qwen_vision.fetch_video(
                 spec.element(path, clip_start, clip_end), image_patch_size=spec.image_patch_size,
                 return_video_metadata=True)
-        except Exception as e:
-            reason = next((_tidy(w.split("msg:", 1)[-1]) for w in warnings if "msg:" in w), None)
-            raise VideoError(f"{path}: could not decode frames ({reason or _first_line(e)})") from None
+        except Exception as e:  # raised below, without this context (see probe_video)
+            failed = next((_tidy(w.split("msg:", 1)[-1]) for w in warnings if "msg:" in w), None) or _first_line(e)
+    if failed is not None:
+        raise VideoError(f"{path}: could not decode frames ({failed})")
     metadata = dict(metadata)
     metadata["frames_indices"] = [int(i) for i in metadata["frames_indices"]]
     timestamps = [i / metadata["fps"] for i in metadata["frames_indices"]]
@@ -187,8 +196,11 @@ def verify_video(path: str) -> float:
     n, fps = probe_video(path)
     import decord
 
+    failed = None
     try:
         decord.VideoReader(path, num_threads=1).get_batch(sorted({0, n // 2, n - 1})).asnumpy()
-    except Exception as e:
-        raise VideoError(f"{path}: could not decode frames ({_first_line(e)})") from None
+    except Exception as e:  # raised below, without this context (see probe_video)
+        failed = _first_line(e)
+    if failed is not None:
+        raise VideoError(f"{path}: could not decode frames ({failed})")
     return n / fps

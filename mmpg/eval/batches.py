@@ -23,9 +23,9 @@ import math
 import os
 import time
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from mmpg.data.dataset import GroundingDataset, VideoItem
+from mmpg.data.dataset import GroundingDataset, VideoDataLoader, VideoItem
 from mmpg.data.prompts import build_prompt_inputs
 from mmpg.eval.metrics import score_answer
 from mmpg.runs.evals import PredictionRecord
@@ -113,8 +113,8 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
     for b in mine:
         positions.append(list(range(start, start + len(b))))
         start += len(b)
-    loader = DataLoader(_Indexed(samples, shard, spec), batch_sampler=positions,
-                        num_workers=settings.num_workers if shard else 0, collate_fn=_Collate(processor, template))
+    loader = VideoDataLoader(_Indexed(samples, shard, spec), batch_sampler=positions,
+                             num_workers=settings.num_workers if shard else 0, collate_fn=_Collate(processor, template))
     engine = HFEngine(model, processor)
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, logprobs=False)
     batches = iter(loader)

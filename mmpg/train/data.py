@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from mmpg.data.dataset import GroundingCollator, GroundingDataset
+from mmpg.data.dataset import GroundingCollator, GroundingDataset, VideoDataLoader
 from mmpg.data.video import VideoSpec
 from mmpg.errors import UserError
 
@@ -69,6 +69,6 @@ def make_train_loader(samples, spec: VideoSpec, processor, template, *, global_b
     """An endless DataLoader of `GroundingBatch`es (this rank's share of each global batch, left-padded inputs).
     Bad videos are never fatal in the workers; the trainer counts `batch.skipped` (or stops in strict mode)."""
     sampler = RankBatchSampler(len(samples), global_batch, rank, world, seed, shuffle, start)
-    return DataLoader(GroundingDataset(samples, spec, strict=False), batch_sampler=sampler, num_workers=num_workers,
-                      collate_fn=GroundingCollator(processor, template, strict=strict), persistent_workers=False,
-                      prefetch_factor=2 if num_workers > 0 else None)
+    return VideoDataLoader(GroundingDataset(samples, spec, strict=False), batch_sampler=sampler,
+                           num_workers=num_workers, collate_fn=GroundingCollator(processor, template, strict=strict),
+                           persistent_workers=False, prefetch_factor=2 if num_workers > 0 else None)
