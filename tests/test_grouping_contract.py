@@ -163,9 +163,67 @@ def test_temperature_scales_both_paths_alike(qwen25):
 
 
 def test_transformers_older_than_the_tested_minimum_is_refused(monkeypatch):
-    """The grouped forward was seen to be wrong under transformers 5.17; such versions must fail loudly."""
+    """Releases older than the version matrix's oldest (5.17.0) are refused with the range to install."""
     import mmpg.grouping.patch as patch
 
-    monkeypatch.setattr(patch.transformers, "__version__", "5.17.0")
-    with pytest.raises(RuntimeError, match="5.24"):
+    monkeypatch.setattr(patch.transformers, "__version__", "5.16.1")
+    with pytest.raises(RuntimeError, match=r"tested on transformers >=5\.17\.0,<6\.0\.0.*found 5\.16\.1"):
         patch._check_transformers()
+    monkeypatch.setattr(patch.transformers, "__version__", "5.17.0")
+    patch._check_transformers()
+
+
+@pytest.mark.parametrize("family, name, missing", [("qwen2_5_vl", "forward", "pixel_values_videos"),
+                                                   ("qwen3_vl", "get_rope_index", "mm_token_type_ids"),
+                                                   ("qwen2_5_vl", "get_vision_position_ids", None)])
+def test_a_missing_feature_is_named_with_the_version(load_tiny, family, name, missing):
+    """The gate checks what the grouped forward calls (signatures, attributes), one line naming the feature."""
+    import mmpg.grouping.patch as patch
+
+    model, _ = load_tiny(family)
+    inner = model.model
+    if missing is None:
+        inner.__dict__[name] = None  # shadows the method: the release has no such function
+    else:
+        inner.__dict__[name] = lambda input_ids=None, **kwargs: None  # a signature without `missing`
+    try:
+        with pytest.raises(RuntimeError, match=f"transformers .*{name} no longer .*mmpg's grouped forward needs it"):
+            patch._check_features(model)
+    finally:
+        del inner.__dict__[name]
+    patch._check_features(model)
+
+
+def test_tripwire_catches_a_visual_input_the_model_ignores(qwen25, monkeypatch):
+    """The transformers <= 5.17 failure reintroduced: the model's forward lets the video fall through `**kwargs`
+    (here: renamed so that no parameter takes it) down to the attention function. Without the tripwire this forward
+    runs, on plain token embeddings; with it, one error names the key and the transformers version."""
+    import transformers
+
+    import mmpg.grouping.adapters as adapters
+    from mmpg.grouping.attention import IgnoredInputError
+
+    model, inputs, ids, mask = qwen25
+    # an input this release's forward has no parameter for, as `mm_encoder_outputs` was for 5.17
+    monkeypatch.setattr(adapters, "VISUAL_INPUTS", adapters.VISUAL_INPUTS + ("video_features_of_a_newer_release",))
+    inputs = dict(inputs, video_features_of_a_newer_release=torch.zeros(1))
+    with torch.no_grad(), pytest.raises(IgnoredInputError) as err:
+        grouped_logprobs(model, inputs, ids, mask, GROUPS)
+    text = str(err.value)
+    assert text.startswith("grouped forward: video_features_of_a_newer_release handed to the model's forward")
+    assert f"transformers {transformers.__version__}" in text
+
+
+def test_cascade_tripwire_catches_an_ignored_cache(load_tiny):
+    """The cascade engine hands the cache under the name this release's forward takes; under a wrong name (here:
+    forced, as a release that renamed it would) it reaches the attention function, and the prefill raises instead
+    of filling no cache."""
+    from mmpg.grouping.attention import IgnoredInputError
+    from mmpg.rollout import HFEngine, SamplingParams
+
+    model, processor = load_tiny("qwen2_5_vl")
+    inputs = vl_batch(processor, "qwen2_5_vl", [(4, 56, 56)])
+    engine = HFEngine(model, processor, decode="cascade")
+    engine._cache_kwarg = "mmpg_not_a_cache_argument"
+    with pytest.raises(IgnoredInputError, match="cascade decoding: mmpg_not_a_cache_argument handed to"):
+        engine.generate_groups(inputs, 2, SamplingParams(max_new_tokens=3, temperature=1.0, seed=0))

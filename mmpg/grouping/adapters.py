@@ -5,8 +5,14 @@ Positions (ARCHITECTURE.md "Packed group layout"):
     convention its checkpoints were trained with, `mmpg.grouping.positions`); each response continues on all three
     axes where the model's own forward would put a text token after the prompt.
   * Qwen2 / Qwen3 text models: 1-D positions 0..P-1, responses from P.
-The vision tower runs once on the B prompts' pixels; its output goes in through the model's `mm_encoder_outputs`
-argument, so the model scatters features and (Qwen3-VL) adds deepstack features itself, in its own code.
+The vision tower runs once on the B prompts' pixels: the packed row holds each prompt (and so each video's
+placeholder tokens) once, so the B prompts' `pixel_values_videos` / `video_grid_thw` (and images') go to the model's
+own forward unchanged, which encodes them, scatters the features and (Qwen3-VL) adds deepstack features itself, in
+its own code. Positions are given explicitly, so the model never computes its own index on the packed row. (Handing
+over features encoded beforehand through `mm_encoder_outputs` works only from transformers 5.18: earlier releases
+let the unknown keyword fall through `**kwargs` to the attention function, and the forward ran without the video.)
+Every input handed to the model for it to consume is named on the layout (`GroupLayout.model_inputs`), and the grouped
+attention raises if one of them arrives in its kwargs (`mmpg.grouping.attention`, the tripwire).
 """
 
 from __future__ import annotations
@@ -80,26 +86,19 @@ def _marker(device) -> torch.Tensor:
     return torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)
 
 
-def encode_visuals(model, prompt_inputs) -> dict:
-    """Run the vision tower once over the B prompts' videos and images: {"video": ..., "image": ...}."""
-    enc = {}
-    if prompt_inputs.get("pixel_values_videos") is not None:
-        enc["video"] = model.model.get_video_features(
-            prompt_inputs["pixel_values_videos"], prompt_inputs["video_grid_thw"], return_dict=True)
-    if prompt_inputs.get("pixel_values") is not None:
-        enc["image"] = model.model.get_image_features(
-            prompt_inputs["pixel_values"], prompt_inputs["image_grid_thw"], return_dict=True)
-    return enc
+# The processor keys of the visual inputs: consumed by the model's own forward (vision tower + scatter).
+VISUAL_INPUTS = ("pixel_values_videos", "video_grid_thw", "pixel_values", "image_grid_thw")
 
 
 def packed_hidden_states(model, prompt_inputs, packed_ids, packed_pos, layout: GroupLayout) -> torch.Tensor:
     """Final hidden states [T, H] of the packed row under the grouped attention."""
-    kwargs = {LAYOUT_KWARG: layout, "use_cache": False}
+    inputs, position_ids = {}, packed_pos
     if model_kind(model) == "vl":
-        out = model.model(input_ids=packed_ids[None], position_ids=packed_pos[:, None, :],
-                          attention_mask=_marker(packed_ids.device),
-                          mm_encoder_outputs=encode_visuals(model, prompt_inputs) or None, **kwargs)
-    else:
-        out = model.model(input_ids=packed_ids[None], position_ids=packed_pos, attention_mask=_marker(
-            packed_ids.device), **kwargs)
+        inputs = {k: prompt_inputs[k] for k in VISUAL_INPUTS if prompt_inputs.get(k) is not None}
+        position_ids = packed_pos[:, None, :]  # [3, 1, T]
+    # The tripwire's keys: none of them may reach the attention function. Not among them: what transformers hands
+    # every layer on purpose (position_ids, attention_mask, use_cache reach the attention call in some releases).
+    layout.model_inputs = tuple(inputs)
+    out = model.model(input_ids=packed_ids[None], position_ids=position_ids, attention_mask=_marker(packed_ids.device),
+                      use_cache=False, **inputs, **{LAYOUT_KWARG: layout})
     return out.last_hidden_state[0]

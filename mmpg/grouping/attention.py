@@ -11,6 +11,14 @@ generates and trains normally, and the layout reaches every layer (also the reco
 checkpointing, which replays layer kwargs). The same base's mask function is registered under the new name, so
 ordinary calls build the masks they always did.
 
+The tripwire: transformers passes unknown keyword arguments of a model's forward silently down to the attention
+function (`TransformersKwargs` is an unchecked `TypedDict`). An input mmpg hands to the forward for the model to
+consume (the visual inputs, named in `GroupLayout.model_inputs`) that arrives here was ignored by the model: the
+forward would run without it (transformers <= 5.17 did this to `mm_encoder_outputs`, and trained without the video).
+So the grouped call raises at once, naming the key and the transformers version. It checks only the keys mmpg itself
+passed, never an allow-list of transformers' own attention kwargs (those change between releases), and costs one
+dict lookup per key and layer.
+
 Before the backend runs, q/k/v are brought to one dtype (`attention_dtype`), and the layout to the layer's device
 (`GroupLayout.for_device`: a model spread over several GPUs with `device_map` hands each layer its own copy).
 """
@@ -21,6 +29,7 @@ import re
 import sys
 
 import torch
+import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -70,12 +79,27 @@ def base_attention(base: str, module):
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
+class IgnoredInputError(RuntimeError):
+    """An input handed to the model's forward reached the attention function: the model did not consume it."""
+
+
+def check_tripwire(passed: tuple[str, ...], kwargs: dict, module, where: str) -> None:
+    """Raise `IgnoredInputError` if one of the keys mmpg passed to the forward (`passed`) is in the attention kwargs."""
+    ignored = [k for k in passed if k in kwargs]
+    if ignored:
+        raise IgnoredInputError(
+            f"{where}: {', '.join(ignored)} handed to the model's forward reached the attention function of "
+            f"{type(module).__name__}: transformers {transformers.__version__} does not consume it there, so the "
+            "forward would silently run without it; use a transformers release mmpg supports (README: Tests)")
+
+
 def _make_attention(base: str):
     def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layout = kwargs.pop(LAYOUT_KWARG, None)
         if layout is None:
             return base_attention(base, module)(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        check_tripwire(layout.model_inputs, kwargs, module, "grouped forward")
         if dropout:
             raise ValueError("grouped attention is exact only without attention dropout; set attention_dropout=0")
         if kwargs.get("sliding_window") is not None:

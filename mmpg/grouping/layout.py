@@ -30,6 +30,9 @@ class GroupLayout:
     response_lens: list[list[int]]  # [B][G_b], every entry >= 1
     device: torch.device
     backend: str = "sdpa"
+    # keys the grouped forward handed to the model's forward for the model to consume (the visual inputs):
+    # the grouped attention raises if one arrives in its kwargs (the model ignored it; `mmpg.grouping.attention`)
+    model_inputs: tuple[str, ...] = ()
 
     def __post_init__(self):
         self.device = torch.device(self.device)

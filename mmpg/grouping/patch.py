@@ -1,11 +1,14 @@
 """One patch entry point: `apply_grouped_attention(model)`.
 
-Idempotent, dispatches on `model.config.model_type`, checks the transformers version, and only selects the grouped
+Idempotent, dispatches on `model.config.model_type`, checks the transformers version and the features the grouped
+forward calls on the model (signatures, attributes), and only selects the grouped
 attention function for the text sub-config (the vision tower keeps its own attention). No modeling code is copied and
 no `forward` is replaced: the family adapters in `mmpg.grouping.adapters` call the model's own modules.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import transformers
 from packaging.version import Version
@@ -16,17 +19,49 @@ from mmpg.grouping.positions import use_qwen_positions
 
 # model_type -> adapter kind. Tested: tiny Qwen2.5-VL, Qwen3-VL, Qwen2, Qwen3 (tests/test_grouping_*.py).
 SUPPORTED_MODEL_TYPES = {"qwen2_5_vl": "vl", "qwen3_vl": "vl", "qwen2": "text", "qwen3": "text"}
-# [min, max). The minimum is the oldest version the equivalence tests passed on: under transformers 5.17 the grouped
-# Qwen2.5-VL forward differs from the repeated one by up to 0.04 (CPU) / 0.27 (GPU) in logprobs (seen 2026-11-30 on a
-# GPU machine whose image carries 5.17), so older 5.x releases are refused rather than silently wrong.
-TRANSFORMERS_RANGE = (Version("5.24.0"), Version("6.0.0"))
+# [min, max): the oldest release the version matrix of `scripts/test.sh` runs the equivalence, positions, contract and
+# rollout tests on (5.17.0, the lent GPU image's), up to the next major. The version alone is not what mmpg relies
+# on: `_check_features` checks what it calls, and the tripwire (`mmpg.grouping.attention`) catches at run time an
+# input that a release ignores (how 5.17 once trained without the video, before the visual inputs went in as pixels).
+TRANSFORMERS_RANGE = (Version("5.17.0"), Version("6.0.0"))
 
 
-def _check_transformers() -> None:
+def _check_transformers(model=None) -> None:
+    """The tested version range, then (given a model) the features the grouped forward calls on it."""
     v = Version(transformers.__version__)
     lo, hi = TRANSFORMERS_RANGE
     if not lo <= Version(v.base_version) < hi:
-        raise RuntimeError(f"mmpg.grouping supports transformers >={lo},<{hi}; found {transformers.__version__}")
+        raise RuntimeError(f"mmpg.grouping is tested on transformers >={lo},<{hi} (the version matrix of "
+                           f"scripts/test.sh); found {transformers.__version__}: pip install 'transformers>={lo},<{hi}'")
+    if model is not None:
+        _check_features(model)
+
+
+def _params(fn) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
+def _check_features(model) -> None:
+    """One line per missing feature, naming it and the installed transformers (signature and attribute checks)."""
+    if SUPPORTED_MODEL_TYPES.get(getattr(model.config, "model_type", None)) != "vl":
+        return
+    inner = model.model
+    needs = [
+        ("forward", {"pixel_values_videos", "video_grid_thw", "pixel_values", "image_grid_thw", "position_ids"},
+         "takes the visual inputs and explicit position_ids"),
+        ("get_rope_index", {"input_ids", "mm_token_type_ids"}, "takes mm_token_type_ids (the 3-D mRoPE index)"),
+    ]
+    if model.config.model_type == "qwen2_5_vl":
+        needs.append(("get_vision_position_ids", {"start_position", "grid_thw", "spatial_merge_size"},
+                      "gives one video's vision positions (the trained-convention index, mmpg.grouping.positions)"))
+    for name, params, what in needs:
+        fn = getattr(inner, name, None)
+        if fn is None or not params <= _params(fn):
+            missing = sorted(params - _params(fn)) if fn is not None else []
+            raise RuntimeError(f"transformers {transformers.__version__}: {type(inner).__name__}.{name} no longer "
+                               f"{what}{' (no ' + ', '.join(missing) + ')' if missing else ' (not found)'}; mmpg's "
+                               f"grouped forward needs it (tested: transformers >={TRANSFORMERS_RANGE[0]},"
+                               f"<{TRANSFORMERS_RANGE[1]})")
 
 
 def model_kind(model) -> str:
@@ -42,8 +77,10 @@ def apply_grouped_attention(model, backend: str | None = None):
     """Select the grouped attention for the text model, put Qwen2.5-VL on its trained mRoPE convention
     (`mmpg.grouping.positions`) and remember the backend. Safe to call again (it then only changes the backend when
     one is given). Returns the model."""
-    _check_transformers()
     model_kind(model)
+    if not getattr(model, "_mmpg_checked", False):
+        _check_transformers(model)
+        model._mmpg_checked = True
     use_qwen_positions(model)
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown grouped attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")

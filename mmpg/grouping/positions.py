@@ -67,7 +67,7 @@ def qwen_rope_index(self, input_ids: torch.Tensor, mm_token_type_ids: torch.Tens
                         raise ValueError(f"prompt {b} has more {'image' if kind == _IMAGE else 'video'} tokens than "
                                          "its grids describe (image_grid_thw / video_grid_thw)")
                     interval = per_second * next(spans, 1.0) if kind == _VIDEO else 1
-                    block = self.get_vision_position_ids(start, grid, 1, merge, interval, device=device)
+                    block = _vision_positions(self, start, grid, merge, interval, device)
                     if block.shape[1] > left:
                         raise ValueError(f"prompt {b}: a grid of {block.shape[1]} tokens ({grid.tolist()}) but only "
                                          f"{left} placeholder tokens")
@@ -78,3 +78,15 @@ def qwen_rope_index(self, input_ids: torch.Tensor, mm_token_type_ids: torch.Tens
         position_ids[:, b, keep] = row.to(position_ids.dtype)
         deltas.append(start - len(kinds))
     return position_ids, torch.tensor(deltas, device=device).unsqueeze(1)
+
+
+def _vision_positions(self, start: int, grid, merge: int, interval: float, device) -> torch.Tensor:
+    """[3, T*H*W / merge^2] positions of one image/video block: the model's own `get_vision_position_ids` with a unit
+    time interval, the temporal row then scaled and quantized here as transformers 5.18+ and Qwen's code do,
+    start + floor(t * interval). transformers 5.17 multiplies by the interval without the cast (a float row that
+    breaks its own meshgrid), so the interval is never handed to it; on 5.18+ this is bit-identical to passing it."""
+    block = self.get_vision_position_ids(start, grid, 1, merge, 1, device=device)
+    if interval != 1:
+        block = block.clone()
+        block[0] = start + ((block[0] - start) * interval).long()
+    return block

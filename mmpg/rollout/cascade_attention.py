@@ -27,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from mmpg.grouping.attention import base_attention
+from mmpg.grouping.attention import base_attention, check_tripwire
 from mmpg.rollout.cascade import SharedPrefixCache
 from mmpg.rollout.cascade_kernels import attend
 
@@ -41,12 +41,21 @@ class CascadeCall:
 
     cache: SharedPrefixCache
     backend: str  # a resolved name of `mmpg.rollout.cascade_kernels` (sdpa, flash, math)
+    # keys the engine hands to the decode forward for the model to consume (the cache, logits_to_keep; not use_cache,
+    # which some releases hand every attention call on purpose):
+    # one arriving in the attention kwargs was ignored by the model, and the call raises (`check_tripwire`)
+    model_inputs: tuple[str, ...] = ()
+    prefill: bool = False  # the prefill forward: the model's own attention fills the cache, after the tripwire
 
 
 def _make_attention(base: str):
     def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         call = kwargs.pop(CASCADE_KWARG, None)
         if call is None:
+            return base_attention(base, module)(module, query, key, value, attention_mask, scaling=scaling,
+                                                dropout=dropout, **kwargs)
+        check_tripwire(call.model_inputs, kwargs, module, "cascade decoding")
+        if call.prefill:
             return base_attention(base, module)(module, query, key, value, attention_mask, scaling=scaling,
                                                 dropout=dropout, **kwargs)
         if kwargs.get("sliding_window") is not None:

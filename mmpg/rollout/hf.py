@@ -123,10 +123,13 @@ class HFEngine(RolloutEngine):
         rows = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
         if resolve_decode(self.decode, device) == "cascade":
             cache = SharedPrefixCache.for_model(self.model, sampling.max_new_tokens)
-            logits, attn, start = self._prefill(prompt_inputs, device, cache)  # logits [B, V]; attn [B, L]; start [B]
-            cache.start_decode(rows, attn.bool())  # N rows behind the B prefixes, nothing copied
-            call = CascadeCall(cache, resolve_backend(self.cascade_backend, device))
+            backend, watched = resolve_backend(self.cascade_backend, device), (self._cache_kwarg, "logits_to_keep")
             with cascade_attention_enabled(self.model):
+                prefill = {CASCADE_KWARG: CascadeCall(cache, backend, model_inputs=watched, prefill=True)}
+                # logits [B, V]; attn [B, L]; start [B]
+                logits, attn, start = self._prefill(prompt_inputs, device, cache, prefill)
+                cache.start_decode(rows, attn.bool())  # N rows behind the B prefixes, nothing copied
+                call = CascadeCall(cache, backend, model_inputs=watched)
                 return self._decode(call, logits, attn, start, rows, sizes, sampling, prompt_seeds)
         cache = DynamicCache(config=self.model.config)
         logits, attn, start = self._prefill(prompt_inputs, device, cache)
@@ -176,9 +179,10 @@ class HFEngine(RolloutEngine):
         self.last_kv_bytes = _kv_bytes(kv)
         return self._rollout(tokens, logps, lengths, stopped, sizes, sampling)
 
-    def _prefill(self, prompt_inputs, device, cache):
+    def _prefill(self, prompt_inputs, device, cache, extra: dict | None = None):
         """One forward over the B prompts, left-padded, filling `cache` [B, L]. Returns the last position's logits
-        [B, V], the left-padded attention mask [B, L] and the first completion position of each prompt [B]."""
+        [B, V], the left-padded attention mask [B, L] and the first completion position of each prompt [B]. `extra`:
+        more forward kwargs (the cascade engine's prefill call, which checks the tripwire)."""
         ids_list, pos_list, starts = prefix_positions(self.model, prompt_inputs)  # per prompt: [P_b], [A, P_b], int
         width = max(p.numel() for p in ids_list)
         ids = torch.stack([F.pad(p, (width - p.numel(), 0), value=self._pad_id()) for p in ids_list]).to(device)
@@ -188,7 +192,7 @@ class HFEngine(RolloutEngine):
         position_ids = pos if self._is_vl else pos[0]  # [3, B, L] mRoPE or [B, L]
         visuals = {k: prompt_inputs[k].to(device) for k in _VISUAL_KEYS if prompt_inputs.get(k) is not None}
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kwarg: cache}, **visuals)
+                         logits_to_keep=1, **{self._cache_kwarg: cache}, **visuals, **(extra or {}))
         return out.logits[:, -1], attn, start
 
     def _decode_step(self, cache, tok, prompt_attn, start, t: int) -> torch.Tensor:
