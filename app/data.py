@@ -271,6 +271,17 @@ def split_response(text: str) -> list[tuple[str, str]]:
     return parts
 
 
+def drift_note(metrics: list[dict]) -> str:
+    """The warning line for the steps the trainer flagged with alarm/logprob_drift (empty when none)."""
+    flagged = [m for m in metrics if m.get("alarm/logprob_drift")]
+    if not flagged:
+        return ""
+    last = flagged[-1]
+    return (f"logprob drift: {len(flagged)} step(s) flagged, the last at step {last.get('step')} "
+            f"(actor/logprob_gap_max {_fmt(last.get('actor/logprob_gap_max'), 3)} for several steps in a row): the "
+            "rollout engine samples from another distribution than the training forward scores; see train.log")
+
+
 # ------------------------------------------------------------------------------------------------- helpers
 def _num(x, digits: int):
     """A table cell: rounded float, or None for missing / non-finite values (shown empty, sorted last)."""

@@ -14,7 +14,9 @@ import gradio as gr
 import pandas as pd
 
 from app.curves import EVAL_PANEL, PANELS, curve_frames, long_frame, metric_keys
-from app.data import FILTERS, SCOPES, RunSource, _fmt, filter_groups, group_header, parse_group_key, response_rows
+from app.data import (
+    FILTERS, SCOPES, RunSource, _fmt, drift_note, filter_groups, group_header, parse_group_key, response_rows,
+)
 from app.frames import frame_items, strip_html
 from app.guard import guarded
 from app.render import message_html, response_html
@@ -205,6 +207,10 @@ class RunView:
             out[self.title] = self.title_md(steps)
             seen["steps"] = steps
         mkey = self.src.metrics_key()
+        alarm = drift_note(self.src.metrics()) if force or mkey != seen.get("alarm_key") else seen.get("alarm", "")
+        if force or alarm != seen.get("alarm", ""):
+            out[self.status] = message_html(alarm, "error")
+        seen["alarm"], seen["alarm_key"] = alarm, mkey
         if seen.get("curves") and (force or mkey != seen.get("metrics")):
             out.update(self.curves())
             seen["metrics"] = mkey

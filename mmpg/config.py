@@ -113,6 +113,10 @@ class AlgorithmConfig:
     max_sampling_rounds: int = _f(4, "Dynamic sampling: most rollout rounds per step before training on what "
                                   "there is.")
     grouping: bool = _f(True, "Shared-prefix grouped forward; false: the naive repeated forward (A/B runs).")
+    self_check: str = _f("on", "Compare the grouped forward with the repeated one on one real group, in this run's "
+                         "dtype, backend and versions, at the first step and whenever a batch goes past the prompt / "
+                         "response / group sizes checked so far (mmpg.grouping.selfcheck): on (stop the run on a "
+                         "difference above the dtype's bound), warn (log it and go on), off.")
 
 
 @dataclass
@@ -205,6 +209,7 @@ CHOICES = {
     "rollout.decode": ("auto", "cascade", "copy"),
     "reward.accuracy": ("iou_v2", "iou"),
     "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
+    "algorithm.self_check": ("on", "warn", "off"),
     "algorithm.scale_rewards": ("group", "batch", "none"),
     "optim.scheduler": ("constant", "cosine"),
     "trainer.device": ("auto", "cpu", "cuda"),

@@ -113,6 +113,11 @@ def test_run_directory_contents(grpo_data, tmp_path):
                 "perf/peak_memory_mb", "data/skipped", "data/zero_adv_groups", "actor/logprob_gap_mean"):
         assert key in lines[0], key
     assert lines[0]["actor/logprob_gap_max"] < 1e-3  # the rollout's logprobs are the training forward's
+    # the self-check ran on the first step (on by default), in this run's dtype and backend
+    assert 0 <= lines[0]["check/grouped_vs_repeated_max"] <= lines[0]["check/bound"] == 1e-4
+    assert lines[0]["check/group_max"] == 4 and lines[0]["check/prefix_max"] > 0
+    assert 0 < lines[0]["timing_s/self_check"] < lines[0]["timing_s/step"]
+    assert "alarm/logprob_drift" not in lines[-1]
     assert reader.steps() == [1, 2]
     groups = reader.rollouts(1)
     assert len(groups) == 2 and all(len(g.responses) == 4 for g in groups)
@@ -183,6 +188,23 @@ def test_bad_input_is_one_line_and_writes_nothing(grpo_data, tmp_path, extra, wo
     for word in words:
         assert word in lines[0], lines[0]
     assert not out.exists()
+
+
+def test_self_check_stops_a_wrong_grouped_forward(grpo_data, tmp_path):
+    """tests/perturbed_forward.py (imported as the reward's module) shifts the responses' positions in the grouped
+    forward: the first step's self-check stops the run with one line, before any update; with
+    algorithm.self_check=warn the run goes on and says so in its log."""
+    bad = {"reward.function": "perturbed_forward:digit_share", "trainer.total_steps": 1}
+    proc = run_cli(["train"] + overrides(grpo_data, tmp_path, "wrong", **bad), timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("mmpg: error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("mmpg: error: self-check: the grouped forward differs from the repeated forward by")
+    assert "transformers" in lines[0] and "backend sdpa" in lines[0]
+    assert not (tmp_path / "wrong" / "checkpoints").exists() or not any((tmp_path / "wrong" / "checkpoints").iterdir())
+    _train(overrides(grpo_data, tmp_path, "warned", **bad, **{"algorithm.self_check": "warn"}))
+    assert metrics(tmp_path / "warned")[0]["check/grouped_vs_repeated_max"] > 1e-4
+    assert "self-check: the grouped forward differs" in (tmp_path / "warned" / "train.log").read_text()
 
 
 def test_an_existing_run_is_not_overwritten(grpo_data, tmp_path):

@@ -78,15 +78,32 @@ def record_for(index: int, item, text: str | None, settings) -> PredictionRecord
                             pred_span=list(scored.span) if scored.span else None, text=text, iou=scored.iou)
 
 
-def _answer(engine, batch, sampling, settings) -> list:
+def _answer(engine, batch, sampling, settings, checker=None) -> list:
     indices, items, inputs, failed = batch
     records = [record_for(i, it, None, settings) for i, it in failed]
     for i, it in failed:
         log.warning("sample %s (index %d) failed: %s", it.sample.sample_id, i, it.error)
     if items:
         rollout = engine.generate_groups(inputs, 1, sampling)  # [B] answers, rows in prompt order
+        if checker is not None:
+            _self_check(checker, engine.model, inputs, rollout)
         records += [record_for(i, it, text, settings) for i, it, text in zip(indices, items, rollout.texts)]
     return records
+
+
+def _self_check(checker, model, inputs, rollout) -> None:
+    """eval.self_check: the engine's logprobs of these answers vs the repeated forward, when this batch goes past
+    the prompt / answer lengths checked so far (`mmpg.grouping.selfcheck`; the first batch always)."""
+    from mmpg.errors import UserError
+    from mmpg.grouping.selfcheck import SelfCheckError, batch_dims
+
+    if not checker.needed(model, batch_dims(inputs, rollout.completion_mask, rollout.group_sizes)):
+        return
+    try:
+        checker.run(model, inputs, rollout.completion_ids, rollout.completion_mask, rollout.group_sizes,
+                    candidate=rollout.logprobs)
+    except SelfCheckError as e:
+        raise UserError(str(e)) from None
 
 
 def fixed_batches(pending: list[int], batch_size: int) -> list[list[int]]:
@@ -115,14 +132,17 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
         start += len(b)
     loader = VideoDataLoader(_Indexed(samples, shard, spec), batch_sampler=positions,
                              num_workers=settings.num_workers if shard else 0, collate_fn=_Collate(processor, template))
+    from mmpg.grouping.selfcheck import SelfCheck
+
     engine = HFEngine(model, processor)
-    sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, logprobs=False)
+    checker = SelfCheck(settings.self_check, what="decode engine") if settings.self_check != "off" else None
+    sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, logprobs=checker is not None)
     batches = iter(loader)
     bar = tqdm(total=len(pending), desc="eval", unit="sample", disable=session.rank != 0, dynamic_ncols=True)
     done, start = 0, time.time()
     for r in range(rounds):
         batch = next(batches, None)
-        records = _answer(engine, batch, sampling, settings) if batch is not None else []
+        records = _answer(engine, batch, sampling, settings, checker) if batch is not None else []
         every = sorted((rec for part in dist.gather_objects(records) for rec in part), key=lambda rec: rec.index)
         writer.append(every)  # rank 0 writes; a no-op elsewhere
         done += len(every)

@@ -46,6 +46,10 @@ class EvalSettings:
     batch_size: int = _f(8, "Prompts per greedy decoding batch (per rank).")
     num_workers: int = _f(2, "DataLoader workers decoding videos (0: in the main process).")
     device: str = _f("auto", "auto (cuda when available), cpu or cuda.")
+    self_check: str = _f("on", "Compare the decode engine's logprobs of the first batch's answers (and of any later "
+                         "batch with longer prompts or answers) with the repeated forward, in this dtype and "
+                         "backend (mmpg.grouping.selfcheck): on (stop on a difference above the dtype's bound), "
+                         "warn, off.")
 
 
 CHOICES = {
@@ -53,6 +57,7 @@ CHOICES = {
     "threshold_rule": ("gt", "ge"),
     "bad_videos": ("fail", "skip"),
     "device": ("auto", "cpu", "cuda"),
+    "self_check": ("on", "warn", "off"),
 }
 FIELDS = [f.name for f in dataclasses.fields(EvalSettings)]
 

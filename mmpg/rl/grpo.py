@@ -28,6 +28,7 @@ import torch
 
 from mmpg.data.dataset import strict_error
 from mmpg.errors import UserError
+from mmpg.grouping.selfcheck import SelfCheck, SelfCheckError, batch_dims
 from mmpg.rl import algos
 from mmpg.rl.batch import PromptGroup, micro_batches, split_groups
 from mmpg.rollout import HFEngine, SamplingParams
@@ -80,6 +81,7 @@ class GRPOStep:
             self.rollout_engine = HFEngine(self.policy, processor, all_done=sync, decode=cfg.rollout.decode)
             self.pad_id = self.rollout_engine._pad_id()
         self.batches_pulled = 0  # global batches consumed (the data position is start + this * batch_size)
+        self.checker = SelfCheck(cfg.algorithm.self_check if cfg.algorithm.grouping else "off")
 
     def _vllm_engine(self, cfg, processor):
         """Connect to the vLLM server (waiting up to rollout.vllm_wait_s) and give it this policy's weights (a resumed
@@ -218,8 +220,29 @@ class GRPOStep:
             mask = algos.truncation_mask(mask, mb.truncated)
         return mask.float() * (0.0 if mb.dummy else 1.0)
 
+    def self_check(self, groups: list[PromptGroup]) -> dict:
+        """algorithm.self_check: grouped vs repeated logprobs of one real group (this rank's longest), no gradient,
+        when some rank's batch goes past the envelope checked so far (`mmpg.grouping.selfcheck`). Every rank checks
+        then, with the same LM-head chunk count (ZeRO-3 lockstep); the figure is the max over ranks."""
+        if self.checker.mode == "off":
+            return {}
+        dims = [batch_dims(g.inputs, g.completion_mask, [g.size]) for g in groups]
+        if dist.all_true(not any(self.checker.needed(self.policy, d) for d in dims), self._coll_device):
+            return {}
+        g = groups[max(range(len(groups)), key=lambda i: (dims[i][0] + dims[i][1], dims[i][2]))]
+        rows = int(g.completion_mask.sum())
+        count = int(dist.all_max([math.ceil(rows / HEAD_CHUNK)], self._coll_device)[0])
+        try:
+            return self.checker.run(self.policy, g.inputs, g.completion_ids, g.completion_mask, [g.size],
+                                    temperature=self.cfg.rollout.temperature, chunk_size=max(1, math.ceil(rows / count)),
+                                    reduce_max=lambda x: dist.all_max([x], self._coll_device)[0])
+        except SelfCheckError as e:
+            raise UserError(str(e)) from None
+
     def update(self, groups: list[PromptGroup], timer: Timer) -> dict:
         cfg, alg, engine = self.cfg, self.cfg.algorithm, self.engine
+        with timer("self_check"):
+            checks = self.self_check(groups)
         mbs = self._micro_batches(groups)
         chunks = self._chunk_sizes(mbs)
         masks = [self._loss_mask(mb) for mb in mbs]
@@ -266,6 +289,7 @@ class GRPOStep:
         out["gap_max"] = dist.all_max([sums["gap_max"]], self._coll_device)[0]
         out["grad_norm"] = grad_norms[-1]
         out["lr"] = float(engine.get_lr()[0])
+        out.update(checks)  # check/* on the steps that ran the self-check
         return out
 
     @staticmethod

@@ -9,6 +9,10 @@ Metrics (one `metrics.jsonl` line per step, also TensorBoard), over the whole gl
     data/skipped (unusable samples this step), data/skipped_total, data/zero_adv_groups (share of groups whose
         rewards are all equal), data/dropped_groups, data/sampling_rounds (dynamic sampling)
     timing_s/rollout, timing_s/reward, timing_s/logprob, timing_s/update, timing_s/step (slowest rank)
+    check/grouped_vs_repeated_max, check/bound, check/prefix_max|response_max|group_max, timing_s/self_check: on the
+        steps that ran the self-check (algorithm.self_check; mmpg.grouping.selfcheck), the figure and the envelope
+    alarm/logprob_drift: 1 on a step where actor/logprob_gap_max has been above the dtype's bound for
+        DRIFT_STEPS steps in a row (also a warning in train.log and the inspector)
     perf/tokens_per_s (prompt + response tokens of the global batch / step seconds), perf/peak_memory_mb
 """
 
@@ -72,11 +76,41 @@ def step_metrics(summaries: list[dict], sums: dict, infos: list[dict], skipped_t
     m["data/sampling_rounds"] = float(max(i["rounds"] for i in infos))
     for phase in ("rollout", "reward", "logprob", "update", "step"):
         m[f"timing_s/{phase}"] = max(i["timing"].get(phase, 0.0) for i in infos)
+    m.update({k: float(v) for k, v in sums.items() if k.startswith("check/")})  # the steps that self-checked
+    if "check/grouped_vs_repeated_max" in sums:
+        m["timing_s/self_check"] = max(i["timing"].get("self_check", 0.0) for i in infos)
     all_tokens = sum(s["prompt_tokens"] * len(s["lengths"]) for s in summaries) + sum(lengths)
     step_s = m["timing_s/step"]
     m["perf/tokens_per_s"] = all_tokens / step_s if step_s > 0 else 0.0
     m["perf/peak_memory_mb"] = peak_memory_mb(device)
     return m  # non-finite values are written as null by mmpg.runs
+
+
+DRIFT_STEPS = 3  # steps in a row with actor/logprob_gap_max above the bound before the drift alarm
+
+
+class DriftAlarm:
+    """Warns when the rollout engine and the training forward keep disagreeing: actor/logprob_gap_max (max |rollout
+    logprob - training logprob| over the step's tokens) above `bound` (the dtype's self-check bound,
+    `mmpg.grouping.selfcheck.bound_for`) for `steps` steps in a row. Such a gap found transformers 5.17's dropped
+    video, and shared-prefix kernels have caused it elsewhere (verl issue 3595)."""
+
+    def __init__(self, bound: float, steps: int = DRIFT_STEPS):
+        self.bound, self.steps, self.streak = bound, steps, 0
+
+    def update(self, step: int, metrics: dict) -> str | None:
+        """Count this step; on an alarm set metrics["alarm/logprob_drift"] = 1 and return the warning line."""
+        gap = metrics.get("actor/logprob_gap_max")
+        if gap is None:
+            return None
+        self.streak = self.streak + 1 if not gap <= self.bound else 0  # NaN counts as above
+        if self.streak < self.steps:
+            return None
+        metrics["alarm/logprob_drift"] = 1.0
+        return (f"logprob drift at step {step}: actor/logprob_gap_max {gap:.3g} above {self.bound:.3g} for "
+                f"{self.streak} steps in a row: the rollout engine samples from another distribution than the "
+                "training forward scores (engine, kernels or versions differ); see the run's self-check and "
+                "rollout.tis_cap")
 
 
 def group_records(step: int, groups, first_index: int, media_keys: dict, swap_reversed: bool) -> list[GroupRecord]:

@@ -15,7 +15,7 @@ import os
 from mmpg.config import Config
 from mmpg.errors import UserError
 from mmpg.rl.grpo import GRPOStep
-from mmpg.rl.report import group_records, group_summary, step_metrics, thumbnails
+from mmpg.rl.report import DriftAlarm, group_records, group_summary, step_metrics, thumbnails
 from mmpg.rl.rewards import make_scorer
 from mmpg.train import dist
 from mmpg.train.data import make_train_loader
@@ -83,6 +83,11 @@ class GRPOJob:
         self.step_fn = GRPOStep(cfg, session.engine, self.ref, session.processor, iter(loader),
                                 make_scorer(cfg.reward, template.think), session.device)
         self.skipped_total = int(session.state.get("skipped_total", 0))  # unusable samples so far, all ranks
+        from mmpg.grouping.backends import compute_dtype
+        from mmpg.grouping.selfcheck import bound_for
+
+        policy = self.step_fn.policy
+        self.drift = DriftAlarm(bound_for(policy, compute_dtype(policy, policy.get_input_embeddings().weight.device)))
         self.sent_media: set[str] = set()
         self.eval_samples = None
 
@@ -117,6 +122,9 @@ class GRPOJob:
                                self.session.device)
         if self.cfg.rollout.engine == "vllm":
             metrics.update(vllm_metrics(infos))
+        alarm = self.drift.update(step, metrics)
+        if alarm:
+            log.warning("%s", alarm)
         if self.cfg.rollout.tis_cap > 0 and "tis_weight" in sums:
             tokens = sums.get("tokens", 0.0)
             metrics["actor/tis_weight_mean"] = sums["tis_weight"] / tokens if tokens else 0.0
