@@ -4,6 +4,7 @@
 #   bash scripts/test.sh           full suite (installs .venv on first use)
 #   bash scripts/test.sh --quick   skip `slow` tests, for iteration
 #   extra arguments go to pytest, e.g. bash scripts/test.sh -k grouping
+# A full run (no arguments) then runs the transformers version matrix, scripts/tf_matrix.sh.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
 cd "$MMPG_ROOT"
@@ -23,4 +24,12 @@ fi
 if [ ${#args[@]} -eq 0 ] && [ "${MMPG_SKIP_VLLM:-0}" != 1 ]; then
   bash "$MMPG_ROOT/scripts/env.sh" vllm || echo "[mmpg] could not make .venv-vllm: the vllm tests will be skipped"
 fi
-exec python -m pytest -p no:cacheprovider "${args[@]}" "$@"
+status=0
+python -m pytest -p no:cacheprovider "${args[@]}" "$@" || status=$?
+# The transformers version matrix (scripts/tf_matrix.sh): the grouping, rollout and eval tests again on the oldest
+# supported transformers (and the registry's newest when it is not .venv's), ~2 min. Full runs only;
+# MMPG_SKIP_TF_MATRIX=1 leaves it out.
+if [ ${#args[@]} -eq 0 ] && [ $# -eq 0 ] && [ "${MMPG_SKIP_TF_MATRIX:-0}" != 1 ]; then
+  bash "$MMPG_ROOT/scripts/tf_matrix.sh" || status=1
+fi
+exit $status

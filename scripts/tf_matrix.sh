@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The transformers version matrix: the grouped forward's equivalence, positions and contract tests, the self-check,
+# the rollout engine's and the evaluation's tests, run again against the oldest transformers mmpg supports
+# (mmpg.grouping.patch.TRANSFORMERS_RANGE) and the newest on the package registry. Each version lives in a side
+# folder .venv-tf/VERSION put on PYTHONPATH ahead of .venv: only transformers itself (and huggingface_hub when its
+# pin differs), everything else is .venv's. Stamped when it imports; a half-made one is removed; a version equal to
+# .venv's own is covered by the main run; without a registry the versions it cannot fetch are skipped, saying why.
+#   bash scripts/tf_matrix.sh            (scripts/test.sh runs it after the main suite; ~1.5 min when the folders exist)
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
+cd "$MMPG_ROOT"
+tests=(tests/test_grouping_equivalence.py tests/test_grouping_positions.py tests/test_grouping_contract.py
+       tests/test_grouping_layout.py tests/test_selfcheck.py tests/test_flash_loaded_models.py tests/test_rollout.py
+       tests/test_rollout_seeds.py tests/test_cascade.py tests/test_eval_run.py)
+installed="$(python -c 'import transformers; print(transformers.__version__)')"
+oldest="$(python -c 'from mmpg.grouping.patch import TRANSFORMERS_RANGE as r; print(r[0])')"
+newest="$(python -m pip index versions transformers 2>/dev/null | sed -n 's/^transformers (\(.*\))$/\1/p')"
+[ -n "$newest" ] || echo "[mmpg] tf matrix: the registry gave no newest transformers (offline?): only $oldest"
+status=0
+for v in $oldest $newest; do
+  if [ "$v" = "$installed" ]; then
+    echo "[mmpg] tf matrix: transformers $v is .venv's own: the main run covered it"; continue
+  fi
+  dir=".venv-tf/$v"
+  if [ ! -f "$dir/.mmpg-ok" ]; then
+    rm -rf "$dir"
+    if ! python -m pip install -q --target "$dir" --no-deps "transformers==$v" >/dev/null 2>&1; then
+      rm -rf "$dir"; echo "[mmpg] tf matrix: could not fetch transformers $v (registry unreachable?): skipped"; continue
+    fi
+    # its huggingface_hub pin, when .venv's hub does not satisfy it (5.17 wants < 2.0)
+    hub="$(python - "$dir" <<'PY'
+import sys, glob
+from importlib.metadata import version
+from packaging.requirements import Requirement
+meta = glob.glob(f"{sys.argv[1]}/transformers-*.dist-info/METADATA")[0]
+for line in open(meta, encoding="utf-8"):
+    if line.startswith("Requires-Dist:"):
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.name.replace("_", "-") == "huggingface-hub" and not req.marker \
+                and not req.specifier.contains(version("huggingface_hub")):
+            print(f"huggingface_hub{req.specifier}")
+PY
+)"
+    if [ -n "$hub" ] && ! python -m pip install -q --target "$dir" --no-deps "$hub" >/dev/null 2>&1; then
+      rm -rf "$dir"; echo "[mmpg] tf matrix: could not fetch $hub for transformers $v: skipped"; continue
+    fi
+    if ! PYTHONPATH="$dir" python -c "import transformers, sys; sys.exit(transformers.__version__ != '$v')"; then
+      rm -rf "$dir"; echo "[mmpg] tf matrix: transformers $v does not import beside .venv: skipped" >&2; status=1
+      continue
+    fi
+    touch "$dir/.mmpg-ok"
+  fi
+  echo "[mmpg] tf matrix: transformers $v${hub:+ with $hub}"
+  t0=$SECONDS
+  PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" python -m pytest -p no:cacheprovider -q "${tests[@]}" || status=1
+  echo "[mmpg] tf matrix: transformers $v took $((SECONDS - t0)) s"
+done
+exit $status
