@@ -165,3 +165,32 @@ def test_every_checkpoint_of_a_training_run(grpo_data, tmp_path, capsys):
                     "--videos", synth / "videos", "--protocol", "videochat_r1"] + FAST, capsys)
     assert "evals/test-videochat_r1/step_00000002" in single
     assert EvalReader(bench.parent / "test-videochat_r1" / "step_00000002").metrics()["threshold_rule"] == "ge"
+
+
+def test_self_check_of_the_decode_engine(grpo_data, tmp_path, monkeypatch, caplog):
+    """The first batch's answers are rescored by the repeated forward (self_check on by default): it passes on the
+    real engine; an engine whose logprobs are off (here: shifted by 0.01 on purpose) stops the evaluation with one
+    line, and self_check=warn goes on."""
+    import logging
+
+    from mmpg.rollout import HFEngine
+
+    synth = grpo_data["synth"]
+    with caplog.at_level(logging.INFO, logger="mmpg.grouping"):
+        evaluate_checkpoint(grpo_data["model"], synth / "test.json", synth / "videos", tmp_path / "ok",
+                            load_settings("default", FAST))
+    assert any(r.getMessage().startswith("self-check passed: decode engine vs repeated forward") for r in caplog.records)
+    real = HFEngine.generate_groups
+
+    def off(self, *args, **kwargs):
+        r = real(self, *args, **kwargs)
+        r.logprobs = r.logprobs + 0.01 * r.completion_mask
+        return r
+
+    monkeypatch.setattr(HFEngine, "generate_groups", off)
+    with pytest.raises(UserError, match=r"^self-check: the decode engine differs from the repeated forward by 0\.01"):
+        evaluate_checkpoint(grpo_data["model"], synth / "test.json", synth / "videos", tmp_path / "bad",
+                            load_settings("default", FAST))
+    result = evaluate_checkpoint(grpo_data["model"], synth / "test.json", synth / "videos", tmp_path / "warn",
+                                 load_settings("default", FAST + ["self_check=warn"]))
+    assert result.decoded == 2
