@@ -1,11 +1,13 @@
 """The `mmpg` command. Each subcommand parses its flags and calls one library function; no logic lives here.
 
 User errors (`mmpg.errors.UserError`) print one line `mmpg: error: ...` and exit with status 2, like argparse's own.
+`--local_rank N` is taken anywhere on the command line (the deepspeed launcher puts it before the subcommand).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -182,7 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print every config field (of GROUP) with its default and help, and exit")
         p.add_argument("--get", default=None, metavar="KEY", help="print one field's value after the config file "
                        "and the overrides (e.g. model.path), and exit; for launch scripts")
-        p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.n=8")
         p.set_defaults(func=_cmd_train)
 
@@ -225,10 +226,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")  # deepspeed's launcher; torch.distributed.launch's
+
+
+def take_local_rank(argv: list[str]) -> tuple[list[str], str | None]:
+    """(argv without `--local_rank=N` / `--local_rank N`, N or None). The deepspeed launcher runs
+    `python -m mmpg.cli --local_rank=N train ...`: the flag comes before the subcommand, where no subparser sees it."""
+    rest, rank, i = [], None, 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in LOCAL_RANK_FLAGS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise UserError(f"{flag} needs a value (the launcher's local rank)")
+                i, value = i + 1, argv[i + 1]
+            if not value.isdigit():
+                raise UserError(f"{flag}={value}: expected the local rank, an integer >= 0")
+            rank = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    return rest, rank
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    try:
+        argv, local_rank = take_local_rank(list(sys.argv[1:] if argv is None else argv))
+    except UserError as err:
+        parser.error(str(err))
+    if local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", local_rank)  # the launcher sets it too; the flag wins only when it did not
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[2:] if argv is None else argv[1:])
+    args.argv = argv[1:]  # the subcommand's own arguments, as recorded in run.json
     try:
         return int(args.func(args) or 0)
     except UserError as err:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create (or reuse) the virtual environment .venv/ at the repository root and install mmpg into it.
 # Idempotent and fast when nothing changed: a stamp records the hash of pyproject.toml and the extras installed.
-# Usage: source scripts/env.sh [extras]      (extras default: dev; e.g. "dev,gpu" on a CUDA machine: gpu = flash-attn,
-#        built against the installed torch, see below)
+# Usage: source scripts/env.sh [extras]      (extras default: dev; "dev,gpu": flash-attn too, built against the
+#        installed torch, a failure stops here; "dev,gpu-auto": flash-attn where it can work, else one line and sdpa;
+#        scripts/flash_attn.sh says how it decides)
 #        source scripts/env.sh vllm   also make (or reuse) .venv-vllm/ for the vLLM rollout server (see below);
 #                                     leaves PATH alone, exports MMPG_VLLM_PYTHON
 set -euo pipefail
@@ -41,25 +42,26 @@ _extras="${1:-dev}"
 # torch first and pinned: on our machines pip takes these builds from local disk; a bare "torch" would pull a
 # different multi-GB build. Override for other platforms, e.g. MMPG_TORCH="torch==2.9.1 torchvision==0.24.1".
 _torch="${MMPG_TORCH:-torch==2.14.1 torchvision==0.29.1}"
-_want="$(cat "$MMPG_ROOT/pyproject.toml" | sha256sum | cut -c1-16) $_extras $_torch"
+# The gpu extra is flash-attn, whose sdist imports torch in setup.py and has no pyproject.toml: inside pip's build
+# isolation there is no torch (ModuleNotFoundError). So mmpg goes in without it (gpu and gpu-auto are not pip extras
+# here), and scripts/flash_attn.sh adds flash-attn after torch with --no-build-isolation, stamped on its own.
+_pip_extras="$(echo ",$_extras," | sed 's/,gpu-auto,/,/g; s/,gpu,/,/g; s/^,//; s/,$//')"
+_want="$(cat "$MMPG_ROOT/pyproject.toml" | sha256sum | cut -c1-16) $_pip_extras $_torch"
 [ -x "$_venv/bin/python" ] || python3 -m venv "$_venv"
 if [ "$(cat "$_venv/.mmpg-installed" 2>/dev/null)" != "$_want" ]; then
   echo "[mmpg] installing into .venv (first time takes a few minutes) ..."
   "$_venv/bin/python" -m pip install -q --upgrade pip
   # shellcheck disable=SC2086
   "$_venv/bin/python" -m pip install -q $_torch
-  # The gpu extra is flash-attn, whose sdist imports torch in setup.py and has no pyproject.toml: inside pip's build
-  # isolation there is no torch (ModuleNotFoundError). So mmpg goes in without it, and flash-attn after torch with
-  # --no-build-isolation (a source build needs nvcc of torch's CUDA major; FLASH_ATTN_CUDA_ARCHS, e.g. "80;90",
-  # limits the architectures it compiles). A failure stops here, loudly: scripts/gpu_check.sh would report the
-  # flash path NOT RUN anyway.
-  _pip_extras="$(echo ",$_extras," | sed 's/,gpu,/,/g; s/^,//; s/,$//')"
   "$_venv/bin/python" -m pip install -q -e "$MMPG_ROOT${_pip_extras:+[$_pip_extras]}"
-  if [[ ",$_extras," == *",gpu,"* ]]; then
-    "$_venv/bin/python" -m pip install -q packaging psutil ninja wheel setuptools
-    "$_venv/bin/python" -m pip install -q --no-build-isolation "flash-attn>=2.7"
-  fi
   echo "$_want" > "$_venv/.mmpg-installed"
+fi
+_flash=""
+[[ ",$_extras," == *",gpu-auto,"* ]] && _flash=auto
+[[ ",$_extras," == *",gpu,"* ]] && _flash=must
+if [ -n "$_flash" ] && ! MMPG_ROOT="$MMPG_ROOT" bash "$MMPG_ROOT/scripts/flash_attn.sh" "$_flash" "$_venv/bin/python"
+then
+  return 1 2>/dev/null || exit 1
 fi
 export PATH="$_venv/bin:$PATH"
 # qwen-vl-utils: decord is the reader that works with our torchvision (its torchvision reader does not).

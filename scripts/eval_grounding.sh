@@ -13,6 +13,7 @@
 #   bad_videos=fail     a missing/corrupt video scores 0 and is counted; skip: left out, still counted
 #   max_samples=0       only the first N samples (0: all), for a quick look
 #   batch_size=8 num_workers=2   speed only: prompts per decoding batch per GPU, video-decoding workers
+# NUM_GPUS=N: N processes with torchrun (GPUs, or a CPU with gloo); MASTER_PORT (default 29500) for two on one machine.
 # Output: --out DIR (default: RUN/evals/<benchmark>/step_N for a run's checkpoint, else evals/<ckpt>/<benchmark>).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" "${MMPG_EXTRAS:-dev}"
@@ -21,7 +22,7 @@ else what=(--checkpoint "${1:?checkpoint folder}"); shift; fi
 ann="${1:?annotation file}"; videos="${2:?video folder}"; protocol=default
 if [ $# -gt 2 ] && [[ "$3" != *=* ]]; then protocol="$3"; shift 3; else shift 2; fi
 args=("${what[@]}" --annotations "$ann" --videos "$videos" --protocol "$protocol" "$@")
-if [ "${NUM_GPUS:-1}" -gt 1 ]; then   # one rank per GPU; samples are sharded and the predictions merged on rank 0
-  exec torchrun --nproc_per_node "$NUM_GPUS" -m mmpg.cli eval "${args[@]}"
+if [ "${NUM_GPUS:-1}" -gt 1 ]; then   # one rank per GPU (or CPU process); samples sharded, predictions merged on rank 0
+  exec torchrun --nproc_per_node "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}" -m mmpg.cli eval "${args[@]}"
 fi
 exec mmpg eval "${args[@]}"

@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# GRPO grounding training on GPUs with the DeepSpeed launcher: one node, or many with a hostfile.
+# GRPO grounding training with the DeepSpeed launcher: GPUs (NCCL), one node or many with a hostfile; a CPU (gloo)
+# takes the same command. scripts/sft_grounding.sh runs `mmpg sft` (the supervised warm start) the same way.
 #   bash scripts/train_grounding.sh [CONFIG] [key=value ...]
 #   NUM_GPUS=8 bash scripts/train_grounding.sh configs/grounding_qwen25vl_7b.yaml data.batch_size=64
 #   HOSTFILE=hostfile bash scripts/train_grounding.sh configs/grounding_qwen3vl_8b.yaml    # multi-node
+#   MMPG_EXTRAS=dev NUM_GPUS=2 bash scripts/train_grounding.sh configs/cpu_demo.yaml       # a CPU: 2 processes
 # Knobs (environment):
 #   CONFIG     default configs/grounding_qwen25vl_7b.yaml (first argument wins)
-#   NUM_GPUS   GPUs per node (default: all visible)
-#   HOSTFILE   DeepSpeed hostfile ("host slots=8" per line); every node needs the repo, the data and passwordless ssh
+#   NUM_GPUS   processes per node: GPUs (default: all visible), or CPU processes on a machine without GPUs
+#   HOSTFILE   DeepSpeed hostfile ("host slots=8" per line); every node needs the repo, the data and passwordless ssh.
+#              One that names only this machine (localhost, 127.0.0.1 or its hostname) needs no ssh
+#   MASTER_PORT  the rendezvous port (default 29500); set it to run two jobs on one machine
+#   MMPG_EXTRAS  what scripts/env.sh installs first; default dev,gpu-auto: flash-attn only where it can work (else one
+#              line, and attention runs on sdpa). dev,gpu: flash-attn required (a failed build stops the launch);
+#              dev: never
 #   ZERO       1, 2 or 3: picks configs/deepspeed/zero$ZERO.json (default: what the config says); ZERO=3_offload for
 #              ZeRO-3 with CPU offload
 #   RESUME     auto (continue the run named by trainer.run_name from its latest checkpoint) or a checkpoint folder
@@ -18,23 +25,36 @@
 #              use ZeRO-3 offload if the trainer runs short)
 #   TRAIN_GPUS the trainer's GPUs (deepspeed --include localhost:TRAIN_GPUS; instead of NUM_GPUS)
 #   VLLM_PORT  default 8000; VLLM_ARGS: more `mmpg vllm-serve` flags, e.g. "--max-model-len 16384"
-# UNTESTED on GPUs so far: the vLLM knobs (tests/test_train_launch.py runs them on a CPU with stand-in launchers).
+# Tested on a CPU only (gloo, 2 processes: tests/test_launch_real.py, with the real launcher and vLLM server;
+# tests/test_train_launch.py checks the flags with stand-ins). UNTESTED on GPUs so far (NCCL, the vLLM knobs).
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/env.sh" "${MMPG_EXTRAS:-dev,gpu}"
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh" "${MMPG_EXTRAS:-dev,gpu-auto}"
 cd "$MMPG_ROOT"
+job="${MMPG_JOB:-train}"  # sft: scripts/sft_grounding.sh
 config="configs/grounding_qwen25vl_7b.yaml"
 if [ $# -gt 0 ] && [[ "$1" != *=* ]]; then config="$1"; shift; fi
 args=(--config "$config")
 [ -n "${ZERO:-}" ] && args+=("deepspeed.config=configs/deepspeed/zero${ZERO}.json")
 [ -n "${RESUME:-}" ] && args+=(--resume "$RESUME")
 launcher=("${MMPG_DEEPSPEED:-deepspeed}")
-[ -n "${HOSTFILE:-}" ] && launcher+=(--hostfile "$HOSTFILE")
+if [ -n "${HOSTFILE:-}" ]; then
+  [ -f "$HOSTFILE" ] || { echo "train_grounding.sh: HOSTFILE=$HOSTFILE: no such file" >&2; exit 2; }
+  launcher+=(--hostfile "$HOSTFILE")
+  # DeepSpeed checks every hostfile with `ssh HOST hostname` and asks it for the master address; for this machine
+  # alone (the multi-node path on one node) neither is needed, and without an ssh server both fail.
+  hosts="$(awk '$1 !~ /^#/ && NF {print $1}' "$HOSTFILE" | sort -u)"
+  if [[ "$hosts" =~ ^(localhost|127\.0\.0\.1|$(hostname))$ ]]; then
+    launcher+=(--no_ssh_check --master_addr 127.0.0.1)
+  fi
+fi
+[ -n "${MASTER_PORT:-}" ] && launcher+=(--master_port "$MASTER_PORT")
 [ -n "${NUM_GPUS:-}" ] && launcher+=(--num_gpus "$NUM_GPUS")
 if [ -n "${TRAIN_GPUS:-}" ]; then
   [ -n "${NUM_GPUS:-}" ] && { echo "train_grounding.sh: set NUM_GPUS or TRAIN_GPUS, not both" >&2; exit 2; }
   launcher+=(--include "localhost:$TRAIN_GPUS")
 fi
 if [ "${VLLM:-0}" = 1 ]; then
+  [ "$job" = train ] || { echo "train_grounding.sh: VLLM=1 samples GRPO rollouts; mmpg $job has none" >&2; exit 2; }
   if [ -n "${HOSTFILE:-}" ]; then
     echo "train_grounding.sh: VLLM=1 runs on one node (the server binds 127.0.0.1); start \`mmpg vllm-serve\` yourself" \
          "for several nodes and pass rollout.engine=vllm rollout.vllm_url=..." >&2
@@ -61,5 +81,6 @@ if [ "${VLLM:-0}" = 1 ]; then
     "rollout.vllm_url=http://127.0.0.1:$port"
   exit $?
 fi
-# The launcher starts one process per GPU; each runs `mmpg train`, which joins the NCCL group the launcher set up.
-exec "${launcher[@]}" --module mmpg.cli train "${args[@]}" "$@"
+# The launcher starts one process per GPU (or NUM_GPUS on a CPU) as `python -m mmpg.cli --local_rank=N train ...`;
+# each joins the process group (NCCL, gloo on CPUs) the launcher set up.
+exec "${launcher[@]}" --module mmpg.cli "$job" "${args[@]}" "$@"

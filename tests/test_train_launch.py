@@ -1,5 +1,6 @@
-"""scripts/train_grounding.sh's vLLM knobs on a CPU, with a stand-in DeepSpeed launcher and a stand-in server (the
-real ones need GPUs): which flags each gets, the server's GPUs, and the server stopped when training ends."""
+"""scripts/train_grounding.sh's knobs with a stand-in DeepSpeed launcher and a stand-in vLLM server (fast): which
+flags each gets, the server's GPUs, the server stopped when training ends, the sft job, hostfiles, the port; and
+`mmpg` taking the launcher's --local_rank wherever it comes. tests/test_launch_real.py runs the real launchers."""
 
 from __future__ import annotations
 
@@ -63,6 +64,9 @@ def test_own_gpus_port_and_extra_flags(tmp_path):
 @pytest.mark.parametrize("env, message", [({"HOSTFILE": "hosts"}, "one node"),
                                           ({"NUM_GPUS": "2", "TRAIN_GPUS": "0"}, "not both")])
 def test_refusals(tmp_path, env, message):
+    if "HOSTFILE" in env:  # two nodes
+        (tmp_path / env["HOSTFILE"]).write_text("node1 slots=8\nnode2 slots=8\n")
+        env = {"HOSTFILE": str(tmp_path / env["HOSTFILE"])}
     res, trainer, (server, _), _ = _run(tmp_path, env)
     assert res.returncode == 2 and message in res.stderr
     assert trainer is None and server is None
@@ -77,3 +81,85 @@ def test_get_prints_one_resolved_field():
     assert get("model.path=/m/x", "--get", "model.path")[:2] == (0, "/m/x")
     rc, _, err = get("--get", "model.nope")
     assert rc == 2 and "no config field 'nope'" in err
+
+
+def _launch(tmp_path, script: str, extra_env: dict, *args: str):
+    """(completed process, the stand-in launcher's argv) for a launch without VLLM."""
+    launcher = tmp_path / "deepspeed"
+    launcher.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/launcher.args\n')
+    launcher.chmod(0o755)
+    env = dict(os.environ, MMPG_EXTRAS="dev", MMPG_DEEPSPEED=str(launcher), **extra_env)
+    (tmp_path / "launcher.args").unlink(missing_ok=True)
+    res = subprocess.run(["bash", script, "configs/cpu_demo.yaml", *args], check=False, cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    path = tmp_path / "launcher.args"
+    return res, path.read_text().strip() if path.exists() else None
+
+
+def test_sft_script_runs_mmpg_sft_through_the_same_launch(tmp_path):
+    res, argv = _launch(tmp_path, "scripts/sft_grounding.sh", {"NUM_GPUS": "2", "MASTER_PORT": "29611"}, "a.b=1")
+    assert res.returncode == 0, res.stderr
+    assert argv == "--master_port 29611 --num_gpus 2 --module mmpg.cli sft --config configs/cpu_demo.yaml a.b=1"
+    res, argv = _launch(tmp_path, "scripts/sft_grounding.sh", {"VLLM": "1"})
+    assert res.returncode == 2 and "mmpg sft has none" in res.stderr and argv is None
+
+
+@pytest.mark.parametrize("hosts, local", [("localhost slots=2", True), ("# this machine\n127.0.0.1 slots=2\n", True),
+                                          ("node1 slots=8\nnode2 slots=8", False),
+                                          ("localhost slots=2\nnode2 slots=2", False)])
+def test_a_hostfile_of_this_machine_alone_skips_deepspeeds_ssh(tmp_path, hosts, local):
+    """DeepSpeed runs `ssh HOST hostname` for any hostfile (and `ssh HOST hostname -I` for the master address): with
+    no ssh server, `localhost slots=2` failed. Other hostfiles keep DeepSpeed's checks."""
+    (tmp_path / "hostfile").write_text(hosts)
+    res, argv = _launch(tmp_path, "scripts/train_grounding.sh", {"HOSTFILE": str(tmp_path / "hostfile")})
+    assert res.returncode == 0, res.stderr
+    expected = f"--hostfile {tmp_path / 'hostfile'}" + (" --no_ssh_check --master_addr 127.0.0.1" if local else "")
+    assert argv == f"{expected} --module mmpg.cli train --config configs/cpu_demo.yaml"
+
+
+def test_a_missing_hostfile_is_refused(tmp_path):
+    res, argv = _launch(tmp_path, "scripts/train_grounding.sh", {"HOSTFILE": str(tmp_path / "nope")})
+    assert res.returncode == 2 and f"HOSTFILE={tmp_path / 'nope'}: no such file" in res.stderr and argv is None
+
+
+# `python -m mmpg.cli --local_rank=N train ...` is what `deepspeed --module mmpg.cli train ...` runs.
+@pytest.mark.parametrize("argv", [["--local_rank=1", "train", "--config", "c.yaml", "a.b=2"],
+                                  ["--local_rank", "1", "train", "--config", "c.yaml", "a.b=2"],
+                                  ["train", "--local_rank=1", "--config", "c.yaml", "a.b=2"],
+                                  ["train", "--config", "c.yaml", "a.b=2", "--local-rank=1"]])
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_local_rank_is_taken_anywhere_and_left_out_of_the_recorded_command(monkeypatch, argv, command):
+    from mmpg import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_cmd_train", lambda args: seen.append(args) or 0)
+    monkeypatch.setenv("LOCAL_RANK", "")  # so that monkeypatch removes what main sets
+    monkeypatch.delenv("LOCAL_RANK")
+    assert cli.main([command if a == "train" else a for a in argv]) == 0
+    (args,) = seen
+    assert args.command == command and args.config == "c.yaml" and args.overrides == ["a.b=2"]
+    assert args.argv == ["--config", "c.yaml", "a.b=2"]  # what run.json records after "mmpg <command>"
+    assert os.environ["LOCAL_RANK"] == "1"
+
+
+def test_local_rank_for_eval_and_the_launchers_variable_wins(monkeypatch):
+    from mmpg import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_cmd_eval", lambda args: seen.append(args) or 0)
+    monkeypatch.setenv("LOCAL_RANK", "3")  # the deepspeed launcher sets both; they agree there
+    assert cli.main(["--local_rank=0", "eval", "--checkpoint", "ck", "--annotations", "a.json", "max_samples=2"]) == 0
+    assert (seen[0].checkpoint, seen[0].overrides, seen[0].argv) == ("ck", ["max_samples=2"],
+                                                                     ["--checkpoint", "ck", "--annotations", "a.json",
+                                                                      "max_samples=2"])
+    assert os.environ["LOCAL_RANK"] == "3"
+
+
+def test_a_bad_local_rank_is_one_usage_error(capsys):
+    from mmpg import cli
+
+    for argv in (["--local_rank=x", "train"], ["train", "--local_rank"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2
+        assert "--local_rank" in capsys.readouterr().err.splitlines()[-1]

@@ -34,7 +34,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="evaluation folder (--checkpoint only; default: RUN/evals/<benchmark>/"
                    "step_N for a run's checkpoint, else evals/<checkpoint name>/<benchmark>); a rerun continues it")
     p.add_argument("--fields", action="store_true", help="print every setting and protocol, and exit")
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     p.add_argument("overrides", nargs="*", help="key=value settings, e.g. max_new_tokens=512 batch_size=4")
 
 

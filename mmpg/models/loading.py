@@ -6,12 +6,15 @@ it, instead of a download attempt."""
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 import torch
 
 from mmpg.errors import UserError
+
+log = logging.getLogger("mmpg.models")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -71,9 +74,54 @@ def load_processor(path: str | Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def _flash_attn_missing(device: str | None) -> str | None:
+    """Why transformers' flash_attention_2 cannot run for a model on `device` (None: it can)."""
+    on_cuda = str(device).startswith("cuda") if device is not None else torch.cuda.is_available()
+    if not on_cuda:
+        return f"the model runs on {device or 'the CPU'}"
+    try:
+        import flash_attn  # noqa: F401 - a build for another torch fails here, not at find_spec
+    except Exception as err:  # noqa: BLE001 - ImportError, or a broken build's OSError / RuntimeError
+        return f"flash-attn does not import ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    from transformers.utils import is_flash_attn_2_available
+
+    if not is_flash_attn_2_available():
+        return f"transformers cannot use flash-attn {getattr(flash_attn, '__version__', '(no version)')}"
+    return None
+
+
+def resolve_attn_implementation(name: str, device: str | None = None) -> str:
+    """The transformers attention to load with. "auto": flash_attention_2 on CUDA when flash-attn imports, else sdpa.
+    "flash_attention_2" where flash-attn cannot run: sdpa, with a warning (the same results, more memory and time;
+    scripts/env.sh skips flash-attn on machines that cannot build it). Any other name is kept."""
+    if name not in ("auto", "flash_attention_2"):
+        return name
+    why = _flash_attn_missing(device)
+    if why is None:
+        return "flash_attention_2"
+    if name == "flash_attention_2":
+        log.warning("model.attn_implementation=flash_attention_2, but %s: loading with sdpa instead (same results, "
+                    "more memory); model.attn_implementation=auto picks it without this warning", why)
+    return "sdpa"
+
+
+def attention_summary(model, device: str) -> str:
+    """What each attention path of a loaded policy runs on, for the run header: the model's own forwards
+    (generation, the vision tower) and the grouped forward's backend (`mmpg.grouping.backends.resolve_backend`)."""
+    from mmpg.grouping.backends import resolve_backend
+
+    config = model.config
+    text = getattr(getattr(config, "text_config", None), "_attn_implementation", None) or config._attn_implementation
+    vision = getattr(getattr(config, "vision_config", None), "_attn_implementation", None)
+    dtype = model.get_input_embeddings().weight.dtype
+    grouped = resolve_backend(getattr(model, "_mmpg_backend", "auto"), torch.device(device), dtype)
+    return f"model {text}{f' (vision tower {vision})' if vision and vision != text else ''}, grouped forward {grouped}"
+
+
 def load_policy(path: str | Path, dtype: str | torch.dtype = "float32", attn_implementation: str = "sdpa",
                 gradient_checkpointing: bool = False, freeze_vision: bool = False, device: str | None = None):
-    """A Qwen-VL (or text-only Qwen) policy from `path`, with the given dtype and attention implementation.
+    """A Qwen-VL (or text-only Qwen) policy from `path`, with the given dtype and attention implementation
+    (`resolve_attn_implementation`: "auto", or flash_attention_2 falling back to sdpa where flash-attn cannot run).
 
     freeze_vision: no gradients for the vision tower (common for grounding RL); the grouped forward then still runs
     it once per prompt, under no_grad. Qwen2.5-VL comes with the mRoPE convention its checkpoints were trained with
@@ -83,6 +131,7 @@ def load_policy(path: str | Path, dtype: str | torch.dtype = "float32", attn_imp
 
     config = AutoConfig.from_pretrained(path)
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    attn_implementation = resolve_attn_implementation(attn_implementation, device)
     model = auto.from_pretrained(path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation)
     if device is not None:
         model.to(device)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mmpg.config import to_yaml
 from mmpg.errors import UserError
+from mmpg.models.loading import attention_summary
 from mmpg.runs import METRICS_JSONL, RUN_JSON, TRAIN_LOG, RunWriter
 from mmpg.train import dist
 from mmpg.train.checkpoint import find_resume, load_checkpoint
@@ -111,6 +112,7 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
         print(f"[mmpg] resolved config ({kind}):\n{to_yaml(cfg)}", flush=True)
         log.info("run directory %s; %s, %s, %d rank(s), ZeRO stage %s%s", run_dir, device, dtype, world,
                  engine.zero_optimization_stage(), f"; resumed from {resume} (step {start})" if resume else "")
+        log.info("attention: %s", attention_summary(model, device))
     return Session(cfg=cfg, device=device, dtype=dtype, rank=rank, world=world, run_dir=run_dir,
                    model=engine.module.policy, processor=processor, engine=engine, family=family, writer=writer,
                    start_step=start, state=state)
