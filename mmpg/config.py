@@ -31,8 +31,10 @@ def _f(default, help: str, **kw):
 class ModelConfig:
     path: str = _f("", "Checkpoint folder of the policy (HF format: config.json, weights, processor). Required.")
     dtype: str = _f("auto", "Weights and compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16.")
-    attn_implementation: str = _f("sdpa", "transformers attention for ordinary forwards (sdpa, eager, "
-                                  "flash_attention_2); the grouped forward registers its own on top.")
+    attn_implementation: str = _f("sdpa", "transformers attention for ordinary forwards: auto (flash_attention_2 "
+                                  "on CUDA when flash-attn imports, else sdpa), sdpa, eager, flash_attention_2 (sdpa "
+                                  "with a warning when flash-attn is missing); the grouped forward registers its own "
+                                  "on top.")
     grouping_backend: str = _f("auto", "Grouped attention backend: auto, sdpa, flash, flex.")
     gradient_checkpointing: bool = _f(False, "Recompute decoder activations in backward (less memory, ~30% more "
                                       "compute).")
@@ -48,7 +50,7 @@ class DataConfig:
     val: str = _f("", "Held-out annotations for eval.every_n_steps (empty: no evaluation during training).")
     videos: str = _f("", "Folder holding the videos the annotations name.")
     format: str = _f("auto", "Annotation format: auto, charades (txt), captions (Charades-STA / ActivityNet "
-                      "JSON), time_r1, jsonl (data/README.md).")
+                      "JSON), time_r1, tvgbench, jsonl (data/README.md).")
     template: str = _f("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only.")
     batch_size: int = _f(8, "Prompts per training step over all ranks (each gets rollout.n responses).")
     fps: float = _f(2.0, "Frames sampled per second of video (Time-R1: 2).")
@@ -215,8 +217,8 @@ CHOICES = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "data.template": ("time_r1", "time_r1_frames", "answer_only"),
     # mmpg.data.formats.FORMAT_CHOICES (tests/test_config.py keeps the two equal)
-    "data.format": ("auto", "charades", "captions", "time_r1", "jsonl", "activitynet", "anet", "charades_json",
-                    "charades_txt"),
+    "data.format": ("auto", "charades", "captions", "time_r1", "tvgbench", "jsonl", "activitynet", "anet",
+                    "charades_json", "charades_txt"),
 }
 
 

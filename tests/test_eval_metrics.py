@@ -97,11 +97,13 @@ def test_fixed_batches_do_not_depend_on_what_is_done():
     assert fixed_batches([], 3) == []
 
 
-def test_settings_merge_protocol_then_overrides():
-    s = load_settings("time_r1", ["max_new_tokens=64", "fps=1"])
-    assert (s.template, s.total_pixels, s.threshold_rule, s.max_new_tokens, s.fps) == \
-        ("time_r1_eval", 3584 * 28 * 28, "gt", 64, 1.0)
-    assert load_settings("videochat_r1").threshold_rule == "ge"
+def test_settings_merge_protocol_then_overrides(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text('Where in the video is "{query}"? <answer>START to END</answer>')
+    s = load_settings("time_r1", ["max_new_tokens=64", "fps=1", f"prompt_file={prompt}"])
+    assert (s.template, s.scoring, s.total_pixels, s.threshold_rule, s.max_new_tokens, s.fps) == \
+        ("file", "last_span", 3584 * 28 * 28, "gt", 64, 1.0)
+    assert load_settings("videochat_r1", [f"prompt_file={prompt}"]).threshold_rule == "ge"
     assert load_settings().template == "time_r1" and load_settings().bad_videos == "fail"
     with pytest.raises(UserError, match=r"unknown eval setting 'fsp'; did you mean fps\?"):
         load_settings("default", ["fsp=2"])
@@ -111,12 +113,16 @@ def test_settings_merge_protocol_then_overrides():
         load_settings("nope")
 
 
-def test_every_protocol_says_where_its_numbers_come_from():
-    assert {"default", "time_r1", "videochat_r1"} <= set(PROTOCOLS)
+def test_every_protocol_says_where_its_numbers_come_from(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text('Where in the video is "{query}"? <answer>START to END</answer>')
+    assert {"default", "time_r1", "videochat_r1", "tvgbench"} <= set(PROTOCOLS)
     for p in PROTOCOLS.values():
         assert p.summary and "Source:" in p.source
         assert set(p.settings) <= set(FIELDS)
-        eval_template(load_settings(p.name).template)  # the template exists
+        s = load_settings(p.name, [f"prompt_file={prompt}"] if p.prompt_where else [])
+        eval_template(s.template, s.prompt_file)  # the template exists
+        assert (s.scoring == "mmpg") == (p.name == "default")
     for name in ("time_r1", "videochat_r1"):
         source = PROTOCOLS[name].source
         assert "assumed" in source or "Assumed" in source or "constants" in source

@@ -47,10 +47,16 @@ def train_eval(grpo_data, tmp_path_factory):
     return out, result.metrics
 
 
+OUR_PROMPT = 'The video lasts {duration} seconds. When does "{query}" happen? Answer <answer>START to END</answer>.'
+
+
 def test_end_to_end_on_the_synthetic_test_split(grpo_data, tmp_path, capsys):
     synth, out = grpo_data["synth"], tmp_path / "out"
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(OUR_PROMPT)
     printed = _main(["--checkpoint", grpo_data["model"], "--annotations", synth / "test.json", "--videos",
-                     synth / "videos", "--protocol", "time_r1", "--out", out] + FAST, capsys)
+                     synth / "videos", "--protocol", "time_r1", "--out", out] + FAST + [f"prompt_file={prompt}"],
+                    capsys)
     assert "R1@0.3/0.5/0.7 =" in printed and "decoded 2 samples" in printed
     assert sorted(p.name for p in out.iterdir()) == ["eval.json", "metrics.json", "plots", "predictions.jsonl",
                                                     "report.md"]
@@ -61,13 +67,14 @@ def test_end_to_end_on_the_synthetic_test_split(grpo_data, tmp_path, capsys):
     assert metrics["count"] == metrics["total"] == 2 and metrics["threshold_rule"] == "gt"
     assert {"miou", "r1@0.3", "r1@0.5_ge", "r1@0.7", "unparseable", "failed"} <= set(metrics)
     s = info["settings"]
-    assert (info["protocol"], s["template"], s["max_new_tokens"], s["fps"], s["dtype"]) == \
-        ("time_r1", "time_r1_eval", 8, 1.0, "float32")
+    assert (info["protocol"], s["template"], s["scoring"], s["max_new_tokens"], s["fps"], s["dtype"]) == \
+        ("time_r1", "file", "last_span", 8, 1.0, "float32")
     assert s["video"]["total_pixels"] == 3584 * 28 * 28 and info["checkpoint"].endswith("qwen2_5_vl")
     report = (out / "report.md").read_text()
     for text in ("tIoU > m (Time-R1)", "tIoU >= m (VideoChat-R1)", "Unparseable answers (scored IoU 0)",
                  "Failed samples", "| max_new_tokens | 8 |", "| dtype | float32 |", "| video.fps | 1.0 |",
-                 "To accurately pinpoint the event", "plots/recall_vs_threshold.png", "time_r1"):
+                 "When does", "| scoring | last_span |", "plots/recall_vs_threshold.png", "time_r1",
+                 "## Coverage", "queries in the annotation file: **2**", "evaluated: **2**; scored: **2**"):
         assert text in report, text
     assert report.index("tIoU > m (Time-R1) |") < report.index("tIoU >= m (VideoChat-R1) |")
 
@@ -161,8 +168,11 @@ def test_every_checkpoint_of_a_training_run(grpo_data, tmp_path, capsys):
     printed = _main(args, capsys)  # everything finished: nothing decoded again
     assert "step 1: already evaluated, skipped" in printed and "step 2: already evaluated, skipped" in printed
     # a run's checkpoint given alone goes into the run's evaluation folder by default
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(OUR_PROMPT)
     single = _main(["--checkpoint", run / "checkpoints" / "step_00000002", "--annotations", synth / "test.json",
-                    "--videos", synth / "videos", "--protocol", "videochat_r1"] + FAST, capsys)
+                    "--videos", synth / "videos", "--protocol", "videochat_r1"] + FAST + [f"prompt_file={prompt}"],
+                   capsys)
     assert "evals/test-videochat_r1/step_00000002" in single
     assert EvalReader(bench.parent / "test-videochat_r1" / "step_00000002").metrics()["threshold_rule"] == "ge"
 

@@ -162,7 +162,8 @@ def test_jsonl_bad_lines_skipped():
     got = {where.rsplit(":", 1)[1]: reason for where, reason in res.skipped}
     assert "not valid JSON" in got["2"]
     assert "query is None" in got["3"]
-    assert "span 31-40 s is not inside the video (duration 30.96 s) in sample late" in got["4"]
+    assert "span 31-40 s is not inside the video (duration 30.96 s, start at or past its end) in sample late" \
+        in got["4"]
     assert "start 5 >= end 2" in got["5"]
     assert "span start is 'x'" in got["6"]
     assert "expected a JSON object" in got["7"]
@@ -176,8 +177,8 @@ def test_span_outside_duration_strict():
 
 def test_activitynet_bad_entries_skipped():
     res = load_annotations(FIX / "activitynet_bad.json", VIDEOS, strict=False)
-    assert [(s.sample_id, s.span) for s in res.samples] == [
-        ("v_good#0", (1.0, 5.0)), ("v_good#3", (2.0, 20.0))]  # 20.3 is within 0.5 s of 20: clamped
+    assert [(s.sample_id, s.span, s.raw_span) for s in res.samples] == [
+        ("v_good#0", (1.0, 5.0), None), ("v_good#3", (2.0, 20.0), (2.0, 20.3))]  # 0.3 s past 20 s: clamped
     where = [w.split("activitynet_bad.json", 1)[1] for w, _ in res.skipped]
     assert where == ["['v_good'] sentence 1", "['v_good'] sentence 2", "['v_uneven']", "['v_notdict']",
                      "['v_badstamp'] sentence 0"]
@@ -206,9 +207,12 @@ def test_missing_file_and_unknown_format(tmp_path):
 
 
 @pytest.mark.parametrize("span,duration,kind", [
-    ((1.0, 2.0), None, None), ((1.0, 2.0), 2.0, None), ((1.0, 2.4), 2.0, None),  # within the 0.5 s tolerance
+    ((1.0, 2.0), None, None), ((1.0, 2.0), 2.0, None), ((1.0, 2.4), 2.0, None),
+    ((1.0, 4.0), 2.0, None), ((1.0, 4.01), 2.0, "outside_duration"),  # short video: margin 2 s
+    ((10.0, 110.0), 100.0, None), ((10.0, 110.01), 100.0, "outside_duration"),  # 100 s video: margin 10 %, 10 s
     ((2.0, 2.0), None, "start_ge_end"), ((3.0, 2.0), 9.0, "start_ge_end"), ((-1.0, 2.0), None, "outside_duration"),
-    ((1.0, 3.0), 2.0, "outside_duration"), ((2.2, 2.4), 2.0, "outside_duration"),
+    ((-1e-9, 2.0), None, None),  # float rounding below 0
+    ((2.0, 2.4), 2.0, "outside_duration"), ((2.2, 2.4), 2.0, "outside_duration"),  # starts at / past the end
     ((float("nan"), 1.0), None, "bad_number"),
 ])
 def test_span_problem(span, duration, kind):
@@ -224,3 +228,9 @@ def test_write_jsonl_round_trip(tmp_path):
     again = load_annotations(tmp_path / "out.jsonl", None).samples
     strip = lambda s: (s.sample_id, s.video, s.duration, s.query, s.span, s.clip_start, s.clip_end)  # noqa: E731
     assert [strip(s) for s in again] == [strip(s) for s in original]
+
+    clamped = load_annotations(FIX / "activitynet_bad.json", tmp_path, strict=False).samples
+    write_jsonl(clamped, tmp_path / "clamped.jsonl")
+    assert '"span": [2.0, 20.3]' in (tmp_path / "clamped.jsonl").read_text()  # the file's span, not the clamped one
+    again = load_annotations(tmp_path / "clamped.jsonl", None).samples
+    assert [(s.span, s.raw_span) for s in again] == [((1.0, 5.0), None), ((2.0, 20.0), (2.0, 20.3))]

@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from mmpg.data.prompts import PromptTemplate, build_prompt_inputs
-from mmpg.data.samples import GroundingSample, Skip, clamp_span, span_problem
+from mmpg.data.samples import GroundingSample, Skip, fit_span, span_problem
 from mmpg.data.video import DecodedVideo, VideoError, VideoSpec, _first_line, load_video
 from mmpg.errors import UserError
 
@@ -76,12 +76,10 @@ class GroundingDataset(Dataset):
     """Decodes `samples[i]`'s video with `spec`; never raises on bad data unless `strict`, and then only outside
     DataLoader workers (in a worker the failed item is returned; `GroundingLoader` raises for it)."""
 
-    def __init__(self, samples: Sequence[GroundingSample], spec: VideoSpec, strict: bool = False,
-                 tolerance: float = 0.5):
+    def __init__(self, samples: Sequence[GroundingSample], spec: VideoSpec, strict: bool = False):
         self.samples = list(samples)
         self.spec = spec
         self.strict = strict
-        self.tolerance = tolerance
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -95,10 +93,11 @@ class GroundingDataset(Dataset):
         except Exception as e:  # anything else a broken file can trigger inside a decoder: still a skip
             return self._fail(sample, f"{sample.video}: unexpected error while decoding ({_first_line(e)})")
         duration = sample.duration if sample.duration is not None else video.duration
-        problem = span_problem(sample.span, duration, self.tolerance)
+        problem = span_problem(sample.span, duration)  # the loader's rule (mmpg.data.samples), now with a duration
         if problem is not None:
             return self._fail(sample, f"{sample.video}: {problem[1]}")
-        sample = dataclasses.replace(sample, duration=duration, span=clamp_span(sample.span, duration))
+        span, raw = fit_span(sample.span, duration)
+        sample = dataclasses.replace(sample, duration=duration, span=span, raw_span=sample.raw_span or raw)
         return VideoItem(sample, video)
 
     def _fail(self, sample: GroundingSample, reason: str) -> VideoItem:

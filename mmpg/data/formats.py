@@ -6,14 +6,22 @@
   used by Time-R1 and others: `{video_id: {"duration", "timestamps": [[s, e], ...], "sentences": [...]}}`.
 - `time_r1`: Time-R1-style lists (`train_2k5.json`):
   `[{"video", "duration", "timestamp": [s, e], "sentence", "qid"?, ...}]`.
+- `tvgbench`: Time-R1's benchmark list (`tvgbench.json`): `[{"path", "question", "answer": "S-E", "duration",
+  "start", "end", "source", ...}]`. The moment is `answer`, as in Time-R1's evaluation (`load_tvgbench`,
+  `src/vllm_inference/data/data_loader.py`). `start` / `end` are not the moment: where set (252 of 800) they say
+  where the clip file was cut from its source (end - start = duration), like TimeRFT's `video_start`; metadata only.
 - `jsonl`: mmpg's generic JSONL (data/README.md), one
   `{"id"?, "video", "duration"?, "query", "span": [s, e], "clip"?: [a, b]}` per line.
 
 Ids: formats with several sentences per video get `VIDEO#k` (k = sentence index within that video, from 0), unless
-the record has its own (`id`, or Time-R1's `qid`). ActivityNet ids (`v_xxx`) are looked up as `v_xxx.*` and then
-`xxx.*`, since both namings are in circulation; a relative video path that is not found under the video folder is
-looked up by its bare file name there. Time-R1's `video_start` / `video_end` say where an already cut clip file came
-from in its source video; its timestamps are relative to the clip file, so they are ignored (not a window to cut).
+the record has its own (`id`, or Time-R1's `qid`); TVGBench ones get Time-R1's qid, `<source file stem>_<index>`
+(Time-R1 counts only records whose video exists: the same ids when all are there). ActivityNet ids (`v_xxx`) are
+looked up as `v_xxx.*` and then `xxx.*`, since both namings are in circulation; a relative video path that is not
+found under the video folder is looked up by its bare file name there. Time-R1's `video_start` / `video_end` say
+where an already cut clip file came from in its source video; its timestamps are relative to the clip file, so they
+are ignored (not a window to cut). The list formats keep a record's other fields in `GroundingSample.metadata`.
+Spans follow one rule in every format (`mmpg.data.samples`): an end up to max(2 s, 10 %) past the duration is
+clamped (`raw_span` keeps the file's); farther out, start >= end, or a start at/past the duration is a skip.
 
 Bad records never crash a skip-mode load: with `strict=False` each one is left out and listed in
 `LoadResult.skipped` as (where, reason) and logged; with `strict=True` (default) the first one raises `UserError`
@@ -31,15 +39,18 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
-from mmpg.data.samples import GroundingSample, LoadResult, Skip, clamp_span, resolve_video, span_problem
+from mmpg.data.samples import GroundingSample, LoadResult, Skip, fit_span, frozen, resolve_video, span_problem
 from mmpg.errors import UserError
 
 log = logging.getLogger("mmpg.data")
 
-FORMATS = ("charades", "captions", "time_r1", "jsonl")
+FORMATS = ("charades", "captions", "time_r1", "tvgbench", "jsonl")
 _ALIASES = {"activitynet": "captions", "anet": "captions", "charades_json": "captions", "charades_txt": "charades"}
 FORMAT_CHOICES = ("auto",) + FORMATS + tuple(_ALIASES)
 _CHARADES_LINE = re.compile(r"^\S+\s+[-+0-9.eE]+\s+[-+0-9.eE]+\s*##")
+_NUMBER = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+)"
+_TVG_ANSWER = re.compile(rf"^\s*{_NUMBER}\s*-\s*{_NUMBER}\s*$")  # "13.4-28.1"
+_TVG_FIELDS = ("path", "question", "answer")  # a list whose first record has these is TVGBench
 
 
 class _Bad(Exception):
@@ -70,7 +81,13 @@ def _text(value: Any, what: str) -> str:
     return value.strip()
 
 
-# Each parser yields (where, record) or (where, _Bad). A record: dict(sample_id, video, duration, query, span, clip).
+def _meta(entry: dict, used: tuple[str, ...]) -> tuple:
+    """The record's fields other than `used`, hashable (`GroundingSample.metadata`)."""
+    return tuple((str(k), frozen(v)) for k, v in entry.items() if k not in used)
+
+
+# Each parser yields (where, record) or (where, _Bad).
+# A record: dict(sample_id, video, duration, query, span, clip, meta?), span as in the file (checked by the loader).
 
 def _parse_charades(path: Path, text: str) -> Iterator[tuple[str, Any]]:
     seen: Counter = Counter()
@@ -137,7 +154,43 @@ def _parse_time_r1(path: Path, data: Any) -> Iterator[tuple[str, Any]]:
                 stamp = stamp[0]  # [[s, e]] written as a one-element list of spans
             rec = dict(sample_id=sample_id, video=video, duration=duration, clip=None,
                        query=_text(entry.get("sentence", entry.get("query")), "sentence"),
-                       span=_pair(stamp, "timestamp"))
+                       span=_pair(stamp, "timestamp"),
+                       meta=_meta(entry, ("video", "duration", "timestamp", "timestamps", "sentence", "query", "id",
+                                          "qid")))
+        except _Bad as bad:
+            yield where, bad
+            continue
+        seen[vid] += 1
+        yield where, rec
+
+
+def _parse_tvgbench(path: Path, data: Any) -> Iterator[tuple[str, Any]]:
+    if not isinstance(data, list):
+        raise UserError(f"{path}: expected a JSON list of {{path, question, answer, duration}} objects")
+    seen: Counter = Counter()
+    for i, entry in enumerate(data):
+        where = f"{path}[{i}]"
+        try:
+            if not isinstance(entry, dict):
+                raise _Bad("expected an object")
+            video = _text(entry.get("path"), "path")
+            vid = Path(video).stem
+            answer = entry.get("answer")
+            match = _TVG_ANSWER.match(answer) if isinstance(answer, str) else None
+            if match is None:
+                raise _Bad(f"answer is {answer!r}, expected 'START-END' in seconds, e.g. '13.4-28.1'")
+            source = entry.get("source")
+            if "id" in entry or "qid" in entry:
+                sample_id = str(entry.get("id", entry.get("qid")))
+            elif isinstance(source, str) and source:  # Time-R1's qid (load_tvgbench)
+                sample_id = Path(source).stem.replace(".", "_").replace("-", "_") + f"_{i}"
+            else:
+                sample_id = f"{vid}#{seen[vid]}"
+            rec = dict(sample_id=sample_id, video=video, clip=None,
+                       duration=None if entry.get("duration") is None else _num(entry["duration"], "duration"),
+                       query=_text(entry.get("question"), "question"),
+                       span=(_num(match[1], "answer start"), _num(match[2], "answer end")),
+                       meta=_meta(entry, ("path", "question", "answer", "duration", "id", "qid")))
         except _Bad as bad:
             yield where, bad
             continue
@@ -183,7 +236,12 @@ def detect_format(path: str | Path, text: str | None = None) -> str:
     if _CHARADES_LINE.match(first):
         return "charades"
     if first.startswith("["):
-        return "time_r1"
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            return "time_r1"  # the loader reports where the JSON breaks
+        head = data[0] if isinstance(data, list) and data else None
+        return "tvgbench" if isinstance(head, dict) and all(k in head for k in _TVG_FIELDS) else "time_r1"
     if first.startswith("{"):
         try:
             data = json.loads(text)
@@ -217,12 +275,13 @@ def _load_json(path: Path, text: str) -> Any:
 
 
 def load_annotations(path: str | Path, video_dir: str | Path | None = None, fmt: str = "auto", strict: bool = True,
-                     *, validate: bool = True, tolerance: float = 0.5, log_skips: bool = True) -> LoadResult:
+                     *, validate: bool = True, log_skips: bool = True) -> LoadResult:
     """Read an annotation file into `GroundingSample`s (video paths resolved against `video_dir`).
 
-    validate: drop (or, strict, raise on) spans with start >= end, negative starts, or ends past a known duration
-        by more than `tolerance` seconds; ends past it by less are clamped. `check_dataset` turns this off to
-        classify the problems itself. Missing durations stay None: see `fill_durations`.
+    validate: drop (or, strict, raise on) spans with start >= end, negative starts, starts at/past a known
+        duration, or ends past it by more than `samples.end_margin(duration)`; ends past it by less are clamped,
+        the file's span kept in `raw_span`. `check_dataset` turns this off to classify the problems itself (spans
+        then stay as in the file). Missing durations stay None: see `fill_durations`.
     log_skips: log a warning summarising the skipped records (check-data reports them itself).
     """
     path = Path(path)
@@ -238,18 +297,21 @@ def load_annotations(path: str | Path, video_dir: str | Path | None = None, fmt:
         records = _parse_captions(path, _load_json(path, text))
     elif fmt == "time_r1":
         records = _parse_time_r1(path, _load_json(path, text))
+    elif fmt == "tvgbench":
+        records = _parse_tvgbench(path, _load_json(path, text))
     else:
         raise UserError(f"unknown annotation format {fmt!r}; choose one of {', '.join(FORMAT_CHOICES)}")
 
     result = LoadResult(samples=[])
     cache: dict[str, str] = {}
     for where, rec in records:
+        raw = None
         if not isinstance(rec, _Bad) and validate:
-            problem = span_problem(rec["span"], rec["duration"], tolerance)
+            problem = span_problem(rec["span"], rec["duration"])
             if problem is not None:
                 rec = _Bad(f"{problem[1]} in sample {rec['sample_id']}")
             else:
-                rec["span"] = clamp_span(rec["span"], rec["duration"])
+                rec["span"], raw = fit_span(rec["span"], rec["duration"])
         if isinstance(rec, _Bad):
             _skip(result, Skip(where, str(rec)), strict)
             continue
@@ -257,7 +319,7 @@ def load_annotations(path: str | Path, video_dir: str | Path | None = None, fmt:
             sample_id=rec["sample_id"], video=_video_path(video_dir, rec["video"], fmt, cache),
             duration=rec["duration"], query=rec["query"], span=rec["span"],
             clip_start=rec["clip"][0] if rec["clip"] else None, clip_end=rec["clip"][1] if rec["clip"] else None,
-            origin=where))
+            origin=where, raw_span=raw, metadata=rec.get("meta", ())))
     if result.skipped and log_skips:
         log.warning("%s: skipped %d of %d annotations (first: %s: %s)", path, len(result.skipped),
                     len(result.skipped) + len(result.samples), *result.skipped[0])
@@ -289,11 +351,11 @@ def _skip(result: LoadResult, skip: Skip, strict: bool) -> None:
     result.skipped.append(skip)
 
 
-def fill_durations(samples: list[GroundingSample], strict: bool = True, tolerance: float = 0.5) -> LoadResult:
+def fill_durations(samples: list[GroundingSample], strict: bool = True) -> LoadResult:
     """Read the missing durations from the video files (decord header read, no decoding) and validate spans.
 
     Samples whose video is missing or unreadable, or whose span does not fit the duration, are skipped (or raise
-    in strict mode), like the loader does.
+    in strict mode); ends a little past it are clamped (`raw_span` keeps the file's), like the loader does.
     """
     from mmpg.data.video import VideoError, read_duration  # decord/torch only when needed
 
@@ -310,11 +372,12 @@ def fill_durations(samples: list[GroundingSample], strict: bool = True, toleranc
             if isinstance(d, VideoError):
                 _skip(result, Skip(sample.where, str(d)), strict)
                 continue
-            problem = span_problem(sample.span, d, tolerance)
+            problem = span_problem(sample.span, d)
             if problem is not None:
                 _skip(result, Skip(sample.where, problem[1]), strict)
                 continue
-            sample = dataclasses.replace(sample, duration=d, span=clamp_span(sample.span, d))
+            span, raw = fit_span(sample.span, d)
+            sample = dataclasses.replace(sample, duration=d, span=span, raw_span=sample.raw_span or raw)
         result.samples.append(sample)
     if result.skipped:
         log.warning("fill_durations: skipped %d of %d samples (first: %s: %s)", len(result.skipped), len(samples),
@@ -323,11 +386,14 @@ def fill_durations(samples: list[GroundingSample], strict: bool = True, toleranc
 
 
 def write_jsonl(samples: list[GroundingSample], path: str | Path) -> None:
-    """Write samples in the generic JSONL format (videos as resolved paths), e.g. after `fill_durations`."""
+    """Write samples in the generic JSONL format (videos as resolved paths), e.g. after `fill_durations`.
+
+    The span written is the file's (`raw_span or span`): reading it back clamps it again and restores `raw_span`.
+    `metadata` is not written."""
     with open(path, "w", encoding="utf-8") as f:
         for s in samples:
             rec: dict[str, Any] = {"id": s.sample_id, "video": s.video, "duration": s.duration, "query": s.query,
-                                   "span": list(s.span)}
+                                   "span": list(s.raw_span or s.span)}
             if s.clip_start is not None or s.clip_end is not None:
                 rec["clip"] = [s.clip_start or 0.0, s.clip_end if s.clip_end is not None else s.duration]
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")

@@ -3,6 +3,15 @@
 Times are seconds from the start of the *whole* video file. An optional clip window (`clip_start`, `clip_end`)
 restricts which frames the model is shown; the span and the expected answer stay in whole-video seconds, and the
 prompt states the window.
+
+Ends past the duration. Public annotations often end a little after the duration they state: Charades-STA test has
+562 of 3,720 queries ending up to 1.5 s past it, TimeRFT 18 ending 0.02-16.4 s past it and 14 more by float rounding
+(1e-14 s). The papers evaluate all of these, so a span whose end is past the duration by at most
+`end_margin(duration)` = max(END_MARGIN_S, END_MARGIN_FRACTION * duration) is kept: `span` holds it clamped to the
+duration (training targets, rewards, mmpg's default evaluation), `raw_span` the file's span (what the papers'
+protocols score). Farther out the annotation is wrong (TimeRFT: an end at 14,220 s in a 158 s video); such a span, a
+start >= end, a start at or past the duration, or a start before 0 is skipped and counted (strict: raises).
+Differences up to ROUNDING_S are float rounding: clamped, not recorded in `raw_span`, not counted as clamped.
 """
 
 from __future__ import annotations
@@ -10,12 +19,26 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 # Tried in this order when an annotation names a video without an extension (Charades ids, ActivityNet ids).
 VIDEO_EXTENSIONS = (".mp4", ".mkv", ".webm", ".avi", ".mov")
 # Suffixes that mean "this name already carries its extension" (the list above plus a few more containers).
 _KNOWN_SUFFIXES = frozenset(VIDEO_EXTENSIONS + (".m4v", ".mpg", ".mpeg", ".flv", ".wmv", ".3gp", ".ts"))
+
+# How far past the stated duration an annotated end may lie and still be kept (clamped): the larger of 2 s and 10 %
+# of the duration. Seen in the public files: Charades-STA ends up to 1.5 s past ~30 s videos (2 s covers them with
+# room); TimeRFT ends up to 2.7 s past ~27.5 s videos, 11.2 s past a 144 s and 16.4 s past a 205 s one (10 % covers
+# them). Beyond: 2.78 s past 22.2 s TimeRFT videos (four of them), 4.85 s past a 27.9 s TVGBench clip, and ends
+# hundreds to 14,062 s past (TimeRFT), which are annotation errors.
+END_MARGIN_S, END_MARGIN_FRACTION = 2.0, 0.10
+# Below this, a difference between a span and the duration is float rounding (TimeRFT ends 1e-14 s past it).
+ROUNDING_S = 1e-6
+
+
+def end_margin(duration: float) -> float:
+    """Seconds an end may lie past `duration` and still be kept, clamped: max(2 s, 10 % of the duration)."""
+    return max(END_MARGIN_S, END_MARGIN_FRACTION * duration)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +49,14 @@ class GroundingSample:
     video: path of the video file (resolved against the video folder; it may not exist, which `check-data` reports).
     duration: seconds of the whole video, or None until read from the file (`fill_durations`, or the dataset).
     query: the sentence describing the moment.
-    span: (start, end) of the moment in seconds, start < end.
+    span: (start, end) of the moment in seconds, start < end, clamped to [0, duration] (see the module docstring):
+        what training targets, rewards and mmpg's default evaluation use.
     clip_start / clip_end: optional window of the video shown to the model (seconds); None = whole video.
     origin: where the sample came from, `file:line` or `file[index]`, for error messages.
+    raw_span: the file's (start, end) when clamping changed it by more than ROUNDING_S (an end up to
+        `end_margin(duration)` past the duration), else None; a paper's protocol scores `raw_span or span`.
+    metadata: the record's other fields as (key, value) pairs, lists and objects made tuples so the sample stays
+        hashable (TVGBench's `question_type`, `dataset_name`, `qsemtype`, `bins`, ...); `meta` gives a dict.
     """
 
     sample_id: str
@@ -39,6 +67,13 @@ class GroundingSample:
     clip_start: float | None = None
     clip_end: float | None = None
     origin: str = ""
+    raw_span: tuple[float, float] | None = None
+    metadata: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """`metadata` as a dict (nested objects stay tuples of pairs)."""
+        return dict(self.metadata)
 
     @property
     def where(self) -> str:
@@ -86,27 +121,54 @@ def resolve_video(video_dir: str | Path | None, name: str, _cache: dict | None =
     return out
 
 
-def span_problem(span: tuple[float, float], duration: float | None, tolerance: float = 0.5) -> tuple[str, str] | None:
-    """Why `span` is unusable, as (kind, message), or None when it is fine.
+def span_problem(span: tuple[float, float], duration: float | None) -> tuple[str, str] | None:
+    """Why `span` is unusable, as (kind, message), or None when it is fine (`fit_span` then clamps it).
 
-    kind is one of "bad_number", "start_ge_end", "outside_duration". An end past the duration by at most `tolerance`
-    seconds is accepted (annotations are often rounded up; `clamp_span` fixes it).
+    kind is one of "bad_number", "start_ge_end", "outside_duration" (a start before 0 or at/past the duration, an
+    end more than `end_margin(duration)` past it). An end past the duration by less is accepted.
     """
     s, e = span
     if not (math.isfinite(s) and math.isfinite(e)):
         return "bad_number", f"span {s}-{e} is not a pair of finite numbers"
     if s >= e:
         return "start_ge_end", f"start {s:g} >= end {e:g}"
-    if s < 0:
+    if s < -ROUNDING_S:
         return "outside_duration", f"span {s:g}-{e:g} s starts before 0"
-    if duration is not None and (e > duration + tolerance or s >= duration):
-        return "outside_duration", f"span {s:g}-{e:g} s is not inside the video (duration {duration:g} s)"
+    if duration is None:
+        return None
+    outside = f"span {s:g}-{e:g} s is not inside the video (duration {duration:g} s"
+    if s >= duration:
+        return "outside_duration", f"{outside}, start at or past its end)"
+    margin = end_margin(duration)
+    if e > duration + margin:
+        return "outside_duration", (f"{outside}, end {round(e - duration, 2):g} s past it, more than the "
+                                    f"{round(margin, 2):g} s allowed: max({END_MARGIN_S:g} s, "
+                                    f"{END_MARGIN_FRACTION:.0%} of the duration))")
     return None
 
 
 def clamp_span(span: tuple[float, float], duration: float | None) -> tuple[float, float]:
-    """Clip an accepted span to [0, duration] (only tolerance-sized changes once `span_problem` passed)."""
+    """Clip an accepted span to [0, duration] (`span_problem` bounds the change: rounding at the start, at most
+    `end_margin(duration)` at the end)."""
     s, e = max(0.0, span[0]), span[1]
     if duration is not None:
         e = min(e, duration)
     return (s, e)
+
+
+def fit_span(span: tuple[float, float], duration: float | None) -> tuple[tuple[float, float],
+                                                                         tuple[float, float] | None]:
+    """(span clamped to [0, duration], the file's span if clamping moved an end by more than ROUNDING_S else None)
+    for a span `span_problem` accepted: the `span` and `raw_span` of a GroundingSample."""
+    clamped = clamp_span(span, duration)
+    moved = max(abs(clamped[0] - span[0]), abs(clamped[1] - span[1]))
+    return clamped, (float(span[0]), float(span[1])) if moved > ROUNDING_S else None
+
+
+def frozen(value: Any) -> Any:
+    """A JSON value made hashable: lists become tuples, objects tuples of (key, value) pairs, recursively."""
+    if isinstance(value, dict):
+        return tuple((str(k), frozen(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(frozen(v) for v in value)
+    return value

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 
 from mmpg.data.dataset import GroundingDataset, VideoDataLoader, VideoItem
 from mmpg.data.prompts import build_prompt_inputs
-from mmpg.eval.metrics import score_answer
+from mmpg.eval.metrics import score_sample, scored_truth
 from mmpg.runs.evals import PredictionRecord
 
 log = logging.getLogger("mmpg.eval")
@@ -70,11 +70,11 @@ def record_for(index: int, item, text: str | None, settings) -> PredictionRecord
     duration = sample.duration if sample.duration is not None else math.nan
     if text is None:
         return PredictionRecord(index=index, sample_id=sample.sample_id, video=video, duration=duration,
-                                query=sample.query, gt_span=list(sample.span), pred_span=None, text="", iou=0.0,
-                                error=item.error)
-    scored = score_answer(text, sample.span, sample.duration, settings.swap_reversed)
+                                query=sample.query, gt_span=list(scored_truth(sample, settings.scoring)),
+                                pred_span=None, text="", iou=0.0, error=item.error)
+    scored, truth = score_sample(text, sample, settings.scoring, settings.swap_reversed)
     return PredictionRecord(index=index, sample_id=sample.sample_id, video=video, duration=duration,
-                            query=sample.query, gt_span=list(sample.span),
+                            query=sample.query, gt_span=list(truth),
                             pred_span=list(scored.span) if scored.span else None, text=text, iou=scored.iou)
 
 

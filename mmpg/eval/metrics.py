@@ -8,9 +8,19 @@ reported (`r1@0.5` with `>`, `r1@0.5_ge` with `>=`); they differ only for predic
 which happens on benchmarks with whole-second spans. tIoU is compared as computed (no rounding), as both papers' code
 does.
 
-An answer is scored through `mmpg.rewards.parse_answer`: the span inside the last <answer> tags, clamped to
-[0, duration]; an answer with no span, a reversed span (unless swap_reversed), an empty span or a span wholly outside
-the video is unparseable and scores 0. A sample whose video could not be used ("failed") scores 0 and counts in the
+How an answer becomes a span and a tIoU is the `scoring` setting, part of each protocol:
+
+  mmpg       (protocol default) `mmpg.rewards.parse_answer`, the rule training rewards use: the span inside the last
+             <answer> tags, clamped to [0, duration]; an answer with no span, a reversed span (unless swap_reversed),
+             an empty span or a span wholly outside the video is unparseable and scores 0; the ground truth is the
+             loaded span (an end just past the duration clamped, `mmpg.data.samples`).
+  last_span  (time_r1, videochat_r1, tvgbench) the papers' evaluation code: the last "A to B" or "A and B" (numbers
+             written with digits and an optional decimal part) anywhere in the answer, tags or not (Time-R1
+             `evaluate.py` extract_answer, VideoChat-R1 `src_eval/evaluate_tg_c8.py` parse_timestamp_output); tIoU
+             of the raw spans, nothing clamped, answer nor ground truth (`raw_span`): max(0, min(e, e') - max(s, s'))
+             / (max(e, e') - min(s, s')) (Time-R1 `src/vllm_inference/eval_all.py` compute_IoU; VideoChat-R1 the same
+             floored at 0), so a reversed answer scores 0 through the formula itself, and an answer past the end of the
+             video widens the union. A sample whose video could not be used ("failed") scores 0 and counts in the
 denominator when bad_videos="fail", and is left out of it when bad_videos="skip"; either way it is counted apart
 from the unparseable answers.
 """
@@ -18,6 +28,7 @@ from the unparseable answers.
 from __future__ import annotations
 
 import math
+import re
 from typing import NamedTuple, Sequence
 
 from mmpg.rewards import parse_answer, temporal_iou
@@ -57,6 +68,48 @@ def score_answer(text: str, truth: tuple[float, float], duration: float | None,
     if not parsed.ok:
         return Scored(None, 0.0, parsed.reason)
     return Scored(parsed.span, temporal_iou(parsed.span, tuple(truth)), None)
+
+
+SCORINGS = ("mmpg", "last_span")
+_LAST_SPAN = re.compile(r"(\d+\.?\d*) (?:to|and) (\d+\.?\d*)")
+
+
+def last_span(text: str) -> tuple[float, float] | None:
+    """The papers' parser (scoring "last_span"): the last "A to B" / "A and B" anywhere in `text`, as written."""
+    matches = _LAST_SPAN.findall(text or "")
+    return (float(matches[-1][0]), float(matches[-1][1])) if matches else None
+
+
+def raw_iou(pred: tuple[float, float], truth: tuple[float, float]) -> float:
+    """tIoU of two spans as written (scoring "last_span"): max(0, intersection) / union, union over the outer ends.
+    A reversed `pred` has a negative intersection, so 0; nothing is clamped to the video."""
+    inter = min(pred[1], truth[1]) - max(pred[0], truth[0])
+    union = max(pred[1], truth[1]) - min(pred[0], truth[0])
+    return max(0.0, inter) / union if union > 0 else 0.0
+
+
+def score_sample(text: str, sample, scoring: str = "mmpg", swap_reversed: bool = False) -> tuple[Scored, tuple]:
+    """(Scored, the ground truth it was scored against) for one answer to `sample` under `scoring` (docstring)."""
+    truth = scored_truth(sample, scoring)
+    if scoring == "mmpg":
+        return score_answer(text, truth, sample.duration, swap_reversed), truth
+    return score_raw(text, truth), truth
+
+
+def scored_truth(sample, scoring: str = "mmpg") -> tuple[float, float]:
+    """The ground truth `scoring` compares with: the loaded span (mmpg) or the file's own (last_span)."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+    raw = getattr(sample, "raw_span", None) if scoring == "last_span" else None
+    return tuple(raw or sample.span)
+
+
+def score_raw(text: str, truth: tuple[float, float]) -> Scored:
+    """scoring "last_span": the last span anywhere in `text` against `truth`, both as written."""
+    span = last_span(text)
+    if span is None:
+        return Scored(None, 0.0, "no 'A to B' or 'A and B' with numbers in the answer")
+    return Scored(span, raw_iou(span, tuple(truth)), None)
 
 
 def recall(ious: Sequence[float], m: float, rule: str = "gt") -> float:

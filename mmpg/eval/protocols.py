@@ -17,39 +17,50 @@ from mmpg.errors import UserError
 
 _TOKEN = 28 * 28  # pixels per visual token of Qwen2.5-VL (14 x 14 patches, 2 x 2 merged)
 
-# The grounding prompts of the two released evaluation scripts, word for word ({query} is the sentence), as
-# `PromptTemplate` arguments (built on use: importing mmpg.data pulls in torch, which `mmpg --help` should not
-# wait for).
-EVAL_TEMPLATES: dict[str, dict] = {
-    # xiaomi-research/Time-R1, src/vllm_inference/data/config.py, DEFAULT_TG_PROMPT["r1"], with its system prompt
-    "time_r1_eval": {"user": (
-        'To accurately pinpoint the event "{query}" in the video, determine the precise time period of the event.'
-        "\n\nOutput your thought process within the <think> </think> tags, including analysis with either specific "
-        "time ranges (xx.xx to xx.xx) in <timestep> </timestep> tags.\n\nThen, provide the start and end times (in "
-        'seconds, precise to two decimal places) in the format "start time to end time" within the <answer> '
-        '</answer> tags. For example: "12.54 to 17.83".'),
-        "system": "You are a helpful assistant."},
-    # OpenGVLab/VideoChat-R1, src_eval/evaluate_tg_c8.py, GROUND_TEMPLATE (no system prompt of its own)
-    "videochat_r1_eval": {"user": (
-        'To accurately pinpoint the event "{query}" in the video, determine the precise time period of the event.'
-        "\n\nOutput your thought process within the <think> </think> tags, including analysis with either specific "
-        "timestamps (xx.xx) or time ranges (xx.xx to xx.xx) in <timestep> </timestep> tags.\n\nThen, provide the "
-        'start and end times (in seconds, precise to two decimal places) in the format "start time to end time" '
-        'within the <answer> </answer> tags. For example: "12.54 to 17.83".')},
-}
-
-
 def template_names() -> list[str]:
     from mmpg.data.prompts import TEMPLATES
 
-    return list(TEMPLATES) + list(EVAL_TEMPLATES)
+    return list(TEMPLATES) + ["file"]
 
 
-def eval_template(name: str):
-    """The `PromptTemplate` called `name`: mmpg's own (mmpg/data/prompts.py) or a protocol's (above)."""
-    from mmpg.data.prompts import PromptTemplate, get_template
+def read_prompt_file(path: str):
+    """The `PromptTemplate` of a user's prompt file: its whole text is the user turn, with {query} (required) and
+    optionally {duration} (or any of mmpg.data.prompts.PLACEHOLDERS); literal braces are written doubled."""
+    import string
+    from pathlib import Path
 
-    return PromptTemplate(**EVAL_TEMPLATES[name]) if name in EVAL_TEMPLATES else get_template(name)
+    from mmpg.data.prompts import PromptTemplate
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError(f"prompt_file {path}: not found; pass a text file with the prompt, {{query}} where the "
+                        "sentence goes")
+    try:
+        text = file.read_text(encoding="utf-8-sig").strip()
+    except UnicodeDecodeError as e:
+        raise UserError(f"prompt_file {path}: not UTF-8 text (byte {e.start})") from None
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
+    except ValueError as e:
+        raise UserError(f"prompt_file {path}: {e} (write literal braces doubled, {{{{ and }}}})") from None
+    if "query" not in fields:
+        raise UserError(f"prompt_file {path}: no {{query}} placeholder, so every prompt would be the same; put "
+                        "{query} where the sentence goes (a paper's [EVENT] or {} marker becomes {query})")
+    try:
+        return PromptTemplate(user=text)
+    except UserError as e:
+        raise UserError(f"prompt_file {path}: {e}") from None
+
+
+def eval_template(name: str, prompt_file: str | None = None):
+    """The `PromptTemplate` called `name` (mmpg/data/prompts.py), or for "file" the text of `prompt_file`."""
+    from mmpg.data.prompts import get_template
+
+    if name == "file":
+        if not prompt_file:
+            raise UserError("template=file needs prompt_file=PATH (a text file with {query})")
+        return read_prompt_file(prompt_file)
+    return get_template(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +69,13 @@ class Protocol:
     summary: str  # one line
     settings: dict  # EvalSettings fields this preset sets
     source: str  # where each number comes from, what is assumed, what mmpg does not reproduce
+    prompt_where: str = ""  # where the paper's own prompt text is (mmpg does not ship it; prompt_file=PATH)
 
+
+# Time-R1's released evaluation (evaluate.py, scripts/test.sh, build_dataloader), shared by time_r1 and tvgbench.
+_TIME_R1 = {"template": "file", "scoring": "last_span", "fps": 2.0, "min_frames": 4, "max_frames": 768,
+            "min_pixels": 16 * _TOKEN, "max_pixels": 768 * _TOKEN, "total_pixels": 3584 * _TOKEN,
+            "max_new_tokens": 1024, "threshold_rule": "gt"}
 
 PROTOCOLS: dict[str, Protocol] = {p.name: p for p in [
     Protocol(
@@ -66,39 +83,58 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in [
         "mmpg's training defaults (data.fps, data.max_frames, pixel budgets in tokens, template time_r1): the "
         "videos look as they did in training. Not a published protocol.",
         {},
-        "Source: mmpg's own defaults (mmpg/config.py, mmpg/data/video.py). R1@m shown with tIoU > m first."),
+        "Source: mmpg's own defaults (mmpg/config.py, mmpg/data/video.py). R1@m shown with tIoU > m first. "
+        "scoring mmpg: the training parser (the last <answer> span, clamped to the video)."),
     Protocol(
         "time_r1",
         "Time-R1 (arXiv 2503.13377), as its released evaluation code runs Charades-STA / ActivityNet / TVGBench.",
-        {"template": "time_r1_eval", "fps": 2.0, "min_frames": 4, "max_frames": 768, "min_pixels": 16 * _TOKEN,
-         "max_pixels": 768 * _TOKEN, "total_pixels": 3584 * _TOKEN, "max_new_tokens": 1024, "threshold_rule": "gt",
-         "bad_videos": "fail"},
+        dict(_TIME_R1, bad_videos="fail"),
         "Source: the released code (xiaomi-research/Time-R1), not the paper's text, which was not checked here.\n"
-        "template: its R1 grounding prompt and system prompt (src/vllm_inference/data/config.py).\n"
+        "template=file: the prompt is the user's prompt_file (the paper's text: see prompt_where). System prompt: "
+        "its 'You are a helpful assistant.', which is also Qwen2.5-VL's chat-template default, so none is set.\n"
+        "scoring last_span: extract_answer in evaluate.py (the last 'A to B' / 'A and B' anywhere) and compute_IoU "
+        "in src/vllm_inference/eval_all.py (raw spans, nothing clamped); mIoU and R1 over every scored query.\n"
         "total_pixels 3584*28*28 and min_pixels 16*28*28: evaluate.py / build_dataloader defaults.\n"
         "max_new_tokens 1024: scripts/test.sh. threshold_rule gt: eval_all.py counts tIoU > m; an answer without a "
         "span scores 0.\n"
         "fps 2, min_frames 4, max_frames 768, max_pixels 768*28*28: not set by the script; assumed to be "
         "qwen-vl-utils' defaults.\n"
         "bad_videos fail: assumed (the script stops on a missing video).\n"
-        "Not reproduced: its parser takes the last 'X to Y' anywhere in the output (mmpg needs <answer> tags and "
-        "rejects reversed spans unless swap_reversed=true); scripts/test.sh passes --use_nothink (an empty <think> "
-        "after the generation prompt); mmpg drops a trailing period from the query; vLLM bf16 decoding."),
+        "Not reproduced: scripts/test.sh passes --use_nothink (an empty <think> after the generation prompt); mmpg "
+        "drops a trailing period from the query; vLLM bf16 decoding.",
+        "xiaomi-research/Time-R1, src/vllm_inference/data/config.py, DEFAULT_TG_PROMPT['r1'] (its event marker "
+        "becomes {query})"),
+    Protocol(
+        "tvgbench",
+        "Time-R1's TVGBench (tvgbench.json, 800 queries), as its released evaluation code runs it.",
+        dict(_TIME_R1, bad_videos="skip", format="tvgbench"),
+        "Source: the released code (xiaomi-research/Time-R1): TVGBench goes through the same evaluate.py, "
+        "build_dataloader and eval_all.py as Charades-STA, so every setting is time_r1's (see there).\n"
+        "format tvgbench: load_tvgbench in src/vllm_inference/data/data_loader.py (the span from 'answer' \"S-E\", "
+        "the video from 'path').\n"
+        "bad_videos skip: load_tvgbench leaves a record out when its video file does not exist.\n"
+        "scoring last_span, threshold_rule gt: eval_all.py scores tvgbench like charades (compute_IoU, tIoU > m).",
+        "xiaomi-research/Time-R1, src/vllm_inference/data/config.py, DEFAULT_TG_PROMPT['r1'] (its event marker "
+        "becomes {query})"),
     Protocol(
         "videochat_r1",
         "VideoChat-R1 (arXiv 2504.06958), as its released Charades-STA evaluation script runs.",
-        {"template": "videochat_r1_eval", "fps": 2.0, "min_frames": 4, "max_frames": 768, "min_pixels": 16 * _TOKEN,
-         "max_pixels": 768 * _TOKEN, "total_pixels": 3584 * _TOKEN, "max_new_tokens": 2048,
-         "threshold_rule": "ge", "bad_videos": "skip"},
+        {"template": "file", "scoring": "last_span", "fps": 2.0, "min_frames": 4, "max_frames": 768,
+         "min_pixels": 16 * _TOKEN, "max_pixels": 768 * _TOKEN, "total_pixels": 3584 * _TOKEN,
+         "max_new_tokens": 2048, "threshold_rule": "ge", "bad_videos": "skip"},
         "Source: the released code (OpenGVLab/VideoChat-R1, src_eval/evaluate_tg_c8.py and my_qwen_utils.py), not "
         "the paper's text, which was not checked here.\n"
-        "template: GROUND_TEMPLATE, no system prompt (Qwen2.5-VL's chat template then adds its default one).\n"
+        "template=file: the prompt is the user's prompt_file (the paper's text: see prompt_where); no system "
+        "prompt (Qwen2.5-VL's chat template then adds its default one).\n"
+        "scoring last_span: parse_timestamp_output (the last 'A to B' / 'A and B' anywhere) and the IoU of the raw "
+        "spans floored at 0, in evaluate_tg_c8.py.\n"
         "total_pixels 3584*28*28, min_pixels 16*28*28: the video element of inference(). max_new_tokens 2048: "
         "inference()'s default. threshold_rule ge: recall counts m <= tIoU.\n"
         "fps 2, min_frames 4, max_frames 768, max_pixels 768*28*28: the constants of its my_qwen_utils.py.\n"
         "bad_videos skip: a sample whose inference raises is left out of the counts there.\n"
-        "Not reproduced: the question comes before the video in its user turn (mmpg puts the video first); its "
-        "parser takes the last 'X to Y' anywhere in the output; bf16 with flash-attention."),
+        "Not reproduced: the question comes before the video in its user turn (mmpg puts the video first); bf16 "
+        "with flash-attention.",
+        "OpenGVLab/VideoChat-R1, src_eval/evaluate_tg_c8.py, GROUND_TEMPLATE (its [EVENT] becomes {query})"),
 ]}
 
 
@@ -107,6 +143,17 @@ def get_protocol(name: str) -> Protocol:
         raise UserError(f"unknown protocol {name!r}; choose one of {', '.join(PROTOCOLS)} (mmpg eval --fields "
                         "describes them)")
     return PROTOCOLS[name]
+
+
+def check_prompt(protocol: Protocol, settings) -> None:
+    """A protocol whose prompt is a file (template=file) without prompt_file: one line saying where the text is."""
+    if settings.template != "file":
+        return
+    if not settings.prompt_file:
+        where = f" The paper's text is in {protocol.prompt_where}." if protocol.prompt_where else ""
+        raise UserError(f"protocol {protocol.name} uses its paper's own prompt, which mmpg does not ship: pass "
+                        f"prompt_file=PATH, a text file with {{query}} where the sentence goes.{where}")
+    read_prompt_file(settings.prompt_file)
 
 
 def protocols_help() -> str:

@@ -9,7 +9,7 @@ import math
 import re
 from collections import Counter
 
-from mmpg.eval.metrics import THRESHOLDS, score_answer
+from mmpg.eval.metrics import THRESHOLDS, score_answer, score_raw
 
 RULES = {  # threshold_rule -> (row label, comparison)
     "gt": ("tIoU > m (Time-R1)", ">"),
@@ -41,6 +41,26 @@ def _reason_kind(reason: str) -> str:
     return re.sub(r"-?\d+(?:\.\d+)?", "N", reason)
 
 
+def _coverage(info: dict, metrics: dict, settings: dict) -> list[str]:
+    """Whether the numbers cover the whole benchmark: queries in the file, loaded, left out (why), clamped, scored."""
+    records = info.get("annotations_records")
+    if records is None:  # an evaluation folder written before these counts existed
+        return []
+    loaded, left = info.get("benchmark_size", 0), info.get("annotations_left_out_count", 0)
+    clamped = info.get("ground_truth_clamped", 0)
+    how = ("scored against the file's own span (scoring last_span)" if settings.get("scoring") == "last_span"
+           else "scored against the span clamped to the video (scoring mmpg)")
+    lines = ["## Coverage", "", f"- queries in the annotation file: **{records}**",
+             f"- loaded: **{loaded}**; left out: **{left}**"
+             + "".join(f"\n  - {n} x {why}" for why, n in info.get("annotations_left_out_reasons", {}).items()),
+             f"- ground truths ending past the stated duration, kept: **{clamped}**, {how}",
+             f"- evaluated: **{info.get('evaluated', loaded)}**"
+             + (f" (max_samples={settings.get('max_samples')})" if settings.get("max_samples") else "")
+             + f"; scored: **{int(metrics.get('count', 0))}** ({int(metrics.get('failed', 0))} failed videos, "
+             + ("scored 0" if settings.get("bad_videos") == "fail" else "left out") + ")", ""]
+    return lines
+
+
 def _problems(metrics: dict, records, settings: dict) -> list[str]:
     n, total = int(metrics.get("count", 0)), int(metrics.get("total", 0))
     k = int(metrics.get("unparseable_count", 0))
@@ -49,7 +69,10 @@ def _problems(metrics: dict, records, settings: dict) -> list[str]:
     reasons = Counter()
     for r in records:
         if r.error is None and r.pred_span is None:
-            why = score_answer(r.text, tuple(r.gt_span), r.duration, settings.get("swap_reversed", False)).reason
+            if settings.get("scoring", "mmpg") == "last_span":
+                why = score_raw(r.text, tuple(r.gt_span)).reason
+            else:
+                why = score_answer(r.text, tuple(r.gt_span), r.duration, settings.get("swap_reversed", False)).reason
             reasons[_reason_kind(why or "?")] += 1
     lines += [f"- {count} x {why}" for why, count in reasons.most_common(5)]
     failed = [r for r in records if r.error is not None]
@@ -93,6 +116,7 @@ def eval_report(info: dict, metrics: dict, records, protocol_summary: str = "") 
     lines += metrics_table(metrics, first)
     lines += ["", f"R1@m counts a sample when its tIoU {RULES[first][1]} m under the protocol's convention (first "
               "row); the other row is the other convention. mIoU does not depend on it.", ""]
+    lines += _coverage(info, metrics, settings)
     lines += _problems(metrics, records, settings)
     if left_out:
         count = info.get("annotations_left_out_count", len(left_out))

@@ -80,8 +80,9 @@ class Benchmark:
     annotations: str
     videos: str | None
     samples: list  # [GroundingSample] to evaluate: the file's first settings.max_samples (all when 0)
-    size: int  # samples the file holds
+    size: int  # samples the loader kept (the file's queries minus left_out)
     left_out: list  # [(where, why)] of the annotation records the loader could not use
+    clamped: int = 0  # kept samples whose ground truth ends past the stated duration (raw_span set)
 
 
 def load_benchmark(annotations, videos, settings: EvalSettings, name: str | None = None) -> Benchmark:
@@ -96,7 +97,17 @@ def load_benchmark(annotations, videos, settings: EvalSettings, name: str | None
     n = settings.max_samples
     return Benchmark(name or Path(annotations).stem, str(annotations), str(videos) if videos else None,
                      result.samples[:n] if n > 0 else result.samples, len(result.samples),
-                     [tuple(s) for s in result.skipped])
+                     [tuple(s) for s in result.skipped], sum(s.raw_span is not None for s in result.samples))
+
+
+def left_out_reasons(left_out: list) -> dict[str, int]:
+    """{reason with its numbers replaced by N: count} of the records the loader left out, most common first."""
+    import re
+    from collections import Counter
+
+    kinds = Counter(re.sub(r"(?<!\d)-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", "N", re.sub(r" in sample \S+$", "", why))
+                    for _, why in left_out)
+    return dict(kinds.most_common())
 
 
 def load_model(checkpoint, settings: EvalSettings, device: str):
@@ -141,7 +152,7 @@ def eval_info(checkpoint, bench: Benchmark, protocol: str, step, settings: EvalS
     video = {k: v for k, v in spec.element("").items() if k not in ("type", "video")}
     numbers = dict(numbers_settings(settings), dtype=dtype, family=family, video=video,
                    template_text={"user": template.user, "system": template.system, "think": template.think},
-                   parser="mmpg.rewards.parse_answer")
+                   parser="mmpg.rewards.parse_answer" if settings.scoring == "mmpg" else "mmpg.eval.metrics.last_span")
     return {
         "checkpoint": str(Path(checkpoint).expanduser().resolve()) if Path(checkpoint).expanduser().exists()
         else str(checkpoint),
@@ -150,6 +161,8 @@ def eval_info(checkpoint, bench: Benchmark, protocol: str, step, settings: EvalS
         "protocol": protocol, "benchmark": bench.name, "step": step, "settings": numbers,
         "benchmark_size": bench.size, "evaluated": len(bench.samples),
         "annotations_left_out_count": len(bench.left_out), "annotations_left_out": bench.left_out[:20],
+        "annotations_left_out_reasons": left_out_reasons(bench.left_out),
+        "annotations_records": bench.size + len(bench.left_out), "ground_truth_clamped": bench.clamped,
         "runtime": {"device": session.device, "world_size": session.world, "batch_size": settings.batch_size,
                     "num_workers": settings.num_workers, "mmpg": mmpg_version, "torch": torch.__version__,
                     "transformers": transformers.__version__},
@@ -189,7 +202,7 @@ def evaluate_checkpoint(checkpoint, annotations, videos, out, settings: EvalSett
         spec = VideoSpec.for_family(family, fps=settings.fps, min_frames=settings.min_frames,
                                     max_frames=settings.max_frames, min_pixels=settings.min_pixels,
                                     max_pixels=settings.max_pixels, total_pixels=settings.total_pixels)
-        template = eval_template(settings.template)
+        template = eval_template(settings.template, settings.prompt_file)
         info = eval_info(checkpoint, bench, protocol, step, settings, family, dtype, spec, template, session)
         writer = EvalWriter(out, rank=session.rank)
         n = len(bench.samples)

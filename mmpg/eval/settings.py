@@ -19,13 +19,20 @@ from mmpg.errors import UserError
 
 # Settings that change the numbers (stored in eval.json and the report, compared on a rerun). The others only change
 # how fast the same predictions are made.
-RUNTIME_ONLY = ("batch_size", "num_workers", "device")
+RUNTIME_ONLY = ("batch_size", "num_workers", "device", "self_check")
 
 
 @dataclass
 class EvalSettings:
     template: str = _f("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only (mmpg/data/prompts.py), or "
-                       "a protocol's own: time_r1_eval, videochat_r1_eval (mmpg/eval/protocols.py).")
+                       "file: the text of prompt_file (what the papers' protocols use).")
+    prompt_file: Optional[str] = _f(None, "A text file holding the user prompt, with {query} (and optionally "
+                                    "{duration}) where the sentence (and the video's length) go; setting it selects "
+                                    "template=file. The time_r1 / videochat_r1 / tvgbench protocols need one: mmpg "
+                                    "does not ship the papers' prompts (mmpg eval --fields says where each is).")
+    scoring: str = _f("mmpg", "How an answer is scored (mmpg/eval/metrics.py): mmpg (the last <answer> span, "
+                      "clamped to the video, as training rewards it) or last_span (the papers' code: the last "
+                      "'A to B' anywhere, answer and ground truth unclamped).")
     fps: float = _f(2.0, "Frames sampled per second of video (before min_frames / max_frames).")
     min_frames: int = _f(4, "Fewest frames per video.")
     max_frames: int = _f(64, "Most frames per video; long videos get a lower effective fps.")
@@ -42,7 +49,7 @@ class EvalSettings:
     bad_videos: str = _f("fail", "A sample whose video is missing or corrupt: fail (scored IoU 0, counted) or skip "
                          "(left out of the metrics, counted).")
     max_samples: int = _f(0, "Evaluate only the first N samples of the benchmark (0: all).")
-    format: str = _f("auto", "Annotation format: auto, charades, captions, time_r1, jsonl (data/README.md).")
+    format: str = _f("auto", "Annotation format: auto, charades, captions, time_r1, tvgbench, jsonl (data/README.md).")
     batch_size: int = _f(8, "Prompts per greedy decoding batch (per rank).")
     num_workers: int = _f(2, "DataLoader workers decoding videos (0: in the main process).")
     device: str = _f("auto", "auto (cuda when available), cpu or cuda.")
@@ -58,6 +65,7 @@ CHOICES = {
     "bad_videos": ("fail", "skip"),
     "device": ("auto", "cpu", "cuda"),
     "self_check": ("on", "warn", "off"),
+    "scoring": ("mmpg", "last_span"),
 }
 FIELDS = [f.name for f in dataclasses.fields(EvalSettings)]
 
@@ -72,6 +80,8 @@ def _validate(s: EvalSettings) -> None:
     from mmpg.data.formats import FORMAT_CHOICES
     from mmpg.eval.protocols import template_names
 
+    if s.prompt_file:
+        s.template = "file"
     choices = dict(CHOICES, format=FORMAT_CHOICES, template=tuple(template_names()))
     for key, allowed in choices.items():
         if getattr(s, key) not in allowed:
@@ -115,6 +125,9 @@ def load_settings(protocol: str = "default", overrides: list[str] | tuple[str, .
             raise UserError(str(err).replace("config key", "eval setting", 1)) from None
     settings = OmegaConf.to_object(merged)
     _validate(settings)
+    from mmpg.eval.protocols import check_prompt
+
+    check_prompt(preset, settings)
     return settings
 
 

@@ -58,7 +58,7 @@ def measure(checkpoint, annotations, videos, samples: int, batch_size: int, over
     spec = VideoSpec.for_family(family, fps=settings.fps, min_frames=settings.min_frames,
                                 max_frames=settings.max_frames, min_pixels=settings.min_pixels,
                                 max_pixels=settings.max_pixels, total_pixels=settings.total_pixels)
-    template = eval_template(settings.template)
+    template = eval_template(settings.template, settings.prompt_file)
     items = [it for it in GroundingDataset(chosen, spec) if it.ok]
     singles = [_inputs(processor, [it], template) for it in items]
     batches = [_inputs(processor, items[i:i + batch_size], template) for i in range(0, len(items), batch_size)]

@@ -7,7 +7,8 @@ Metrics (one `metrics.jsonl` line per step, also TensorBoard), over the whole gl
         sample estimate of the policy entropy), actor/grad_norm, actor/lr,
     actor/logprob_gap_mean, actor/logprob_gap_max (|rollout logprob - training logprob|: the train/inference mismatch)
     data/skipped (unusable samples this step), data/skipped_total, data/zero_adv_groups (share of groups whose
-        rewards are all equal), data/dropped_groups, data/sampling_rounds (dynamic sampling)
+        rewards are all equal), data/dropped_groups, data/sampling_rounds (dynamic sampling), data/gt_clamped
+        (groups of the step whose ground truth ended past the duration and was clamped: sample.raw_span set)
     timing_s/rollout, timing_s/reward, timing_s/logprob, timing_s/update, timing_s/step (slowest rank)
     check/grouped_vs_repeated_max, check/bound, check/prefix_max|response_max|group_max, timing_s/self_check: on the
         steps that ran the self-check (algorithm.self_check; mmpg.grouping.selfcheck), the figure and the envelope
@@ -34,6 +35,7 @@ def group_summary(g) -> dict:
         "lengths": g.completion_mask.sum(dim=1).tolist(),
         "truncated": [r == "length" for r in g.finish_reasons],
         "prompt_tokens": int(g.inputs["input_ids"].shape[1]),
+        "gt_clamped": g.sample.raw_span is not None,
     }
 
 
@@ -72,6 +74,7 @@ def step_metrics(summaries: list[dict], sums: dict, infos: list[dict], skipped_t
         m["actor/skipped_update"] = 1.0
     m["data/skipped"] = float(sum(i["skipped"] for i in infos))
     m["data/skipped_total"] = float(skipped_total)
+    m["data/gt_clamped"] = float(sum(s.get("gt_clamped", False) for s in summaries))
     m["data/dropped_groups"] = float(sum(i["dropped_groups"] for i in infos))
     m["data/sampling_rounds"] = float(max(i["rounds"] for i in infos))
     for phase in ("rollout", "reward", "logprob", "update", "step"):

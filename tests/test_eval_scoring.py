@@ -1,0 +1,136 @@
+"""Scoring as each protocol's paper scores (mmpg/eval/metrics.py), on hand-worked answers, and the papers' prompts
+taken from the user's file (mmpg does not ship them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmpg.data.samples import GroundingSample
+from mmpg.errors import UserError
+from mmpg.eval.metrics import grounding_metrics, last_span, raw_iou, score_sample
+from mmpg.eval.protocols import PROTOCOLS, eval_template
+from mmpg.eval.settings import load_settings
+
+OURS = 'In this {duration} s video, when does "{query}" happen? Answer as <answer>START to END</answer>.'
+
+
+def _sample(span=(20.0, 30.0), duration=30.0, raw=None):
+    kwargs = {"raw_span": raw} if raw is not None else {}
+    return GroundingSample("v#0", "v.mp4", duration, "a person opens a door.", span, **kwargs)
+
+
+@pytest.mark.parametrize("text, mmpg_iou, papers_iou", [
+    # past the end: mmpg clamps 25-40 to 25-30 (5 / 10); the papers' IoU keeps 40 (inter 5, union 20-40 = 20)
+    ("<answer>25 to 40</answer>", 0.5, 0.25),
+    ("3 to 4", 0.0, 0.0),  # no tags: unparseable for mmpg; the papers parse it (and it misses 20-30: 0)
+    ("the event spans 22 to 28 seconds", 0.0, 0.6),  # no tags: papers 6 / 10
+    ("<answer>28 to 22</answer>", 0.0, 0.0),  # reversed: mmpg unparseable, papers' formula gives inter < 0 -> 0
+    ("<think>maybe 0 to 5</think><answer>from 20 and 25</answer>", 0.5, 0.5),  # the last match, 'and' too
+    ("first 20 to 30, finally 25 to 30", 0.0, 0.5),  # the papers take the last span anywhere
+    ("<answer>20.00 to 30.00</answer>", 1.0, 1.0),
+])
+def test_each_scoring_against_hand_worked_answers(text, mmpg_iou, papers_iou):
+    sample = _sample()
+    assert score_sample(text, sample, "mmpg")[0].iou == pytest.approx(mmpg_iou)
+    assert score_sample(text, sample, "last_span")[0].iou == pytest.approx(papers_iou)
+
+
+def test_the_papers_score_the_raw_ground_truth():
+    """A ground truth ending past the duration (Charades-STA's test file has 562): training and mmpg's default use
+    the clamped span, the papers' protocols the file's own."""
+    sample = _sample(span=(20.0, 30.0), duration=30.0, raw=(20.0, 31.0))
+    scored, truth = score_sample("<answer>20 to 31</answer>", sample, "last_span")
+    assert truth == (20.0, 31.0) and scored.iou == pytest.approx(1.0)
+    scored, truth = score_sample("<answer>20 to 31</answer>", sample, "mmpg")
+    assert truth == (20.0, 30.0) and scored.iou == pytest.approx(1.0)  # both clamped to the video
+    assert score_sample("<answer>20 to 30</answer>", sample, "last_span")[0].iou == pytest.approx(10 / 11)
+
+
+def test_parser_and_iou_pieces():
+    assert last_span("no numbers here") is None
+    assert last_span("3to4") is None  # the papers' pattern needs the spaces
+    assert last_span("12.54 to 17.83") == (12.54, 17.83)
+    assert last_span("-1 to 5") == (1.0, 5.0)  # no sign in the pattern, as in theirs
+    assert raw_iou((0, 10), (5, 15)) == pytest.approx(5 / 15)
+    assert raw_iou((7, 3), (3, 7)) == 0.0
+
+
+def test_ties_at_the_thresholds_under_both_rules():
+    """tIoU exactly 0.3, 0.5, 0.7 (whole-second spans in a 10 s truth): > counts none, >= counts each."""
+    truth = (0.0, 10.0)
+    preds = [(0.0, 3.0), (0.0, 5.0), (0.0, 7.0)]
+    assert [raw_iou(p, truth) for p in preds] == pytest.approx([0.3, 0.5, 0.7])
+    m = grounding_metrics(preds, [truth] * 3)
+    assert (m["r1@0.3"], m["r1@0.5"], m["r1@0.7"]) == pytest.approx((2 / 3, 1 / 3, 0.0))  # 0.5, 0.7 > 0.3 ...
+    assert (m["r1@0.3_ge"], m["r1@0.5_ge"], m["r1@0.7_ge"]) == pytest.approx((1.0, 2 / 3, 1 / 3))
+
+
+@pytest.mark.parametrize("name", ["time_r1", "videochat_r1", "tvgbench"])
+def test_papers_protocols_need_a_prompt_file(name, tmp_path):
+    with pytest.raises(UserError) as err:
+        load_settings(name)
+    line = str(err.value)
+    assert "\n" not in line and f"protocol {name} uses its paper's own prompt" in line and "prompt_file=PATH" in line
+    assert PROTOCOLS[name].prompt_where in line and ".py" in PROTOCOLS[name].prompt_where
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(OURS)
+    s = load_settings(name, [f"prompt_file={prompt}"])
+    assert s.template == "file" and s.scoring == "last_span"
+    template = eval_template(s.template, s.prompt_file)
+    assert template.render(_sample()) == ('In this 30.00 s video, when does "a person opens a door" happen? Answer '
+                                          "as <answer>START to END</answer>.")
+
+
+def test_bad_prompt_files_are_one_line(tmp_path):
+    missing = tmp_path / "nope.txt"
+    no_query = tmp_path / "a.txt"
+    no_query.write_text("Where is it? {duration}")
+    unknown = tmp_path / "b.txt"
+    unknown.write_text("Find {query} in {video}")
+    for path, words in ((missing, "not found"), (no_query, "no {query} placeholder"),
+                        (unknown, "unknown placeholder {video}")):
+        with pytest.raises(UserError, match=words):
+            load_settings("time_r1", [f"prompt_file={path}"])
+
+
+def test_default_protocol_keeps_mmpg_rules_and_a_prompt_file_selects_it(tmp_path):
+    s = load_settings()
+    assert (s.template, s.scoring, s.prompt_file) == ("time_r1", "mmpg", None)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(OURS)
+    s = load_settings("default", [f"prompt_file={prompt}"])
+    assert s.template == "file" and s.scoring == "mmpg"
+
+
+def test_cli_without_a_prompt_file_exits_2(tmp_path, capsys):
+    from mmpg.cli import main
+
+    ann = tmp_path / "a.jsonl"
+    ann.write_text('{"video": "v.mp4", "duration": 10, "query": "q", "span": [1, 2]}\n')
+    code = main(["eval", "--checkpoint", str(tmp_path), "--annotations", str(ann), "--videos", str(tmp_path),
+                 "--protocol", "videochat_r1", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("mmpg: error: protocol videochat_r1 uses its paper's")
+    assert not (tmp_path / "out").exists()
+
+
+def test_report_says_how_much_of_the_benchmark_the_numbers_cover():
+    """A Charades-STA-style file: 6 records, 1 absurd end and 1 start >= end left out, 2 ends past the duration kept;
+    the report's Coverage section gives each count and the reasons (numbers folded), before the metrics' caveats."""
+    from mmpg.eval.report import eval_report
+    from mmpg.eval.runner import left_out_reasons
+
+    left = [("a.json['v1'] sentence 2", "span 3-14220 s is not inside the video (duration 158 s) in sample v1#2"),
+            ("a.json['v2'] sentence 0", "start 5 >= end 5 in sample v2#0")]
+    reasons = left_out_reasons(left)
+    assert reasons == {"span N-N s is not inside the video (duration N s)": 1, "start N >= end N": 1}
+    info = {"benchmark": "a", "protocol": "time_r1", "annotations_records": 6, "benchmark_size": 4,
+            "annotations_left_out_count": 2, "annotations_left_out": left, "annotations_left_out_reasons": reasons,
+            "ground_truth_clamped": 2, "evaluated": 4, "settings": {"scoring": "last_span", "bad_videos": "fail"}}
+    metrics = {"count": 4, "total": 4, "failed": 0, "unparseable_count": 0}
+    report = eval_report(info, metrics, [])
+    for text in ("## Coverage", "queries in the annotation file: **6**", "loaded: **4**; left out: **2**",
+                 "1 x span N-N s is not inside the video (duration N s)", "1 x start N >= end N",
+                 "ground truths ending past the stated duration, kept: **2**, scored against the file's own span",
+                 "evaluated: **4**; scored: **4** (0 failed videos, scored 0)"):
+        assert text in report, text
