@@ -136,66 +136,56 @@ def _parse_captions(path: Path, data: Any) -> Iterator[tuple[str, Any]]:
                 yield f"{where} sentence {k}", bad
 
 
-def _parse_time_r1(path: Path, data: Any) -> Iterator[tuple[str, Any]]:
+def _parse_list(path: Path, data: Any, fields: str, record) -> Iterator[tuple[str, Any]]:
+    """The JSON-list formats: `record(i, entry, seen)` turns one object into a record (or raises _Bad); `seen`
+    counts the records kept per video stem, for the `<stem>#k` ids."""
     if not isinstance(data, list):
-        raise UserError(f"{path}: expected a JSON list of {{video, duration, timestamp, sentence}} objects")
+        raise UserError(f"{path}: expected a JSON list of {{{fields}}} objects")
     seen: Counter = Counter()
     for i, entry in enumerate(data):
         where = f"{path}[{i}]"
         try:
             if not isinstance(entry, dict):
                 raise _Bad("expected an object")
-            video = _text(entry.get("video"), "video")
-            vid = Path(video).stem
-            sample_id = str(entry.get("id", entry.get("qid", f"{vid}#{seen[vid]}")))
-            duration = None if entry.get("duration") is None else _num(entry["duration"], "duration")
-            stamp = entry.get("timestamp", entry.get("timestamps"))
-            if isinstance(stamp, list) and len(stamp) == 1 and isinstance(stamp[0], list):
-                stamp = stamp[0]  # [[s, e]] written as a one-element list of spans
-            rec = dict(sample_id=sample_id, video=video, duration=duration, clip=None,
-                       query=_text(entry.get("sentence", entry.get("query")), "sentence"),
-                       span=_pair(stamp, "timestamp"),
-                       meta=_meta(entry, ("video", "duration", "timestamp", "timestamps", "sentence", "query", "id",
-                                          "qid")))
+            rec = record(i, entry, seen)
         except _Bad as bad:
             yield where, bad
             continue
-        seen[vid] += 1
+        seen[Path(rec["video"]).stem] += 1
         yield where, rec
 
 
-def _parse_tvgbench(path: Path, data: Any) -> Iterator[tuple[str, Any]]:
-    if not isinstance(data, list):
-        raise UserError(f"{path}: expected a JSON list of {{path, question, answer, duration}} objects")
-    seen: Counter = Counter()
-    for i, entry in enumerate(data):
-        where = f"{path}[{i}]"
-        try:
-            if not isinstance(entry, dict):
-                raise _Bad("expected an object")
-            video = _text(entry.get("path"), "path")
-            vid = Path(video).stem
-            answer = entry.get("answer")
-            match = _TVG_ANSWER.match(answer) if isinstance(answer, str) else None
-            if match is None:
-                raise _Bad(f"answer is {answer!r}, expected 'START-END' in seconds, e.g. '13.4-28.1'")
-            source = entry.get("source")
-            if "id" in entry or "qid" in entry:
-                sample_id = str(entry.get("id", entry.get("qid")))
-            elif isinstance(source, str) and source:  # Time-R1's qid (load_tvgbench)
-                sample_id = Path(source).stem.replace(".", "_").replace("-", "_") + f"_{i}"
-            else:
-                sample_id = f"{vid}#{seen[vid]}"
-            rec = dict(sample_id=sample_id, video=video, clip=None,
-                       duration=None if entry.get("duration") is None else _num(entry["duration"], "duration"),
-                       query=_text(entry.get("question"), "question"),
-                       span=(_num(match[1], "answer start"), _num(match[2], "answer end")),
-                       meta=_meta(entry, ("path", "question", "answer", "duration", "id", "qid")))
-        except _Bad as bad:
-            yield where, bad
-            continue
-        seen[vid] += 1
-        yield where, rec
+def _time_r1_record(i: int, entry: dict, seen: Counter) -> dict:
+    video = _text(entry.get("video"), "video")
+    vid = Path(video).stem
+    stamp = entry.get("timestamp", entry.get("timestamps"))
+    if isinstance(stamp, list) and len(stamp) == 1 and isinstance(stamp[0], list):
+        stamp = stamp[0]  # [[s, e]] written as a one-element list of spans
+    return dict(sample_id=str(entry.get("id", entry.get("qid", f"{vid}#{seen[vid]}"))), video=video, clip=None,
+                duration=None if entry.get("duration") is None else _num(entry["duration"], "duration"),
+                query=_text(entry.get("sentence", entry.get("query")), "sentence"), span=_pair(stamp, "timestamp"),
+                meta=_meta(entry, ("video", "duration", "timestamp", "timestamps", "sentence", "query", "id", "qid")))
+
+
+def _tvgbench_record(i: int, entry: dict, seen: Counter) -> dict:
+    video = _text(entry.get("path"), "path")
+    vid = Path(video).stem
+    answer = entry.get("answer")
+    match = _TVG_ANSWER.match(answer) if isinstance(answer, str) else None
+    if match is None:
+        raise _Bad(f"answer is {answer!r}, expected 'START-END' in seconds, e.g. '13.4-28.1'")
+    source = entry.get("source")
+    if "id" in entry or "qid" in entry:
+        sample_id = str(entry.get("id", entry.get("qid")))
+    elif isinstance(source, str) and source:  # Time-R1's qid (load_tvgbench)
+        sample_id = Path(source).stem.replace(".", "_").replace("-", "_") + f"_{i}"
+    else:
+        sample_id = f"{vid}#{seen[vid]}"
+    return dict(sample_id=sample_id, video=video, clip=None,
+                duration=None if entry.get("duration") is None else _num(entry["duration"], "duration"),
+                query=_text(entry.get("question"), "question"),
+                span=(_num(match[1], "answer start"), _num(match[2], "answer end")),
+                meta=_meta(entry, ("path", "question", "answer", "duration", "id", "qid")))
 
 
 def _parse_jsonl(path: Path, text: str) -> Iterator[tuple[str, Any]]:
@@ -296,9 +286,9 @@ def load_annotations(path: str | Path, video_dir: str | Path | None = None, fmt:
     elif fmt == "captions":
         records = _parse_captions(path, _load_json(path, text))
     elif fmt == "time_r1":
-        records = _parse_time_r1(path, _load_json(path, text))
+        records = _parse_list(path, _load_json(path, text), "video, duration, timestamp, sentence", _time_r1_record)
     elif fmt == "tvgbench":
-        records = _parse_tvgbench(path, _load_json(path, text))
+        records = _parse_list(path, _load_json(path, text), "path, question, answer, duration", _tvgbench_record)
     else:
         raise UserError(f"unknown annotation format {fmt!r}; choose one of {', '.join(FORMAT_CHOICES)}")
 
