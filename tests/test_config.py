@@ -289,3 +289,22 @@ def test_text_fields_keep_the_override_as_written():
     assert cfg.trainer.run_name == "off" and cfg.reward.function == "" and cfg.model.path == "models/it's-here"
     assert cfg.sft.think == "The shape is: visible"
     assert load_config(None, ["trainer.run_name=1e3"]).trainer.run_name == "1e3"
+
+
+def test_video_budget_is_checked_against_the_family():
+    """data.* frame and pixel budgets the frame sizing cannot meet: one line naming the keys and the range (the
+    trainer checks this before anything loads, tests/test_train_grpo.py)."""
+    from mmpg.data.video import VideoSpec
+
+    def q25(**kw):
+        return VideoSpec.for_family("qwen2_5_vl", **kw)
+
+    def q3(**kw):
+        return VideoSpec.for_family("qwen3_vl", **kw)
+
+    assert q25().budget_problem() is None and q3(min_pixels=1024, max_pixels=1024).budget_problem() is None
+    assert "max_pixels=3136 (the default)" not in (q25(max_pixels=3136).budget_problem("data.") or "")
+    assert q25(max_pixels=3136).budget_problem("data.").startswith(
+        "data.max_pixels=3136 is below data.min_pixels=12544 (the default, 16 tokens of 784 pixels)")
+    assert "one visual token per frame (32x32 = 1024 pixels" in q3(min_pixels=784, max_pixels=784).budget_problem()
+    assert "need 2 <= min_frames <= max_frames" in q25(min_frames=8, max_frames=4).budget_problem()

@@ -5,6 +5,7 @@ hang (each run has a timeout). The HF checkpoint written from ZeRO-3 holds the f
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -23,10 +24,13 @@ ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold":
 
 
 def _args(grpo_data, out, name, **extra):
+    # a held-out evaluation of the train split at step 3 (11 samples, batches of 4: 3 batches over 2 ranks, so one
+    # rank decodes a lockstep filler under ZeRO-3)
     return ["train"] + overrides(grpo_data, out, name, **{
         "data.batch_size": 4, "data.fps": 0.5, "data.min_frames": 2, "data.max_frames": 8,
         "data.shuffle": False, "reward.function": "reward_fns:space_share", "trainer.total_steps": 3,
-        "rollout.max_new_tokens": 8, **extra})
+        "rollout.max_new_tokens": 8, "eval.every_n_steps": 3, "data.val": str(grpo_data["synth"] / "train.json"),
+        "eval.batch_size": 4, "eval.max_new_tokens": 6, "eval.max_samples": 0, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +74,25 @@ def test_two_ranks_match_one_process(grpo_data, tmp_path, single_run, stage):
         assert abs(a["actor/grad_norm"] - b["actor/grad_norm"]) <= NORM_RTOL * b["actor/grad_norm"], \
             (a["step"], a["actor/grad_norm"], b["actor/grad_norm"])
     assert one[0]["actor/grad_norm"] > 0.1
+    _check_heldout_equal(tmp_path / "two", single_run)
     rel = _rel(final_weights(tmp_path / "two", 3), final_weights(single_run, 3))
     assert rel <= WEIGHT_RTOL, f"final weights differ by {rel:.2e} (relative norm)"
     if stage == 3:
         _check_zero3_checkpoint(tmp_path / "two" / "checkpoints" / "step_00000003")
+
+
+def _check_heldout_equal(two, one):
+    """Training's held-out evaluation (the `mmpg eval` decode path, lockstep over ranks) gives the same answers on 2
+    ranks as in one process, all 11 samples once."""
+    from mmpg.runs.evals import EvalReader
+
+    rows = [[(r.index, r.text, r.iou) for r in EvalReader(run / "evals" / "train" / "step_00000003").predictions()]
+            for run in (two, one)]
+    assert len(rows[1]) == 11 and [r[0] for r in rows[0]] == list(range(11))
+    assert rows[0] == rows[1]
+    lines = [[{k: v for k, v in json.loads(x).items() if k != "time"} for x in (run / "eval.jsonl").read_text()
+              .splitlines()] for run in (two, one)]
+    assert lines[0] == lines[1] and lines[0][0]["eval/count"] == 11
 
 
 def _check_zero3_checkpoint(ckpt):
@@ -93,3 +112,37 @@ def _check_zero3_checkpoint(ckpt):
         a, b = hf(input_ids=ids).logits, reference(input_ids=ids).logits
     assert torch.equal(a, b)
     assert float(a.abs().max()) > 0
+
+
+def test_a_rank_whose_share_is_unusable_trains_what_one_process_trains(grpo_data, tmp_path):
+    """Stream order without shuffle: synth_00000 (samples 0-2), synth_00002 (3-5), synth_00003 (6), synth_00004 (7),
+    synth_00005 (8), synth_00006 (9-10). With synth_00000, synth_00003 and synth_00004 deleted and 4 prompts per step
+    on 2 ranks: step 1 = [0, 1 | 2, 3] leaves rank 0 nothing and one usable sample in all (3): it goes to rank 1 and
+    rank 0 rolls out a weight-0 copy for lockstep; step 2 = [4, 5 | 6, 7] leaves rank 1 nothing: 4 and 5 are dealt
+    again, one each. One process trains exactly [3], [4, 5], [8, 9, 10]; so must two ranks (ZeRO-3: every rank runs
+    every forward)."""
+    synth = tmp_path / "synth"
+    shutil.copytree(grpo_data["synth"], synth)
+    for vid in ("synth_00000", "synth_00003", "synth_00004"):
+        (synth / "videos" / f"{vid}.mp4").unlink()
+    data = {"model": grpo_data["model"], "synth": synth}
+    config = tmp_path / "zero3.json"
+    config.write_text(json.dumps(ZERO3))
+    extra = {"deepspeed.config": str(config), "eval.every_n_steps": 0, "data.val": ""}
+    one = run_cli(_args(data, tmp_path, "one", **extra), timeout=RUN_TIMEOUT_S)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_cli(_args(data, tmp_path, "two", **extra), timeout=RUN_TIMEOUT_S, procs=2)
+    assert two.returncode == 0, two.stderr[-5000:]
+    a, b = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    assert [m["data/skipped"] for m in b] == [3, 2, 1]
+    trained = [[g["sample_id"] for g in map(json.loads, (tmp_path / run / "rollouts" / f"step_{s:08d}.jsonl")
+                                             .read_text().splitlines())] for run in ("one", "two") for s in (1, 2, 3)]
+    assert trained[:3] == [["synth_00002#0"], ["synth_00002#1", "synth_00002#2"],
+                           ["synth_00005#0", "synth_00006#0", "synth_00006#1"]]
+    assert trained[3:] == trained[:3]  # the same prompts, in the same order, no dummy among them
+    for x, y in zip(a, b):
+        assert x["data/skipped"] == y["data/skipped"] and x["reward/mean"] == y["reward/mean"]
+        assert abs(x["actor/loss"] - y["actor/loss"]) <= LOSS_ATOL
+        assert abs(x["actor/grad_norm"] - y["actor/grad_norm"]) <= NORM_RTOL * y["actor/grad_norm"]
+    rel = _rel(final_weights(tmp_path / "two", 3), final_weights(tmp_path / "one", 3))
+    assert rel <= WEIGHT_RTOL, f"final weights differ by {rel:.2e} (relative norm)"

@@ -176,7 +176,10 @@ def test_bad_videos_in_strict_mode_stop_with_one_line(grpo_data, tmp_path):
     ({"model.path": "models/q25"}, ["models/q25"]),
     ({"data.train": "no/such/annotations.json"}, ["no/such/annotations.json"]),
     ({"logging.wandb": True}, ["wandb"]),
-], ids=["G=1", "split-group", "unknown-key", "missing-model", "missing-annotations", "no-wandb"])
+    ({"data.max_pixels": 1000}, ["data.max_pixels=1000 is below data.min_pixels=3136", "qwen2_5_vl"]),
+    ({"data.min_pixels": 500, "data.max_pixels": 500}, ["data.min_pixels=500", "one visual token", ">= 784"]),
+], ids=["G=1", "split-group", "unknown-key", "missing-model", "missing-annotations", "no-wandb", "pixels-order",
+        "pixels-below-a-token"])
 def test_bad_input_is_one_line_and_writes_nothing(grpo_data, tmp_path, extra, words):
     if "logging.wandb" in extra and importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
@@ -245,3 +248,14 @@ def test_dynamic_sampling_dapo_and_eval_during_training(grpo_data, tmp_path):
     assert [e["step"] for e in evals] == [2, 4]
     for e in evals:
         assert e["eval/count"] == 1.0 and 0.0 <= e["eval/miou"] <= 1.0 and "eval/r1@0.5" in e
+    # the same decode path as `mmpg eval`: an evaluation folder per step in the run, which the inspector lists
+    from app.evals import run_evals
+    from mmpg.runs.evals import EvalReader
+
+    folders = run_evals(tmp_path / "dapo")
+    assert len(folders) == 2, folders
+    for step, e in zip((2, 4), evals):
+        reader = EvalReader(tmp_path / "dapo" / "evals" / "val" / f"step_{step:08d}")
+        assert reader.info()["step"] == step and len(reader.predictions()) == 1
+        assert reader.metrics()["miou"] == pytest.approx(e["eval/miou"])
+        assert (reader.folder / "report.md").is_file()

@@ -69,6 +69,27 @@ class VideoSpec:
     def factor(self) -> int:
         return 2 * self.image_patch_size
 
+    def budget_problem(self, prefix: str = "") -> str | None:
+        """Why frames cannot be sized under this spec (qwen-vl-utils would assert on every video), naming the keys
+        (`prefix` + field) and the allowed range; None when it is fine."""
+        f2 = self.factor ** 2
+        lo = self.min_pixels or MIN_TOKENS_PER_FRAME * f2
+        hi = self.max_pixels or MAX_TOKENS_PER_FRAME * f2
+        if self.min_frames < 2 or self.max_frames < self.min_frames:
+            return (f"{prefix}min_frames={self.min_frames}, {prefix}max_frames={self.max_frames}: need 2 <= min_frames "
+                    "<= max_frames (two frames make one temporal patch)")
+        for key, value in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels),
+                           ("total_pixels", self.total_pixels)):
+            if value is not None and value < f2:
+                return (f"{prefix}{key}={value} is below one visual token per frame ({self.factor}x{self.factor} = "
+                        f"{f2} pixels for this model); use >= {f2}")
+        if hi < lo:
+            which = f"{prefix}max_pixels={hi}" + ("" if self.max_pixels else " (the default)")
+            return (f"{which} is below {prefix}min_pixels={lo}" + ("" if self.min_pixels else " (the default, "
+                    f"{MIN_TOKENS_PER_FRAME} tokens of {f2} pixels)") + f": set {prefix}min_pixels <= "
+                    f"{prefix}max_pixels, both >= {f2} (one token)")
+        return None
+
     def element(self, path: str, clip_start: float | None = None, clip_end: float | None = None) -> dict:
         """The qwen-vl-utils message element (`{"type": "video", "video": path, ...}`) for this spec."""
         f2 = self.factor ** 2

@@ -114,17 +114,27 @@ def fixed_batches(pending: list[int], batch_size: int) -> list[list[int]]:
     return list(out.values())
 
 
-def decode_pending(model, processor, samples, pending: list[int], spec, template, settings, writer, session) -> int:
+def decode_pending(model, processor, samples, pending: list[int], spec, template, settings, writer, session,
+                   lockstep: bool = False) -> int:
     """Answer `pending` over all ranks; rank 0 appends every record to predictions.jsonl. Returns the number of
-    samples answered (all ranks)."""
+    samples answered (all ranks).
+
+    lockstep (a ZeRO-3 model, whose every forward gathers weights from all ranks): every rank decodes `rounds`
+    batches, a rank short of one repeating its first batch with the records dropped, and decodes until every rank
+    is done (the engine's all_done); the engine self-check is left out there (its forwards would be one rank's
+    alone; training's own self-check covers the grouped forward)."""
     from tqdm.auto import tqdm
 
     from mmpg.rollout import HFEngine, SamplingParams
-    from mmpg.train import dist
+    from mmpg import dist
 
     todo = fixed_batches(pending, settings.batch_size)
     mine = todo[session.rank::session.world]
     rounds = math.ceil(len(todo) / session.world)  # the same on every rank
+    lockstep = lockstep and session.world > 1
+    real = len(mine)
+    if lockstep and todo:
+        mine = mine + [mine[0] if mine else todo[0]] * (rounds - real)  # fillers: decoded, records dropped
     shard = [i for b in mine for i in b]
     positions, start = [], 0  # each batch as positions into `shard`
     for b in mine:
@@ -134,8 +144,10 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
                              num_workers=settings.num_workers if shard else 0, collate_fn=_Collate(processor, template))
     from mmpg.grouping.selfcheck import SelfCheck
 
-    engine = HFEngine(model, processor)
-    checker = SelfCheck(settings.self_check, what="decode engine") if settings.self_check != "off" else None
+    coll = "cuda" if str(session.device).startswith("cuda") else "cpu"
+    engine = HFEngine(model, processor, all_done=(lambda d: dist.all_true(d, coll)) if lockstep else None)
+    checker = SelfCheck(settings.self_check, what="decode engine") \
+        if settings.self_check != "off" and not lockstep else None
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, logprobs=checker is not None)
     batches = iter(loader)
     bar = tqdm(total=len(pending), desc="eval", unit="sample", disable=session.rank != 0, dynamic_ncols=True)
@@ -143,6 +155,8 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
     for r in range(rounds):
         batch = next(batches, None)
         records = _answer(engine, batch, sampling, settings, checker) if batch is not None else []
+        if r >= real:
+            records = []  # a lockstep filler
         every = sorted((rec for part in dist.gather_objects(records) for rec in part), key=lambda rec: rec.index)
         writer.append(every)  # rank 0 writes; a no-op elsewhere
         done += len(every)

@@ -28,7 +28,7 @@ OVER_STEPS_PNG = "over_steps.png"
 def evaluate_run(run_dir, annotations, videos, settings: EvalSettings, *, protocol: str = "default",
                  benchmark: str | None = None) -> list[tuple[int, EvalResult | None]]:
     """[(step, result or None when skipped as finished)] for every complete checkpoint, by step."""
-    from mmpg.train import dist
+    from mmpg import dist
 
     reader = RunReader(run_dir)
     checkpoints = reader.checkpoints()

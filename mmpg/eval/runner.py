@@ -47,7 +47,7 @@ def eval_session(device: str = "auto"):
     """The process group when launched with WORLD_SIZE > 1 (gloo on CPU, NCCL on GPUs), else a world of one."""
     import torch
 
-    from mmpg.train import dist  # the process-group helpers only (no trainer)
+    from mmpg import dist
 
     kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     if kind == "cuda" and not torch.cuda.is_available():
@@ -171,7 +171,7 @@ def eval_info(checkpoint, bench: Benchmark, protocol: str, step, settings: EvalS
 
 def _open_folder(writer: EvalWriter, info: dict, n: int, session: Session) -> set[int]:
     """Rank 0 checks and opens the folder; every rank gets the indices already done (or the same error)."""
-    from mmpg.train import dist
+    from mmpg import dist
 
     done, error = set(), None
     if session.rank == 0:
@@ -203,22 +203,36 @@ def evaluate_checkpoint(checkpoint, annotations, videos, out, settings: EvalSett
                                     max_frames=settings.max_frames, min_pixels=settings.min_pixels,
                                     max_pixels=settings.max_pixels, total_pixels=settings.total_pixels)
         template = eval_template(settings.template, settings.prompt_file)
-        info = eval_info(checkpoint, bench, protocol, step, settings, family, dtype, spec, template, session)
-        writer = EvalWriter(out, rank=session.rank)
-        n = len(bench.samples)
-        done = _open_folder(writer, info, n, session)
-        pending = [i for i in range(n) if i not in done]
-        if session.rank == 0:
-            log.info("%s: %d samples, %d already in %s, %d to decode on %d rank(s)", bench.name, n, len(done),
-                     writer.folder, len(pending), session.world)
-        t1 = time.time()
-        decoded = decode_pending(model, processor, bench.samples, pending, spec, template, settings, writer, session)
-        t2 = time.time()
+        result = evaluate_loaded(model, processor, checkpoint, bench, out, settings, session, spec, template,
+                                 family=family, dtype=dtype, protocol=protocol, step=step)
         del model
-        metrics = finish(writer.folder, n, settings) if session.rank == 0 else None
-        from mmpg.train import dist
+    result.seconds = time.time() - t0
+    return result
 
-        dist.barrier()
+
+def evaluate_loaded(model, processor, checkpoint, bench: Benchmark, out, settings: EvalSettings, session: Session,
+                    spec, template, *, family: str, dtype: str, protocol: str = "default", step: int | None = None,
+                    lockstep: bool = False) -> EvalResult:
+    """Evaluate a model already in memory into the folder `out` (what `evaluate_checkpoint` and training's held-out
+    evaluation share). `checkpoint`: what eval.json names as the evaluated weights. `lockstep`: every rank runs the
+    same forwards (a ZeRO-3 model gathers its weights in each one; `decode_pending` says how)."""
+    from mmpg import dist
+
+    t0 = time.time()
+    info = eval_info(checkpoint, bench, protocol, step, settings, family, dtype, spec, template, session)
+    writer = EvalWriter(out, rank=session.rank)
+    n = len(bench.samples)
+    done = _open_folder(writer, info, n, session)
+    pending = [i for i in range(n) if i not in done]
+    if session.rank == 0:
+        log.info("%s: %d samples, %d already in %s, %d to decode on %d rank(s)", bench.name, n, len(done),
+                 writer.folder, len(pending), session.world)
+    t1 = time.time()
+    decoded = decode_pending(model, processor, bench.samples, pending, spec, template, settings, writer, session,
+                             lockstep=lockstep)
+    t2 = time.time()
+    metrics = finish(writer.folder, n, settings) if session.rank == 0 else None
+    dist.barrier()
     return EvalResult(Path(out), metrics, decoded, len(done), time.time() - t0, t2 - t1)
 
 

@@ -36,6 +36,8 @@ class PromptGroup:
     rewards: list[dict] = dataclasses.field(default_factory=list)  # [G] reward components, "overall" included
     advantages: torch.Tensor | None = None  # [G] float32
     seed: int = 0  # the prompt seed its responses were drawn with
+    dummy: bool = False  # a copy rolled out only to keep a rank without a group of its own in lockstep: weight 0,
+    # left out of the advantages' batch statistics, the metrics and the rollout records
 
     @property
     def size(self) -> int:
@@ -118,5 +120,8 @@ def collate_groups(groups: list[PromptGroup], pad_id: int) -> MicroBatch:
 
 
 def micro_batches(groups: list[PromptGroup], size: int, pad_id: int) -> list[MicroBatch]:
-    """Consecutive runs of `size` whole groups."""
-    return [collate_groups(groups[i:i + size], pad_id) for i in range(0, len(groups), size)]
+    """Consecutive runs of `size` whole groups (a run of dummy groups only is a dummy micro-batch)."""
+    out = [collate_groups(groups[i:i + size], pad_id) for i in range(0, len(groups), size)]
+    for mb in out:
+        mb.dummy = all(g.dummy for g in mb.groups)
+    return out

@@ -32,7 +32,7 @@ from mmpg.grouping.selfcheck import SelfCheck, SelfCheckError, batch_dims
 from mmpg.rl import algos
 from mmpg.rl.batch import PromptGroup, micro_batches, split_groups
 from mmpg.rollout import HFEngine, SamplingParams
-from mmpg.train import dist
+from mmpg import dist
 from mmpg.train.engine import stage0_grad_norm
 
 MAX_EMPTY_ROUNDS = 50  # rounds in a row in which some rank had no usable sample at all -> the data is unusable
@@ -65,9 +65,10 @@ class Timer:
 class GRPOStep:
     """Holds what a step needs; `run(step)` does one step and returns (metrics on rank 0, groups of this rank)."""
 
-    def __init__(self, cfg, engine, ref_model, processor, batches, scorer, device: str):
+    def __init__(self, cfg, engine, ref_model, processor, batches, scorer, device: str, rebuild=None):
         self.cfg, self.engine, self.ref, self.processor = cfg, engine, ref_model, processor
         self.batches = batches  # iterator of GroundingBatch (this rank's share of each global batch)
+        self.rebuild = rebuild  # [GroundingSample] -> GroundingBatch, decoded here (`_rebalance`)
         self.scorer, self.device = scorer, device
         self.world = dist.world_size()
         self.local_batch = cfg.data.batch_size // self.world
@@ -139,20 +140,47 @@ class GRPOStep:
             raise strict_error(batch.skipped[0])
         return batch
 
+    def _rebalance(self, batch, counts: list[int]):
+        """Some rank's whole share of this global batch was unusable while others' was not: the usable samples of
+        all ranks, in stream order (the prompts one process trains), are dealt again in contiguous shares, each rank
+        decoding its new share here (`rebuild`). A rank left without one (fewer usable samples than ranks) decodes a
+        copy of the first, rolled out for lockstep only. Returns (this rank's batch, number of copies at its end)."""
+        usable = [s for part in dist.gather_objects(list(batch.samples)) for s in part]
+        base, extra = divmod(len(usable), self.world)
+        r = dist.rank()
+        start = r * base + min(r, extra)
+        mine = usable[start:start + base + (1 if r < extra else 0)]
+        copies = 0 if mine else 1
+        mine = mine or usable[:1]
+        if [s.sample_id for s in mine] == [s.sample_id for s in batch.samples]:
+            return batch, copies  # already here (also when this rank's one sample is the copy)
+        if self.rebuild is None:
+            raise RuntimeError("GRPOStep needs `rebuild` to deal a global batch again across ranks")
+        rebuilt = self.rebuild(mine)
+        if len(rebuilt) == 0 and not copies:  # its videos decoded on their own ranks but not here: a copy stands in
+            rebuilt, copies = self.rebuild(usable[:1]), 1
+        return rebuilt, copies if len(rebuilt) else 0
+
     def collect(self, step: int, timer: Timer) -> tuple[list[PromptGroup], dict]:
-        cfg, groups = self.cfg, []
+        """This rank's groups of the step. A rank that ends with none of its own while others have some gets one
+        dummy group (weight 0) so that the ranks stay in lockstep and train what one process trains."""
+        cfg, groups, spare = self.cfg, [], None
         info = {"skipped": 0, "rounds": 0, "dropped_groups": 0, "empty_rounds": 0}
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         while True:
             batch = self._pull()
             info["skipped"] += len(batch.skipped)
-            if not dist.all_true(len(batch) > 0, self._coll_device):  # some rank has nothing to roll out
+            counts = [int(c) for c in dist.gather_objects(len(batch))] if self.world > 1 else [len(batch)]
+            if sum(counts) == 0:  # the whole global batch is unusable (so it is for one process too)
                 info["empty_rounds"] += 1
                 if info["empty_rounds"] >= MAX_EMPTY_ROUNDS:
-                    raise UserError(f"{MAX_EMPTY_ROUNDS} batches in a row had no usable video on some rank; check "
-                                    "the data with mmpg check-data")
+                    raise UserError(f"{MAX_EMPTY_ROUNDS} global batches in a row had no usable video; check the "
+                                    "data with mmpg check-data")
                 continue
+            copies = 0
+            if min(counts) == 0:
+                batch, copies = self._rebalance(batch, counts)
             info["rounds"] += 1
             seeds = [prompt_seed(cfg.trainer.seed, step, s.sample_id, info["rounds"]) for s in batch.samples]
             with timer("rollout"):
@@ -161,17 +189,25 @@ class GRPOStep:
             with timer("reward"):
                 for g in new:
                     g.rewards = [self.scorer(text, g.sample) for text in g.texts]
-            if cfg.algorithm.dynamic_sampling:
+            for g in new[len(new) - copies:]:
+                g.dummy = True
+            new, spare = new[:len(new) - copies], spare or (new[-1] if copies else None)
+            if cfg.algorithm.dynamic_sampling and new:
                 flat = torch.cat([g.overall for g in new])
                 equal = algos.zero_variance_groups(flat, [g.size for g in new]).tolist()
                 info["dropped_groups"] += sum(equal)
+                spare = spare or next((g for g, e in zip(new, equal) if e), None)
                 new = [g for g, e in zip(new, equal) if not e]
             groups += new
             enough = len(groups) >= self.local_batch
             if not cfg.algorithm.dynamic_sampling or info["rounds"] >= cfg.algorithm.max_sampling_rounds or \
                     dist.all_true(enough, self._coll_device):
                 break
-        return groups[:self.local_batch], info
+        groups = groups[:self.local_batch]
+        if not groups and spare is not None:
+            spare.dummy = True
+            groups = [spare]
+        return groups, info
 
     # ---- advantages --------------------------------------------------------------------------------------------
     def advantages(self, groups: list[PromptGroup]) -> None:
@@ -181,8 +217,9 @@ class GRPOStep:
         rewards = torch.cat([g.overall for g in groups])
         scale = self.cfg.algorithm.scale_rewards
         adv = algos.group_advantages(rewards, sizes, scale="none" if scale == "batch" else scale)
-        if scale == "batch":  # the std of every reward of the global batch, over all ranks
-            n, s, ss = dist.all_sum([rewards.numel(), float(rewards.sum()), float((rewards.double() ** 2).sum())],
+        if scale == "batch":  # the std of every reward of the global batch, over all ranks (dummies left out)
+            real = torch.cat([g.overall for g in groups if not g.dummy] or [rewards.new_zeros(0)])
+            n, s, ss = dist.all_sum([real.numel(), float(real.sum()), float((real.double() ** 2).sum())],
                                     self._coll_device)
             std = math.sqrt(max(0.0, (ss - s * s / n) / max(1.0, n - 1)))
             adv = adv / (std + 1e-6)
@@ -322,8 +359,9 @@ class GRPOStep:
         t0 = time.perf_counter()
         groups, info = self.collect(step, timer)
         self.advantages(groups)
-        if not dist.all_true(len(groups) > 0, self._coll_device):
-            # only with dynamic sampling: some rank kept no group at all -> nothing to train on this step
+        if dist.all_sum([sum(not g.dummy for g in groups)], self._coll_device)[0] == 0 or \
+                not dist.all_true(len(groups) > 0, self._coll_device):
+            # dynamic sampling kept no group on any rank (or a rank has not even a dummy): nothing to train
             sums = {"skipped_update": 1.0}
         else:
             sums = self.update(groups, timer)

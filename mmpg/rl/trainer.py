@@ -17,7 +17,7 @@ from mmpg.errors import UserError
 from mmpg.rl.grpo import GRPOStep
 from mmpg.rl.report import DriftAlarm, group_records, group_summary, step_metrics, thumbnails
 from mmpg.rl.rewards import make_scorer
-from mmpg.train import dist
+from mmpg import dist
 from mmpg.train.data import make_train_loader
 from mmpg.train.loop import StepOutput, run_loop
 from mmpg.train.setup import load_train_samples, open_session, video_spec
@@ -81,7 +81,8 @@ class GRPOJob:
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
                                    num_workers=cfg.data.num_workers, strict=cfg.data.strict)
         self.step_fn = GRPOStep(cfg, session.engine, self.ref, session.processor, iter(loader),
-                                make_scorer(cfg.reward, template.think), session.device)
+                                make_scorer(cfg.reward, template.think), session.device,
+                                rebuild=lambda chosen: decode_here(loader, chosen))
         self.skipped_total = int(session.state.get("skipped_total", 0))  # unusable samples so far, all ranks
         from mmpg.grouping.backends import compute_dtype
         from mmpg.grouping.selfcheck import bound_for
@@ -106,6 +107,7 @@ class GRPOJob:
 
     def train_step(self, step: int) -> StepOutput:
         sums, groups, info = self.step_fn.run(step)
+        groups = [g for g in groups if not g.dummy]  # lockstep stand-ins are not the step's data
         summaries = dist.gather_objects([group_summary(g) for g in groups])
         infos = dist.gather_objects(info)
         write_rollouts = self.cfg.logging.rollouts_every > 0 and step % self.cfg.logging.rollouts_every == 0
@@ -132,9 +134,18 @@ class GRPOJob:
         return StepOutput(metrics=metrics, rollouts=flat, thumbnails=[m for part in media for m in part])
 
     def evaluate(self, step: int) -> dict | None:
-        from mmpg.rl.evaluate import evaluate_heldout
+        from mmpg.train.heldout import evaluate_heldout
 
         return evaluate_heldout(self, step)
+
+
+def decode_here(loader, samples):
+    """A GroundingBatch of `samples` decoded in this process with the loader's spec and collator (a global batch
+    dealt again across ranks, `GRPOStep._rebalance`)."""
+    from mmpg.data.dataset import GroundingDataset
+
+    dataset = GroundingDataset(samples, loader.dataset.spec)
+    return loader.collate_fn([dataset[i] for i in range(len(samples))])
 
 
 def vllm_metrics(infos: list[dict]) -> dict:

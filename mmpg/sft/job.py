@@ -22,7 +22,7 @@ from mmpg.data.prompts import get_template
 from mmpg.errors import UserError
 from mmpg.rl.batch import PromptGroup, micro_batches
 from mmpg.rl.report import peak_memory_mb
-from mmpg.train import dist
+from mmpg import dist
 from mmpg.train.data import make_train_loader
 from mmpg.train.engine import stage0_grad_norm
 from mmpg.train.loop import StepOutput, run_loop
@@ -143,7 +143,7 @@ class SFTJob:
         return StepOutput(metrics=metrics)
 
     def evaluate(self, step: int) -> dict | None:
-        from mmpg.rl.evaluate import evaluate_heldout
+        from mmpg.train.heldout import evaluate_heldout
 
         return evaluate_heldout(self, step)
 

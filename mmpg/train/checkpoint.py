@@ -24,7 +24,7 @@ import torch
 
 from mmpg.errors import UserError
 from mmpg.runs import finalize_checkpoint, latest_checkpoint, prune_checkpoints, temp_checkpoint_dir
-from mmpg.train import dist
+from mmpg import dist
 from mmpg.train.engine import full_state_dict
 
 STATE_FILE = "trainer_state.json"

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from mmpg.runs import MEDIA_DIR, video_key
 from mmpg.runs.layout import MEDIA_META
-from mmpg.train import dist
+from mmpg import dist
 from mmpg.train.checkpoint import save_checkpoint
 
 log = logging.getLogger("mmpg.train")

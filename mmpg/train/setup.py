@@ -13,7 +13,7 @@ from mmpg.config import to_yaml
 from mmpg.errors import UserError
 from mmpg.models.loading import attention_summary
 from mmpg.runs import METRICS_JSONL, RUN_JSON, TRAIN_LOG, RunWriter
-from mmpg.train import dist
+from mmpg import dist
 from mmpg.train.checkpoint import find_resume, load_checkpoint
 from mmpg.train.engine import build_engine, prepare_deepspeed_env, resolve_device, resolve_dtype_name
 
@@ -118,10 +118,28 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
                    start_step=start, state=state)
 
 
+def check_video_budget(cfg) -> None:
+    """The frame and pixel budgets (data.*) checked against the model's patch size (read from model.path's
+    config.json, nothing loaded): one line naming the keys and the range, before any video is touched."""
+    import json
+
+    config = Path(cfg.model.path).expanduser() / "config.json"
+    try:
+        family = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError):
+        return  # loading the model says what is wrong with it
+    if family not in ("qwen2_5_vl", "qwen3_vl"):
+        return
+    problem = video_spec(cfg, family).budget_problem("data.")
+    if problem:
+        raise UserError(f"{problem} ({family})")
+
+
 def load_train_samples(cfg):
     """The training samples (annotation problems: counted skips, or an error in strict mode)."""
     from mmpg.data.formats import load_annotations
 
+    check_video_budget(cfg)
     if not cfg.data.train:
         raise UserError("data.train is required (an annotation file)")
     result = load_annotations(cfg.data.train, cfg.data.videos or None, fmt=cfg.data.format, strict=cfg.data.strict)

@@ -1,0 +1,52 @@
+"""Held-out evaluation during training (`eval.every_n_steps`), on the one decode path `mmpg eval` uses.
+
+    data.val --load_benchmark--> samples (the first eval.max_samples)
+      --mmpg.eval.runner.evaluate_loaded(policy in memory, lockstep)--> RUN_DIR/evals/<val stem>/step_N/
+         (predictions.jsonl, metrics.json, report.md, plots/: what `mmpg eval --run` writes for a checkpoint,
+          so the inspector's Evaluation tab and `mmpg eval --run` see them)
+      --> eval/* metrics, which the loop appends to eval.jsonl for the curves
+
+Settings follow the training config: its prompt template, frames and pixels (data.*), eval.batch_size and
+eval.max_new_tokens, mmpg's scoring (scoring=mmpg) and failed videos left out of the metrics (bad_videos=skip), as
+training's held-out numbers always were. Every rank decodes in lockstep (ZeRO-3 gathers weights in each forward).
+"""
+
+from __future__ import annotations
+
+from mmpg.eval.runner import Session, evaluate_loaded, load_benchmark
+from mmpg.eval.settings import EvalSettings
+from mmpg.runs.evals import run_eval_dir
+
+
+def heldout_settings(cfg) -> EvalSettings:
+    d = cfg.data
+    return EvalSettings(template=d.template, fps=d.fps, min_frames=d.min_frames, max_frames=d.max_frames,
+                        min_pixels=d.min_pixels, max_pixels=d.max_pixels, total_pixels=d.total_pixels,
+                        dtype=str(cfg.model.dtype), max_new_tokens=cfg.eval.max_new_tokens, bad_videos="skip",
+                        max_samples=cfg.eval.max_samples, format=d.format, batch_size=cfg.eval.batch_size,
+                        num_workers=d.num_workers, device=cfg.trainer.device, self_check="off", scoring="mmpg")
+
+
+def evaluate_heldout(job, step: int) -> dict | None:
+    """eval/* metrics of the policy at `step` on data.val (rank 0; None elsewhere and without data.val)."""
+    from mmpg.data.prompts import get_template
+    from mmpg.train.setup import video_spec
+
+    cfg, session = job.cfg, job.session
+    if not cfg.data.val:
+        return None
+    settings = heldout_settings(cfg)
+    if job.eval_samples is None:
+        job.eval_samples = load_benchmark(cfg.data.val, cfg.data.videos or None, settings)
+    bench = job.eval_samples
+    out = run_eval_dir(session.run_dir, bench.name, step)
+    result = evaluate_loaded(session.model, session.processor, f"{session.run_dir} (step {step}, in training)", bench,
+                             out, settings, Session(session.rank, session.world, session.device),
+                             video_spec(cfg, session.family), get_template(cfg.data.template),
+                             family=session.family, dtype=session.dtype, step=step, lockstep=True)
+    if result.metrics is None:
+        return None
+    keep = ("count", "miou", "unparseable", "failed") + tuple(k for k in result.metrics if k.startswith("r1@"))
+    metrics = {f"eval/{k}": float(result.metrics[k]) for k in keep if isinstance(result.metrics.get(k), (int, float))}
+    metrics["eval/skipped"] = metrics.pop("eval/failed", 0.0)
+    return metrics
