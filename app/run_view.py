@@ -207,10 +207,11 @@ class RunView:
             out[self.title] = self.title_md(steps)
             seen["steps"] = steps
         mkey = self.src.metrics_key()
-        alarm = drift_note(self.src.metrics()) if force or mkey != seen.get("alarm_key") else seen.get("alarm", "")
-        if force or alarm != seen.get("alarm", ""):
-            out[self.status] = message_html(alarm, "error")
-        seen["alarm"], seen["alarm_key"] = alarm, mkey
+        if force or mkey != seen.get("alarm_key"):  # the drift alarm goes in the title: the status line is the
+            alarm = drift_note(self.src.metrics())   # handlers' own and any pick clears it
+            if self.title not in out and alarm != seen.get("alarm", ""):
+                out[self.title] = self.title_md(steps)
+            seen["alarm"], seen["alarm_key"] = alarm, mkey
         if seen.get("curves") and (force or mkey != seen.get("metrics")):
             out.update(self.curves())
             seen["metrics"] = mkey
@@ -298,4 +299,5 @@ class RunView:
             parts.append(f"started {info['created']}")
         parts.append(f"{len(steps)} step(s) with rollouts" + (f", newest {steps[-1]}" if steps else ""))
         parts.append(f"checked {datetime.datetime.now():%H:%M:%S}")
-        return " · ".join(parts)
+        alarm = drift_note(self.src.metrics())
+        return " · ".join(parts) + (f"\n\n**⚠ {alarm}**" if alarm else "")

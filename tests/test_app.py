@@ -269,18 +269,22 @@ def test_load_pick_and_refresh_handlers(small, tmp_path, views):
     assert len(out[ev.table]) == 5 and out[ev.sample]["value"] == 4
 
 
-def test_drift_alarm_shows_in_the_status_line(small, tmp_path, views):
-    """A step the trainer flagged with alarm/logprob_drift puts one warning line on the page, on the next refresh."""
+def test_drift_alarm_shows_in_the_title(small, tmp_path, views):
+    """A step the trainer flagged with alarm/logprob_drift puts one warning line under the run's title on the next
+    refresh (not in the status line, which every pick clears), and it stays there."""
     run = copy_run(small, tmp_path)
     rv, _ = views(run)
-    seen = {"steps": [1, 2, 3], "metrics": rv.src.metrics_key()}
-    assert rv.status not in rv.on_refresh(2, FILTERS[0], "this step", "2:0", seen, False)
+    out = rv.on_load(follow=False)
+    assert "logprob drift" not in out[rv.title]
+    seen = out[rv.seen]
+    assert rv.title not in rv.on_refresh(3, FILTERS[0], "this step", "3:0", seen, False)
     writer = RunWriter(run, tensorboard=False)
     writer.log_metrics(4, {"reward/mean": 0.5, "actor/logprob_gap_max": 0.31, "alarm/logprob_drift": 1.0})
-    out = rv.on_refresh(2, FILTERS[0], "this step", "2:0", dict(seen), False)
-    assert "mmpg-error" in out[rv.status] and "logprob drift: 1 step(s) flagged, the last at step 4" in out[rv.status]
-    assert "0.310" in out[rv.status]
-    assert rv.status not in rv.on_refresh(2, FILTERS[0], "this step", "2:0", out[rv.seen], False)  # shown once
+    out = rv.on_refresh(3, FILTERS[0], "this step", "3:0", dict(seen), False)
+    assert "**⚠ logprob drift: 1 step(s) flagged, the last at step 4" in out[rv.title] and "0.310" in out[rv.title]
+    assert rv.status not in out
+    assert rv.title not in rv.on_refresh(3, FILTERS[0], "this step", "3:0", out[rv.seen], False)  # sent once
+    assert "logprob drift" in rv.title_md([1, 2, 3])  # and in every later title
 
 
 def test_handlers_turn_errors_into_messages(small, tmp_path, views):
