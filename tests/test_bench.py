@@ -74,14 +74,14 @@ def test_worker_processes_measure_memory(tmp_path):
     (False, [100, 100], None, [400, 400], None),  # hidden under the setup's high-water: not a measurement
 ])
 def test_cpu_peak_that_cannot_be_seen_is_none(monkeypatch, clear_refs, rss, hwm, maxrss, peak):
-    from mmpg.bench import worker
+    from mmpg.bench import memory
 
     rss, maxrss = iter(rss), iter(maxrss or [0, 0])
-    monkeypatch.setattr(worker, "_rss", lambda: next(rss))
-    monkeypatch.setattr(worker, "_reset_hwm", lambda: clear_refs)
-    monkeypatch.setattr(worker, "_hwm", lambda: hwm)
-    monkeypatch.setattr(worker, "_maxrss", lambda: next(maxrss))
-    with worker._Memory(torch.device("cpu")) as mem:
+    monkeypatch.setattr(memory, "rss", lambda: next(rss))
+    monkeypatch.setattr(memory, "reset_hwm", lambda: clear_refs)
+    monkeypatch.setattr(memory, "hwm", lambda: hwm)
+    monkeypatch.setattr(memory, "maxrss", lambda: next(maxrss))
+    with memory.measured(torch.device("cpu")) as mem:
         pass
     assert mem.peak == peak and mem.method == ("VmHWM-after-clear_refs" if clear_refs else "ru_maxrss")
 
@@ -125,6 +125,20 @@ def test_plan_filters_variants_and_overrides_sizes():
         (1024, 128, 16, ["naive", "mmpg"]), (2048, 128, 16, ["naive", "mmpg"])]
     with pytest.raises(UserError, match="unknown bench level"):
         cli.plan(_args("--levels", "kernel"))
+
+
+def test_the_levels_table_finds_each_levels_setup():
+    # the worker imports a level's module by the name in `levels.LEVELS`; a bad level or variant names the choices
+    import importlib
+
+    from mmpg.bench.levels import LEVELS, module_for
+
+    for name, level in LEVELS.items():
+        assert callable(importlib.import_module(module_for({"level": name, "variant": level.baseline})).setup)
+    with pytest.raises(ValueError, match="unknown step variant 'repeated'; choose one of naive, mmpg"):
+        module_for({"level": "step", "variant": "repeated"})
+    with pytest.raises(ValueError, match="unknown bench level 'kernel'"):
+        module_for({"level": "kernel", "variant": "naive"})
 
 
 def test_attention_variants_agree():
@@ -171,13 +185,14 @@ def test_upstream_sdpa_handles_padding():
 
 def test_model_variants_agree():
     # repeated, upstream (wired through the transformers registry) and mmpg give the same logprobs
+    from mmpg.bench import batch
     from mmpg.bench import model as bench_model
     from mmpg.grouping import grouped_logprobs, repeated_logprobs
 
     case = {"family": "qwen2", "spec": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                                         "intermediate_size": 64}, "P": 20, "S": 5, "G": 3}
     model, ids = bench_model.build_model(case, torch.device("cpu"))
-    prompt, completions, mask, info = bench_model.make_inputs(model, case, ids, "cpu")
+    prompt, completions, mask, info = batch.make_inputs(model, case, ids, "cpu")
     assert info["P"] == 20 and completions.shape == (3, 5)
     with torch.no_grad():
         ref = repeated_logprobs(model, prompt, completions, mask, [3])
@@ -190,12 +205,13 @@ def test_model_variants_agree():
 
 
 def test_vl_prompt_has_the_requested_shape():
+    from mmpg.bench import batch
     from mmpg.bench import model as bench_model
 
     case = {"family": "qwen2_5_vl", "spec": {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
                                              "intermediate_size": 64}, "P": 300, "S": 4, "G": 2}
     model, ids = bench_model.build_model(case, torch.device("cpu"))
-    prompt, _, _, info = bench_model.make_inputs(model, case, ids, "cpu")
+    prompt, _, _, info = batch.make_inputs(model, case, ids, "cpu")
     t, h, w = prompt["video_grid_thw"][0].tolist()
     assert (prompt["input_ids"] == ids["video"]).sum() == t * h * w // 4 == info["video_tokens"]
     assert prompt["pixel_values_videos"].shape[0] == t * h * w == info["video_patches"]
@@ -222,7 +238,7 @@ def test_step_level_in_process_times_every_phase(tmp_path, capsys):
     import os
 
     from mmpg.bench.step import PHASES
-    from mmpg.train import dist
+    from mmpg import dist
 
     touched = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")
     saved = {k: os.environ.get(k) for k in touched}  # dist.init / prepare_deepspeed_env set them for the process
@@ -267,13 +283,13 @@ def test_step_level_in_process_times_every_phase(tmp_path, capsys):
 def test_step_phase_memory_is_relative_to_the_step_start(monkeypatch):
     # each phase resets the high-water mark at its start; its peak is counted from the RSS when the step began
     # (100), and the step's peak is the largest phase peak
-    from mmpg.bench import worker
+    from mmpg.bench import memory
     from mmpg.bench.step import PhaseClock
 
     hwm = iter([150, 100, 400])  # rollout, reward (no growth: not seen), update
-    monkeypatch.setattr(worker, "_rss", lambda: 100)
-    monkeypatch.setattr(worker, "_reset_hwm", lambda: True)
-    monkeypatch.setattr(worker, "_hwm", lambda: next(hwm))
+    monkeypatch.setattr(memory, "rss", lambda: 100)
+    monkeypatch.setattr(memory, "reset_hwm", lambda: True)
+    monkeypatch.setattr(memory, "hwm", lambda: next(hwm))
     clock = PhaseClock(torch.device("cpu"), memory=True)
     with clock.step():
         for name in ("rollout", "reward", "update"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmpg.bench import cli, rollout, rollout_vllm, runner
+from mmpg.bench import batch, cli, report, rollout_vllm, runner
 
 # head_dim 32 (hidden 64 / 2 heads): the smallest vLLM serves; 2 frames 56x56 -> 1 x 4 x 4 patches, 4 video tokens
 TINY_VL = {"level": "rollout", "P": 20, "S": 3, "G": 2, "B": 2, "family": "qwen2_5_vl", "dtype": "float32",
@@ -78,15 +78,15 @@ def test_without_venv_the_vllm_row_says_skipped_and_the_rest_runs(monkeypatch):
 
     monkeypatch.setattr(launch, "vllm_python", lambda: None)
     config = dict(TINY_VL, variants=["hf_generate", "mmpg:cascade", "vllm"])
-    rows = runner.add_ratios(rollout.run_config(config, rounds=1, warmup=1, repeats=1, timeout=60, max_gb=12,
-                                                in_process=True, log=lambda m: None))
+    rows = runner.add_ratios(runner.run_config(config, rounds=1, warmup=1, repeats=1, timeout=60, max_gb=12,
+                                               in_process=True, log=lambda m: None))
     by = {r["variant"]: r for r in rows}
     for name in ("hf_generate", "mmpg:cascade"):  # B = 2 prompts, each with its G rows
         assert by[name]["note"] == "" and by[name]["time_s"] > 0
     assert by["mmpg:cascade"]["tokens"] == 2 * (by["mmpg:cascade"]["P"] + 2 * 3)
     assert by["vllm"]["note"] == "skipped: no .venv-vllm (bash scripts/env.sh vllm)"
     assert by["vllm"].get("time_s") is None and by["vllm"]["speedup"] is None
-    table = rollout.format_table(rows)
+    table = report.rollout_table(rows)
     assert "skipped: no .venv-vllm (bash scripts/env.sh vllm)" in table and "vLLM's own kernels" in table
 
 
@@ -96,8 +96,8 @@ def test_a_server_that_dies_is_an_error_row_with_its_log(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("MMPG_VLLM_PYTHON", str(fake))
     messages = []
-    (row,) = rollout.run_config(dict(TINY_VL, variants=["vllm"]), rounds=1, warmup=1, repeats=1, timeout=60,
-                                max_gb=12, in_process=True, log=messages.append)
+    (row,) = runner.run_config(dict(TINY_VL, variants=["vllm"]), rounds=1, warmup=1, repeats=1, timeout=60,
+                               max_gb=12, in_process=True, log=messages.append)
     assert row["note"].startswith("error: vLLM server exited (3): no such model: boom (log: "), row["note"]
     log = Path(row["note"].rsplit("(log: ", 1)[1].rstrip(")"))
     assert log.is_file() and "boom" in log.read_text()  # kept for reading, its path printed
@@ -106,10 +106,11 @@ def test_a_server_that_dies_is_an_error_row_with_its_log(tmp_path, monkeypatch):
 
 
 def test_prompts_and_frames_match_the_video_grid():
-    from mmpg.bench.model import TEXT_IDS, build_model
+    from mmpg.bench.batch import TEXT_IDS
+    from mmpg.bench.model import build_model
 
     model, ids = build_model(TINY_VL, torch.device("meta"))  # what the worker builds: no weights
-    prompt, info = rollout.make_batch(model, TINY_VL, ids, torch.device("cpu"))
+    prompt, info = batch.make_batch(model, TINY_VL, ids, torch.device("cpu"))
     assert prompt["input_ids"].shape == (2, info["P"]) and info["video_tokens"] == 4
     assert not torch.equal(prompt["input_ids"][0], prompt["input_ids"][1])  # two prompts, not one twice
     assert prompt["video_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
@@ -135,16 +136,16 @@ def test_vllm_variant_end_to_end(monkeypatch):
     config = dict(TINY_VL, spec={"hidden_size": 256, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
                                  "intermediate_size": 256}, variants=["hf_generate", "mmpg:cascade", "vllm"])
     messages = []
-    rows = runner.add_ratios(rollout.run_config(config, rounds=1, warmup=1, repeats=1, timeout=900, max_gb=12,
-                                                in_process=True, log=messages.append))
+    rows = runner.add_ratios(runner.run_config(config, rounds=1, warmup=1, repeats=1, timeout=900, max_gb=12,
+                                               in_process=True, log=messages.append))
     by = {r["variant"]: r for r in rows}
     assert by["vllm"]["note"] == "", "\n".join(messages)
     assert by["vllm"]["time_s"] > 0 and by["vllm"]["speedup"] > 0 and by["vllm"]["peak_MB"] is None
     assert by["vllm"]["vllm_server"]["start_s"] > 0
-    print("\n" + rollout.format_table(rows))
+    print("\n" + report.rollout_table(rows))
 
 
 def test_a_url_without_server_is_an_error_row():
-    (row,) = rollout.run_config(dict(TINY_VL, variants=["vllm"], vllm_url="http://127.0.0.1:9"), rounds=1,
-                                warmup=1, repeats=1, timeout=60, max_gb=12, in_process=True, log=lambda m: None)
+    (row,) = runner.run_config(dict(TINY_VL, variants=["vllm"], vllm_url="http://127.0.0.1:9"), rounds=1,
+                               warmup=1, repeats=1, timeout=60, max_gb=12, in_process=True, log=lambda m: None)
     assert row["note"].startswith("error: no vLLM server at --vllm-url http://127.0.0.1:9"), row["note"]

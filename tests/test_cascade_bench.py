@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from mmpg.bench import cli, rollout, runner
+from mmpg.bench import cli, report, runner
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
 
@@ -15,8 +15,8 @@ TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "
 def test_rollout_level_reports_phases_and_kv_memory():
     config = {"level": "rollout", "P": 40, "S": 4, "G": 3, "family": "qwen2", "dtype": "float32", "spec": TINY,
               "variants": ["hf_generate", "mmpg:copy", "mmpg:cascade"]}
-    rows = runner.add_ratios(rollout.run_config(config, rounds=1, warmup=1, repeats=1, timeout=60, max_gb=12,
-                                                in_process=True, log=lambda m: None))
+    rows = runner.add_ratios(runner.run_config(config, rounds=1, warmup=1, repeats=1, timeout=60, max_gb=12,
+                                               in_process=True, log=lambda m: None))
     by = {r["variant"]: r for r in rows}
     for row in rows:
         assert row["note"] == "" and row["time_s"] > 0 and row["prefill_s"] > 0 and row["decode_s"] > 0
@@ -24,7 +24,7 @@ def test_rollout_level_reports_phases_and_kv_memory():
     # after the last step the copy cache holds G rows of P + S - 1 tokens, the cascade one P + G·S (preallocated)
     assert by["mmpg:cascade"]["kv_ratio"] == pytest.approx(G * (P + S - 1) / (P + G * S))
     assert by["mmpg:copy"]["kv_ratio"] == 1.0 and by["hf_generate"]["kv_MB"] == by["mmpg:copy"]["kv_MB"]
-    table = rollout.format_table(rows)
+    table = report.rollout_table(rows)
     assert "mmpg:cascade" in table and "prefill_s" in table and "kv_ratio" in table
 
 

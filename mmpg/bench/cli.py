@@ -20,13 +20,9 @@ import argparse
 import itertools
 import sys
 
+from mmpg.bench.levels import LEVELS
+from mmpg.bench.presets import PRESETS, ROLLOUT_VARIANTS, build
 from mmpg.errors import UserError
-
-LEVELS = ("attention", "model", "rollout", "step")
-DEFAULTS = {  # preset -> (rounds, repeats, warmup)
-    "cpu-targets": (2, 2, 1), "cpu-grid": (1, 2, 1), "gpu": (2, 3, 2), "tiny": (1, 1, 1),
-    "rollout-cpu": (2, 2, 1), "rollout-gpu": (1, 2, 1), "rollout-vllm-cpu": (2, 2, 1), "rollout-vllm-gpu": (1, 2, 1),
-}
 
 
 def _int_list(text: str) -> list[int]:
@@ -44,8 +40,6 @@ def _str_list(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mmpg.bench.presets import PRESETS
-
     parser.add_argument("--preset", default="cpu-targets", choices=PRESETS, help="plan to run (default cpu-targets)")
     parser.add_argument("--levels", type=_str_list, default=None,
                         help="comma list of attention,model,rollout,step (default: attention,model); rollout "
@@ -83,8 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan(args) -> list[dict]:
     """The configs to run: the preset, its levels, overrides and variant filter applied (duplicates dropped)."""
-    from mmpg.bench.presets import ROLLOUT_VARIANTS, build
-
     built = build(args.preset, args.family)
     own_rollout = any(c["level"] == "rollout" for c in built)  # else rollout rows reuse the model configs
     levels = args.levels or (["rollout"] if all(c["level"] == "rollout" for c in built) else ["attention", "model"])
@@ -101,7 +93,7 @@ def plan(args) -> list[dict]:
         if config["level"] in levels:
             configs.append(config)
     configs = [_with_vllm(c, want_vllm, vllm) for c in configs]
-    configs.sort(key=lambda c: LEVELS.index(c["level"]))
+    configs.sort(key=lambda c: list(LEVELS).index(c["level"]))
     out, seen = [], set()
     for config in configs:
         for P, S, G in itertools.product(args.P or [config["P"]], args.S or [config["S"]], args.G or [config["G"]]):
@@ -141,10 +133,10 @@ def meta(args, rounds, repeats, warmup, max_gb, env, partial) -> dict:
 
 
 def run(args) -> int:
-    from mmpg.bench import report, rollout, runner
+    from mmpg.bench import report, runner
 
     rounds, repeats, warmup = (v if v is not None else d
-                               for v, d in zip((args.rounds, args.repeats, args.warmup), DEFAULTS[args.preset]))
+                               for v, d in zip((args.rounds, args.repeats, args.warmup), PRESETS[args.preset]))
     configs = plan(args)
     env = report.environment()
     max_gb = args.max_gb if args.max_gb is not None else default_max_gb()
@@ -162,16 +154,16 @@ def run(args) -> int:
             rows += [dict(level=config["level"], P=shape["P"], S=config["S"], G=config["G"], variant=v, note=note,
                           config=config, **runner.ceilings(config, shape)) for v in config["variants"]]
             continue
-        run_one = rollout.run_config if config["level"] == "rollout" else runner.run_config
-        done = run_one(config, rounds=rounds, warmup=warmup, repeats=repeats, timeout=args.timeout, max_gb=max_gb,
-                       in_process=args.in_process, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        done = runner.run_config(config, rounds=rounds, warmup=warmup, repeats=repeats, timeout=args.timeout,
+                                 max_gb=max_gb, in_process=args.in_process,
+                                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
         rows += runner.add_ratios(done)
         print(report.format_table(done), file=sys.stderr, flush=True)  # progress; the full table comes last
         report.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=True))
     runner.add_ratios(rows)
     print(report.format_table(rows))
     if any(r["level"] == "rollout" for r in rows) and not args.dry_run:
-        print("\n" + rollout.format_table(rows))
+        print("\n" + report.rollout_table(rows))
     path = report.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=False))
     print(f"wrote {path}")
     failed = [r for r in rows if (r.get("note") or "").split(":")[0] not in ("", "OOM", "n/a", "skipped")

@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import itertools
 
+from mmpg.bench.levels import LEVELS
 from mmpg.errors import UserError
 
-ATTN_VARIANTS = ["naive", "upstream", "mmpg"]
-MODEL_VARIANTS = ["repeated", "upstream", "mmpg"]
-ROLLOUT_VARIANTS = ["hf_generate", "mmpg:copy", "mmpg:cascade"]
-STEP_VARIANTS = ["naive", "mmpg"]
+ATTN_VARIANTS, MODEL_VARIANTS, STEP_VARIANTS = (list(LEVELS[k].variants) for k in ("attention", "model", "step"))
+ROLLOUT_VARIANTS = ["hf_generate", "mmpg:copy", "mmpg:cascade"]  # vllm is opt-in: a server start costs minutes
 
 CPU_ATTN = {"heads": 4, "kv_heads": 4, "head_dim": 64, "dtype": "float32"}
 CPU_MODEL_SPEC = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512}
@@ -141,5 +140,7 @@ def build(preset: str, family: str = "qwen2") -> list[dict]:
     raise UserError(f"unknown bench preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 
-PRESETS = ("cpu-targets", "cpu-grid", "gpu", "tiny", "rollout-cpu", "rollout-gpu", "rollout-vllm-cpu",
-           "rollout-vllm-gpu")
+PRESETS = {  # preset -> the CLI's default (rounds, repeats, warmup)
+    "cpu-targets": (2, 2, 1), "cpu-grid": (1, 2, 1), "gpu": (2, 3, 2), "tiny": (1, 1, 1),
+    "rollout-cpu": (2, 2, 1), "rollout-gpu": (1, 2, 1), "rollout-vllm-cpu": (2, 2, 1), "rollout-vllm-gpu": (1, 2, 1),
+}

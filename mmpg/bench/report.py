@@ -1,4 +1,4 @@
-"""The printed table and the JSON file of a benchmark run.
+"""The printed tables and the JSON file of a benchmark run.
 
 Columns (one row per config × variant):
     time_s     median step time (forward + backward; rollout: generation)
@@ -14,6 +14,9 @@ Step level (`--levels step`): one line per phase (rollout, reward, logprob, upda
                `mmpg.bench.flops`; %ceil = speedup / ceil × 100
     peak_MB    the phase's high-water minus the memory in use when the step began (`mmpg.bench.step`)
 The JSON row of a variant holds the same numbers under "phases" (its time_s, speedup and peak_MB are the total's).
+
+Rollout level: a second table (`rollout_table`) adds B (prompts per step), prefill_s, decode_s, kv_MB and kv_ratio
+(the copy path's K/V over this row's), from `mmpg.bench.rollout`.
 
 %ceil can pass 100 on a CPU with a small model: there the repeated baseline is partly memory-bound (norms,
 activations, copies and the allocator scale with tokens, i.e. with ρ_lin, not with FLOPs), so the FLOPs ceiling is
@@ -44,10 +47,10 @@ LEFT = ("level", "variant", "phase")  # left-aligned columns
 MEMORY_COLUMNS = ("peak_MB", "mem_ratio")
 
 
-def _cell(row: dict, key: str, width: int, fmt: str) -> str:
+def _cell(row: dict, key: str, width: int, fmt: str, na=MEMORY_COLUMNS) -> str:
     value = row.get(key)
     if value is None:  # a row that ran but has no memory numbers says so; "-" is for what does not apply
-        text = "n/a" if key in MEMORY_COLUMNS and row.get("time_s") is not None else "-"
+        text = "n/a" if key in na and row.get("time_s") is not None else "-"
     else:
         text = fmt.format(value)
     return text.rjust(width) if key not in LEFT else text.ljust(width)
@@ -75,18 +78,48 @@ def _phase_lines(row: dict) -> list[dict]:
             for i, name in enumerate(names)]
 
 
-def _table(rows: list[dict], columns) -> str:
+def _table(rows: list[dict], columns, na=MEMORY_COLUMNS, gaps: bool = True) -> str:
+    """Header, rule and one line per row; with `gaps`, a blank line between configs (and step-level variants)."""
     header = "  ".join(h.rjust(w) if k not in LEFT else h.ljust(w) for k, h, w, _ in columns)
     lines = [header + "  note", "-" * (len(header) + 6)]
     last = None
     for row in rows:
         key = (row["level"], row["P"], row["S"], row["G"], row.get("variant") if "phase" in row else None)
-        if last is not None and key != last:
+        if gaps and last is not None and key != last:
             lines.append("")
         last = key
-        cells = "  ".join(_cell(row, k, w, f) for k, _, w, f in columns)
+        cells = "  ".join(_cell(row, k, w, f, na) for k, _, w, f in columns)
         lines.append(f"{cells}  {row.get('note') or ''}".rstrip())
     return "\n".join(lines)
+
+
+_COLUMN = {c[0]: c for c in COLUMNS}
+ROLLOUT_COLUMNS = [("B", "B", 2, "{}"), *(_COLUMN[k] for k in "PSG"), ("variant", "variant", 13, "{}"),
+                   _COLUMN["time_s"], _COLUMN["speedup"], ("prefill_s", "prefill_s", 9, "{:.3f}"),
+                   ("decode_s", "decode_s", 8, "{:.3f}"), ("kv_MB", "kv_MB", 7, "{:.1f}"),
+                   ("kv_ratio", "kv_ratio", 8, "{:.2f}"), *(_COLUMN[k] for k in ("rho_lin", "peak_MB", "mem_ratio"))]
+
+
+def rollout_table(rows: list[dict]) -> str:
+    """The rollout rows with their phases and K/V (kv_ratio against the copy path; compare with rho_lin); a missing
+    number is "-" here, memory too (the main table says n/a)."""
+    rows = [r for r in rows if r["level"] == "rollout"]
+    if not rows:
+        return ""
+    lines = ["rollout phases (kv_ratio: the copy path's K/V over this one's; theory for cascade: rho_lin)",
+             _table(rows, ROLLOUT_COLUMNS, na=(), gaps=False)]
+    if any(r["variant"] == "vllm" for r in rows):
+        lines += VLLM_NOTE
+    return "\n".join(lines)
+
+
+VLLM_NOTE = [
+    "vllm: VLLMEngine.generate_groups against mmpg vllm-serve (127.0.0.1): vLLM's own kernels and scheduler (CPU: its",
+    "  paged attention, eager) in the server's --dtype (the config's), HTTP, frame packing and the server's",
+    "  frames -> patches preprocessing included (the other rows get patches ready-made); the G samples",
+    "  of a prompt share its K/V in vLLM's prefix cache, and every step's prompts are new to it (no cached prefill).",
+    "  The other rows: transformers + torch in the bench's own process. The server's phases, K/V and memory are not",
+    "  seen from here (- and n/a)."]
 
 
 def describe_config(config: dict) -> str:
@@ -95,16 +128,15 @@ def describe_config(config: dict) -> str:
         return (f"attention: {config['heads']} q / {config['kv_heads']} kv heads of {config['head_dim']}, "
                 f"{config.get('dtype', 'float32')}")
     spec = config["spec"]
+    lm = (f"{config['family']} hidden {spec['hidden_size']}, {spec['num_layers']} layers, "
+          f"{spec['num_heads']}/{spec['num_kv_heads']} heads")
     if config["level"] == "step":
-        return (f"step: one GRPO step of {config['family']} hidden {spec['hidden_size']}, {spec['num_layers']} layers, "
-                f"{spec['num_heads']}/{spec['num_kv_heads']} heads, vision {spec.get('vision_hidden_size', 32)} x "
+        return (f"step: one GRPO step of {lm}, vision {spec.get('vision_hidden_size', 32)} x "
                 f"{spec.get('vision_depth', 2)} (frozen), {config.get('dtype', 'float32')}"
                 + (", gradient checkpointing" if config.get("grad_ckpt") else "")
                 + f"; {config['G']} responses of exactly {config['S']} tokens, KL beta {config.get('beta', 0.04)} "
                 "(reference forward), DeepSpeed ZeRO 0 + AdamW")
-    text = (f"{config['level']}: {config['family']} hidden {spec['hidden_size']}, {spec['num_layers']} layers, "
-            f"{spec['num_heads']}/{spec['num_kv_heads']} heads, intermediate {spec['intermediate_size']}, "
-            f"{config.get('dtype', 'float32')}")
+    text = f"{config['level']}: {lm}, intermediate {spec['intermediate_size']}, {config.get('dtype', 'float32')}"
     text += ", gradient checkpointing" if config.get("grad_ckpt") else ""
     if config["level"] == "rollout" and (config.get("B", 1) > 1 or config.get("video")):
         text += f"; {config.get('B', 1)} prompts per step"
@@ -134,11 +166,15 @@ def default_out_path(root: str = "runs/bench") -> str:
 
 
 def write_json(path: str, rows: list[dict], meta: dict) -> str:
-    """Atomic write (tmp file + rename) of {"meta", "rows"}; returns the path."""
+    """Atomic write of {"meta", "rows"} (`atomic_write`); returns the path."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return atomic_write(path, json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
+
+
+def atomic_write(path: str, text: str) -> str:
+    """Write a tmp file and rename it over `path` (a reader never sees half a file); returns the path."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
-        f.write("\n")
+        f.write(text)
     os.replace(tmp, path)
     return path

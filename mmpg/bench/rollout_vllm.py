@@ -6,7 +6,7 @@
     mmpg bench --preset rollout-vllm-gpu        (UNTESTED: never run yet) rollout-gpu's shape on qwen2_5_vl, bf16
 
 Opt-in (`--vllm`, `--vllm-url`, `vllm` in `--variants`, or a `rollout-vllm-*` preset): starting a server takes
-1-3 min on a CPU. Per config that holds the variant, the parent process (`mmpg.bench.rollout.run_config`):
+1-3 min on a CPU. Per config that holds the variant, the parent process (`runner.run_config`, through `start`):
 
     1. refuses what vLLM cannot serve, as a "skipped: ..." row (never a crash): no .venv-vllm; a text-only or
        Qwen3-VL family (mmpg vllm-serve sets limit_mm_per_prompt, which vLLM refuses for text models; Qwen3-VL's
@@ -18,7 +18,7 @@ Opt-in (`--vllm`, `--vllm-url`, `vllm` in `--variants`, or a `rollout-vllm-*` pr
        is deleted after a clean run and its path is printed when anything failed. --vllm-url skips 2 and 3.
 
 Each worker process then builds the model on the meta device (config and token ids only: the server holds the
-weights), the same B prompts as the other variants (`mmpg.bench.model.make_inputs` seeds 1..B) plus frames whose
+weights), the same B prompts as the other variants (`mmpg.bench.batch.make_batch`, seeds 1..B) plus frames whose
 patch grid is the prompt's (T = t·temporal_patch, H = h·patch, W = w·patch, no resize), and times
 `generate_groups(B prompts, G, S tokens exactly, no stop, temperature 1, no logprobs)`. Step k sends prompts whose
 first text token and frames are shifted by k, so vLLM's prefix and multimodal caches cannot skip the prefill of a
@@ -113,6 +113,19 @@ def save_checkpoint(config: dict, folder: Path) -> Path:
     return folder
 
 
+def start(config: dict, P: int, stack: contextlib.ExitStack, log=print) -> tuple[dict | None, str | None]:
+    """(the server's facts from `serving`, None), or (None, the vllm row's "skipped: ..." or "error: ..." note); a
+    server started here is stopped when `stack` closes."""
+    note = skip_reason(config)
+    if note is None:
+        try:
+            return stack.enter_context(serving(config, P, log=log)), None
+        except ServerStartError as err:
+            note = f"error: {err.line}"
+    log(f"  rollout vllm: {note}")
+    return None, note
+
+
 @contextlib.contextmanager
 def serving(config: dict, P: int, log=print):
     """Yields {"url", "log", "start_s", "checkpoint"} of a server for the config's model: config["vllm_url"] as is,
@@ -187,7 +200,8 @@ def _fresh(prompt: dict, videos: list, k: int, text_ids: int) -> tuple[dict, lis
 
 def setup(case: dict, device: torch.device):
     """(None, step, info) for the worker: `step()` samples the B groups on the server at case["vllm_url"]."""
-    from mmpg.bench.model import TEXT_IDS, build_model
+    from mmpg.bench.batch import TEXT_IDS, make_batch
+    from mmpg.bench.model import build_model
 
     try:
         from mmpg.rollout import SamplingParams
@@ -195,9 +209,7 @@ def setup(case: dict, device: torch.device):
     except Exception as err:  # noqa: BLE001 - any import failure means the engine is not usable here
         raise NotImplementedError(f"mmpg.rollout.vllm not available ({type(err).__name__}: {err})") from None
     if not case.get("vllm_url"):
-        raise NotImplementedError("no vLLM server for this case (mmpg.bench.rollout.run_config starts one)")
-    from mmpg.bench.rollout import make_batch
-
+        raise NotImplementedError("no vLLM server for this case (mmpg.bench.runner.run_config starts one)")
     model, ids = build_model(case, torch.device("meta"))  # config and token ids: the server holds the weights
     prompt, info = make_batch(model, case, ids, torch.device("cpu"))
     videos = videos_for(prompt, model.config.vision_config)

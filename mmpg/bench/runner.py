@@ -13,7 +13,8 @@ all variants instead of landing on whichever ran last; repeats inside one proces
 
 The step level (`mmpg.bench.step`) times its own phases inside each step: its rows also hold "phases" (per phase the
 median time, the median over rounds of the cold step's peak, the speed-up, memory ratio and % of the phase's own
-ceiling) and "response_tokens".
+ceiling) and "response_tokens". The rollout level's also hold B, the median prefill and decode seconds and the K/V
+(`mmpg.bench.rollout` records them). Baselines and ceilings per level: `mmpg.bench.levels.LEVELS`.
 
 A config whose repeated/naive variant would need more than `max_gb` (estimated before running) is skipped whole and
 says so in its note. `in_process=True` runs the workers' `measure` here instead (fast, for smoke tests) and measures
@@ -24,6 +25,7 @@ or a few pages, and the process high-water mark says nothing about one step. pea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -32,8 +34,7 @@ import sys
 import tempfile
 
 from mmpg.bench import flops
-
-BASELINE = {"attention": "naive", "model": "repeated", "rollout": "hf_generate", "step": "naive"}
+from mmpg.bench.levels import LEVELS
 
 
 def split_variant(label: str) -> tuple[str, str | None]:
@@ -52,15 +53,12 @@ def case_for(config: dict, label: str) -> dict:
 
 
 # ---- estimates and ceilings, before anything runs ------------------------------------------------------------------
-def dtype_bytes(config: dict) -> int:
-    return 2 if config.get("dtype") in ("bfloat16", "float16") else 4
-
-
 def shape_of(config: dict) -> dict:
     """Actual prompt shape and model dims (model/rollout levels) without building the model."""
     if config["level"] == "attention":
         return {"P": config["P"]}
-    from mmpg.bench.model import model_config, prompt_shape
+    from mmpg.bench.batch import prompt_shape
+    from mmpg.bench.model import model_config
 
     model_cfg, _ = model_config(config)
     shape = prompt_shape(config["P"], model_cfg, config.get("video"))
@@ -70,7 +68,7 @@ def shape_of(config: dict) -> dict:
 
 def naive_bytes(config: dict, shape: dict) -> float:
     """Rough peak of the repeated/naive variant (calibrated on CPU float32 runs within ~1.5x; used only to skip)."""
-    P, S, G, b = shape["P"], config["S"], config["G"], dtype_bytes(config)
+    P, S, G, b = shape["P"], config["S"], config["G"], 2 if config.get("dtype") in ("bfloat16", "float16") else 4
     tokens = G * (P + S)
     if config["level"] == "attention":
         return 3 * tokens * (config["heads"] + 2 * config["kv_heads"]) * config["head_dim"] * b
@@ -107,7 +105,12 @@ def ceilings(config: dict, shape: dict) -> dict:
 
 
 # ---- running ---------------------------------------------------------------------------------------------------------
-def _spawn(case: dict, warmup: int, repeats: int, timeout: float) -> dict:
+def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: bool) -> dict:
+    """One (config, variant, round): `worker.measure` in a fresh process, or here without memory (in_process)."""
+    if in_process:
+        from mmpg.bench.worker import measure
+
+        return measure(case, warmup, repeats, memory=False)
     with tempfile.TemporaryDirectory(prefix="mmpg-bench-") as tmp:
         job, result = os.path.join(tmp, "case.json"), os.path.join(tmp, "result.json")
         with open(job, "w") as f:
@@ -125,36 +128,52 @@ def _spawn(case: dict, warmup: int, repeats: int, timeout: float) -> dict:
             return json.load(f)
 
 
-def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: bool) -> dict:
-    if in_process:
-        from mmpg.bench.worker import measure
-
-        return measure(case, warmup, repeats, memory=False)
-    return _spawn(case, warmup, repeats, timeout)
-
-
 def run_config(config: dict, *, rounds: int, warmup: int, repeats: int, timeout: float, max_gb: float,
                in_process: bool = False, log=print) -> list[dict]:
-    """Measure every variant of one config; returns one row per variant (see `report.COLUMNS`)."""
-    shape = shape_of(config)
-    ceil = ceilings(config, shape)
+    """Measure every variant of one config; returns one row per variant (see `report.COLUMNS`). A rollout config's
+    rows also hold B and the median phases and K/V (`_rollout_rows`); its vllm variant gets a server here, once for
+    every round (`mmpg.bench.rollout_vllm.start`), or a row saying why not."""
+    level, shape = config["level"], shape_of(config)
     est_gb = naive_bytes(config, shape) / 1e9
-    base = {"level": config["level"], "P": shape["P"], "S": config["S"], "G": config["G"], **ceil,
+    prompts = {"B": config.get("B", 1)} if level == "rollout" else {}
+    base = {"level": level, **prompts, "P": shape["P"], "S": config["S"], "G": config["G"], **ceilings(config, shape),
             "est_naive_GB": round(est_gb, 2), "config": config}
     variants = config["variants"]
     if est_gb > max_gb:
         note = f"skipped: naive needs ~{est_gb:.0f} GB > {max_gb:g} GB"
         return [dict(base, variant=v, note=note) for v in variants]
-    results = {v: [] for v in variants}
-    for r in range(rounds):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
-        for label in order:
-            log(f"  {config['level']} P={shape['P']} S={config['S']} G={config['G']} {label} (round {r + 1}/{rounds})")
-            res = _measure(case_for(config, label), warmup, repeats, timeout, in_process)
-            results[label].append(res)
-            if res.get("error"):
-                log(f"    -> {res['error']}")
-    return [dict(base, variant=v, **_aggregate(results[v])) for v in variants]
+    results, skipped, served = {v: [] for v in variants}, {}, None
+    where = f"{level} B={prompts['B']}" if prompts else level
+    with contextlib.ExitStack() as stack:  # the vLLM server (if any) is stopped however this ends
+        if "vllm" in variants:
+            from mmpg.bench import rollout_vllm
+
+            served, skipped["vllm"] = rollout_vllm.start(config, shape["P"], stack, log=log)
+        for r in range(rounds):
+            for label in variants[r % len(variants):] + variants[: r % len(variants)]:
+                if skipped.get(label):
+                    continue
+                log(f"  {where} P={shape['P']} S={config['S']} G={config['G']} {label} (round {r + 1}/{rounds})")
+                case = case_for(config, label)
+                if label == "vllm":
+                    case["vllm_url"] = served["url"]
+                res = _measure(case, warmup, repeats, timeout, in_process)
+                results[label].append(res)
+                if res.get("error"):
+                    log(f"    -> {res['error']}")
+        if served is not None and any(r.get("error") for r in results["vllm"]):
+            served["keep_log"] = True  # read when the server stops, on the way out of the stack
+    rows = [dict(base, variant=v, note=skipped[v]) if skipped.get(v) else
+            dict(base, variant=v, **_aggregate(results[v])) for v in variants]
+    if level == "rollout":
+        _rollout_rows(rows, results, skipped, served, repeats)
+    return rows
+
+
+def _median(values, unit: float = 1):
+    """The median of the values that are not None, in `unit`s (2**20: bytes -> MB); None when there are none."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) / unit if values else None
 
 
 def _aggregate(runs: list[dict]) -> dict:
@@ -162,9 +181,8 @@ def _aggregate(runs: list[dict]) -> dict:
     if errors:
         return {"note": errors[0]}
     times = [t for r in runs for t in r["times"]]
-    peaks = [r["peak_bytes"] for r in runs if r.get("peak_bytes") is not None]
-    out = {"time_s": statistics.median(times) if times else None, "times": times,
-           "cold_s": [r["cold_s"] for r in runs], "peak_MB": statistics.median(peaks) / 2**20 if peaks else None,
+    out = {"time_s": _median(times), "times": times, "cold_s": [r["cold_s"] for r in runs],
+           "peak_MB": _median((r.get("peak_bytes") for r in runs), 2**20),
            "mem_method": runs[0].get("mem_method"), "tokens": runs[0]["info"].get("tokens"), "note": ""}
     if any("phase_times" in r for r in runs):
         out["response_tokens"] = runs[0]["info"].get("response_tokens")
@@ -179,11 +197,43 @@ def _aggregate_phases(runs: list[dict]) -> dict:
     phases = {}
     for name in (*PHASES, "total"):
         times = [t[name] for r in runs for t in r["phase_times"]]
-        peaks = [r["phase_peak_bytes"][name] for r in runs
-                 if (r.get("phase_peak_bytes") or {}).get(name) is not None]
-        phases[name] = {"time_s": statistics.median(times) if times else None, "times": times,
-                        "peak_MB": statistics.median(peaks) / 2**20 if peaks else None}
+        phases[name] = {"time_s": _median(times), "times": times,
+                        "peak_MB": _median(((r.get("phase_peak_bytes") or {}).get(name) for r in runs), 2**20)}
     return phases
+
+
+def _rollout_rows(rows: list[dict], results: dict, skipped: dict, served: dict | None, repeats: int) -> list[dict]:
+    """The rollout rows (in place) with the median phases and K/V of the variants that ran (`mmpg.bench.rollout`), the
+    vllm row's server facts (`served`: `mmpg.bench.rollout_vllm.start`) and kv_ratio: the copy path's K/V over this
+    row's (the cascade row's is to be compared with ρ_lin)."""
+    for row in rows:
+        if not skipped.get(row["variant"]):
+            row.update(_phase_medians(results[row["variant"]], repeats))
+        if row["variant"] == "vllm":
+            _vllm_row(row, served)
+    copy = next((r for r in rows if r["variant"] in ("mmpg:copy", "mmpg") and r.get("kv_MB")), None)
+    for row in rows:
+        row["kv_ratio"] = copy["kv_MB"] / row["kv_MB"] if copy and row.get("kv_MB") else None
+    return rows
+
+
+def _vllm_row(row: dict, served: dict | None) -> None:
+    """The worker's memory is not the server's: no peak for the vllm row; the server's facts beside it."""
+    row["peak_MB"] = None
+    if row.get("time_s") is not None:
+        row["mem_method"] = "not measured (the vLLM server's own process)"
+    if served is not None:
+        row["vllm_server"] = {k: served.get(k) for k in ("url", "start_s", "checkpoint")}
+        if row.get("note") and served.get("log") and served.get("keep_log"):
+            row["note"] += f" (server log: {served['log']})"
+
+
+def _phase_medians(runs: list[dict], repeats: int) -> dict:
+    """Median prefill/decode seconds over the timed steps (the last `repeats` of each process) and the K/V MB."""
+    timed = [p for r in runs if not r.get("error") for p in (r.get("info") or {}).get("phases", [])[-repeats:]]
+    return {"prefill_s": _median(p.get("prefill_s") for p in timed),
+            "decode_s": _median(p.get("decode_s") for p in timed),
+            "kv_MB": _median((p.get("kv_bytes") for p in timed), 2**20)}
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -193,15 +243,14 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         groups.setdefault((row["level"], row["P"], row["S"], row["G"], json.dumps(row["config"], sort_keys=True)),
                           []).append(row)
     for group in groups.values():
-        base = next((r for r in group if split_variant(r["variant"])[0] == BASELINE[r["level"]]), None)
+        base = next((r for r in group if split_variant(r["variant"])[0] == LEVELS[r["level"]].baseline), None)
         for row in group:
             row["speedup"] = row["mem_ratio"] = row["pct_ceiling"] = None
             if base is None or row.get("time_s") is None or base.get("time_s") is None:
                 continue
             row["speedup"] = base["time_s"] / row["time_s"]
-            ceiling = {"rollout": "rho_lin", "step": "rho_step"}.get(row["level"], "rho_flops")
             if row is not base:
-                row["pct_ceiling"] = 100 * row["speedup"] / row[ceiling]
+                row["pct_ceiling"] = 100 * row["speedup"] / row[LEVELS[row["level"]].ceiling]
             if row.get("peak_MB") and base.get("peak_MB"):
                 row["mem_ratio"] = base["peak_MB"] / row["peak_MB"]
             if row.get("phases") and base.get("phases"):

@@ -34,7 +34,8 @@ import types
 
 import torch
 
-VARIANTS = ("naive", "mmpg")
+from mmpg.bench import memory as probes
+
 PHASES = ("rollout", "reward", "logprob", "update")
 # the ceiling (a key of the row, see `mmpg.bench.runner.ceilings`) each phase's speed-up is compared with
 PHASE_CEILINGS = {"rollout": "rho_rollout", "reward": None, "logprob": "rho_fwd", "update": "rho_flops",
@@ -88,35 +89,25 @@ class GenerateEngine:
 
 class PhaseClock:
     """The `timer` `GRPOStep.update` takes: `with clock("update"): ...` adds the phase's wall seconds (CUDA
-    synchronised at both ends) and, with memory=True, records its peak: high-water during the phase minus the
-    memory in use when the step began (`with clock.step(): ...`). CPU: VmHWM reset by /proc/self/clear_refs at the
-    phase start, or the process high-water `ru_maxrss` where that is not writable (then a phase that did not raise
-    it has no measured peak, None); a CPU peak that is not above the step's start is None too (see
-    `mmpg.bench.worker`). GPU: `max_memory_allocated` after `reset_peak_memory_stats`."""
+    synchronised at both ends) and, with memory=True, records its peak: the high-water during the phase (reset at
+    its start) minus the memory in use when the step began (`with clock.step(): ...`); probes: `mmpg.bench.memory`."""
 
     def __init__(self, device: torch.device, memory: bool):
-        from mmpg.bench import worker
-
-        self.device, self.memory, self.worker = device, memory, worker
+        self.device, self.memory = device, memory
         self.seconds: dict[str, float] = {}
         self.peaks: dict[str, int | None] = {}
         self.method, self.base = None, 0
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     @contextlib.contextmanager
     def step(self):
         if self.memory:
             gc.collect()
-            self._sync()
-            self.base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else \
-                self.worker._rss()
-        self._sync()
+            probes.sync(self.device)
+            self.base = probes.in_use(self.device)
+        probes.sync(self.device)
         t0 = time.perf_counter()
         yield self
-        self._sync()
+        probes.sync(self.device)
         self.seconds["total"] = time.perf_counter() - t0
         if self.memory:
             seen = [p for p in self.peaks.values() if p is not None]
@@ -124,37 +115,18 @@ class PhaseClock:
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        before = self._reset_peak() if self.memory else None
-        self._sync()
+        if self.memory:
+            self.method, before = probes.reset_peak(self.device)
+        probes.sync(self.device)
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
+            probes.sync(self.device)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
             if self.memory:
-                peak, old = self._peak(before), self.peaks.get(name)
+                peak, old = probes.peak_since(self.device, self.base, before), self.peaks.get(name)
                 self.peaks[name] = peak if old is None else max(old, peak or 0)
-
-    def _reset_peak(self) -> int | None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.method = "cuda.max_memory_allocated"
-            return None
-        if self.worker._reset_hwm():
-            self.method = "VmHWM-after-clear_refs"
-            return None
-        self.method = "ru_maxrss"
-        return self.worker._maxrss()
-
-    def _peak(self, before: int | None) -> int | None:
-        if self.device.type == "cuda":
-            return max(torch.cuda.max_memory_allocated(self.device) - self.base, 0)
-        if before is not None:  # ru_maxrss: seen only when the phase raised the process high-water
-            high = self.worker._maxrss()
-            return high - self.base if high > before else None
-        grown = self.worker._hwm() - self.base
-        return grown if grown > 0 else None
 
 
 def step_config(case: dict, grouping: bool):
@@ -226,14 +198,13 @@ class StepRunner:
 def setup(case: dict, device: torch.device):
     """(None, runner, info): the model, its frozen reference copy, the DeepSpeed engine and `GRPOStep` are built
     here, outside every measurement; `runner()` is one GRPO step (`StepRunner`)."""
-    from mmpg.bench.model import build_model, make_inputs
+    from mmpg.bench.batch import forward_tokens, make_inputs
+    from mmpg.bench.model import build_model
     from mmpg.data.samples import GroundingSample
-    from mmpg.train import dist
+    from mmpg import dist
     from mmpg.train.engine import build_engine, prepare_deepspeed_env
 
     variant = case["variant"]
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown step variant {variant!r}; choose one of {', '.join(VARIANTS)}")
     prepare_deepspeed_env(device.type)  # before deepspeed is imported (build_engine imports it)
     dist.init(device.type)  # one process: a private process group, as the trainer makes
     from mmpg.rl.grpo import GRPOStep
@@ -256,6 +227,5 @@ def setup(case: dict, device: torch.device):
     rollout_engine = grpo.rollout_engine if variant == "mmpg" else GenerateEngine(grpo.policy, ids["tokenizer"])
     sample = GroundingSample(sample_id="bench#0", video="bench.mp4", duration=30.0, query="the person opens a door",
                              span=(4.0, 11.0))
-    G, S = case["G"], case["S"]
-    info["tokens"] = info["P"] + G * S if variant == "mmpg" else G * (info["P"] + S)  # the update's forward
+    info["tokens"] = forward_tokens(info["P"], case["S"], case["G"], shared=variant == "mmpg")  # the update's forward
     return None, StepRunner(grpo, rollout_engine, prompt, sample, device), info

@@ -1,0 +1,138 @@
+"""The package's import graph, read from the source with `ast` (nothing is imported): no module of mmpg/ reaches
+itself through imports of mmpg modules, and the evaluation, run-directory and app code stay off the trainer.
+
+An edge A -> B is any `import mmpg.x` / `from mmpg.x import y` / relative import in A that names module B (or the
+package B when y is not a module of it), at module level or inside a function: an import deferred into a function
+to dodge a circle at import time is still a circle in the design. Importing a submodule also runs its packages'
+__init__, but that edge is not counted (every submodule would otherwise "import" its parent).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _modules(package: str = "mmpg") -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imported(node: ast.AST, module: str, is_package: bool, known) -> list[str]:
+    """The mmpg modules an import statement names (each `from X import y` names X.y when that is a module, else X)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:  # relative: from the module's package, one level up per extra dot
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        package = package[: len(package) - node.level + 1]
+        base = ".".join(package + ([base] if base else []))
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+
+
+def import_graph(files: dict[str, Path] | None = None) -> dict[str, dict[str, int]]:
+    """{module: {imported mmpg module: the line of its first import there}} over every import statement."""
+    files = files if files is not None else _modules()
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            for name in _imported(node, module, path.name == "__init__.py", files):
+                while name and name not in files:  # `import mmpg.a.b.C`-style names: the longest module prefix
+                    name = name.rpartition(".")[0]
+                if name and name != module and name.split(".")[0] == "mmpg":
+                    edges = graph.setdefault(module, {})
+                    edges[name] = min(edges.get(name, node.lineno), node.lineno)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted; [] when there is no circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _describe(graph, component: list[str]) -> str:
+    edges = [f"{a} -> {b} (line {line})" for a in component for b, line in sorted(graph.get(a, {}).items())
+             if b in component]
+    return "import circle: " + "; ".join(edges)
+
+
+def test_the_graph_sees_imports_at_every_depth(tmp_path):
+    # the checker itself: module-level, function-level and relative imports are edges; a loop is found
+    pkg = tmp_path / "mmpg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from .a import f\n")
+    (pkg / "sub" / "a.py").write_text("def f():\n    from mmpg.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("import os\nfrom mmpg.sub.a import f\n")
+    files = {name: tmp_path / path for name, path in [
+        ("mmpg", "mmpg/__init__.py"), ("mmpg.sub", "mmpg/sub/__init__.py"), ("mmpg.sub.a", "mmpg/sub/a.py"),
+        ("mmpg.sub.b", "mmpg/sub/b.py")]}
+    graph = import_graph(files)
+    assert graph == {"mmpg.sub": {"mmpg.sub.a": 1}, "mmpg.sub.a": {"mmpg.sub.b": 2}, "mmpg.sub.b": {"mmpg.sub.a": 2}}
+    assert cycles(graph) == [["mmpg.sub.a", "mmpg.sub.b"]]
+
+
+def test_no_import_circle_in_mmpg():
+    graph = import_graph()
+    assert "mmpg.bench.worker" in graph and "mmpg.bench.runner" in graph  # the walk saw the package
+    found = cycles(graph)
+    assert not found, "\n".join(_describe(graph, c) for c in found)
+
+
+def test_eval_runs_and_app_do_not_import_the_trainer():
+    # evaluation, run records and the app read runs: no chain of imports from them reaches the training code
+    def inside(module: str, packages) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in packages)
+
+    graph = import_graph({**_modules("mmpg"), **_modules("app")})
+    bad = []
+    for start in sorted(m for m in graph if inside(m, ("mmpg.eval", "mmpg.runs", "app"))):
+        parent, todo = {start: None}, [start]
+        for module in todo:  # breadth first: the shortest chain to each module reached
+            for target in graph.get(module, {}):
+                if target not in parent:
+                    parent[target] = module
+                    todo.append(target)
+        for target in sorted(t for t in parent if inside(t, ("mmpg.train", "mmpg.rl", "mmpg.sft"))):
+            chain = [target]
+            while parent[chain[-1]] is not None:
+                chain.append(parent[chain[-1]])
+            chain.reverse()  # start -> ... -> target, each step "module (line of its import of the next)"
+            bad.append(" -> ".join(f"{m} (line {graph[m][n]})" for m, n in zip(chain, chain[1:])) + f" -> {target}")
+    assert not bad, "imports reaching the trainer:\n" + "\n".join(bad)
