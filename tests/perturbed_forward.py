@@ -3,18 +3,18 @@
 positions in the packed row by one, so each response is scored as if it sat one token later. The repeated forward is
 untouched, so the two disagree as a real layout bug would make them."""
 
-import mmpg.grouping.adapters as adapters
 import mmpg.grouping.logprobs as logprobs
+import mmpg.grouping.tree as tree
 from reward_fns import digit_share  # noqa: F401  (the reward the run uses)
 
-_pack = adapters.pack
+_pack = tree.pack_tree
 
 
-def _shifted_pack(prefixes, completions, device):
-    ids, pos = _pack(prefixes, completions, device)
+def _shifted_pack(prefixes, completions, shares, device):
+    ids, pos, *rest = _pack(prefixes, completions, shares, device)
     shifted = pos.clone()
-    shifted[:, prefixes.ids[0].numel():] += 8  # everything after the first prefix
-    return ids, shifted
+    shifted[:, shares[0].length:] += 8  # everything after the first prefix
+    return (ids, shifted, *rest)
 
 
 logprobs.pack = _shifted_pack

@@ -68,19 +68,6 @@ def prefix_positions(model, prompt_inputs) -> Prefixes:
     return Prefixes(rows, positions, starts)
 
 
-def pack(prefixes: Prefixes, completions, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed row: ids [T] and positions [A, T] in the layout order (prefix_b, its responses, prefix_b+1, ...)."""
-    ids, pos = [], []
-    for b, (p_ids, p_pos, start) in enumerate(zip(*prefixes)):
-        ids.append(p_ids.to(device))
-        pos.append(p_pos.to(device))
-        for i in completions.rows_of(b):
-            tokens = completions.tokens(i).to(device)
-            ids.append(tokens)
-            pos.append((start + torch.arange(tokens.numel(), device=device)).expand(p_pos.shape[0], -1))
-    return torch.cat(ids), torch.cat(pos, dim=1)
-
-
 def _marker(device) -> torch.Tensor:
     # A 4-D tensor passes through every Qwen text model's mask creation untouched; the layout is the real mask.
     return torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)

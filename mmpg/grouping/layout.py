@@ -33,6 +33,9 @@ class GroupLayout:
     # keys the grouped forward handed to the model's forward for the model to consume (the visual inputs):
     # the grouped attention raises if one arrives in its kwargs (the model ignored it; `mmpg.grouping.attention`)
     model_inputs: tuple[str, ...] = ()
+    # [B][G_b] leading tokens of each row that are inputs, not scored: a shared video's per-query tail
+    # (`mmpg.grouping.tree`); None = every row token is a response token
+    row_skip: list[list[int]] | None = None
 
     def __post_init__(self):
         self.device = torch.device(self.device)
@@ -90,18 +93,35 @@ class GroupLayout:
         """[sum S] row positions of all response tokens, group by group, response by response."""
         return self._arange(self.responses_span(b) for b in range(self.num_groups))
 
+    def _skips(self, b: int) -> list[int]:
+        return self.row_skip[b] if self.row_skip is not None else [0] * len(self.response_lens[b])
+
+    @cached_property
+    def target_index(self) -> torch.Tensor:
+        """[sum scored] row positions of the scored tokens: every response token, past each row's skipped tail."""
+        out = []
+        for b in range(self.num_groups):
+            start = self.responses_span(b)[0]
+            for s, k in zip(self.response_lens[b], self._skips(b)):
+                out.append(torch.arange(start + k, start + s))
+                start += s
+        return torch.cat(out).to(self.device) if out else torch.zeros(0, dtype=torch.long, device=self.device)
+
     @cached_property
     def predictor_index(self) -> torch.Tensor:
-        """[sum S] row position whose hidden state predicts each response token.
+        """[sum scored] row position whose hidden state predicts each scored token (`target_index`).
 
-        Token t of a response is predicted at t-1 of the same response, token 0 at the last prefix token."""
+        Token t of a row is predicted at t-1 of the same row; a row's token 0 (no tail) at the last prefix token."""
         out = []
         for b in range(self.num_groups):
             last_prefix = self.prefix_span(b)[1] - 1
             start = self.responses_span(b)[0]
-            for s in self.response_lens[b]:
-                out.append(torch.tensor([last_prefix]))
-                out.append(torch.arange(start, start + s - 1))
+            for s, k in zip(self.response_lens[b], self._skips(b)):
+                if k == 0:
+                    out.append(torch.tensor([last_prefix]))
+                    out.append(torch.arange(start, start + s - 1))
+                else:
+                    out.append(torch.arange(start + k - 1, start + s - 1))
                 start += s
         return torch.cat(out).to(self.device)
 

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mmpg.grouping.adapters import pack, packed_hidden_states, prefix_positions
+from mmpg.grouping.adapters import packed_hidden_states, prefix_positions
+from mmpg.grouping.tree import find_shares, leaders_visuals
+from mmpg.grouping.tree import pack_tree as pack
 from mmpg.grouping.inputs import (
     Completions, check_completions, mm_token_type_ids, placeholder_token_ids, prompt_attention_mask,
     split_visuals_per_prompt,
@@ -79,15 +81,16 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     prompt_inputs = _on_device(prompt_inputs, device)
     backend = resolve_backend(backend or model._mmpg_backend, device, compute_dtype(model, device))
     prefixes = prefix_positions(model, prompt_inputs)
-    packed_ids, packed_pos = pack(prefixes, completions, device)
-    layout = GroupLayout(
-        prefix_lens=[p.numel() for p in prefixes.ids],
-        response_lens=[[completions.lengths[i] for i in completions.rows_of(b)] for b in range(len(prefixes.ids))],
-        device=device, backend=backend)
-    hidden = packed_hidden_states(model, prompt_inputs, packed_ids, packed_pos, layout)  # [T, H]
+    # prompts that begin alike (a video's queries) share that part in the packed row (mmpg.grouping.tree)
+    shares = find_shares(model, prompt_inputs, prefixes, model_kind(model) == "vl", completions.group_sizes)
+    packed_ids, packed_pos, row_lens, row_skip = pack(prefixes, completions, shares, device)
+    layout = GroupLayout(prefix_lens=[s.length for s in shares], response_lens=row_lens, device=device,
+                         backend=backend, row_skip=row_skip if any(any(k) for k in row_skip) else None)
+    hidden = packed_hidden_states(model, leaders_visuals(model, prompt_inputs, shares), packed_ids, packed_pos,
+                                  layout)  # [T, H]
     # with device_map the last layer (and so `hidden`) may sit on another device than the embedding
     flat = head_logprobs(model.get_output_embeddings(), hidden[layout.for_device(hidden.device).predictor_index],
-                         packed_ids[layout.response_index], temperature, chunk_size)  # [sum L_i]
+                         packed_ids[layout.target_index], temperature, chunk_size)  # [sum L_i]
     return _scatter_rows(flat, completions)
 
 
