@@ -61,6 +61,9 @@ class DataConfig:
     total_pixels: Optional[int] = _f(None, "Pixel budget of a whole video (null: 8192 tokens).")
     num_workers: int = _f(2, "DataLoader workers decoding videos (0: in the main process).")
     shuffle: bool = _f(True, "Shuffle the training samples (a new order every epoch, from trainer.seed).")
+    queries_per_video: int = _f(1, "Keep up to K queries of one video side by side in the epoch order (1: i.i.d. "
+                                "order); side by side they share the video in the grouped forward, each query still "
+                                "once per epoch (mmpg/train/data.py).")
     strict: bool = _f(False, "Stop at the first unusable sample with an error naming it, instead of skipping and "
                       "counting it.")
     max_samples: int = _f(0, "Use only the first N training samples (0: all).")
@@ -115,6 +118,8 @@ class AlgorithmConfig:
     max_sampling_rounds: int = _f(4, "Dynamic sampling: most rollout rounds per step before training on what "
                                   "there is.")
     grouping: bool = _f(True, "Shared-prefix grouped forward; false: the naive repeated forward (A/B runs).")
+    share_videos: bool = _f(True, "In the grouped forward, adjacent prompts of one video (data.queries_per_video) "
+                            "share the video's part of the prompt (mmpg.grouping.tree); false: each prompt alone.")
     self_check: str = _f("on", "Compare the grouped forward with the repeated one on one real group, in this run's "
                          "dtype, backend and versions, at the first step and whenever a batch goes past the prompt / "
                          "response / group sizes checked so far (mmpg.grouping.selfcheck): on (stop the run on a "
@@ -330,6 +335,7 @@ def _validate(cfg: Config) -> None:
         ("rollout.tis_cap", cfg.rollout.tis_cap == 0 or cfg.rollout.tis_cap >= 1, "must be 0 (off) or >= 1"),
         ("rollout.vllm_timeout_s", cfg.rollout.vllm_timeout_s > 0, "must be > 0"),
         ("data.batch_size", cfg.data.batch_size >= 1, "must be >= 1"),
+        ("data.queries_per_video", cfg.data.queries_per_video >= 1, "must be >= 1 (1: i.i.d. order)"),
         ("trainer.micro_batch_size", cfg.trainer.micro_batch_size >= 1, "must be >= 1"),
         ("trainer.total_steps", cfg.trainer.total_steps >= 1, "must be >= 1"),
         ("algorithm.num_iterations", cfg.algorithm.num_iterations >= 1, "must be >= 1"),

@@ -259,3 +259,25 @@ def test_dynamic_sampling_dapo_and_eval_during_training(grpo_data, tmp_path):
         assert reader.info()["step"] == step and len(reader.predictions()) == 1
         assert reader.metrics()["miou"] == pytest.approx(e["eval/miou"])
         assert (reader.folder / "report.md").is_file()
+
+
+def test_queries_of_a_video_share_it_and_train_the_same(grpo_data, tmp_path):
+    """data.queries_per_video=3 keeps a video's queries side by side; the grouped forward then packs them behind one
+    shared video (perf/shared_prompts > 0), and 5 steps train the same losses and weights as with sharing off and as
+    the repeated forward (the synthetic train split asks 3, 3, 1, 1, 1 and 2 questions of its 6 videos)."""
+    base = {"data.queries_per_video": 3, "data.batch_size": 6, "rollout.n": 2, "trainer.micro_batch_size": 6,
+            "trainer.total_steps": 5, "data.fps": 2.0, "data.max_frames": 16, "data.min_pixels": 50176,
+            "data.max_pixels": 50176, "reward.function": "reward_fns:space_share"}  # 512 video tokens: sharing pays
+    runs = {}
+    for name, extra in (("shared", {}), ("alone", {"algorithm.share_videos": False}),
+                        ("repeated", {"algorithm.grouping": False})):
+        _train(overrides(grpo_data, tmp_path, name, **base, **extra))
+        runs[name] = metrics(tmp_path / name)
+    assert sum(m["perf/shared_prompts"] for m in runs["shared"]) > 0
+    assert all(m["perf/shared_prompts"] == 0 for m in runs["alone"])
+    for other in ("alone", "repeated"):
+        for a, b in zip(runs["shared"], runs[other]):
+            assert a["reward/mean"] == b["reward/mean"]
+            assert abs(a["actor/loss"] - b["actor/loss"]) <= LOSS_RTOL * max(1.0, abs(b["actor/loss"])), (other, a["step"])
+        rel = _rel(final_weights(tmp_path / "shared", 5), final_weights(tmp_path / other, 5))
+        assert rel <= WEIGHT_RTOL, f"final weights differ from {other} by {rel:.2e}"

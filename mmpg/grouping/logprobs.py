@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from mmpg.grouping.adapters import packed_hidden_states, prefix_positions
-from mmpg.grouping.tree import find_shares, leaders_visuals
+from mmpg.grouping.tree import Share, find_shares, leaders_visuals
 from mmpg.grouping.tree import pack_tree as pack
 from mmpg.grouping.inputs import (
     Completions, check_completions, mm_token_type_ids, placeholder_token_ids, prompt_attention_mask,
@@ -67,12 +67,14 @@ def _scatter_rows(flat: torch.Tensor, completions: Completions) -> torch.Tensor:
 
 
 def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, group_sizes, *, backend=None,
-                     temperature: float = 1.0, chunk_size: int = 2048) -> torch.Tensor:
+                     temperature: float = 1.0, chunk_size: int = 2048, share: bool = True) -> torch.Tensor:
     """Each prompt (and its video) forwarded once with its responses packed behind it. Returns [N, S] float32.
 
     prompt_inputs: processor output for B prompts (left or right padded). completion_ids/mask: [N, S] right-padded,
     rows of prompt b contiguous and in prompt order. group_sizes: [B] positive ints summing to N.
-    backend: "sdpa" | "flash" | "flex" | "lse_reference"; default: the one chosen by `apply_grouped_attention`."""
+    backend: "sdpa" | "flash" | "flex" | "lse_reference"; default: the one chosen by `apply_grouped_attention`.
+    share: let adjacent prompts that begin alike (a video's queries) share that part (`mmpg.grouping.tree`); false
+    forwards each prompt on its own. What was shared is left in `model._mmpg_shared` (prompts, shared parts)."""
     _check_temperature(temperature)
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
                                     placeholder_token_ids(model))
@@ -82,7 +84,9 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     backend = resolve_backend(backend or model._mmpg_backend, device, compute_dtype(model, device))
     prefixes = prefix_positions(model, prompt_inputs)
     # prompts that begin alike (a video's queries) share that part in the packed row (mmpg.grouping.tree)
-    shares = find_shares(model, prompt_inputs, prefixes, model_kind(model) == "vl", completions.group_sizes)
+    shares = find_shares(model, prompt_inputs, prefixes, model_kind(model) == "vl", completions.group_sizes) \
+        if share else [Share((b,), p.numel()) for b, p in enumerate(prefixes.ids)]
+    model._mmpg_shared = (len(prefixes.ids), len(shares))
     packed_ids, packed_pos, row_lens, row_skip = pack(prefixes, completions, shares, device)
     layout = GroupLayout(prefix_lens=[s.length for s in shares], response_lens=row_lens, device=device,
                          backend=backend, row_skip=row_skip if any(any(k) for k in row_skip) else None)

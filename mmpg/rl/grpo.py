@@ -83,6 +83,7 @@ class GRPOStep:
             self.pad_id = self.rollout_engine._pad_id()
         self.batches_pulled = 0  # global batches consumed (the data position is start + this * batch_size)
         self.checker = SelfCheck(cfg.algorithm.self_check if cfg.algorithm.grouping else "off")
+        self.shared_prompts = 0  # per step: see `_logprobs`
 
     def _vllm_engine(self, cfg, processor):
         """Connect to the vLLM server (waiting up to rollout.vllm_wait_s) and give it this policy's weights (a resumed
@@ -233,7 +234,11 @@ class GRPOStep:
 
         args = (model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes)
         if self.cfg.algorithm.grouping:
-            return grouped_logprobs(*args, temperature=self.cfg.rollout.temperature, chunk_size=chunk)
+            out = grouped_logprobs(*args, temperature=self.cfg.rollout.temperature, chunk_size=chunk,
+                                   share=self.cfg.algorithm.share_videos)
+            prompts, parts = getattr(model, "_mmpg_shared", (0, 0))
+            self.shared_prompts += prompts - parts  # prompts forwarded behind another's shared part
+            return out
         return repeated_logprobs(*args, temperature=self.cfg.rollout.temperature)
 
     def _chunk_sizes(self, mbs) -> list[int]:
@@ -293,6 +298,7 @@ class GRPOStep:
                 ref = [self._logprobs(self.ref, mb, c) for mb, c in zip(mbs, chunks)]
         sums = dict.fromkeys(("loss", "kl", "clipped", "tokens", "real_tokens", "gap", "gap_max", "entropy"), 0.0)
         grad_norms = []
+        self.shared_prompts = 0
         with timer("update"):
             for it in range(alg.num_iterations):
                 for i, (mb, chunk, mask) in enumerate(zip(mbs, chunks, masks)):
@@ -326,6 +332,8 @@ class GRPOStep:
         out["gap_max"] = dist.all_max([sums["gap_max"]], self._coll_device)[0]
         out["grad_norm"] = grad_norms[-1]
         out["lr"] = float(engine.get_lr()[0])
+        # prompts that the update's grouped forward packed behind another prompt's shared video (all ranks)
+        out["shared_prompts"] = dist.all_sum([self.shared_prompts / alg.num_iterations], self._coll_device)[0]
         out.update(checks)  # check/* on the steps that ran the self-check
         return out
 

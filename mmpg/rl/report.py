@@ -14,7 +14,8 @@ Metrics (one `metrics.jsonl` line per step, also TensorBoard), over the whole gl
         steps that ran the self-check (algorithm.self_check; mmpg.grouping.selfcheck), the figure and the envelope
     alarm/logprob_drift: 1 on a step where actor/logprob_gap_max has been above the dtype's bound for
         DRIFT_STEPS steps in a row (also a warning in train.log and the inspector)
-    perf/tokens_per_s (prompt + response tokens of the global batch / step seconds), perf/peak_memory_mb
+    perf/tokens_per_s (prompt + response tokens of the global batch / step seconds), perf/peak_memory_mb,
+    perf/shared_prompts (prompts the update's grouped forward packed behind another query's shared video)
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def step_metrics(summaries: list[dict], sums: dict, infos: list[dict], skipped_t
         m["actor/logprob_gap_max"] = sums["gap_max"]
         m["actor/grad_norm"] = sums["grad_norm"]
         m["actor/lr"] = sums["lr"]
+        m["perf/shared_prompts"] = sums.get("shared_prompts", 0.0)
     else:
         m["actor/skipped_update"] = 1.0
     m["data/skipped"] = float(sum(i["skipped"] for i in infos))

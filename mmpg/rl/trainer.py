@@ -79,7 +79,8 @@ class GRPOJob:
         loader = make_train_loader(samples, video_spec(cfg, session.family), session.processor, template,
                                    global_batch=cfg.data.batch_size, rank=session.rank, world=session.world,
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
-                                   num_workers=cfg.data.num_workers, strict=cfg.data.strict)
+                                   num_workers=cfg.data.num_workers, strict=cfg.data.strict,
+                                   queries_per_video=cfg.data.queries_per_video)
         self.step_fn = GRPOStep(cfg, session.engine, self.ref, session.processor, iter(loader),
                                 make_scorer(cfg.reward, template.think), session.device,
                                 rebuild=lambda chosen: decode_here(loader, chosen))

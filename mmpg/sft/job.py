@@ -54,7 +54,8 @@ class SFTJob:
         loader = make_train_loader(samples, video_spec(cfg, session.family), session.processor, self.template,
                                    global_batch=cfg.data.batch_size, rank=session.rank, world=session.world,
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
-                                   num_workers=cfg.data.num_workers, strict=cfg.data.strict)
+                                   num_workers=cfg.data.num_workers, strict=cfg.data.strict,
+                                   queries_per_video=cfg.data.queries_per_video)
         self.batches, self.pulled = iter(loader), 0
         self.skipped_total = int(session.state.get("skipped_total", 0))
         self.tokenizer = getattr(session.processor, "tokenizer", session.processor)
