@@ -1,6 +1,7 @@
 """Cascade decoding's CUDA kernels (`sdpa`: torch's memory-efficient kernel with its LSE; `flash`: flash-attn's
 `flash_attn_with_kvcache` with `cache_leftpad` and its LSE) against the float32 `math` kernel, and the cascade engine
-on CUDA against the copy path. Skipped without a CUDA device; NEVER RUN YET (written on a CPU-only machine).
+on CUDA against the copy path, at tiny and at the released head geometry (tests/release_geometry.py). Skipped without a
+CUDA device; NEVER RUN YET (written on a CPU-only machine).
 
 fp32: the same bounds as the CPU tests (token-identical greedy decoding, logprobs within 1e-4 of the grouped
 recompute). bf16: the two paths round differently, so differences are printed and bounded loosely."""
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from batches import assert_recompute_matches, vl_batch
+from release_geometry import compare_cascade
 from mmpg.rollout import HFEngine, SamplingParams
 from mmpg.rollout.cascade_kernels import attend
 
@@ -30,7 +32,7 @@ def _needs(backend, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("backend", ["sdpa", "flash"])
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "leftpad"])
-def test_cuda_kernel_matches_math(backend, dtype, padded):
+def test_cuda_kernel_matches_math(backend, dtype, padded, record_property):
     _needs(backend, dtype)
     g = torch.Generator(device="cuda").manual_seed(0)
     B, H, Lq, Lk, D = 3, 2, 16, 300, 64  # Lq = G_max * rep of a prefix block; Lk not a multiple of 16
@@ -43,8 +45,26 @@ def test_cuda_kernel_matches_math(backend, dtype, padded):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     print(f"{backend} {dtype}: out {float((out.float() - ref).abs().max()):.2e}, "
           f"lse {float((lse - ref_lse).abs().max()):.2e}")
+    record_property("max_abs_out", float((out.float() - ref).abs().max()))
+    record_property("max_abs_lse", float((lse - ref_lse).abs().max()))
     assert out.shape == q.shape and lse.shape == (B, H, Lq) and lse.dtype == torch.float32
     assert float((out.float() - ref).abs().max()) < tol and float((lse - ref_lse).abs().max()) < tol
+
+
+@pytest.mark.parametrize("geometry", ["gqa7", "gqa4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "leftpad"])
+def test_cuda_kernel_release_geometry(backend, dtype, padded, geometry, record_property):
+    """The released head geometry (head_dim 128; 4 or 8 key-value heads with 16 rows x GQA 7 or 4 folded into the
+    query length, tests/release_geometry.py) against the float32 math kernel, same bounds as above."""
+    _needs(backend, dtype)
+    out, lse = compare_cascade(backend, geometry, dtype, "cuda", padded)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    record_property("max_abs_out", out)
+    record_property("max_abs_lse", lse)
+    print(f"{backend} {dtype} {geometry}: out {out:.2e}, lse {lse:.2e}")
+    assert out < tol and lse < tol
 
 
 def _on_cuda(model, inputs, dtype):

@@ -1,8 +1,11 @@
 """GPU backends (`flash`, `flex`, sdpa's masked CUDA path) against the repeated forward, on CUDA. Skipped without a
 CUDA device; run by scripts/gpu_check.sh on a GPU machine, whose summary counts a skipped flash test as NOT RUN.
 fp32: same bounds as the CPU tests (flash has no fp32 kernel, so no fp32 flash case); bf16: measured differences are
-printed and bounded loosely (bf16 rounds differently along the two paths). UNTESTED: none of these has run on a GPU
-yet (2026-11-30); the CPU side of every flash call site is covered by tests/test_flash_standin.py."""
+printed and bounded loosely (bf16 rounds differently along the two paths). Tiny models (head_dim 16, GQA 2) and, at
+the attention level, the released head geometry (head_dim 128, GQA 7 and 4; tests/release_geometry.py, whose CPU side
+is tests/test_release_geometry.py). Figures go to `record_property` for scripts/gpu_check.sh's table. UNTESTED: none
+of these has run on a GPU yet (2026-12-01); the CPU side of every flash call site is covered by
+tests/test_flash_standin.py."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 
 from batches import completions, text_batch, vl_batch
 from grouping_check import compare
+from release_geometry import compare_grouped
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +49,7 @@ VL_CASES = [("flash", torch.bfloat16), ("flex", torch.float32), ("flex", torch.b
 
 @pytest.mark.parametrize("backend,dtype", VL_CASES, ids=["flash-bf16", "flex-fp32", "flex-bf16"])
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_gpu_backend_vl(family, backend, dtype, load_tiny):
+def test_gpu_backend_vl(family, backend, dtype, load_tiny, record_property):
     _needs(backend)
     model, processor = load_tiny(family)
     inputs = vl_batch(processor, family, [(8, 56, 84), None, (4, 112, 56)], "left")
@@ -57,11 +61,13 @@ def test_gpu_backend_vl(family, backend, dtype, load_tiny):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)  # create_block_mask(_compile=True) warned per layout
         logp, grad, _ = compare(model, inputs, ids, mask, group_sizes, backend=backend, **bounds)
+    record_property("max_logprob_diff", logp)
+    record_property("max_rel_grad", grad)
     print(f"{family} {backend} {dtype}: max logprob diff {logp:.3g}, worst relative grad diff {grad:.3g}")
 
 
 @pytest.mark.parametrize("backend", ["flash", "flex", "sdpa"])
-def test_gpu_backend_text(backend, load_tiny):
+def test_gpu_backend_text(backend, load_tiny, record_property):
     _needs(backend)
     model, tokenizer = load_tiny("qwen3")
     inputs = text_batch(tokenizer, 3)
@@ -70,6 +76,8 @@ def test_gpu_backend_text(backend, load_tiny):
     ids, mask = completions(group_sizes, lengths, model.config.vocab_size)
     logp, grad, _ = compare(model, inputs, ids.cuda(), mask.cuda(), group_sizes, backend=backend,
                             atol=BF16_LOGP, rtol=BF16_GRAD)
+    record_property("max_logprob_diff", logp)
+    record_property("max_rel_grad", grad)
     print(f"qwen3 {backend} bf16: max logprob diff {logp:.3g}, worst relative grad diff {grad:.3g}")
 
 
@@ -79,7 +87,7 @@ def _varlen_inputs(layout, dtype, seed=0):
 
 
 @pytest.mark.parametrize("lens", [[[1, 4, 2], [3], [2, 2, 6, 1]], [[1, 1, 1], [1]]], ids=["unequal", "all_length_1"])
-def test_flash_kernel_matches_stand_in_kernel(lens):
+def test_flash_kernel_matches_stand_in_kernel(lens, record_property):
     """Attention level, identical bf16 q/k/v: the flash backend (flash-attn varlen + LSE merge + custom backward)
     against the same algorithm on the pure-torch stand-in kernel (fp32 inside), tight bounds. All-length-1 responses
     send max_seqlen_q = 1 with GQA through flash-attn's swapped-groups path."""
@@ -96,13 +104,37 @@ def test_flash_kernel_matches_stand_in_kernel(lens):
     ref_grads = torch.autograd.grad((ref.float() * w.float()).sum(), (q, k, v))
     diff = float((out.float() - ref.float()).abs().max())
     print(f"flash vs stand-in ({lens}): out {diff:.3g}")
+    record_property("max_abs_out", diff)
     assert diff <= 2e-2  # bf16 output rounding (the stand-in rounds its fp32 result once)
     for name, a, b in zip("qkv", grads, ref_grads):
         rel = float((a.float() - b.float()).norm() / b.float().norm())
         assert rel <= 1e-2, f"d{name} relative difference {rel:.3g}"
 
 
-def test_cuda_model_with_cpu_processor_output(load_tiny):
+RELEASE_CASES = [("sdpa:masked", torch.float32), ("sdpa:masked", torch.bfloat16), ("lse_reference", torch.float32),
+                 ("lse_reference", torch.bfloat16), ("flex", torch.float32), ("flex", torch.bfloat16),
+                 ("flash", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("geometry", ["gqa7", "gqa4"])
+@pytest.mark.parametrize("backend,dtype", RELEASE_CASES, ids=["sdpa_masked-fp32", "sdpa_masked-bf16", "varlen_lse-fp32",
+                                                             "varlen_lse-bf16", "flex-fp32", "flex-bf16", "flash-bf16"])
+def test_gpu_attention_release_geometry(backend, dtype, geometry, record_property):
+    """Attention level at the released head geometry (head_dim 128; 28/4 and 32/8 heads): each grouped backend's
+    output and q/k/v gradients against the dense rule in float64 (tests/release_geometry.py). varlen_lse is the
+    flash backend's LSE merge and custom backward on the pure-torch varlen kernel: it runs without flash-attn."""
+    _needs(backend)
+    out, rel = compare_grouped(backend, geometry, dtype, "cuda")
+    bound = 1e-4 if dtype == torch.float32 else 2e-2
+    record_property("max_abs_out", out)
+    record_property("max_rel_grad", max(rel.values()))
+    print(f"{backend} {dtype} {geometry}: out {out:.3g}, grads {', '.join(f'd{n} {r:.3g}' for n, r in rel.items())}")
+    assert out <= bound, f"output differs by {out:.3g} from the dense rule"
+    worst = max(rel, key=rel.get)
+    assert rel[worst] <= bound, f"d{worst} differs by {rel[worst]:.3g} (relative)"
+
+
+def test_cuda_model_with_cpu_processor_output(load_tiny, record_property):
     """The processor output stays on the CPU; the grouped and repeated forwards move it to the model's device."""
     model, processor = load_tiny("qwen2_5_vl")
     model = model.to("cuda")
@@ -113,6 +145,7 @@ def test_cuda_model_with_cpu_processor_output(load_tiny):
     with torch.no_grad():
         g = grouped_logprobs(model, inputs, ids, mask, [2, 1])
         r = repeated_logprobs(model, inputs, ids, mask, [2, 1])
+    record_property("max_logprob_diff", float((g - r).abs().max()))
     assert float((g - r).abs().max()) <= 1e-4
 
 
@@ -154,7 +187,7 @@ def test_gpu_autocast_fp32_weights_take_flash(family, load_tiny):
     assert diff <= BF16_LOGP
 
 
-def test_gpu_sdpa_masked_kernel_choice():
+def test_gpu_sdpa_masked_kernel_choice(record_property):
     """Which SDPA kernel the masked CUDA path runs with the GQA copy (MASKED_EXPAND_KV_HEADS = True) and with
     enable_gqa instead (issue 15, finding 7): prints the profiler's kernel names for both, checks both agree. Flip
     the flag in mmpg/grouping/backends/sdpa.py when the enable_gqa run shows the memory-efficient kernel."""
@@ -178,4 +211,5 @@ def test_gpu_sdpa_masked_kernel_choice():
         names = sorted({e.key for e in prof.key_averages() if "attention" in e.key.lower() or "fmha" in e.key.lower()
                         or "softmax" in e.key.lower() or "gemm" in e.key.lower()})
         print(f"masked sdpa, {'GQA copy' if expand else 'enable_gqa'}: kernels {names}")
+        record_property("kernels_" + ("gqa_copy" if expand else "enable_gqa"), " ".join(names))
     assert float((outs[True].float() - outs[False].float()).abs().max()) <= 2e-2
