@@ -30,6 +30,11 @@ def vl_batch(processor, family: str, videos_per_prompt: list[tuple | None], padd
             frames, h, w = spec
             videos.append(random_video(frames, h, w, seed=b))
             metadata.append({"fps": 2.0, "total_num_frames": frames, "frames_indices": list(range(frames))})
+    return processor_batch(processor, texts, videos, metadata, padding_side)
+
+
+def processor_batch(processor, texts, videos, metadata, padding_side: str = "left"):
+    """The processor's output for chat texts and their [T, C, H, W] frames (frames sized small for the tests)."""
     kwargs = {}
     if videos:
         kwargs = dict(videos=videos, video_metadata=metadata, do_sample_frames=False,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batches import completions, random_video
+from batches import completions, processor_batch, random_video
 from grouping_check import compare
 from mmpg.grouping import grouped_logprobs
 from mmpg.grouping.adapters import prefix_positions
@@ -32,11 +32,7 @@ def tree_batch(processor, prompts, padding_side="left"):
             frames, h, w, seed = specs[key]
             videos.append(random_video(frames, h, w, seed=seed))
             metadata.append({"fps": 2.0, "total_num_frames": frames, "frames_indices": list(range(frames))})
-    kwargs = {}
-    if videos:
-        kwargs = dict(videos=videos, video_metadata=metadata, do_sample_frames=False,
-                      size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112})
-    return processor(text=texts, padding=True, padding_side=padding_side, return_tensors="pt", **kwargs)
+    return processor_batch(processor, texts, videos, metadata, padding_side)
 
 
 # video a asked 4 times, b once, c twice, a text prompt, c2 (other frames, same size) with c's question
