@@ -148,4 +148,6 @@ def describe() -> str:
         lines.append(f"  {p.name}: {p.summary}")
         lines += [f"      {k} = {v!r}" for k, v in p.settings.items()]
         lines.append("      " + p.source.replace("\n", "\n      "))
+        if p.prompt_where:
+            lines.append(f"      prompt: not shipped; give prompt_file=PATH (the paper's text: {p.prompt_where})")
     return "\n".join(lines)
