@@ -70,3 +70,20 @@ def assert_recompute_matches(model, inputs, rollout, temperature: float, atol: f
     worst = int(diff.argmax())
     assert float(diff.max()) <= atol, \
         f"logprob diff {float(diff.max()):.3g} at row {worst // diff.shape[1]}, token {worst % diff.shape[1]}"
+
+
+def write_mp4(path, frames, fps: int):
+    """A real H.264 mp4 (PyAV) of `frames`, each an HxWx3 uint8 array; returns `path`."""
+    import av
+
+    frames = list(frames)
+    h, w = frames[0].shape[:2]
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for img in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path

@@ -22,6 +22,7 @@ from mmpg.data.dataset import GroundingDataset
 from mmpg.data.formats import detect_format, load_annotations
 from mmpg.data.samples import end_margin
 from mmpg.data.video import VideoSpec
+from batches import write_mp4
 from mmpg.rl.report import group_summary, step_metrics
 
 ROUNDED = 12.5 + 1e-14  # an end that is past 12.5 s by float rounding only
@@ -100,19 +101,8 @@ def write(path: Path, data) -> Path:
 
 def make_mp4(path: Path, frames: int, fps: int) -> Path:
     """A real H.264 mp4 of `frames / fps` seconds, 32x32 noise."""
-    import av
-
     rng = np.random.default_rng(0)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
-        for _ in range(frames):
-            img = rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return path
+    return write_mp4(path, (rng.integers(0, 255, (32, 32, 3), dtype=np.uint8) for _ in range(frames)), fps)
 
 
 @pytest.fixture(scope="module")

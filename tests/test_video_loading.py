@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from batches import write_mp4
 from mmpg.data.check import check_dataset, format_report, run_check
 from mmpg.data.dataset import GroundingCollator, GroundingDataset, collate_grounding, make_dataloader
 from mmpg.data.formats import fill_durations, load_annotations
@@ -24,22 +25,15 @@ SMALL = dict(min_pixels=4 * 28 * 28, max_pixels=8 * 28 * 28)  # 4..8 tokens per 
 
 def make_mp4(path: Path, seconds: float = SECONDS, fps: int = FPS) -> Path:
     """A real H.264 mp4: a white bar that grows left to right, with a little fixed noise."""
-    import av
-
     n = int(round(seconds * fps))
     rng = np.random.default_rng(0)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
-        for i in range(n):
-            img = np.zeros((H, W, 3), np.uint8)
-            img[:, : (i * W) // n] = 200
-            img += rng.integers(0, 40, img.shape, dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return path
+
+    def frame(i):
+        img = np.zeros((H, W, 3), np.uint8)
+        img[:, : (i * W) // n] = 200
+        return img + rng.integers(0, 40, img.shape, dtype=np.uint8)
+
+    return write_mp4(path, (frame(i) for i in range(n)), fps)
 
 
 @pytest.fixture(scope="module")
