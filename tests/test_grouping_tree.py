@@ -16,6 +16,13 @@ from mmpg.grouping import grouped_logprobs
 from mmpg.grouping.adapters import prefix_positions
 from mmpg.grouping.tree import find_shares
 
+def _shares(model, inputs, vl: bool, group_sizes):
+    from mmpg.grouping.inputs import placeholder_token_ids, split_visuals_per_prompt
+
+    visuals = split_visuals_per_prompt(model, inputs) if vl else [{} for _ in group_sizes]
+    return find_shares(prefix_positions(model, inputs), visuals, placeholder_token_ids(model), group_sizes)
+
+
 QUESTIONS = ["When does the red circle appear?", "Find the moment the blue square moves to the left side.",
              "When is it?", "Where does the yellow triangle first become visible in the frame?"]
 
@@ -46,7 +53,7 @@ LENGTHS = [3, 5, 2, 4, 6, 1, 2, 3, 5, 4, 4, 2, 6, 3, 5, 2, 4, 1]
 def test_tree_equals_the_per_query_forward(load_tiny, family, padding_side):
     model, processor = load_tiny(family)
     inputs = tree_batch(processor, PROMPTS, padding_side)
-    shares = find_shares(model, inputs, prefix_positions(model, inputs), True, GROUPS)
+    shares = _shares(model, inputs, True, GROUPS)
     assert [s.prompts for s in shares] == [(0, 1, 2, 3), (4,), (5, 6), (7,), (8,)]  # c2 is not c: not shared
     ids, mask = completions(GROUPS, LENGTHS, model.config.text_config.vocab_size)
     logp, grad, grads = compare(model, inputs, ids, mask, GROUPS)
@@ -70,10 +77,10 @@ def test_vision_tower_sees_each_shared_video_once(load_tiny):
 def test_different_frames_or_text_before_the_video_never_share(load_tiny):
     model, processor = load_tiny("qwen2_5_vl")
     inputs = tree_batch(processor, [("c", 2), ("c2", 2), ("c", 2)])  # same text, same size; c2's frames differ
-    shares = find_shares(model, inputs, prefix_positions(model, inputs), True, [2, 2, 2])
+    shares = _shares(model, inputs, True, [2, 2, 2])
     assert [s.prompts for s in shares] == [(0,), (1,), (2,)]
     same = tree_batch(processor, [("c", 2), ("c", 2)])  # the same prompt twice: shared, each tail >= 1 token
-    shares = find_shares(model, same, prefix_positions(model, same), True, [2, 3])
+    shares = _shares(model, same, True, [2, 3])
     assert [s.prompts for s in shares] == [(0, 1)]
     assert shares[0].length == int(same["attention_mask"][0].sum()) - 1
     ids, mask = completions([2, 3], [3, 1, 4, 2, 5], model.config.text_config.vocab_size)
@@ -89,12 +96,12 @@ def test_sharing_only_where_it_saves_tokens(load_tiny):
     assert packed_tokens([2030, 2030, 2040], [8, 8, 8], 2000) == 2000 + 8 * (30 + 30 + 40)  # 2,800 < 6,100 alone
     model, tokenizer = load_tiny("qwen3")
     inputs = text_batch(tokenizer, 3)
-    shares = find_shares(model, inputs, prefix_positions(model, inputs), False, [2, 1, 3])
+    shares = _shares(model, inputs, False, [2, 1, 3])
     assert [s.prompts for s in shares] == [(0,), (1,), (2,)]
     twice = tokenizer([inputs_text := tokenizer.decode(inputs["input_ids"][2][inputs["attention_mask"][2].bool()])] * 2,
                       return_tensors="pt", padding=True)
     del inputs_text
-    shares = find_shares(model, twice, prefix_positions(model, twice), False, [2, 3])
+    shares = _shares(model, twice, False, [2, 3])
     assert [s.prompts for s in shares] == [(0, 1)]
     ids, mask = completions([2, 3], [3, 2, 4, 1, 5], model.config.vocab_size)
     compare(model, twice, ids, mask, [2, 3])

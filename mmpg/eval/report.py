@@ -37,8 +37,9 @@ def metrics_table(metrics: dict, first: str = "gt") -> list[str]:
     return lines
 
 
-def _reason_kind(reason: str) -> str:
-    return re.sub(r"-?\d+(?:\.\d+)?", "N", reason)
+def reason_kind(reason: str) -> str:
+    """A reason with its numbers replaced by N, for counting reasons by kind ("span N-N s ...")."""
+    return re.sub(r"(?<!\d)-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", "N", reason)
 
 
 def _coverage(info: dict, metrics: dict, settings: dict) -> list[str]:
@@ -73,7 +74,7 @@ def _problems(metrics: dict, records, settings: dict) -> list[str]:
                 why = score_raw(r.text, tuple(r.gt_span)).reason
             else:
                 why = score_answer(r.text, tuple(r.gt_span), r.duration, settings.get("swap_reversed", False)).reason
-            reasons[_reason_kind(why or "?")] += 1
+            reasons[reason_kind(why or "?")] += 1
     lines += [f"- {count} x {why}" for why, count in reasons.most_common(5)]
     failed = [r for r in records if r.error is not None]
     how = ("scored as failures (IoU 0, in the denominators; bad_videos=fail)" if settings.get("bad_videos") == "fail"

@@ -105,8 +105,9 @@ def left_out_reasons(left_out: list) -> dict[str, int]:
     import re
     from collections import Counter
 
-    kinds = Counter(re.sub(r"(?<!\d)-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", "N", re.sub(r" in sample \S+$", "", why))
-                    for _, why in left_out)
+    from mmpg.eval.report import reason_kind
+
+    kinds = Counter(reason_kind(re.sub(r" in sample \S+$", "", why)) for _, why in left_out)
     return dict(kinds.most_common())
 
 

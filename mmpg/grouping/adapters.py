@@ -41,9 +41,10 @@ class Prefixes(NamedTuple):
     starts: list[int]
 
 
-def prefix_positions(model, prompt_inputs) -> Prefixes:
+def prefix_positions(model, prompt_inputs, visuals: list[dict] | None = None) -> Prefixes:
     """Positions of each prompt and where its responses start: exactly what the model's own forward gives the
-    prompt followed by one response (the reference `repeated_logprobs` is that forward).
+    prompt followed by one response (the reference `repeated_logprobs` is that forward). `visuals`: the prompts'
+    `split_visuals_per_prompt`, when the caller has it already.
 
     VL: `get_rope_index` per prompt on [prompt | one text token]; the extra token's position is the start (last
     position + 1 for a prompt ending in text, which on the trained convention is also max(positions) + 1, where vLLM
@@ -55,7 +56,7 @@ def prefix_positions(model, prompt_inputs) -> Prefixes:
         return Prefixes(rows, [torch.arange(r.numel(), device=r.device)[None] for r in rows], [r.numel() for r in rows])
     use_qwen_positions(model)
     types = mm_token_type_ids(model, prompt_inputs)
-    visuals = split_visuals_per_prompt(model, prompt_inputs)
+    visuals = visuals if visuals is not None else split_visuals_per_prompt(model, prompt_inputs)
     positions, starts = [], []
     for b, row in enumerate(rows):
         ext_ids = torch.cat([row, row[-1:]])[None]  # [1, P_b + 1]; the extra token's id is irrelevant, its type text

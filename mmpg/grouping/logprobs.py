@@ -82,15 +82,18 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     device = model.get_input_embeddings().weight.device
     prompt_inputs = _on_device(prompt_inputs, device)
     backend = resolve_backend(backend or model._mmpg_backend, device, compute_dtype(model, device))
-    prefixes = prefix_positions(model, prompt_inputs)
+    is_vl = model_kind(model) == "vl"
+    visuals = split_visuals_per_prompt(model, prompt_inputs) if is_vl else None
+    prefixes = prefix_positions(model, prompt_inputs, visuals)
+    visuals = visuals or [{} for _ in prefixes.ids]
     # prompts that begin alike (a video's queries) share that part in the packed row (mmpg.grouping.tree)
-    shares = find_shares(model, prompt_inputs, prefixes, model_kind(model) == "vl", completions.group_sizes) \
-        if share else [Share((b,), p.numel()) for b, p in enumerate(prefixes.ids)]
+    shares = find_shares(prefixes, visuals, placeholder_token_ids(model), completions.group_sizes) if share else \
+        [Share((b,), p.numel()) for b, p in enumerate(prefixes.ids)]
     model._mmpg_shared = (len(prefixes.ids), len(shares))
     packed_ids, packed_pos, row_lens, row_skip = pack(prefixes, completions, shares, device)
     layout = GroupLayout(prefix_lens=[s.length for s in shares], response_lens=row_lens, device=device,
                          backend=backend, row_skip=row_skip if any(any(k) for k in row_skip) else None)
-    hidden = packed_hidden_states(model, leaders_visuals(model, prompt_inputs, shares), packed_ids, packed_pos,
+    hidden = packed_hidden_states(model, leaders_visuals(prompt_inputs, visuals, shares), packed_ids, packed_pos,
                                   layout)  # [T, H]
     # with device_map the last layer (and so `hidden`) may sit on another device than the embedding
     flat = head_logprobs(model.get_output_embeddings(), hidden[layout.for_device(hidden.device).predictor_index],

@@ -26,8 +26,6 @@ import dataclasses
 
 import torch
 
-from mmpg.grouping.inputs import placeholder_token_ids, split_visuals_per_prompt
-
 
 @dataclasses.dataclass(frozen=True)
 class Share:
@@ -55,16 +53,16 @@ def packed_tokens(lengths: list[int], groups: list[int], shared: int) -> int:
     return shared + sum(g * (n - shared) for n, g in zip(lengths, groups))
 
 
-def find_shares(model, prompt_inputs, prefixes, vl: bool, group_sizes: list[int]) -> list[Share]:
+def find_shares(prefixes, visuals: list[dict], banned: list[int], group_sizes: list[int]) -> list[Share]:
     """Runs of adjacent prompts that share a leading part: identical visual inputs, identical token ids and positions
     over that part, every tail at least one token long (and free of image/video placeholders), and fewer tokens
     packed than without sharing (tails are repeated per response, `packed_tokens`: a long video shared by short
     questions pays off, a 3-token chat header before different questions does not). Singletons get the whole prompt
-    as their part. Found from the inputs alone, with no hint from the caller."""
+    as their part. Found from the inputs alone, with no hint from the caller. `visuals`: each prompt's visual inputs
+    (`split_visuals_per_prompt`; empty dicts for a text model); `banned`: the image/video placeholder ids."""
     ids, positions = prefixes.ids, prefixes.positions
     lens = [t.numel() for t in ids]
-    visuals = split_visuals_per_prompt(model, prompt_inputs) if vl else [{} for _ in ids]
-    banned = torch.tensor(placeholder_token_ids(model), dtype=torch.long)
+    banned = torch.tensor(banned, dtype=torch.long)
     shares: list[Share] = []
     run, length = [0], ids[0].numel()
     for b in range(1, len(ids)):
@@ -108,12 +106,10 @@ def pack_tree(prefixes, completions, shares: list[Share], device) -> tuple[torch
     return torch.cat(ids), torch.cat(pos, dim=1), row_lens, row_skip
 
 
-def leaders_visuals(model, prompt_inputs, shares: list[Share]) -> dict:
+def leaders_visuals(prompt_inputs, visuals: list[dict], shares: list[Share]) -> dict:
     """The visual inputs of each share's first prompt only (the packed row holds each shared video once)."""
-    if all(len(s.prompts) == 1 for s in shares) or not any(
-            prompt_inputs.get(k) is not None for k in ("pixel_values_videos", "pixel_values")):
+    if all(len(s.prompts) == 1 for s in shares) or not any(visuals):
         return prompt_inputs
-    visuals = split_visuals_per_prompt(model, prompt_inputs)
     out: dict = {}
     for s in shares:
         for k, v in visuals[s.prompts[0]].items():

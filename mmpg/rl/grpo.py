@@ -141,7 +141,7 @@ class GRPOStep:
             raise strict_error(batch.skipped[0])
         return batch
 
-    def _rebalance(self, batch, counts: list[int]):
+    def _rebalance(self, batch):
         """Some rank's whole share of this global batch was unusable while others' was not: the usable samples of
         all ranks, in stream order (the prompts one process trains), are dealt again in contiguous shares, each rank
         decoding its new share here (`rebuild`). A rank left without one (fewer usable samples than ranks) decodes a
@@ -181,7 +181,7 @@ class GRPOStep:
                 continue
             copies = 0
             if min(counts) == 0:
-                batch, copies = self._rebalance(batch, counts)
+                batch, copies = self._rebalance(batch)
             info["rounds"] += 1
             seeds = [prompt_seed(cfg.trainer.seed, step, s.sample_id, info["rounds"]) for s in batch.samples]
             with timer("rollout"):
