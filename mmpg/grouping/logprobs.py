@@ -20,7 +20,7 @@ from mmpg.grouping.inputs import (
 )
 from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.layout import GroupLayout
-from mmpg.grouping.patch import apply_grouped_attention, model_kind
+from mmpg.grouping.patch import apply_grouped_attention, base_model, model_kind
 from mmpg.grouping.positions import use_qwen_positions
 
 
@@ -76,6 +76,7 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     share: let adjacent prompts that begin alike (a video's queries) share that part (`mmpg.grouping.tree`); false
     forwards each prompt on its own. What was shared is left in `model._mmpg_shared` (prompts, shared parts)."""
     _check_temperature(temperature)
+    model = base_model(model)  # a peft PeftModel: the transformers model inside it
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
                                     placeholder_token_ids(model))
     apply_grouped_attention(model)
@@ -133,6 +134,7 @@ def repeated_logprobs(model, prompt_inputs, completion_ids, completion_mask, gro
     """The naive reference: every prompt and its video repeated G_b times, the model's own forward (Qwen2.5-VL on its
     trained mRoPE convention, `mmpg.grouping.positions`). [N, S] float32."""
     _check_temperature(temperature)
+    model = base_model(model)  # a peft PeftModel: the transformers model inside it
     use_qwen_positions(model)
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
                                     placeholder_token_ids(model))

@@ -64,6 +64,16 @@ def _check_features(model) -> None:
                                f"<{TRANSFORMERS_RANGE[1]})")
 
 
+def base_model(model):
+    """The transformers model under a peft `PeftModel` shell, any other model as it is. (A PeftModel forwards
+    attribute reads to its tuner, whose `.model` is the ForConditionalGeneration, so `model.model` would not be the
+    inner Qwen model the adapters call. peft's LoRA wrappers sit inside the transformers model, so the unwrapped
+    model still runs them; mmpg's trainer hands the transformers model itself, `mmpg.models.lora`.)"""
+    if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
 def model_kind(model) -> str:
     model_type = getattr(model.config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:

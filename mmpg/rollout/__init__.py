@@ -8,7 +8,8 @@
 
 `RolloutEngine` is the interface (room for a vLLM engine); `HFEngine` samples with the training model itself.
 By default (`decode="cascade"`, config `rollout.decode`) it keeps each prompt's K/V once and reads it once per step
-for all G rows (`mmpg.rollout.cascade`); `decode="copy"` copies the prefill's cache G ways (the A/B reference).
+for all G rows (`mmpg.rollout.cascade`), and prefills a video asked by several adjacent queries once
+(`mmpg.rollout.shares`); `decode="copy"` copies each prompt's prefill G ways (the A/B reference).
 """
 
 from mmpg.rollout.engine import FINISH_LENGTH, FINISH_STOP, Rollout, RolloutEngine, SamplingParams

@@ -5,37 +5,52 @@ tokens row i generated, the current one included). Attention over a union of dis
 the attentions over each part (the log-sum-exp merge the grouped forward uses, `mmpg.grouping`):
 
     o_x, lse_x = attention(q, part x)            (lse_x: log-sum-exp of the scaled scores over part x)
-    lse = log(e^lse_a + e^lse_b),   o = e^(lse_a - lse) · o_a + e^(lse_b - lse) · o_b
+    lse = log(Σ_x e^lse_x),   o = Σ_x e^(lse_x - lse) · o_x
 
-Prefix part (a): the live rows of prompt b ask the same keys, so they form one query block and the prefix is read once
+Prefix part: the live rows of prompt b ask the same keys, so they form one query block and the prefix is read once
 per step for all of them (Hydragen, arXiv 2402.05099; FlashInfer and vLLM call it cascade attention). With GQA the
 rep = Hq / Hkv query heads sharing a kv head are folded into the query length as well, so the K/V is never copied or
 head-expanded:   queries [B', Hkv, G_max · rep, D]  x  prefix K/V [B', Hkv, L, D]   (one batched kernel call, B' = the
-prompts that still have live rows; left padding of the prompt batch is a key mask). Own part (b): queries
+prompts that still have live rows; left padding of the prompt batch is a key mask). Own part: queries
 [n, Hkv, rep, D] x own K/V [n, Hkv, t + 1, D], no mask: every live row has generated the same number of tokens.
 
+A video shared by its queries (a tree, `mmpg.rollout.shares`): the prefix part splits in two levels, each a "prefix"
+as above with its own entries, key mask and query blocks, so three parts are merged:
+
+    shared part of share s   [S', Hkv, L_s, D]   read once per step by all rows of all queries of s
+    tail of query q          [Q', Hkv, L_t, D]   read once per step by the G_q rows of q (ragged: left-padded, masked)
+    own tokens of row i      [n, Hkv, t + 1, D]
+
+A third level rather than one per-row key mask over [shared | every tail of the share]: each level needs only a
+per-entry padding mask, which every kernel here takes (sdpa's additive mask, flash-attn's `cache_leftpad`, math),
+while a per-row mask would rule out `flash_attn_with_kvcache`; the extra kernel call per layer reads ~30 tail tokens.
+
 `SharedPrefixCache` is a transformers `Cache` (one `CascadeLayer` per decoder layer) the engine owns: the prefill
-forward stores the B prompts' K/V in it once (the model's own attention computes the prefill); `start_decode(rows)`
-sets which prompt each of the N rows answers; each decode forward appends one own token per live row into a
-preallocated buffer and the attention function of `mmpg.rollout.cascade_attention` does the two-part attention.
-Rows that finish leave with `reorder_cache(keep)`, prompts whose rows all finished leave the prefix batch.
+forward stores the B prompts' K/V in it once (the model's own attention computes the prefill; under a tree the packed
+prefill's K/V is gathered into the two levels, `TreeSplit`); `start_decode(rows)` sets which prompt each of the N
+rows answers; each decode forward appends one own token per live row into a preallocated buffer and the attention
+function of `mmpg.rollout.cascade_attention` does the cascade. Rows that finish leave with `reorder_cache(keep)`;
+entries (prompts, tails, shares) whose rows all finished leave their level.
 
 Where this departs from Hydragen / FlashInfer: no paged KV and no inter-request sharing; the prefix is the whole
-prompt (video included) and the rows' own K/V are dense per row; the CPU kernel is torch's own flash kernel.
+prompt (video included) or a shared part found from the inputs, and the rows' own K/V are dense per row; the CPU
+kernel is torch's own flash kernel.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class _Rows:
-    """Which prompt each live row answers, and where its query goes in the padded prefix query block."""
+    """Which entry (prompt, share or tail) each live row reads, and where its query goes in the padded query block."""
 
     def __init__(self, row_prompt: torch.Tensor):
-        # row_prompt [n] long, non-decreasing (rows of a prompt contiguous, prompts in order), values in 0..B-1
-        self.prompts, counts = torch.unique_consecutive(row_prompt, return_counts=True)  # [B'] kept prompts, [B']
+        # row_prompt [n] long, non-decreasing (rows of an entry contiguous, entries in order), values in 0..E-1
+        self.prompts, counts = torch.unique_consecutive(row_prompt, return_counts=True)  # [E'] kept entries, [E']
         self.num_prompts = int(self.prompts.numel())
         self.group = torch.repeat_interleave(torch.arange(self.num_prompts, device=row_prompt.device), counts)  # [n]
         starts = torch.cumsum(counts, 0) - counts
@@ -45,9 +60,52 @@ class _Rows:
         self.row_prompt = row_prompt
 
 
+@dataclasses.dataclass
+class TreeSplit:
+    """Where the shared parts and the query tails sit in the packed row of a tree prefill (`mmpg.rollout.shares`).
+    Each layer's packed K/V [1, Hkv, T, D] is gathered once into the levels [S, Hkv, L_s, D] and [Q, Hkv, L_t, D]."""
+
+    shared_index: torch.Tensor  # [S, L_s] long, packed position of each shared token, left-padded (pads: a real one)
+    shared_mask: torch.Tensor  # [S, L_s] bool, True on real tokens
+    tail_index: torch.Tensor  # [Q, L_t] long, the same for every query's tail
+    tail_mask: torch.Tensor  # [Q, L_t] bool
+    query_share: torch.Tensor  # [Q] long, non-decreasing: the share of each query
+
+
+class _Level:
+    """One level of shared K/V: E entries, each read once per step by its live rows through one query block."""
+
+    def __init__(self, mask: torch.Tensor, entry_of_query: torch.Tensor | None = None):
+        # mask [E, L] bool (True on real keys); entry_of_query [Q]: the entry of each query (None: entry = query)
+        self.mask = None if bool(mask.all()) else mask.bool()
+        self.entry_of_query = entry_of_query
+        self.kept = torch.arange(mask.shape[0], device=mask.device)  # [E'] original ids of the entries held now
+        self.rows: _Rows | None = None
+
+    def place(self, row_query: torch.Tensor) -> torch.Tensor | None:
+        """The live rows now answer queries `row_query` [n] (original ids, non-decreasing). Returns the positions
+        [E''] of the entries to keep in this level's K/V batch, or None when every entry still has rows."""
+        ids = row_query if self.entry_of_query is None else self.entry_of_query[row_query]  # [n] original entry ids
+        needed = torch.unique_consecutive(ids)
+        keep = None
+        if needed.numel() != self.kept.numel():
+            keep = torch.searchsorted(self.kept, needed)
+            self.kept = needed
+            if self.mask is not None:
+                self.mask = self.mask[keep]
+        self.rows = _Rows(torch.searchsorted(self.kept, ids))
+        return keep
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Packed [1, Hkv, T, D] at index [E, L] -> [E, Hkv, L, D]."""
+    return x[0][:, index].transpose(0, 1).contiguous()
+
+
 class CascadeLayer(CacheLayerMixin):
-    """One decoder layer: prefix K/V [B', Hkv, L, D] (the prompts with live rows, left-padded as prefilled) and own
-    K/V [n, Hkv, capacity, D] of which the first `own_len` positions are filled."""
+    """One decoder layer: the K/V of each shared level (`level_keys[0]`: prefixes [B', Hkv, L, D], the prompts with
+    live rows, left-padded as prefilled, or a tree's shared parts; `level_keys[1]`: a tree's tails) and own K/V
+    [n, Hkv, capacity, D] of which the first `own_len` positions are filled."""
 
     is_sliding = False
     is_croppable = False
@@ -55,23 +113,47 @@ class CascadeLayer(CacheLayerMixin):
     def __init__(self, owner: SharedPrefixCache):
         super().__init__()
         self.owner = owner
-        self.prefix_keys = self.prefix_values = None  # [B', Hkv, L, D]
+        self.level_keys: list[torch.Tensor] = []
+        self.level_values: list[torch.Tensor] = []
         self.own_keys = self.own_values = None  # [n, Hkv, capacity, D]
         self.own_len = 0
+
+    @property
+    def prefix_keys(self):
+        return self.level_keys[0] if self.level_keys else None
+
+    @property
+    def prefix_values(self):
+        return self.level_values[0] if self.level_values else None
+
+    @property
+    def tail_keys(self):
+        return self.level_keys[1] if len(self.level_keys) > 1 else None
+
+    @property
+    def tail_values(self):
+        return self.level_values[1] if len(self.level_values) > 1 else None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Prefill: store [B, Hkv, L, D] as the prefix and return it (the model's own attention runs the prefill).
-        Decode: write [n, Hkv, 1, D] at own position own_len and return the own K/V so far [n, Hkv, own_len + 1, D]."""
+        """Prefill: store [B, Hkv, L, D] as the prefix (or gather a tree's packed [1, Hkv, T, D] into its two levels)
+        and return it (the prefill's attention runs on it). Decode: write [n, Hkv, 1, D] at own position own_len and
+        return the own K/V so far [n, Hkv, own_len + 1, D]."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if not self.owner.decoding:
-            if self.prefix_keys is not None:
+            if self.level_keys:
                 raise RuntimeError("SharedPrefixCache holds one prefill; call start_decode before decoding")
-            self.prefix_keys, self.prefix_values = key_states.contiguous(), value_states.contiguous()
+            split = self.owner.split
+            if split is None:
+                self.level_keys, self.level_values = [key_states.contiguous()], [value_states.contiguous()]
+            else:
+                self.level_keys = [_gather(key_states, split.shared_index), _gather(key_states, split.tail_index)]
+                self.level_values = [_gather(value_states, split.shared_index),
+                                     _gather(value_states, split.tail_index)]
             return key_states, value_states
         n, hkv, q_len, d = key_states.shape
         if q_len != 1:
@@ -88,7 +170,7 @@ class CascadeLayer(CacheLayerMixin):
         return self.own_keys[:, :, : self.own_len], self.own_values[:, :, : self.own_len]
 
     def get_seq_length(self) -> int:
-        return (0 if self.prefix_keys is None else self.prefix_keys.shape[2]) + self.own_len
+        return sum(k.shape[2] for k in self.level_keys) + self.own_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -96,15 +178,17 @@ class CascadeLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def select(self, keep_rows: torch.Tensor | None, keep_prompts: torch.Tensor | None) -> None:
-        """Keep own rows `keep_rows` [n'] and prefixes `keep_prompts` [B'] (None: keep all)."""
-        if keep_rows is not None and self.own_keys is not None:
+    def select_rows(self, keep_rows: torch.Tensor) -> None:
+        """Keep own rows `keep_rows` [n']."""
+        if self.own_keys is not None:
             self.own_keys, self.own_values = self.own_keys[keep_rows], self.own_values[keep_rows]
-        if keep_prompts is not None and self.prefix_keys is not None:
-            self.prefix_keys, self.prefix_values = self.prefix_keys[keep_prompts], self.prefix_values[keep_prompts]
+
+    def select_level(self, level: int, keep: torch.Tensor) -> None:
+        """Keep entries `keep` [E'] of shared level `level`."""
+        self.level_keys[level], self.level_values[level] = self.level_keys[level][keep], self.level_values[level][keep]
 
     def nbytes(self) -> int:
-        tensors = (self.prefix_keys, self.prefix_values, self.own_keys, self.own_values)
+        tensors = (*self.level_keys, *self.level_values, self.own_keys, self.own_values)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -117,8 +201,9 @@ class SharedPrefixCache(Cache):
         super().__init__(layers=[CascadeLayer(self) for _ in range(num_layers)])
         self.capacity = capacity
         self.decoding = False
-        self.rows: _Rows | None = None
-        self.prefix_mask: torch.Tensor | None = None  # [B', L] bool, True on real tokens; None: no padding
+        self.split: TreeSplit | None = None  # set by expect_tree before a packed tree prefill
+        self.levels: list[_Level] = []  # [prefixes] or [shared parts, tails]
+        self.row_query: torch.Tensor | None = None  # [n] the query (prompt) of each live row, original ids
 
     @classmethod
     def for_model(cls, model, capacity: int) -> SharedPrefixCache:
@@ -129,40 +214,53 @@ class SharedPrefixCache(Cache):
                              "decode='copy' for this model")
         return cls(text.num_hidden_layers, capacity)
 
-    def start_decode(self, row_prompt: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+    @property
+    def rows(self) -> _Rows | None:
+        """The prefix (or shared-part) level's rows."""
+        return self.levels[0].rows if self.levels else None
+
+    @property
+    def prefix_mask(self) -> torch.Tensor | None:
+        """[B', L] bool key mask of the prefix (or shared-part) level; None: no padding."""
+        return self.levels[0].mask if self.levels else None
+
+    def expect_tree(self, split: TreeSplit) -> None:
+        """Before the prefill: it is a packed tree (`mmpg.rollout.shares`), to be gathered into two levels."""
+        if any(layer.level_keys for layer in self.layers):
+            raise RuntimeError("SharedPrefixCache.expect_tree must come before the prefill")
+        self.split = split
+
+    def start_decode(self, row_prompt: torch.Tensor, prompt_mask: torch.Tensor | None = None) -> None:
         """After the prefill. row_prompt [N]: the prompt of each row (non-decreasing); prompt_mask [B, L] bool: the
-        prefill's attention mask (left padding False)."""
-        if any(layer.prefix_keys is None for layer in self.layers):
+        prefill's attention mask (left padding False). Under a tree the masks come from its `TreeSplit`."""
+        if any(not layer.level_keys for layer in self.layers):
             raise RuntimeError("start_decode before the prefill filled every layer of the SharedPrefixCache")
+        if self.split is None:
+            if prompt_mask is None:
+                raise ValueError("SharedPrefixCache.start_decode needs the prefill's prompt_mask [B, L]")
+            self.levels = [_Level(prompt_mask)]
+        else:
+            self.levels = [_Level(self.split.shared_mask, self.split.query_share), _Level(self.split.tail_mask)]
         self.decoding = True
-        self.prefix_mask = None if bool(prompt_mask.all()) else prompt_mask.bool()
-        self.rows = _Rows(row_prompt)
-        self._keep_prompts(self.rows.prompts)
+        self._place(row_prompt)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep only the live rows `beam_idx` [n'] (indices into the current live rows, increasing), as `DynamicCache.
-        reorder_cache` does in the copy path; prompts left without rows leave the prefix batch."""
+        reorder_cache` does in the copy path; entries left without rows leave their level."""
         if not self.decoding:
             raise RuntimeError("SharedPrefixCache.reorder_cache selects live rows; the prefix itself is never copied")
-        rows = self.rows.row_prompt[beam_idx]
         for layer in self.layers:
-            layer.select(beam_idx, None)
-        self.rows = _Rows(rows)
-        self._keep_prompts(self.rows.prompts)
+            layer.select_rows(beam_idx)
+        self._place(self.row_query[beam_idx])
 
-    def _keep_prompts(self, prompts: torch.Tensor) -> None:
-        """Drop prefixes of prompts not in `prompts` [B'] (indices into the current prefix batch) and renumber."""
-        current = self.layers[0].prefix_keys.shape[0]
-        if prompts.numel() == current:
-            return
-        for layer in self.layers:
-            layer.select(None, prompts)
-        if self.prefix_mask is not None:
-            self.prefix_mask = self.prefix_mask[prompts]
-        remap = torch.full((current,), -1, dtype=torch.long, device=prompts.device)
-        remap[prompts] = torch.arange(prompts.numel(), device=prompts.device)
-        self.rows = _Rows(remap[self.rows.row_prompt])
+    def _place(self, row_query: torch.Tensor) -> None:
+        self.row_query = row_query
+        for i, level in enumerate(self.levels):
+            keep = level.place(row_query)
+            if keep is not None:
+                for layer in self.layers:
+                    layer.select_level(i, keep)
 
     def kv_bytes(self) -> int:
-        """Bytes of K/V held now: the prefixes once plus every live row's own buffer."""
+        """Bytes of K/V held now: the shared levels once plus every live row's own buffer."""
         return sum(layer.nbytes() for layer in self.layers)

@@ -11,6 +11,11 @@ cache:
       own part:                              [n, Hkv, rep, D]        x own K/V   [n, Hkv, t + 1, D]  one call
       merged by log-sum-exp -> [n, 1, Hq, D]  (what transformers expects back)
 
+Under a tree (`mmpg.rollout.shares`) a third part joins: the tails level, rows of query q stacked
+[Q', Hkv, G_max·rep, D] x tail K/V [Q', Hkv, L_t, D] with the tails' key mask; the three are merged the same way.
+The tree's prefill is one packed forward whose layer calls carry `mmpg_layout` too: they run mmpg's grouped attention
+(`mmpg.grouping.attention`, registered for the same base) under that layout.
+
 `cascade_attention_enabled(model)` selects the registered name for the text model for the duration of a `with` block
 and restores the previous one after (the vision tower keeps its own attention). No modeling code is copied and no
 module's `forward` is replaced.
@@ -27,7 +32,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from mmpg.grouping.attention import base_attention, check_tripwire
+from mmpg.grouping.attention import LAYOUT_KWARG, base_attention, check_tripwire, register_grouped_attention
 from mmpg.rollout.cascade import SharedPrefixCache
 from mmpg.rollout.cascade_kernels import attend
 
@@ -56,14 +61,16 @@ def _make_attention(base: str):
                                                 dropout=dropout, **kwargs)
         check_tripwire(call.model_inputs, kwargs, module, "cascade decoding")
         if call.prefill:
-            return base_attention(base, module)(module, query, key, value, attention_mask, scaling=scaling,
-                                                dropout=dropout, **kwargs)
+            # a packed tree prefill carries a layout: the grouped attention for this base runs it (and its tripwire)
+            fn = ALL_ATTENTION_FUNCTIONS[register_grouped_attention(base)] if LAYOUT_KWARG in kwargs else \
+                base_attention(base, module)
+            return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if kwargs.get("sliding_window") is not None:
             raise ValueError("cascade decoding does not support sliding-window layers (use_sliding_window=False)")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         layer = call.cache.layers[module.layer_idx]
         return decode_attention(query, key, value, layer.prefix_keys, layer.prefix_values, call.cache, scale,
-                                call.backend), None
+                                call.backend, layer.tail_keys, layer.tail_values), None
 
     cascade_attention.__name__ = cascade_name(base).replace("-", "_")
     return cascade_attention
@@ -112,21 +119,30 @@ def _set_text_attention(model, name: str) -> None:
 
 
 def decode_attention(query, own_k, own_v, prefix_k, prefix_v, cache: SharedPrefixCache, scale: float,
-                     backend: str) -> torch.Tensor:
-    """query [n, Hq, 1, D]; own K/V [n, Hkv, t + 1, D]; prefix K/V [B', Hkv, L, D] -> out [n, 1, Hq, D]."""
+                     backend: str, tail_k=None, tail_v=None) -> torch.Tensor:
+    """query [n, Hq, 1, D]; own K/V [n, Hkv, t + 1, D]; prefix K/V [B', Hkv, L, D] (a tree's shared parts);
+    tail K/V [Q', Hkv, L_t, D] or None (no tree) -> out [n, 1, Hq, D]."""
     n, hq, q_len, d = query.shape
     hkv = own_k.shape[1]
     if q_len != 1:
         raise ValueError(f"cascade decode attention takes one query per row, got {q_len}")
     rep = hq // hkv
     q = query.reshape(n, hkv, rep, d)  # query head h uses kv head h // rep (transformers' repeat_kv)
-    rows = cache.rows
-    o_a, lse_a = attend(_stack(q, rows), prefix_k, prefix_v, cache.prefix_mask, scale, backend)
-    o_a, lse_a = _unstack(o_a, rows, rep), _unstack(lse_a[..., None], rows, rep)[..., 0]  # [n, Hkv, rep, (D)]
-    o_b, lse_b = attend(q, own_k, own_v, None, scale, backend)  # [n, Hkv, rep, D], [n, Hkv, rep]
-    lse = torch.logaddexp(lse_a, lse_b)
+    levels = [(prefix_k, prefix_v, cache.levels[0])]
+    if tail_k is not None:
+        levels.append((tail_k, tail_v, cache.levels[1]))
+    parts = []  # (o [n, Hkv, rep, D], lse [n, Hkv, rep]) per part: the shared levels, then the own tokens
+    for k, v, level in levels:
+        o, lse = attend(_stack(q, level.rows), k, v, level.mask, scale, backend)
+        parts.append((_unstack(o, level.rows, rep), _unstack(lse[..., None], level.rows, rep)[..., 0]))
+    parts.append(attend(q, own_k, own_v, None, scale, backend))
+    lse = parts[0][1]
+    for _, lse_x in parts[1:]:
+        lse = torch.logaddexp(lse, lse_x)
     acc = lse.dtype if query.dtype != torch.float64 else torch.float64
-    out = (o_a.to(acc) * torch.exp(lse_a - lse)[..., None] + o_b.to(acc) * torch.exp(lse_b - lse)[..., None])
+    out = parts[0][0].to(acc) * torch.exp(parts[0][1] - lse)[..., None]
+    for o_x, lse_x in parts[1:]:
+        out = out + o_x.to(acc) * torch.exp(lse_x - lse)[..., None]
     return out.to(query.dtype).reshape(n, 1, hq, d)
 
 

@@ -14,6 +14,12 @@ goes through the vision tower and every decoder layer G times. Here:
 Both decode modes give the same tokens (tested: greedy and seeded sampling, token for token); cascade holds
 P + G·S tokens of K/V per prompt instead of G·(P + S) and reads the prefix once per step instead of G times.
 
+A video shared by its queries (decode="cascade" only): adjacent prompts with the same video that agree on a leading
+part are found from the inputs (`mmpg.rollout.shares`) and prefilled as one packed tree row — each shared part, and
+its video through the vision tower, once; each query's tail behind it — then decoded with three cascade levels
+(shared part | tail | own tokens). A batch in which no two prompts share takes the plain path above unchanged;
+decode="copy" is always per query (the reference). `last_stats` says what the last call prefilled.
+
 Positions: the prompt gets exactly the positions `grouped_logprobs` gives it (`mmpg.grouping.adapters.
 prefix_positions`: the model's own 3-D mRoPE `get_rope_index` for Qwen2.5-VL / Qwen3-VL, 0..P-1 for text models), and
 completion token t sits at start + t on every axis, start being where the model's own forward places a text token
@@ -36,8 +42,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from mmpg.grouping.adapters import prefix_positions
-from mmpg.grouping.inputs import placeholder_token_ids, prompt_attention_mask
-from mmpg.grouping.patch import model_kind
+from mmpg.grouping.attention import LAYOUT_KWARG
+from mmpg.grouping.inputs import placeholder_token_ids, prompt_attention_mask, split_visuals_per_prompt
+from mmpg.grouping.patch import base_model, model_kind
 from mmpg.rollout.cascade import SharedPrefixCache
 from mmpg.rollout.cascade_attention import CASCADE_KWARG, CascadeCall, cascade_attention_enabled
 from mmpg.rollout.cascade_kernels import resolve_backend
@@ -45,6 +52,7 @@ from mmpg.rollout.engine import (
     FINISH_LENGTH, FINISH_STOP, Rollout, RolloutEngine, SamplingParams, group_sizes_for,
 )
 from mmpg.rollout.sampling import next_tokens
+from mmpg.rollout.shares import TreePrefill, decode_shares, prefill_stats, tree_prefill
 
 DECODE_MODES = ("auto", "copy", "cascade")
 
@@ -67,7 +75,8 @@ class HFEngine(RolloutEngine):
     processor: the model's processor or tokenizer, used to decode the responses."""
 
     def __init__(self, model, processor, all_done: Callable[[bool], bool] | None = None, decode: str = "auto",
-                 cascade_backend: str = "auto"):
+                 cascade_backend: str = "auto", share_videos: bool = True):
+        model = base_model(model)  # a peft PeftModel: the transformers model inside it (LoRA wrappers included)
         model_kind(model)  # refuses unsupported model types with a clear message
         if decode not in DECODE_MODES:
             raise ValueError(f"HFEngine decode={decode!r}; choose one of {', '.join(DECODE_MODES)}")
@@ -81,6 +90,12 @@ class HFEngine(RolloutEngine):
         self.decode = decode
         self.cascade_backend = cascade_backend  # auto, sdpa, flash or math (`mmpg.rollout.cascade_kernels`)
         self.last_kv_bytes: int | None = None  # K/V bytes the cache held after the last call's final decode step
+        # the last call's prefill, for the trainer and eval (`mmpg.rollout.shares.prefill_stats`): prompts, prefixes
+        # (prefills of a leading part: one per share, B without sharing), prefix_tokens, shared_prompts
+        self.last_stats: dict | None = None
+        # cascade decoding: adjacent prompts of one video share its prefill and K/V (`mmpg.rollout.shares`, found from
+        # the inputs); False: every prompt prefilled on its own (A/B runs, `algorithm.share_videos=false`)
+        self.share_videos = share_videos
         # Synced decoding for sharded models (ZeRO-3 gathers weights inside every forward, so every rank must run
         # the same number of forwards): all_done(this_rank_done) -> whether every rank is done. A rank that is done
         # early runs one-token idle forwards until then. None: stop as soon as this process is done.
@@ -121,18 +136,29 @@ class HFEngine(RolloutEngine):
     def _generate(self, prompt_inputs, sizes: list[int], sampling: SamplingParams, prompt_seeds=None) -> Rollout:
         device = self.model.get_input_embeddings().weight.device
         rows = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+        visuals = split_visuals_per_prompt(self.model, prompt_inputs) if self._is_vl else None
+        prefixes = prefix_positions(self.model, prompt_inputs, visuals)  # per prompt: ids [P_b], positions [A, P_b]
         if resolve_decode(self.decode, device) == "cascade":
+            # None: no two prompts share (the plain path)
+            shares = decode_shares(self.model, prefixes, visuals) if self.share_videos else None
+            self.last_stats = prefill_stats(prefixes, shares)
             cache = SharedPrefixCache.for_model(self.model, sampling.max_new_tokens)
             backend, watched = resolve_backend(self.cascade_backend, device), (self._cache_kwarg, "logits_to_keep")
             with cascade_attention_enabled(self.model):
                 prefill = {CASCADE_KWARG: CascadeCall(cache, backend, model_inputs=watched, prefill=True)}
-                # logits [B, V]; attn [B, L]; start [B]
-                logits, attn, start = self._prefill(prompt_inputs, device, cache, prefill)
-                cache.start_decode(rows, attn.bool())  # N rows behind the B prefixes, nothing copied
+                if shares is None:
+                    # logits [B, V]; attn [B, L]; start [B]
+                    logits, attn, start = self._prefill(prefixes, prompt_inputs, device, cache, prefill)
+                    cache.start_decode(rows, attn.bool())  # N rows behind the B prefixes, nothing copied
+                else:  # shared parts once, each query's tail behind its share's (mmpg.rollout.shares)
+                    tree = tree_prefill(self.model, prefixes, visuals, shares, device)
+                    logits, attn, start = self._prefill(prefixes, prompt_inputs, device, cache, prefill, tree)
+                    cache.start_decode(rows)
                 call = CascadeCall(cache, backend, model_inputs=watched)
                 return self._decode(call, logits, attn, start, rows, sizes, sampling, prompt_seeds)
+        self.last_stats = prefill_stats(prefixes, None)
         cache = DynamicCache(config=self.model.config)
-        logits, attn, start = self._prefill(prompt_inputs, device, cache)
+        logits, attn, start = self._prefill(prefixes, prompt_inputs, device, cache)
         cache.reorder_cache(rows)  # [B, ...] -> [N, ...]: the G-way copy of each prompt's K/V
         return self._decode(cache, logits, attn, start, rows, sizes, sampling, prompt_seeds)
 
@@ -179,21 +205,36 @@ class HFEngine(RolloutEngine):
         self.last_kv_bytes = _kv_bytes(kv)
         return self._rollout(tokens, logps, lengths, stopped, sizes, sampling)
 
-    def _prefill(self, prompt_inputs, device, cache, extra: dict | None = None):
+    def _prefill(self, prefixes, prompt_inputs, device, cache, extra: dict | None = None,
+                 tree: TreePrefill | None = None):
         """One forward over the B prompts, left-padded, filling `cache` [B, L]. Returns the last position's logits
         [B, V], the left-padded attention mask [B, L] and the first completion position of each prompt [B]. `extra`:
-        more forward kwargs (the cascade engine's prefill call, which checks the tripwire)."""
-        ids_list, pos_list, starts = prefix_positions(self.model, prompt_inputs)  # per prompt: [P_b], [A, P_b], int
+        more forward kwargs (the cascade engine's prefill call, which checks the tripwire). `tree`: instead, one
+        packed forward of the shared parts and tails (`_prefill_tree`; the mask returned is then [B, 1] ones)."""
+        ids_list, pos_list, starts = prefixes
+        start = torch.tensor(starts, device=device)  # [B] where each prompt's completions continue, on every axis
+        if tree is not None:
+            return self._prefill_tree(tree, cache, extra), torch.ones(len(starts), 1, device=device), start
         width = max(p.numel() for p in ids_list)
         ids = torch.stack([F.pad(p, (width - p.numel(), 0), value=self._pad_id()) for p in ids_list]).to(device)
         attn = torch.stack([F.pad(torch.ones_like(p), (width - p.numel(), 0)) for p in ids_list]).to(device)
         pos = torch.stack([F.pad(p, (width - p.shape[1], 0)) for p in pos_list], dim=1).to(device)  # [A, B, L]
-        start = torch.tensor(starts, device=device)  # [B] where each prompt's completions continue, on every axis
         position_ids = pos if self._is_vl else pos[0]  # [3, B, L] mRoPE or [B, L]
         visuals = {k: prompt_inputs[k].to(device) for k in _VISUAL_KEYS if prompt_inputs.get(k) is not None}
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True,
                          logits_to_keep=1, **{self._cache_kwarg: cache}, **visuals, **(extra or {}))
         return out.logits[:, -1], attn, start
+
+    def _prefill_tree(self, tree: TreePrefill, cache: SharedPrefixCache, extra: dict) -> torch.Tensor:
+        """The packed row [1, T] under the grouped attention (`tree.layout`); its K/V is gathered into the cache's
+        two levels. Returns the logits [B, V] at each prompt's last token."""
+        cache.expect_tree(tree.split)
+        marker = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=tree.ids.device)  # the layout is the real mask
+        position_ids = tree.positions[:, None, :] if self._is_vl else tree.positions  # [3, 1, T] or [1, T]
+        out = self.model(input_ids=tree.ids[None], attention_mask=marker, position_ids=position_ids, use_cache=True,
+                         logits_to_keep=tree.last, **{self._cache_kwarg: cache}, **tree.visuals,
+                         **{LAYOUT_KWARG: tree.layout}, **extra)
+        return out.logits[0]
 
     def _decode_step(self, cache, tok, prompt_attn, start, t: int) -> torch.Tensor:
         """Feed token t of the live rows: tok [n], prompt_attn [n, L], start [n] -> next logits [n, V]."""
