@@ -297,6 +297,9 @@ class RunView:
             parts.append(str(info["kind"]))
         if info.get("created"):
             parts.append(f"started {info['created']}")
+        params = info.get("parameters")
+        if isinstance(params, dict) and params.get("text"):  # "trainable parameters: 1.2M of 50.3M (2.4 %), LoRA ..."
+            parts.append(str(params["text"]))
         parts.append(f"{len(steps)} step(s) with rollouts" + (f", newest {steps[-1]}" if steps else ""))
         parts.append(f"checked {datetime.datetime.now():%H:%M:%S}")
         alarm = drift_note(self.src.metrics())

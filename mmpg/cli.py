@@ -49,7 +49,8 @@ def _cmd_synth(args) -> int:
     from mmpg.data.synth import generate_dataset
 
     summary = generate_dataset(args.out, args.n, args.seed, overwrite=args.overwrite,
-                               min_duration=args.min_duration, max_duration=args.max_duration, easy=args.easy)
+                               min_duration=args.min_duration, max_duration=args.max_duration, easy=args.easy,
+                               queries=args.queries)
     print(f"wrote {args.n} synthetic grounding videos (seed {args.seed}) to {args.out}")
     for key, value in summary.items():
         print(f"  {key}: {value}")
@@ -109,6 +110,15 @@ def _cmd_eval(args) -> int:
     return run(args)
 
 
+def _cmd_export(args) -> int:
+    from mmpg.models.lora_export import export_checkpoint
+
+    info = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    what = f"LoRA adapter merged into {info['base']}" if info["adapter_merged"] else "full-weight checkpoint, re-saved"
+    print(f"wrote {args.out}: a plain HF model ({what}; {info['dtype']}, safetensors, processor files)")
+    return 0
+
+
 def _cmd_vllm_serve(args) -> int:
     from mmpg.serve.launch import serve
 
@@ -159,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-duration", type=float, default=90.0, help="seconds")
     p.add_argument("--easy", action="store_true", help="the task a tiny model learns on a CPU: one large white "
                    "shape on black, 64x64, 2 fps, whole seconds")
+    p.add_argument("--queries", type=_positive_int, default=1, help="with --easy: ask about each video's moment in "
+                   "2..N wordings (N <= 5), several queries per video as real datasets have (default 1)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=_cmd_synth)
 
@@ -200,6 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_positive_int, default=None, help="port (default: 7860 or the next free one)")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("export", help="write a checkpoint as a plain HF model folder (a LoRA adapter merged into "
+                       "its base) that from_pretrained, mmpg eval and vLLM load",
+                       description="A LoRA checkpoint (adapter_config.json + adapter_model.safetensors) is merged "
+                       "into the base it names (W + alpha/r B A); a full-weight checkpoint is re-saved as its HF model "
+                       "without the trainer and DeepSpeed state. Written to a temp folder, then renamed.")
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder (e.g. RUN/checkpoints/step_00000040)")
+    p.add_argument("--out", required=True, help="folder to write (must be empty or absent)")
+    p.add_argument("--dtype", default="auto", help="weights' dtype: auto (the base checkpoint's), float32, bfloat16, "
+                   "float16; the merge runs in it")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=_cmd_export)
 
     from mmpg.serve import vllm_server
 

@@ -27,6 +27,24 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help}, **kw)
 
 
+# The language model's attention and MLP projections (leaf names, matched inside the text model only).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    r: int = _f(0, "LoRA rank (peft): 0 = off (full fine-tuning); > 0 trains only low-rank adapters on "
+                "target_modules, the base weights frozen (mmpg/models/lora.py).")
+    alpha: int = _f(16, "LoRA scaling numerator: the adapter's update is multiplied by alpha / r.")
+    dropout: float = _f(0.0, "Dropout on the adapters' input while training (0: none; above 0 the grouped and "
+                        "repeated forwards draw different masks, so they agree only in expectation).")
+    target_modules: list = _f(LORA_TARGETS, "Modules that get adapters. A name without a dot is a leaf name "
+                              "matched inside the language model only (q_proj matches every text layer's q_proj, "
+                              "never the vision tower's); a dotted name is matched as a suffix of full module names "
+                              "anywhere, which is how vision modules are named explicitly (e.g. visual.merger.mlp.0; "
+                              "needs model.freeze_vision=false). An entry that matches nothing is an error.")
+
+
 @dataclass
 class ModelConfig:
     path: str = _f("", "Checkpoint folder of the policy (HF format: config.json, weights, processor). Required.")
@@ -39,9 +57,13 @@ class ModelConfig:
     gradient_checkpointing: bool = _f(False, "Recompute decoder activations in backward (less memory, ~30% more "
                                       "compute).")
     freeze_vision: bool = _f(True, "No gradients for the vision tower (common for grounding RL; it still runs once "
-                             "per prompt).")
+                             "per prompt). With model.lora.r > 0 only adapters train anyway; false lets "
+                             "model.lora.target_modules name vision modules.")
     ref_path: str = _f("", "Reference policy for the KL penalty (only loaded when algorithm.beta > 0); empty = "
-                       "model.path.")
+                       "model.path. With LoRA, empty (or model.path itself) means the policy with its adapters "
+                       "switched off, no second model loaded; another folder is loaded as the reference.")
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA adapters on the language model "
+                                                                   "(peft); r=0: off."})
 
 
 @dataclass
@@ -118,8 +140,9 @@ class AlgorithmConfig:
     max_sampling_rounds: int = _f(4, "Dynamic sampling: most rollout rounds per step before training on what "
                                   "there is.")
     grouping: bool = _f(True, "Shared-prefix grouped forward; false: the naive repeated forward (A/B runs).")
-    share_videos: bool = _f(True, "In the grouped forward, adjacent prompts of one video (data.queries_per_video) "
-                            "share the video's part of the prompt (mmpg.grouping.tree); false: each prompt alone.")
+    share_videos: bool = _f(True, "Adjacent prompts of one video (data.queries_per_video) share the video's part of "
+                            "the prompt: in the grouped forward (mmpg.grouping.tree) and the hf rollout's cascade "
+                            "prefill and decode (mmpg.rollout.shares); false: each prompt alone.")
     self_check: str = _f("on", "Compare the grouped forward with the repeated one on one real group, in this run's "
                          "dtype, backend and versions, at the first step and whenever a batch goes past the prompt / "
                          "response / group sizes checked so far (mmpg.grouping.selfcheck): on (stop the run on a "
@@ -179,6 +202,9 @@ class EvalConfig:
     every_n_steps: int = _f(0, "Evaluate data.val every N steps (0: never).")
     max_samples: int = _f(64, "Held-out samples per evaluation (0: all).")
     batch_size: int = _f(8, "Prompts per greedy decoding batch.")
+    share_videos: bool = _f(True, "Batch a video's queries together (whole videos up to batch_size queries), so "
+                            "each video is decoded, encoded and prefilled once per batch; false: fixed batches in "
+                            "annotation order (mmpg eval's share_videos).")
     max_new_tokens: int = _f(256, "Most tokens per answer.")
 
 
@@ -347,6 +373,19 @@ def _validate(cfg: Config) -> None:
         if not ok:
             group, name = key.split(".")
             raise UserError(f"config key '{key}' is {getattr(getattr(cfg, group), name)!r}; it {what}")
+    _validate_lora(cfg.model.lora)
+
+
+def _validate_lora(lora: LoraConfig) -> None:
+    """model.lora's values (which modules exist is checked on the loaded model, mmpg.models.lora)."""
+    checks = [("r", lora.r >= 0, "must be >= 0 (0: LoRA off)"), ("alpha", lora.alpha > 0, "must be > 0"),
+              ("dropout", 0 <= lora.dropout < 1, "must be in [0, 1)"),
+              ("target_modules", lora.r == 0 or (bool(lora.target_modules) and all(
+                  isinstance(t, str) and t.strip(". ") for t in lora.target_modules)),
+               "must be a non-empty list of module names (e.g. [q_proj, v_proj])")]
+    for name, ok, what in checks:
+        if not ok:
+            raise UserError(f"config key 'model.lora.{name}' is {getattr(lora, name)!r}; it {what}")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
@@ -408,10 +447,20 @@ def describe(group: str | None = None, schema=Config) -> str:
         if group and g.name != group:
             continue
         lines.append(f"{g.name}:")
-        for f in dataclasses.fields(g.default_factory):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            lines.append(f"  {g.name}.{f.name} = {default!r}\n      {f.metadata.get('help', '')}")
+        lines += _describe_fields(g.default_factory, g.name)
     if not lines:
         names = [g.name for g in dataclasses.fields(schema)]
         raise UserError(f"unknown config group {group!r}; groups are {', '.join(names)}")
     return "\n".join(lines)
+
+
+def _describe_fields(cls, prefix: str) -> list[str]:
+    """`  prefix.name = default` and its help per field; a nested group (model.lora) field by field."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            lines += _describe_fields(f.default_factory, f"{prefix}.{f.name}")
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        lines.append(f"  {prefix}.{f.name} = {default!r}\n      {f.metadata.get('help', '')}")
+    return lines

@@ -52,3 +52,26 @@ def grpo_data(tiny_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_data")
     generate_dataset(root / "synth", 8, 0, overwrite=True, min_duration=8.0, max_duration=12.0)
     return {"model": str(tiny_dirs["qwen2_5_vl"]), "synth": root / "synth"}
+
+
+@pytest.fixture(scope="session")
+def step_process():
+    """The bench's step level in this process (tests/test_bench.py, tests/test_lora_bench.py): dist.init /
+    prepare_deepspeed_env set a process group and environment variables for the process; they stay for every test
+    that asks (DeepSpeed keeps the first group it saw: a second init after a shutdown is refused) and are undone at
+    the end of the session."""
+    import os
+
+    from mmpg import dist
+
+    touched = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")
+    saved = {k: os.environ.get(k) for k in touched}
+    was_initialized = torch.distributed.is_initialized()
+    yield
+    if not was_initialized:
+        dist.shutdown()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

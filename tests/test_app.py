@@ -287,6 +287,20 @@ def test_drift_alarm_shows_in_the_title(small, tmp_path, views):
     assert "logprob drift" in rv.title_md([1, 2, 3])  # and in every later title
 
 
+def test_trainable_parameters_show_in_the_title(small, tmp_path, views):
+    """run.json's "parameters" (what the trainer counted, LoRA or not) is shown under the run's title; a run.json
+    without it (older runs, eval folders) shows no such part."""
+    run = copy_run(small, tmp_path)
+    rv, _ = views(run)
+    assert "trainable parameters" not in rv.title_md([1])
+    info = json.loads((run / "run.json").read_text())
+    text = "trainable parameters: 8.2K of 257.2K (3.2 %), LoRA r=4 on 28 modules"
+    info["parameters"] = {"trainable": 8192, "total": 257248, "text": text,
+                          "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "modules": 28}}
+    (run / "run.json").write_text(json.dumps(info))
+    assert text in rv.title_md([1])
+
+
 def test_handlers_turn_errors_into_messages(small, tmp_path, views):
     from app.guard import guarded
 

@@ -232,28 +232,13 @@ def test_rollout_level_reports_a_missing_engine(tmp_path, monkeypatch):
     assert rows[1]["note"].startswith("n/a: mmpg.rollout not available")
 
 
-def test_step_level_in_process_times_every_phase(tmp_path, capsys):
+def test_step_level_in_process_times_every_phase(tmp_path, capsys, step_process):
     # one whole GRPO step per variant through the trainer's own code (GRPOStep.update on a DeepSpeed engine):
     # generate + repeated forward vs shared-prefix rollout + grouped forward, every phase timed
-    import os
-
     from mmpg.bench.step import PHASES
-    from mmpg import dist
 
-    touched = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR")
-    saved = {k: os.environ.get(k) for k in touched}  # dist.init / prepare_deepspeed_env set them for the process
-    was_initialized = torch.distributed.is_initialized()
     out = tmp_path / "step.json"
-    try:
-        assert cli.run(_args("--preset", "tiny", "--levels", "step", "--in-process", "--out", str(out))) == 0
-    finally:
-        if not was_initialized:
-            dist.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    assert cli.run(_args("--preset", "tiny", "--levels", "step", "--in-process", "--out", str(out))) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["level"], r["variant"]) for r in rows] == [("step", "naive"), ("step", "mmpg")]
     naive, ours = rows
@@ -325,3 +310,71 @@ def test_grpo_step_flops_small_case():
     assert step_flops(vdims, 4, 2, 3, True, train_vision=False, **video) == 3 * 768 + 304
     # the rollout encodes the video once in both variants
     assert rollout_flops(vdims, 4, 2, 3, False, **video) - rollout_flops(dims, 4, 2, 3, False) == 304
+
+
+def test_queries_per_video_adds_the_tree_to_step_configs_only():
+    configs = cli.plan(_args("--preset", "tiny", "--levels", "model,step", "--queries-per-video", "1,3",
+                             "--tail", "5"))
+    steps = [c for c in configs if c["level"] == "step"]
+    assert [(c.get("Q"), c["variants"]) for c in steps] == [(None, ["naive", "mmpg"]),
+                                                            (3, ["naive", "mmpg", "tree"])]
+    assert steps[1]["t"] == 5
+    assert all("Q" not in c for c in configs if c["level"] != "step")
+
+
+def test_query_batch_shares_exactly_the_video_part():
+    # Q prompts of one video: identical pixels and first P tokens, distinct tails; grouping's own share finder
+    # (mmpg.grouping.tree.find_shares) must see one share of exactly P tokens
+    from mmpg.bench.batch import make_query_batch
+    from mmpg.bench.model import build_model
+    from mmpg.grouping.adapters import prefix_positions
+    from mmpg.grouping.inputs import placeholder_token_ids, split_visuals_per_prompt
+    from mmpg.grouping.tree import find_shares
+
+    case = {"level": "step", "P": 48, "S": 6, "G": 3, "Q": 3, "t": 5, "family": "qwen2_5_vl",
+            "spec": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
+            "dtype": "float32", "variant": "tree"}
+    model, ids = build_model(case, torch.device("cpu"))
+    prompt, info = make_query_batch(model, case, ids, torch.device("cpu"))
+    assert prompt["input_ids"].shape == (3, info["P"] + 5)
+    assert prompt["video_grid_thw"].shape[0] == 3
+    visuals = split_visuals_per_prompt(model, prompt)
+    shares = find_shares(prefix_positions(model, prompt, visuals), visuals, placeholder_token_ids(model), [3, 3, 3])
+    assert [(s.prompts, s.length) for s in shares] == [((0, 1, 2), info["P"])]
+
+
+def test_step_level_with_queries_per_video_times_the_tree(tmp_path, capsys, step_process):
+    # Q = 3 queries of one video: naive, per-query grouping (mmpg) and the tree, every phase timed; the tree's
+    # rollout prefills the video once and its update packs the tokens `layout_tokens` says
+    from mmpg.bench.flops import layout_tokens
+
+    out = tmp_path / "tree.json"
+    assert cli.run(_args("--preset", "tiny", "--levels", "step", "--queries-per-video", "3", "--tail", "5",
+                         "--in-process", "--out", str(out))) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["naive", "mmpg", "tree"]
+    naive, per, tree = rows
+    P, S, G = tree["P"], tree["S"], tree["G"]
+    for row, layout in zip(rows, ("naive", "per_query", "tree")):
+        assert row["note"] == "", row["note"]
+        assert (row["Q"], row["t"]) == (3, 5)
+        assert row["tokens"] == layout_tokens(layout, P, 5, S, G, 3)
+        assert row["response_tokens"] == 3 * G * S
+    assert per["rollout_stats"]["prefixes"] == 3 and per["shared_prompts"] == 0
+    assert tree["rollout_stats"] == {"prompts": 3, "prefixes": 1, "prefix_tokens": P + 3 * 5, "shared_prompts": 2}
+    assert tree["shared_prompts"] == 2  # the update packed two prompts behind the first one's video
+    assert tree["phases"]["update"]["ceiling"] == tree["rho_flops_tree"] > per["rho_flops"]
+    printed = capsys.readouterr().out
+    assert "tree vs per-query grouping" in printed
+
+
+def test_eval_level_answers_a_videos_queries_once_each(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    assert cli.run(_args("--preset", "tiny", "--levels", "eval", "--in-process", "--out", str(out))) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["hf_generate", "mmpg", "tree"]
+    per, tree = rows[1], rows[2]
+    assert (per["prefixes"], tree["prefixes"]) == (3, 1)
+    assert tree["prefix_tokens"] == tree["P"] + 3 * tree["t"] and per["prefix_tokens"] == 3 * (per["P"] + per["t"])
+    assert tree["rho_eval_tree"] > 1 and per["pct_ceiling"] is None  # per query is the baseline
+    assert "eval: Q queries of one video" in capsys.readouterr().out

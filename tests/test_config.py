@@ -66,8 +66,11 @@ def test_every_field_has_help_and_a_default():
     assert GROUPS == [f.name for f in dataclasses.fields(Config)]
     for group in dataclasses.fields(Config):
         assert dataclasses.is_dataclass(group.default_factory), group.name
-        for f in dataclasses.fields(group.default_factory):
-            key = f"{group.name}.{f.name}"
+        fields = [(f"{group.name}.{f.name}", f) for f in dataclasses.fields(group.default_factory)]
+        for key, f in fields:
+            if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+                fields += [(f"{key}.{sub.name}", sub) for sub in dataclasses.fields(f.default_factory)]
+        for key, f in fields:
             assert f.metadata.get("help", "").strip(), f"{key} has no help text"
             has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
             assert has_default, f"{key} has no default"
@@ -76,7 +79,9 @@ def test_every_field_has_help_and_a_default():
 def test_all_keys_and_choices_agree_with_the_tree():
     keys = all_keys()
     assert len(keys) == len(set(keys))
-    assert all(k.count(".") == 1 and k.split(".")[0] in GROUPS for k in keys)
+    # group.field, or group.sub.field for the one nested group (model.lora)
+    assert all((k.count(".") == 1 or k.startswith("model.lora.")) and k.split(".")[0] in GROUPS for k in keys)
+    assert "model.lora.r" in keys and "model.lora" not in keys
     assert "rollout.n" in keys and "algorithm.epsilon_high" in keys
     defaults = Config()
     for key, allowed in CHOICES.items():
@@ -86,6 +91,7 @@ def test_all_keys_and_choices_agree_with_the_tree():
 
 
 def test_describe_lists_each_key_with_its_help():
+    assert "model.lora.r = 0" in describe("model") and "LoRA rank" in describe("model")
     text = describe("rollout")
     assert "rollout.temperature = 1.0" in text
     assert "Group size G" in text

@@ -105,6 +105,8 @@ def test_settings_merge_protocol_then_overrides(tmp_path):
         ("file", "last_span", 3584 * 28 * 28, "gt", 64, 1.0)
     assert load_settings("videochat_r1", [f"prompt_file={prompt}"]).threshold_rule == "ge"
     assert load_settings().template == "time_r1" and load_settings().bad_videos == "fail"
+    assert load_settings().share_videos and not load_settings("default", ["share_videos=false"]).share_videos
+    assert load_settings("default", ["self_check=off"]).self_check == "off"  # not YAML's False
     with pytest.raises(UserError, match=r"unknown eval setting 'fsp'; did you mean fps\?"):
         load_settings("default", ["fsp=2"])
     with pytest.raises(UserError, match="'bad_videos' is 'maybe'; choose one of fail, skip"):

@@ -103,3 +103,47 @@ def test_dims_from_tiny_configs():
     assert text.vocab == len(tokenizer) and text.vision is None
     vl = dims_from_config(tiny_config("qwen2_5_vl", spec, tokenizer))
     assert vl.vision is not None and vl.vision.mlp_mats == 3 and vl.vision.depth == spec.vision_depth
+
+
+def test_queries_of_one_video_token_counts_by_hand():
+    # FACTS' figures at P 2048, t 30, S 128, G 8, Q 3: per query 3·(2078 + 1024) = 9306; tree (tails repeated per
+    # response) 2048 + 24·158 = 5840; naive 24·2206 = 52944. Tree over per query: 9306 / 5840 = 1.593
+    from mmpg.bench.flops import layout_tokens, rho_lin_q
+
+    assert layout_tokens("per_query", 2048, 30, 128, 8, 3) == 9306
+    assert layout_tokens("tree", 2048, 30, 128, 8, 3) == 5840
+    assert layout_tokens("naive", 2048, 30, 128, 8, 3) == 52944
+    assert rho_lin_q("tree", 2048, 30, 128, 8, 3) / rho_lin_q("per_query", 2048, 30, 128, 8, 3) == \
+        pytest.approx(9306 / 5840)
+    # Q = 1: per query is today's grouped forward of a prompt of P + t tokens
+    assert rho_lin_q("per_query", 100, 5, 7, 4, 1) == pytest.approx(rho_lin(105, 7, 4))
+
+
+def test_queries_of_one_video_attention_pairs_by_hand():
+    # P 4, t 1, S 2, G 2, Q 2 (causal):
+    #   naive:     QG (P+t+S)²/2 = 4 · 49/2 = 98
+    #   per query: Q ((P+t)²/2 + G (S (P+t) + S²/2)) = 2 (12.5 + 2 (10 + 2)) = 73
+    #   tree:      P²/2 + QG ((t+S) P + (t+S)²/2) = 8 + 4 (12 + 4.5) = 74
+    # (tiny P: repeating the tails costs more than the prefix saves; at real sizes the tree wins)
+    from mmpg.bench.flops import layout_pairs
+
+    assert layout_pairs("naive", 4, 1, 2, 2, 2) == 98
+    assert layout_pairs("per_query", 4, 1, 2, 2, 2) == 73
+    assert layout_pairs("tree", 4, 1, 2, 2, 2) == 74
+
+
+def test_queries_of_one_video_ceilings_order():
+    # a long video shared by 3 queries: the tree beats per-query grouping in every phase, and each beats naive;
+    # one query: the tree is per-query grouping
+    from mmpg.bench.flops import ceilings_q, rollout_flops_q
+
+    dims = ModelDims(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512, vocab=1000)
+    per = ceilings_q(dims, "per_query", 2048, 32, 128, 8, 3)
+    tree = ceilings_q(dims, "tree", 2048, 32, 128, 8, 3)
+    for key in per:
+        assert tree[key] > per[key] > 1, key
+    one = ceilings_q(dims, "tree", 2048, 32, 128, 8, 1), ceilings_q(dims, "per_query", 2048, 32, 128, 8, 1)
+    assert one[0] == pytest.approx(one[1])
+    # the rollout's decode is the same in all three layouts: at G = S = 1 (no decode step) only prefills differ
+    assert rollout_flops_q(dims, "tree", 10, 2, 1, 1, 1) == pytest.approx(rollout_flops_q(dims, "per_query", 10, 2,
+                                                                                          1, 1, 1))

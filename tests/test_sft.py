@@ -33,6 +33,8 @@ def test_sft_loss_falls_and_the_run_directory_is_complete(grpo_data, tmp_path):
     assert [m["step"] for m in lines] == list(range(1, 13))
     first, last = lines[0]["sft/loss"], lines[-1]["sft/loss"]
     assert last < first - 1.0, (first, last)  # measured: 6.6 -> 4.3 over 12 steps
+    # one sample per micro-batch: the vision tower encodes each of the step's 2 prompts once
+    assert all(m["perf/vision_calls"] == 2 and 1 <= m["perf/videos"] <= 2 for m in lines)
     from mmpg.runs import RunReader
 
     reader = RunReader(tmp_path / "sft")

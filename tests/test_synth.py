@@ -317,3 +317,31 @@ def test_easy_videos_show_one_white_shape_exactly_within_whole_second_spans(tmp_
             inside = start <= i / video["fps"] < end
             assert corner < 30, (video_id, i)
             assert (centre > 200) == inside, (video_id, i, centre, inside)
+
+
+def test_easy_videos_with_several_wordings_of_their_moment(tmp_path):
+    """--queries 3: each easy video asked about in 2-3 distinct wordings of its one span; the videos themselves are
+    the ones queries=1 draws (the wordings are drawn last), and the annotations load as several queries a video."""
+    from mmpg.data.formats import load_annotations
+
+    synth.generate_dataset(tmp_path / "one", 8, 5, min_duration=8, max_duration=20, easy=True)
+    synth.generate_dataset(tmp_path / "three", 8, 5, min_duration=8, max_duration=20, easy=True, queries=3)
+    one, three = _load(tmp_path / "one", "events"), _load(tmp_path / "three", "events")
+    assert one == three  # same videos, same events
+    counts = []
+    for split in ("train", "val", "test"):
+        annotations = _load(tmp_path / "three", split)
+        for video_id, entry in annotations.items():
+            shape = three[video_id]["events"][0]["shape"]
+            (span,) = {tuple(t) for t in entry["timestamps"]}
+            assert span == (three[video_id]["events"][0]["start"], three[video_id]["events"][0]["end"])
+            assert 2 <= len(entry["sentences"]) <= 3 and len(set(entry["sentences"])) == len(entry["sentences"])
+            assert all(shape in s for s in entry["sentences"])
+            counts.append(len(entry["sentences"]))
+        if annotations:
+            loaded = load_annotations(tmp_path / "three" / f"{split}.json", tmp_path / "three" / "videos",
+                                      strict=True).samples
+            assert len(loaded) == sum(len(e["sentences"]) for e in annotations.values())
+    assert sum(counts) > len(counts)
+    with pytest.raises(UserError, match="--easy videos only"):
+        synth.generate_dataset(tmp_path / "hard", 2, 0, min_duration=8, max_duration=20, queries=3)

@@ -263,8 +263,9 @@ def test_dynamic_sampling_dapo_and_eval_during_training(grpo_data, tmp_path):
 
 def test_queries_of_a_video_share_it_and_train_the_same(grpo_data, tmp_path):
     """data.queries_per_video=3 keeps a video's queries side by side; the grouped forward then packs them behind one
-    shared video (perf/shared_prompts > 0), and 5 steps train the same losses and weights as with sharing off and as
-    the repeated forward (the synthetic train split asks 3, 3, 1, 1, 1 and 2 questions of its 6 videos)."""
+    shared video (perf/shared_prompts > 0, fewer perf/vision_calls), and 5 steps train the same losses and weights
+    as with sharing off and as the repeated forward (the synthetic train split asks 3, 3, 1, 1, 1 and 2 questions
+    of its 6 videos)."""
     base = {"data.queries_per_video": 3, "data.batch_size": 6, "rollout.n": 2, "trainer.micro_batch_size": 6,
             "trainer.total_steps": 5, "data.fps": 2.0, "data.max_frames": 16, "data.min_pixels": 50176,
             "data.max_pixels": 50176, "reward.function": "reward_fns:space_share"}  # 512 video tokens: sharing pays
@@ -275,6 +276,16 @@ def test_queries_of_a_video_share_it_and_train_the_same(grpo_data, tmp_path):
         runs[name] = metrics(tmp_path / name)
     assert sum(m["perf/shared_prompts"] for m in runs["shared"]) > 0
     assert all(m["perf/shared_prompts"] == 0 for m in runs["alone"])
+    # the counters: the same videos in all three; the rollout prefills a video's shared part once when its queries
+    # share (the repeated run keeps algorithm.share_videos, so its rollout shares too), every query's whole prompt
+    # with sharing off; the vision tower encodes a video once per forward when its queries share (rollout + update:
+    # at least 2 x videos), each query alone otherwise, and each of the G copies in the repeated forward
+    for a, b, c in zip(runs["shared"], runs["alone"], runs["repeated"]):
+        assert a["perf/videos"] == b["perf/videos"] == c["perf/videos"] >= 1
+        assert 0 < a["perf/prefix_tokens"] == c["perf/prefix_tokens"] <= b["perf/prefix_tokens"]
+        assert 2 * a["perf/videos"] <= a["perf/vision_calls"] <= b["perf/vision_calls"] < c["perf/vision_calls"]
+    assert sum(m["perf/vision_calls"] for m in runs["shared"]) < sum(m["perf/vision_calls"] for m in runs["alone"])
+    assert sum(m["perf/prefix_tokens"] for m in runs["shared"]) < sum(m["perf/prefix_tokens"] for m in runs["alone"])
     for other in ("alone", "repeated"):
         for a, b in zip(runs["shared"], runs[other]):
             assert a["reward/mean"] == b["reward/mean"]

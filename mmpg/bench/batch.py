@@ -77,6 +77,30 @@ def make_inputs(model, case: dict, ids: dict, device, seed: int = 1) -> tuple[di
     return prompt, completion_ids, torch.ones_like(completion_ids), info
 
 
+def make_query_batch(model, case: dict, ids: dict, device) -> tuple[dict, dict]:
+    """Q = case["Q"] queries of one video as one batch: every prompt is `make_inputs`' prompt (the shared part: text,
+    the video, text; P tokens) followed by its own tail of t = case["t"] random tokens (the question and assistant
+    header), drawn with seed 100 + q and starting with a token no other tail starts with, so the prompts agree on
+    exactly P tokens. The video's patches repeat Q times, as a processor repeats them for Q prompts of one video.
+    Returns (prompt_inputs with input_ids [Q, P + t], info of the shared part: its P and video sizes)."""
+    prompt, _, _, info = make_inputs(model, case, ids, device)
+    Q, t = case["Q"], case["t"]
+    if t < 1 or Q < 1 or Q > TEXT_IDS:
+        raise ValueError(f"queries per video Q={Q} and tail t={t} must be >= 1 (Q <= {TEXT_IDS})")
+    tails = []
+    for q in range(Q):
+        tail = torch.randint(0, TEXT_IDS, (t,), generator=torch.Generator().manual_seed(100 + q))
+        tail[0] = q  # distinct first tokens: the shared part ends exactly at P
+        tails.append(tail.to(device))
+    ids_q = torch.stack([torch.cat([prompt["input_ids"][0], tail]) for tail in tails])  # [Q, P + t]
+    out = {"input_ids": ids_q, "attention_mask": torch.ones_like(ids_q)}
+    if "video_grid_thw" in prompt:
+        out["pixel_values_videos"] = prompt["pixel_values_videos"].repeat(Q, 1)
+        out["video_grid_thw"] = prompt["video_grid_thw"].repeat(Q, 1)
+        out["mm_token_type_ids"] = (ids_q == ids["video"]).to(torch.int32) * 2
+    return out, info
+
+
 def make_batch(model, case: dict, ids: dict, device) -> tuple[dict, dict]:
     """The case's B prompts (`B`, default 1) as one batch: prompt_inputs with input_ids [B, P] (equal lengths, no
     padding), videos' patches and grids concatenated; prompt b drawn with seed 1 + b (prompt 0 is `make_inputs`'

@@ -10,6 +10,8 @@
                                                     S 32, 8 frames 112x112); --vllm adds it to any rollout config
     mmpg bench --preset cpu-targets --levels step      one whole GRPO step per phase: generate + repeated forward
                                                        vs shared-prefix rollout + grouped forward
+    mmpg bench --levels lora [--lora-r 16]          memory of full vs LoRA training and of the KL reference (frozen
+                                                    copy vs adapters off), one GRPO step each (mmpg.bench.lora)
 
 Prints a fixed-width table and writes JSON (default runs/bench/<timestamp>.json). A program, never a test.
 """
@@ -42,15 +44,22 @@ def _str_list(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="cpu-targets", choices=PRESETS, help="plan to run (default cpu-targets)")
     parser.add_argument("--levels", type=_str_list, default=None,
-                        help="comma list of attention,model,rollout,step (default: attention,model); rollout "
+                        help="comma list of attention,model,rollout,step,eval (default: attention,model); rollout "
                              "reuses the preset's model configs; step times one whole GRPO step per phase (rollout, "
-                             "reward, logprob, update) on the trainer's code (the gpu preset's step is untested)")
+                             "reward, logprob, update) on the trainer's code (the gpu preset's step is untested); eval "
+                             "answers Q queries of one video greedily, per query vs the tree")
     parser.add_argument("--family", default="qwen2", help="model family for model/rollout levels (qwen2, qwen3, "
                         "qwen2_5_vl, qwen3_vl; VL families have no upstream variant); the step level takes a VL "
                         "family and uses qwen2_5_vl for a text-only one")
     parser.add_argument("--P", type=_int_list, default=None, help="override prefix lengths, e.g. 1024,4096")
     parser.add_argument("--S", type=_int_list, default=None, help="override response lengths")
     parser.add_argument("--G", type=_int_list, default=None, help="override group sizes")
+    parser.add_argument("--queries-per-video", dest="Q", type=_int_list, default=None,
+                        help="step level: Q queries of one video per step (e.g. 1,3); Q > 1 adds the tree variant "
+                        "(the video's shared part forwarded once for all Q) beside per-query grouping (mmpg)")
+    parser.add_argument("--tail", type=int, default=None,
+                        help="with --queries-per-video (and the eval level): tokens of each query's own tail after "
+                        "the shared part (question + assistant header; default 32)")
     parser.add_argument("--variants", type=_str_list, default=None,
                         help="keep only these variants (e.g. naive,mmpg or mmpg:flex)")
     parser.add_argument("--vllm", action="store_true",
@@ -63,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-checkpoint", default=None,
                         help="serve this checkpoint folder instead of a saved copy of the config's model (its "
                         "architecture must be the config's; checked)")
+    parser.add_argument("--lora-r", type=int, default=16, help="--levels lora: the LoRA rank compared with full "
+                        "training (mmpg.bench.lora: full vs LoRA, reference copy vs adapters off; its own table)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (fresh process each)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per process (>= 1: the memory step)")
@@ -96,8 +107,16 @@ def plan(args) -> list[dict]:
     configs.sort(key=lambda c: list(LEVELS).index(c["level"]))
     out, seen = [], set()
     for config in configs:
-        for P, S, G in itertools.product(args.P or [config["P"]], args.S or [config["S"]], args.G or [config["G"]]):
+        queries = {"step": getattr(args, "Q", None) or [1], "eval": getattr(args, "Q", None) or [config.get("Q", 1)]
+                   }.get(config["level"], [1])
+        for P, S, G, Q in itertools.product(args.P or [config["P"]], args.S or [config["S"]], args.G or [config["G"]],
+                                            queries):
             c = dict(config, P=P, S=S, G=G)
+            if config["level"] == "eval":  # Q queries of one video answered once each; a lone query has no tree
+                c.update(Q=Q, t=getattr(args, "tail", None) or c["t"])
+                c["variants"] = [v for v in c["variants"] if v != "tree" or Q > 1]
+            elif Q > 1:  # Q queries of one video, each with its own tail: per query (mmpg) vs the tree
+                c.update(Q=Q, t=getattr(args, "tail", None) or 32, variants=[*c["variants"], "tree"])
             if args.variants:
                 c["variants"] = [v for v in c["variants"] if v in args.variants or v.split(":")[0] in args.variants]
             key = repr(sorted((k, repr(v)) for k, v in c.items()))
@@ -135,6 +154,13 @@ def meta(args, rounds, repeats, warmup, max_gb, env, partial) -> dict:
 def run(args) -> int:
     from mmpg.bench import report, runner
 
+    if args.levels and "lora" in args.levels:  # its own program and table (mmpg.bench.lora)
+        if args.levels != ["lora"]:
+            raise UserError("--levels lora runs alone (its own table); run the other levels separately")
+        from mmpg.bench.lora import run as run_lora
+
+        return run_lora(args)
+
     rounds, repeats, warmup = (v if v is not None else d
                                for v, d in zip((args.rounds, args.repeats, args.warmup), PRESETS[args.preset]))
     configs = plan(args)
@@ -152,7 +178,8 @@ def run(args) -> int:
             est = runner.naive_bytes(config, shape) / 1e9
             note = f"naive ~{est:.1f} GB" + (f" > {max_gb:g} GB: would be skipped" if est > max_gb else "")
             rows += [dict(level=config["level"], P=shape["P"], S=config["S"], G=config["G"], variant=v, note=note,
-                          config=config, **runner.ceilings(config, shape)) for v in config["variants"]]
+                          config=config, **runner.queries_of(config), **runner.ceilings(config, shape))
+                     for v in config["variants"]]
             continue
         done = runner.run_config(config, rounds=rounds, warmup=warmup, repeats=repeats, timeout=args.timeout,
                                  max_gb=max_gb, in_process=args.in_process,
@@ -164,6 +191,10 @@ def run(args) -> int:
     print(report.format_table(rows))
     if any(r["level"] == "rollout" for r in rows) and not args.dry_run:
         print("\n" + report.rollout_table(rows))
+    if any(r["variant"] == "tree" and r["level"] == "step" for r in rows):
+        print("\n" + report.tree_table(rows))
+    if any(r["level"] == "eval" for r in rows) and not args.dry_run:
+        print("\n" + report.eval_table(rows))
     path = report.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=False))
     print(f"wrote {path}")
     failed = [r for r in rows if (r.get("note") or "").split(":")[0] not in ("", "OOM", "n/a", "skipped")

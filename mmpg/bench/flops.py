@@ -231,3 +231,121 @@ def dims_from_config(config) -> ModelDims:
                      kv_heads=getattr(text, "num_key_value_heads", heads), intermediate=text.intermediate_size,
                      vocab=text.vocab_size, head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
                      vision=vision)
+
+
+# ---- Q queries of one video: per-query grouping vs the tree (`mmpg.grouping.tree`) ----------------------------------
+# Each of Q queries has a prompt of P shared tokens (system text, video, template words) + t tail tokens (question,
+# assistant header) and G responses of S tokens. Layouts of one step's forward, with their causal attention pairs:
+#
+#     naive      QG rows [shared | tail | response]              QG (P+t+S) tokens   QG (P+t+S)²/2
+#     per query  Q rows [shared | tail | r_1 | ... | r_G]        Q (P+t+GS)          Q ((P+t)²/2 + G (S(P+t) + S²/2))
+#     tree       one row [shared | tail_1 + r_1,1 | ...]          P + QG (t+S)        P²/2 + QG ((t+S) P + (t+S)²/2)
+#
+# (the tree repeats each tail per response: `mmpg.grouping.tree`). The vision tower encodes the video QG, Q and 1
+# times. The LM head scores the QGS response-predicting positions in all three. Rollout: generate prefills QG copies
+# of the P+t prompt, per query Q prompts, the tree the shared part once and each tail once against it; the decode is
+# the same QG(S-1) one-token steps in all. The token ceilings over naive (`rho_lin_q`):
+#     per query  QG(P+t+S) / (Q(P+t+GS)) = G(P+t+S) / (P+t+GS)
+#     tree       QG(P+t+S) / (P + QG(t+S))
+# A lone query (Q = 1) is packed as per-query grouping in the tree too (`find_shares`: its whole prompt is its part).
+LAYOUTS = ("naive", "per_query", "tree")
+
+
+def _layout(layout: str, Q: int) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    return "per_query" if layout == "tree" and Q == 1 else layout
+
+
+def layout_tokens(layout: str, P, t, S, G: int, Q: int) -> float:
+    """Tokens one step's forward holds for Q queries of one video (see above)."""
+    layout = _layout(layout, Q)
+    return {"naive": Q * G * (P + t + S), "per_query": Q * (P + t + G * S), "tree": P + Q * G * (t + S)}[layout]
+
+
+def layout_pairs(layout: str, P, t, S, G: int, Q: int) -> float:
+    """Causal (query, key) pairs per layer of one step's forward (see above)."""
+    layout = _layout(layout, Q)
+    if layout == "naive":
+        return Q * G * (P + t + S) ** 2 / 2
+    if layout == "per_query":
+        return Q * ((P + t) ** 2 / 2 + G * (S * (P + t) + S * S / 2))
+    return P * P / 2 + Q * G * ((t + S) * P + (t + S) ** 2 / 2)
+
+
+def rho_lin_q(layout: str, P, t, S, G: int, Q: int) -> float:
+    """Token ratio naive / layout."""
+    return layout_tokens("naive", P, t, S, G, Q) / layout_tokens(layout, P, t, S, G, Q)
+
+
+def _encodes(layout: str, G: int, Q: int) -> int:
+    layout = _layout(layout, Q)
+    return {"naive": Q * G, "per_query": Q, "tree": 1}[layout]
+
+
+def forward_flops_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, video_patches: int = 0,
+                    frame_patches: int = 0) -> float:
+    """One forward (no backward) of the step's Q·G responses in `layout`, LM head on response positions, vision in."""
+    lm = dims.layers * (dims.linear_per_token() * layout_tokens(layout, P, t, S, G, Q)
+                        + dims.attn_per_pair() * layout_pairs(layout, P, t, S, G, Q))
+    lm += 2 * dims.hidden * dims.vocab * Q * G * S
+    vision = 0.0
+    if video_patches and dims.vision is not None:
+        vision = _encodes(layout, G, Q) * vision_flops(dims.vision, video_patches, frame_patches or video_patches)
+    return lm + vision
+
+
+def update_flops_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, train_vision: bool = False,
+                   **video) -> float:
+    """Forward + backward of the policy: 3× the LM forward, the vision tower 3× when trained, else 1×."""
+    total = forward_flops_q(dims, layout, P, t, S, G, Q, **video)
+    vision = total - forward_flops_q(dims, layout, P, t, S, G, Q)
+    return 3 * (total - vision) + (3 if train_vision else 1) * vision
+
+
+def rollout_flops_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, video_patches: int = 0,
+                    frame_patches: int = 0) -> float:
+    """Sampling G responses of exactly S tokens for each of the Q queries (forward only, K/V cache): the prefill
+    differs by layout (above), the decode is the same; the video is encoded once per prefill call of a prompt in
+    naive and per query (transformers' generate encodes before expanding), once in the tree."""
+    layers, head, lin, attn = dims.layers, 2 * dims.hidden * dims.vocab, dims.linear_per_token(), dims.attn_per_pair()
+    layout = _layout(layout, Q)
+    full = layers * (lin * (P + t) + attn * (P + t) ** 2 / 2)
+    if layout == "tree":
+        prefill = layers * (lin * (P + Q * t) + attn * (P * P / 2 + Q * (t * P + t * t / 2))) + Q * head
+    else:
+        copies = Q * G if layout == "naive" else Q
+        prefill = copies * (full + head)
+    steps = Q * G * (S - 1)
+    decode = layers * (lin * steps + attn * steps * (P + t + S / 2)) + head * steps
+    vision = 0.0
+    if video_patches and dims.vision is not None:
+        vision = (1 if layout == "tree" else Q) * vision_flops(dims.vision, video_patches,
+                                                                 frame_patches or video_patches)
+    return prefill + decode + vision
+
+
+def step_flops_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, reference: bool = True,
+                 train_vision: bool = False, **video) -> float:
+    """One GRPO step of the Q queries: rollout + reference forward (when the KL term is on) + the update."""
+    total = rollout_flops_q(dims, layout, P, t, S, G, Q, **video)
+    total += update_flops_q(dims, layout, P, t, S, G, Q, train_vision=train_vision, **video)
+    return total + (forward_flops_q(dims, layout, P, t, S, G, Q, **video) if reference else 0.0)
+
+
+def eval_flops_q(dims: ModelDims, layout: str, P, t, S, Q: int, **video) -> float:
+    """Greedy evaluation of Q queries of one video, one answer of S tokens each (the rollout with G = 1; naive is
+    per query there: generate with one return sequence prefills each prompt once)."""
+    return rollout_flops_q(dims, "per_query" if layout == "naive" else layout, P, t, S, 1, Q, **video)
+
+
+def ceilings_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, reference: bool = True,
+               train_vision: bool = False, **video) -> dict:
+    """Per phase, FLOPs of naive / FLOPs of `layout`: rho_rollout, rho_fwd (reference), rho_flops (update),
+    rho_step (all), rho_lin (tokens)."""
+    def ratio(fn, **kw):
+        return fn(dims, "naive", P, t, S, G, Q, **kw, **video) / fn(dims, layout, P, t, S, G, Q, **kw, **video)
+
+    return {"rho_lin": rho_lin_q(layout, P, t, S, G, Q), "rho_rollout": ratio(rollout_flops_q),
+            "rho_fwd": ratio(forward_flops_q), "rho_flops": ratio(update_flops_q, train_vision=train_vision),
+            "rho_step": ratio(step_flops_q, reference=reference, train_vision=train_vision)}

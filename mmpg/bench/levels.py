@@ -23,7 +23,8 @@ LEVELS = {  # in the order the plan runs and the table prints them
     "attention": Level("mmpg.bench.attention", ("naive", "upstream", "mmpg"), "naive", "rho_flops"),
     "model": Level("mmpg.bench.model", ("repeated", "upstream", "mmpg"), "repeated", "rho_flops"),
     "rollout": Level("mmpg.bench.rollout", ("hf_generate", "mmpg", "vllm"), "hf_generate", "rho_lin"),
-    "step": Level("mmpg.bench.step", ("naive", "mmpg"), "naive", "rho_step"),
+    "step": Level("mmpg.bench.step", ("naive", "mmpg", "tree"), "naive", "rho_step"),
+    "eval": Level("mmpg.bench.evaluation", ("hf_generate", "mmpg", "tree"), "mmpg", "rho_eval"),
 }
 
 
@@ -36,3 +37,8 @@ def module_for(case: dict) -> str:
         raise ValueError(f"unknown {case['level']} variant {case['variant']!r}; choose one of "
                          f"{', '.join(level.variants)}")
     return level.module
+
+
+def ceiling_key(row: dict, key: str) -> str:
+    """The row's own ceiling: a tree row (Q queries of one video) has the tree's ceilings, under key + "_tree"."""
+    return f"{key}_tree" if row["variant"].partition(":")[0] == "tree" and f"{key}_tree" in row else key

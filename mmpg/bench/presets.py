@@ -75,7 +75,18 @@ def step(P, S, G, family="qwen2_5_vl", spec=None, variants=None, **extra) -> dic
     family = family if family in VL_FAMILIES else "qwen2_5_vl"
     return {"level": "step", "P": P, "S": S, "G": G, "family": family, "spec": dict(spec or CPU_MODEL_SPEC),
             "dtype": "float32", "beta": 0.04, "freeze_vision": True, **extra,
-            "variants": list(variants or STEP_VARIANTS)}
+            "variants": list(variants or [v for v in STEP_VARIANTS if v != "tree"])}  # tree: Q > 1 only
+
+
+def evaluation(P, S, Q=3, t=32, family="qwen2_5_vl", spec=None, variants=None, **extra) -> dict:
+    """Greedy answers to Q queries of one video (`mmpg.bench.evaluation`), G = 1; a text-only family becomes
+    qwen2_5_vl (the level needs a video)."""
+    from mmpg.models.tiny import VL_FAMILIES
+
+    family = family if family in VL_FAMILIES else "qwen2_5_vl"
+    return {"level": "eval", "P": P, "S": S, "G": 1, "Q": Q, "t": t, "family": family,
+            "spec": dict(spec or CPU_MODEL_SPEC), "dtype": "float32", **extra,
+            "variants": list(variants or ["hf_generate", "mmpg", "tree"])}
 
 
 def _flash_usable() -> bool:
@@ -108,7 +119,8 @@ def _gpu_backends() -> list[str]:
 def build(preset: str, family: str = "qwen2") -> list[dict]:
     """The configs of a preset. `family` picks the model-level family (VL families drop the upstream variant)."""
     if preset == "cpu-targets":
-        return [attention(8192, 128, 16), model(4096, 256, 8, family), step(2048, 128, 8, family)]
+        return [attention(8192, 128, 16), model(4096, 256, 8, family), step(2048, 128, 8, family),
+                evaluation(2048, 32, family=family)]
     if preset == "cpu-grid":
         grid = list(itertools.product((1024, 4096, 8192), (128, 512), (4, 8, 16)))
         return [attention(P, S, G) for P, S, G in grid] + [model(P, S, G, family) for P, S, G in grid]
@@ -125,7 +137,8 @@ def build(preset: str, family: str = "qwen2") -> list[dict]:
                      vision_intermediate=3420)]  # untested: never run yet
     if preset == "tiny":
         return [attention(64, 8, 3, heads=4, kv_heads=2, head_dim=8, dtype="float32"),
-                model(48, 6, 3, family, TINY_SPEC), step(48, 6, 3, family, TINY_SPEC)]
+                model(48, 6, 3, family, TINY_SPEC), step(48, 6, 3, family, TINY_SPEC),
+                evaluation(48, 6, t=5, family=family, spec=TINY_SPEC)]
     if preset == "rollout-cpu":
         return [rollout(4096, 256, 8, family)]
     if preset in ("rollout-gpu", "rollout-vllm-gpu"):  # untested: never run yet

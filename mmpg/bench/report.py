@@ -40,8 +40,8 @@ COLUMNS = [  # (key, header, width, format)
 ]
 
 
-STEP_COLUMNS = COLUMNS[:5] + [("phase", "phase", 7, "{}")] + COLUMNS[5:7] + [("ceiling", "ceil", 5, "{:.2f}")] \
-    + COLUMNS[7:]
+STEP_COLUMNS = COLUMNS[:4] + [("Q", "Q", 2, "{}"), COLUMNS[4], ("phase", "phase", 7, "{}")] + COLUMNS[5:7] \
+    + [("ceiling", "ceil", 5, "{:.2f}")] + COLUMNS[7:]
 LEFT = ("level", "variant", "phase")  # left-aligned columns
 
 MEMORY_COLUMNS = ("peak_MB", "mem_ratio")
@@ -70,9 +70,14 @@ def _phase_lines(row: dict) -> list[dict]:
     run, skipped, failed) still shows each phase's ceiling, its note on the first line."""
     from mmpg.bench.step import PHASE_CEILINGS, PHASES
 
-    keep = {k: row.get(k) for k in ("level", "P", "S", "G", "variant", "rho_lin", "rho_attn", "rho_flops")}
+    keep = {k: row.get(k) for k in ("level", "P", "S", "G", "Q", "variant", "rho_lin", "rho_attn", "rho_flops")}
+    if row.get("variant") == "tree":
+        keep.update({k: row.get(f"{k}_tree") for k in ("rho_lin", "rho_flops")})
     names = (*PHASES, "total")
-    phases = row.get("phases") or {name: {"ceiling": row.get(PHASE_CEILINGS[name] or "")} for name in names}
+    from mmpg.bench.levels import ceiling_key
+
+    phases = row.get("phases") or {name: {"ceiling": row.get(ceiling_key(row, PHASE_CEILINGS[name] or ""))}
+                                   for name in names}
     names = [name for name in names if name in phases]
     return [dict(keep, phase=name, note=row.get("note") if i == 0 or row.get("phases") else "", **phases[name])
             for i, name in enumerate(names)]
@@ -113,6 +118,59 @@ def rollout_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+EVAL_COLUMNS = [*(_COLUMN[k] for k in "PS"), ("Q", "Q", 2, "{}"), ("t", "t", 3, "{}"), ("variant", "variant", 11, "{}"),
+                _COLUMN["time_s"], _COLUMN["speedup"], ("rho_eval", "ceil", 5, "{:.2f}"), _COLUMN["pct_ceiling"],
+                ("prefill_s", "prefill_s", 9, "{:.3f}"), ("decode_s", "decode_s", 8, "{:.3f}"),
+                ("prefixes", "prefills", 8, "{}"), ("prefix_tokens", "prefill_tok", 11, "{}"),
+                *(_COLUMN[k] for k in ("peak_MB", "mem_ratio"))]
+
+
+def eval_table(rows: list[dict]) -> str:
+    """The eval rows: greedy answers to Q queries of one video; speedup against per-query (mmpg), ceil = the
+    layout's FLOPs ceiling (`rho_eval`, the tree's for the tree row), prefills / prefill_tok = the engine's
+    `last_stats` (leading parts prefilled, prompt tokens prefilled)."""
+    from mmpg.bench.levels import ceiling_key
+
+    rows = [dict(r, rho_eval=r.get(ceiling_key(r, "rho_eval"))) for r in rows if r["level"] == "eval"]
+    return "\n".join(["eval: Q queries of one video, one greedy answer of S tokens each (speedup over mmpg = "
+                      "per query)", _table(rows, EVAL_COLUMNS, na=(), gaps=False)])
+
+
+def tree_table(rows: list[dict]) -> str:
+    """Per phase, the tree (a video's shared part forwarded once for its Q queries) against per-query grouping
+    (mmpg): both times, their ratio, and its ceiling = the tree's FLOPs ceiling over per-query grouping's (each
+    over naive, `mmpg.bench.flops.ceilings_q`); tokens = the update's forward tokens of each."""
+    from mmpg.bench.step import PHASE_CEILINGS, PHASES
+
+    lines = ["tree vs per-query grouping (Q queries of one video, tail t tokens each; ceil: the FLOPs ratio, "
+             "tok_ceil: the token ratio of the update's forward)",
+             f"{'P':>6}  {'S':>4}  {'G':>3}  {'Q':>2}  {'t':>3}  {'phase':<7}  {'mmpg_s':>8}  {'tree_s':>8}  "
+             f"{'tree/mmpg':>9}  {'ceil':>5}  {'%ceil':>5}  {'tok_ceil':>8}  {'tokens':>13}"]
+    lines.append("-" * len(lines[1]))
+    for tree in (r for r in rows if r["variant"] == "tree"):
+        per = next((r for r in rows if r["variant"] == "mmpg" and r["config"] == dict(tree["config"])), None)
+        if per is None:
+            continue
+        for name in (*PHASES, "total"):
+            a, b = (per.get("phases") or {}).get(name, {}), (tree.get("phases") or {}).get(name, {})
+            key = PHASE_CEILINGS[name]
+            ceil = tree.get(f"{key}_tree") / per[key] if key and per.get(key) else None
+            ratio = a["time_s"] / b["time_s"] if a.get("time_s") and b.get("time_s") else None
+            pct = 100 * ratio / ceil if ratio and ceil else None
+            toks = f"{per.get('tokens')} -> {tree.get('tokens')}" if name == "update" and tree.get("tokens") else ""
+            tok_ceil = tree["rho_lin_tree"] / per["rho_lin"] if name == "update" and per.get("rho_lin") else None
+            cells = [f"{tree['P']:>6}", f"{tree['S']:>4}", f"{tree['G']:>3}", f"{tree['Q']:>2}", f"{tree['t']:>3}",
+                     f"{name:<7}"] + [_fmt(v, f, w) for v, f, w in (
+                         (a.get("time_s"), "{:.3f}", 8), (b.get("time_s"), "{:.3f}", 8), (ratio, "{:.2f}", 9),
+                         (ceil, "{:.2f}", 5), (pct, "{:.0f}", 5), (tok_ceil, "{:.2f}", 8))] + [f"{toks:>13}"]
+            lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _fmt(value, fmt: str, width: int) -> str:
+    return (fmt.format(value) if value is not None else "-").rjust(width)
+
+
 VLLM_NOTE = [
     "vllm: VLLMEngine.generate_groups against mmpg vllm-serve (127.0.0.1): vLLM's own kernels and scheduler (CPU: its",
     "  paged attention, eager) in the server's --dtype (the config's), HTTP, frame packing and the server's",
@@ -130,10 +188,15 @@ def describe_config(config: dict) -> str:
     spec = config["spec"]
     lm = (f"{config['family']} hidden {spec['hidden_size']}, {spec['num_layers']} layers, "
           f"{spec['num_heads']}/{spec['num_kv_heads']} heads")
+    if config["level"] == "eval":
+        return (f"eval: {lm}, {config.get('dtype', 'float32')}; {config.get('Q', 1)} queries of one video, tails of "
+                f"{config.get('t', 32)} tokens, one greedy answer of exactly {config['S']} tokens each")
     if config["level"] == "step":
         return (f"step: one GRPO step of {lm}, vision {spec.get('vision_hidden_size', 32)} x "
                 f"{spec.get('vision_depth', 2)} (frozen), {config.get('dtype', 'float32')}"
                 + (", gradient checkpointing" if config.get("grad_ckpt") else "")
+                + (f"; {config['Q']} queries of one video, tails of {config['t']} tokens" if config.get("Q", 1) > 1
+                   else "")
                 + f"; {config['G']} responses of exactly {config['S']} tokens, KL beta {config.get('beta', 0.04)} "
                 "(reference forward), DeepSpeed ZeRO 0 + AdamW")
     text = f"{config['level']}: {lm}, intermediate {spec['intermediate_size']}, {config.get('dtype', 'float32')}"

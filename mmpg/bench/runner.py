@@ -34,7 +34,7 @@ import sys
 import tempfile
 
 from mmpg.bench import flops
-from mmpg.bench.levels import LEVELS
+from mmpg.bench.levels import LEVELS, ceiling_key
 
 
 def split_variant(label: str) -> tuple[str, str | None]:
@@ -74,7 +74,7 @@ def naive_bytes(config: dict, shape: dict) -> float:
         return 3 * tokens * (config["heads"] + 2 * config["kv_heads"]) * config["head_dim"] * b
     d = shape["dims"]
     patches = G * shape.get("video_patches", 0)
-    if config["level"] == "rollout":  # no backward: the K/V cache of B × G rows, and the vision tower's transients
+    if config["level"] in ("rollout", "eval"):  # no backward: the K/V cache of B × G rows, the vision transients
         tokens, patches = tokens * config.get("B", 1), patches * config.get("B", 1)
         return tokens * d.layers * 2 * d.kv_heads * d.d * b + (patches * 8 * d.vision.hidden * b if d.vision else 0)
     per_token_layer = d.hidden if config.get("grad_ckpt") else 16 * d.hidden + 4 * d.intermediate + 2 * d.heads * d.d
@@ -92,10 +92,24 @@ def ceilings(config: dict, shape: dict) -> dict:
         return out
     dims, video = shape["dims"], {"video_patches": shape.get("video_patches", 0),
                                   "frame_patches": shape.get("frame_patches", 0)}
+    if config["level"] == "eval":  # Q queries answered once each: per-query prefills over the tree's (decode alike)
+        Q, t = config.get("Q", 1), config.get("t", 32)
+        base = flops.eval_flops_q(dims, "per_query", P, t, S, Q, **video)
+        out.update(rho_lin=flops.rho_lin_q("per_query", P, t, 1, 1, Q), rho_eval=1.0)
+        out.update(rho_eval_tree=base / flops.eval_flops_q(dims, "tree", P, t, S, Q, **video),
+                   rho_lin_tree=Q * (P + t) / (P + Q * t))  # prompt tokens prefilled, per query over the tree
+        out["rho_flops"] = 1.0
+        return out
     if config["level"] != "step":
         out["rho_flops"] = flops.rho_flops(dims, P, S, G, **video)
         return out
     train_vision = not config.get("freeze_vision", True)
+    if config.get("Q", 1) > 1:  # Q queries of one video: per-query grouping's ceilings, and the tree's (_tree)
+        kw = dict(reference=config.get("beta", 0.04) > 0, train_vision=train_vision, **video)
+        out.update(flops.ceilings_q(dims, "per_query", P, config["t"], S, G, config["Q"], **kw))
+        out.update({f"{k}_tree": v for k, v in flops.ceilings_q(dims, "tree", P, config["t"], S, G, config["Q"],
+                                                                 **kw).items()})
+        return out
     out["rho_flops"] = flops.rho_flops(dims, P, S, G, train_vision=train_vision, **video)
     out["rho_rollout"] = flops.rho_rollout(dims, P, S, G, **video)
     out["rho_fwd"] = flops.rho_forward(dims, P, S, G, **video)
@@ -136,7 +150,8 @@ def run_config(config: dict, *, rounds: int, warmup: int, repeats: int, timeout:
     level, shape = config["level"], shape_of(config)
     est_gb = naive_bytes(config, shape) / 1e9
     prompts = {"B": config.get("B", 1)} if level == "rollout" else {}
-    base = {"level": level, **prompts, "P": shape["P"], "S": config["S"], "G": config["G"], **ceilings(config, shape),
+    base = {"level": level, **prompts, "P": shape["P"], "S": config["S"], "G": config["G"], **queries_of(config),
+            **ceilings(config, shape),
             "est_naive_GB": round(est_gb, 2), "config": config}
     variants = config["variants"]
     if est_gb > max_gb:
@@ -167,6 +182,12 @@ def run_config(config: dict, *, rounds: int, warmup: int, repeats: int, timeout:
             dict(base, variant=v, **_aggregate(results[v])) for v in variants]
     if level == "rollout":
         _rollout_rows(rows, results, skipped, served, repeats)
+    if level == "eval":  # prefill/decode medians and what the engine prefilled (its last_stats)
+        for row in rows:
+            row.update(_phase_medians(results[row["variant"]], repeats))
+            last = next((p for r in results[row["variant"]] for p in (r.get("info") or {}).get("phases", [])[-1:]),
+                        {})
+            row.update({k: last.get(k) for k in ("prefixes", "prefix_tokens")})
     return rows
 
 
@@ -186,6 +207,9 @@ def _aggregate(runs: list[dict]) -> dict:
            "mem_method": runs[0].get("mem_method"), "tokens": runs[0]["info"].get("tokens"), "note": ""}
     if any("phase_times" in r for r in runs):
         out["response_tokens"] = runs[0]["info"].get("response_tokens")
+        for key in ("rollout_stats", "shared_prompts"):  # what the rollout prefilled, the update shared
+            if key in runs[0]["info"]:
+                out[key] = runs[0]["info"][key]
         out["phases"] = _aggregate_phases(runs)
     return out
 
@@ -236,6 +260,11 @@ def _phase_medians(runs: list[dict], repeats: int) -> dict:
             "kv_MB": _median((p.get("kv_bytes") for p in timed), 2**20)}
 
 
+def queries_of(config: dict) -> dict:
+    """{"Q", "t"} of a config with several queries of one video, else {} (rows of one query stay as they were)."""
+    return {"Q": config["Q"], "t": config["t"]} if config.get("Q", 1) > 1 else {}
+
+
 def add_ratios(rows: list[dict]) -> list[dict]:
     """Speed-up, memory ratio and % of the ceiling against the config's baseline row (in place; returns rows)."""
     groups: dict[tuple, list[dict]] = {}
@@ -250,7 +279,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
                 continue
             row["speedup"] = base["time_s"] / row["time_s"]
             if row is not base:
-                row["pct_ceiling"] = 100 * row["speedup"] / row[LEVELS[row["level"]].ceiling]
+                row["pct_ceiling"] = 100 * row["speedup"] / row[ceiling_key(row, LEVELS[row["level"]].ceiling)]
             if row.get("peak_MB") and base.get("peak_MB"):
                 row["mem_ratio"] = base["peak_MB"] / row["peak_MB"]
             if row.get("phases") and base.get("phases"):
@@ -264,7 +293,7 @@ def _phase_ratios(row: dict, base: dict) -> None:
 
     for name, phase in row["phases"].items():
         ref, key = base["phases"].get(name, {}), PHASE_CEILINGS.get(name)
-        phase["ceiling"] = row.get(key) if key else None
+        phase["ceiling"] = row.get(ceiling_key(row, key)) if key else None
         phase["speedup"] = phase["pct_ceiling"] = phase["mem_ratio"] = None
         if phase.get("time_s") and ref.get("time_s"):
             phase["speedup"] = ref["time_s"] / phase["time_s"]

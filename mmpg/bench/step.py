@@ -5,7 +5,13 @@
     mmpg   rollout `HFEngine.generate_groups` (each prompt prefilled once), update with `grouped_logprobs`: the
            trainer as it runs
 
-One step is what `mmpg.rl.grpo.GRPOStep.run` does for one prompt, with its data pull and dynamic sampling left out:
+    tree   (Q > 1 queries of one video, `--queries-per-video`) the same engine and grouped forward with the video's
+           shared part forwarded once for all Q queries (`mmpg.grouping.tree`); "mmpg" is then per-query grouping
+           (algorithm.share_videos=false: each query's prompt forwarded once, the video Q times), the trainer
+           before the tree
+
+One step is what `mmpg.rl.grpo.GRPOStep.run` does for one prompt (or the Q prompts of one video: P shared tokens,
+each with a tail of t tokens, `mmpg.bench.batch.make_query_batch`), with its data pull and dynamic sampling left out:
 
     rollout   G responses of exactly S tokens: no stop token, so both variants decode the same number of tokens
     (split)   `split_groups` cuts the rollout into `PromptGroup`s, as `GRPOStep.collect` does
@@ -129,14 +135,16 @@ class PhaseClock:
                 self.peaks[name] = peak if old is None else max(old, peak or 0)
 
 
-def step_config(case: dict, grouping: bool):
-    """The trainer's config for the case: G = rollout.n responses of S tokens, one prompt per step, one micro-batch
-    of one whole group, ZeRO 0, the KL term at `beta` (case, default 0.04)."""
+def step_config(case: dict, grouping: bool, share: bool = True):
+    """The trainer's config for the case: G = rollout.n responses of S tokens, one prompt (Q: the case's queries of
+    one video) per step, one micro-batch of all the step's groups, ZeRO 0, the KL term at `beta` (case, default
+    0.04); `share`: algorithm.share_videos."""
     from mmpg.config import load_config
 
-    G, S = case["G"], case["S"]
+    G, S, Q = case["G"], case["S"], case.get("Q", 1)
     overrides = {"rollout.n": G, "rollout.max_new_tokens": S, "rollout.temperature": 1.0,
-                 "trainer.micro_batch_size": G, "data.batch_size": 1, "algorithm.grouping": str(grouping).lower(),
+                 "trainer.micro_batch_size": Q * G, "data.batch_size": Q,
+                 "algorithm.share_videos": str(share).lower(), "algorithm.grouping": str(grouping).lower(),
                  "algorithm.beta": case.get("beta", 0.04), "model.dtype": case.get("dtype", "float32"),
                  "deepspeed.zero_stage": 0}
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
@@ -163,10 +171,12 @@ class StepRunner:
 
     phased = True
 
-    def __init__(self, grpo, rollout_engine, prompt: dict, sample, device: torch.device):
+    def __init__(self, grpo, rollout_engine, prompt: dict, samples: list, device: torch.device):
         self.grpo, self.rollout_engine, self.prompt, self.device = grpo, rollout_engine, prompt, device
-        self.batch = types.SimpleNamespace(inputs=prompt, samples=[sample], videos=[None])  # what split_groups reads
+        # what split_groups reads
+        self.batch = types.SimpleNamespace(inputs=prompt, samples=samples, videos=[None] * len(samples))
         self.calls = 0
+        self.stats: list[dict] = []  # the engine's last_stats of each step (prefills, prefix tokens)
 
     def __call__(self, memory: bool = False) -> dict:
         from mmpg.rl.batch import split_groups
@@ -175,7 +185,7 @@ class StepRunner:
 
         grpo, cfg = self.grpo, self.grpo.cfg
         self.calls += 1  # a new step: new seeds, new responses
-        seeds = [prompt_seed(cfg.trainer.seed, self.calls, self.batch.samples[0].sample_id, 1)]
+        seeds = [prompt_seed(cfg.trainer.seed, self.calls, s.sample_id, 1) for s in self.batch.samples]
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=())
         clock = PhaseClock(self.device, memory)
@@ -191,14 +201,20 @@ class StepRunner:
             grpo.update(groups, clock)
         missing = [p for p in PHASES if p not in clock.seconds]
         assert not missing, f"phases {missing} did not run (algorithm.beta must be > 0 for the logprob phase)"
+        info = {"response_tokens": sum(int(g.completion_mask.sum()) for g in groups),
+                "shared_prompts": grpo.shared_prompts}
+        stats = getattr(self.rollout_engine, "last_stats", None)
+        if stats:
+            info["rollout_stats"] = dict(stats)
         return {"seconds": clock.seconds, "peak_bytes": clock.peaks if memory else None, "mem_method": clock.method,
-                "info": {"response_tokens": sum(int(g.completion_mask.sum()) for g in groups)}}
+                "info": info}
 
 
 def setup(case: dict, device: torch.device):
     """(None, runner, info): the model, its frozen reference copy, the DeepSpeed engine and `GRPOStep` are built
     here, outside every measurement; `runner()` is one GRPO step (`StepRunner`)."""
-    from mmpg.bench.batch import forward_tokens, make_inputs
+    from mmpg.bench.batch import forward_tokens, make_inputs, make_query_batch
+    from mmpg.bench.flops import layout_tokens
     from mmpg.bench.model import build_model
     from mmpg.data.samples import GroundingSample
     from mmpg import dist
@@ -217,15 +233,33 @@ def setup(case: dict, device: torch.device):
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = text.eos_token_id, text.pad_token_id
     if case.get("freeze_vision", True):
         model.model.visual.requires_grad_(False)
-    prompt, _, _, info = make_inputs(model, case, ids, device)
-    cfg = step_config(case, grouping=variant == "mmpg")
+    Q = case.get("Q", 1)
+    if Q > 1:
+        prompt, info = make_query_batch(model, case, ids, device)
+    else:
+        prompt, _, _, info = make_inputs(model, case, ids, device)
+    if variant == "tree" and Q < 2:
+        raise ValueError("the tree variant needs Q >= 2 queries per video (--queries-per-video)")
+    cfg = step_config(case, grouping=variant != "naive", share=variant == "tree")
     check_grpo_config(cfg)
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.algorithm.beta > 0 else None
+    from mmpg.bench.lora_step import adapters_off_reference, apply_lora  # case lora_r / ref
+
+    copied = cfg.algorithm.beta > 0 and case.get("ref", "copy") == "copy"
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if copied else None
+    lora = apply_lora(model, int(case.get("lora_r", 0)))  # injected into `model`: only the adapters train
     engine = build_engine(model, cfg, world_size=1, micro_batch=cfg.trainer.micro_batch_size,
                           dtype=case.get("dtype", "float32"), total_updates=10 ** 6)
     grpo = GRPOStep(cfg, engine, ref, ids["tokenizer"], iter(()), bench_scorer(cfg), device.type)
-    rollout_engine = grpo.rollout_engine if variant == "mmpg" else GenerateEngine(grpo.policy, ids["tokenizer"])
-    sample = GroundingSample(sample_id="bench#0", video="bench.mp4", duration=30.0, query="the person opens a door",
-                             span=(4.0, 11.0))
-    info["tokens"] = forward_tokens(info["P"], case["S"], case["G"], shared=variant == "mmpg")  # the update's forward
-    return None, StepRunner(grpo, rollout_engine, prompt, sample, device), info
+    if cfg.algorithm.beta > 0 and not copied:
+        adapters_off_reference(grpo, lora)
+    rollout_engine = grpo.rollout_engine if variant != "naive" else GenerateEngine(grpo.policy, ids["tokenizer"])
+    if variant != "naive":
+        rollout_engine.share_videos = variant == "tree"  # per query: each prompt prefilled on its own
+    samples = [GroundingSample(sample_id=f"bench#{q}", video="bench.mp4", duration=30.0,
+                               query=f"the person opens door {q}", span=(4.0, 11.0)) for q in range(Q)]
+    if Q > 1:  # the update's forward (`mmpg.bench.flops.layout_tokens`)
+        layout = {"naive": "naive", "mmpg": "per_query", "tree": "tree"}[variant]
+        info["tokens"] = int(layout_tokens(layout, info["P"], case["t"], case["S"], case["G"], Q))
+    else:
+        info["tokens"] = forward_tokens(info["P"], case["S"], case["G"], shared=variant == "mmpg")
+    return None, StepRunner(grpo, rollout_engine, prompt, samples, device), info

@@ -14,6 +14,7 @@ with `num_workers=0`, a strict dataset raises at once from `__getitem__` (same m
 workers over a strict dataset would only skip: use `make_dataloader` / `GroundingLoader`.
 
     samples --GroundingDataset[i]--> VideoItem(sample, video | None, error)           (worker or main process)
+            (a batch's indices at once, `__getitems__`: each distinct video decoded once, shared by its queries)
             --GroundingCollator-----> GroundingBatch(samples, videos, inputs?, skipped)  (worker or main process)
             --GroundingLoader-------> the batch, or UserError when strict and skipped    (main process)
 """
@@ -67,6 +68,12 @@ class GroundingBatch:
         return len(self.samples)
 
 
+def video_key(sample: GroundingSample) -> tuple:
+    """What identifies the frames of a sample's video under one frame spec: the file and the clip window. Queries
+    with the same key get the same frames (decoded once per batch) and can share the video's work."""
+    return sample.video, sample.clip_start, sample.clip_end
+
+
 def strict_error(skip: Skip) -> UserError:
     """The one-line error of strict mode for a sample that cannot be used."""
     return UserError(f"{skip.where}: {skip.reason}; fix or remove this sample, or turn strict off to skip it")
@@ -85,13 +92,36 @@ class GroundingDataset(Dataset):
         return len(self.samples)
 
     def __getitem__(self, i: int) -> VideoItem:
-        sample = self.samples[i]
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[VideoItem]:
+        """The items of one batch (torch's fetcher calls this when it exists), each distinct video decoded once.
+
+        Queries of one video (same file and clip window; the frame spec is the dataset's) get the very same
+        `DecodedVideo`, so the processor sees identical pixels and the grouped forward and the rollout can share
+        the video (`mmpg.grouping.tree`). A video that cannot be decoded fails each of its queries, one skip each."""
+        decoded: dict[tuple, DecodedVideo | str] = {}  # (file, clip start, clip end) -> frames or the reason
+        items = []
+        for i in indices:
+            sample = self.samples[i]
+            key = video_key(sample)
+            if key not in decoded:
+                decoded[key] = self._decode(sample)
+            items.append(self._item(sample, decoded[key]))
+        return items
+
+    def _decode(self, sample: GroundingSample) -> DecodedVideo | str:
+        """The frames of the sample's video (clip window), or the reason they cannot be had."""
         try:
-            video = load_video(sample.video, self.spec, sample.clip_start, sample.clip_end)
+            return load_video(sample.video, self.spec, sample.clip_start, sample.clip_end)
         except VideoError as e:
-            return self._fail(sample, str(e))
+            return str(e)
         except Exception as e:  # anything else a broken file can trigger inside a decoder: still a skip
-            return self._fail(sample, f"{sample.video}: unexpected error while decoding ({_first_line(e)})")
+            return f"{sample.video}: unexpected error while decoding ({_first_line(e)})"
+
+    def _item(self, sample: GroundingSample, video: DecodedVideo | str) -> VideoItem:
+        if isinstance(video, str):
+            return self._fail(sample, video)
         duration = sample.duration if sample.duration is not None else video.duration
         problem = span_problem(sample.span, duration)  # the loader's rule (mmpg.data.samples), now with a duration
         if problem is not None:

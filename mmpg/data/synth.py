@@ -101,6 +101,9 @@ class VideoPlan:
     n_frames: int
     duration: float
     events: tuple[Event, ...]
+    # easy mode with queries > 1: the video's one event asked about in several wordings (each its own query, the
+    # same span), as several annotators describe one moment of a Charades-STA video; () = each event's sentence
+    phrasings: tuple[str, ...] = ()
 
 
 def generate_dataset(
@@ -115,12 +118,14 @@ def generate_dataset(
     fps_choices: Sequence[float] = (8.0, 10.0, 12.0, 15.0),
     splits: tuple[float, float, float] = (0.7, 0.15, 0.15),
     easy: bool = False,
+    queries: int = 1,
 ) -> dict:
     """Write n synthetic videos plus annotations into `out`; return a summary (counts, paths).
 
     easy: the task a tiny model can learn on a CPU in minutes — one large white circle or square on black, in the
     middle of a 64x64 frame at 2 fps, visible only while start <= t < end; whole-second durations (min..max) and
-    spans (2 s to 60 % of the duration); `sizes` and `fps_choices` are then ignored.
+    spans (2 s to 60 % of the duration); `sizes` and `fps_choices` are then ignored. queries (easy only): each
+    video asked about in 2..queries wordings of its one moment (1: one query per video, as before).
 
     Everything is written to a hidden sibling folder first and renamed into place at the end, so a
     failure or Ctrl-C never leaves a half-written `out` (with overwrite, the old folder is removed
@@ -128,13 +133,16 @@ def generate_dataset(
     """
     out = Path(os.path.abspath(Path(out).expanduser()))  # "." has no name or parent to rename into
     _check_args(n, seed, min_duration, max_duration, sizes, fps_choices, splits)
+    if queries != 1 and not (easy and 2 <= queries <= len(EASY_PHRASINGS)):
+        raise UserError(f"queries={queries!r}: several queries per video are made for --easy videos only, 2 to "
+                        f"{len(EASY_PHRASINGS)} (the wordings of their one moment); pass --easy or --queries 1")
     _check_out(out, overwrite)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)  # a stale one from a crashed run with our pid
     try:
         plans, split_counts = _write_all(tmp, n, seed, min_duration, max_duration, sizes, fps_choices, splits,
-                                         easy)
+                                         easy, queries)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -219,7 +227,7 @@ def _move_children(tmp: Path, out: Path) -> None:
     tmp.rmdir()
 
 
-def _write_all(tmp, n, seed, min_duration, max_duration, sizes, fps_choices, splits, easy=False):
+def _write_all(tmp, n, seed, min_duration, max_duration, sizes, fps_choices, splits, easy=False, queries=1):
     """Plan, draw and encode every video into `tmp`, then write the JSON files.
 
     Returns (plans, {split name: number of videos}).
@@ -230,7 +238,7 @@ def _write_all(tmp, n, seed, min_duration, max_duration, sizes, fps_choices, spl
     plans = []
     for i, rng in enumerate(rngs):
         vid = f"synth_{i:0{width}d}"
-        plan = plan_easy_video(rng, vid, min_duration, max_duration) if easy else \
+        plan = plan_easy_video(rng, vid, min_duration, max_duration, queries) if easy else \
             plan_video(rng, vid, min_duration, max_duration, sizes, fps_choices)
         _encode_plan(tmp / "videos" / f"{plan.video_id}.mp4", plan, rng, black=easy)
         plans.append(plan)
@@ -265,8 +273,15 @@ def plan_video(rng: np.random.Generator, video_id: str, min_duration: float, max
 EASY_FPS, EASY_SIZE = 2.0, 64
 
 
-def plan_easy_video(rng: np.random.Generator, video_id: str, min_duration: float, max_duration: float) -> VideoPlan:
-    """One large white circle or square in the middle of a black 64x64 frame, 2 fps, whole seconds."""
+EASY_PHRASINGS = ("a white {shape} appears", "the white {shape} is visible", "a {shape} is shown",
+                  "the {shape} can be seen", "a bright {shape} shows up")
+
+
+def plan_easy_video(rng: np.random.Generator, video_id: str, min_duration: float, max_duration: float,
+                    queries: int = 1) -> VideoPlan:
+    """One large white circle or square in the middle of a black 64x64 frame, 2 fps, whole seconds. queries > 1:
+    2..queries wordings of it (`EASY_PHRASINGS`, drawn after everything else, so queries=1 draws what it always
+    drew)."""
     duration = int(rng.integers(int(np.ceil(min_duration)), int(np.floor(max_duration)) + 1))
     longest = max(int(MIN_SPAN_S), int(0.6 * duration))
     length = int(rng.integers(int(MIN_SPAN_S), longest + 1))
@@ -274,7 +289,13 @@ def plan_easy_video(rng: np.random.Generator, video_id: str, min_duration: float
     shape = ("circle", "square")[int(rng.integers(2))]
     centre = (EASY_SIZE / 2, EASY_SIZE / 2)
     event = Event("white", shape, "appears", float(start), float(start + length), 0.6 * EASY_SIZE, centre, centre)
-    return VideoPlan(video_id, EASY_FPS, EASY_SIZE, EASY_SIZE, int(duration * EASY_FPS), float(duration), (event,))
+    phrasings: tuple[str, ...] = ()
+    if queries > 1:
+        k = int(rng.integers(2, queries + 1))
+        phrasings = tuple(EASY_PHRASINGS[i].format(shape=shape) for i in sorted(
+            rng.choice(len(EASY_PHRASINGS), size=k, replace=False).tolist()))
+    return VideoPlan(video_id, EASY_FPS, EASY_SIZE, EASY_SIZE, int(duration * EASY_FPS), float(duration), (event,),
+                     phrasings)
 
 
 def _plan_event(rng: np.random.Generator, colour: str, motion: str, to_colour: str | None,
@@ -333,6 +354,10 @@ def split_ids(ids: Sequence[str], fractions: Sequence[float], rng: np.random.Gen
 
 def _annotation(plan: VideoPlan) -> dict:
     """Charades-STA / ActivityNet-Captions style entry for one video."""
+    if plan.phrasings:
+        (e,) = plan.events
+        return {"duration": plan.duration, "timestamps": [[e.start, e.end] for _ in plan.phrasings],
+                "sentences": list(plan.phrasings)}
     return {
         "duration": plan.duration,
         "timestamps": [[e.start, e.end] for e in plan.events],
@@ -376,6 +401,7 @@ def _summary(out: Path, plans: list[VideoPlan], split_counts: dict[str, int]) ->
         "out": str(out),
         "n_videos": len(plans),
         "n_events": sum(len(p.events) for p in plans),
+        "n_queries": sum(len(p.phrasings) or len(p.events) for p in plans),
         "total_duration_s": round(sum(p.duration for p in plans), 3),
         "splits": split_counts,
         "files": {"videos": str(out / "videos"), "events": str(out / "events.json"),

@@ -9,8 +9,10 @@ mmpg.runs; its collectives come from mmpg.dist).
                    from; the papers' prompts come from the user's prompt_file
     runner.py      evaluate_checkpoint / evaluate_loaded (a model in memory: training's held-out evaluation,
                    mmpg/train/heldout.py): shard over ranks, resume from predictions.jsonl, finish the folder
-    batches.py     the one decoding loop: greedy answers from the shared-prefix engine (group size 1,
-                   temperature 0), optionally in lockstep over ranks (ZeRO-3)
+    batches.py     the one decoding loop: fixed batches (share_videos: whole videos, a video's queries side by
+                   side, decoded once), greedy answers from the shared-prefix engine (group size 1, temperature
+                   0), optionally in lockstep over ranks (ZeRO-3); the decoding's counts (videos, vision-tower
+                   encodes, prefill tokens)
     run_dir.py     evaluate_run: every complete checkpoint of a training run, then over_steps.md|png
     report.py      report.md and over_steps.md (pure text)
     plots.py       PNGs through matplotlib's Agg backend, written atomically

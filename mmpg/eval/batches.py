@@ -12,12 +12,24 @@ batch it is decoded in (left padding changes the rounding; in bfloat16 a greedy 
 sample is answered in the same batch whatever the number of ranks: sharded predictions equal one process's. Only a
 batch that a killed run left half written is answered in a smaller batch (its missing samples).
 
+With share_videos (the default) the fixed batches hold whole videos instead: the queries of each video (videos in
+the order of their first query) packed greedily up to batch_size queries, a video asked more than batch_size
+questions split over consecutive batches. A batch's queries of one video sit side by side, get the very frames
+(the video decoded once per batch) and so share its prefill and its pass through the vision tower.
+
+    batch size 4, videos a: 0 1 5, b: 2 3 4, c: 6:   [0, 1, 5] [2, 3, 4, 6]      (a does not fit beside b)
+
+Still fixed (a pure function of the samples and batch_size), so resume, sharding and lockstep work as above.
+
 Videos are decoded in DataLoader workers (settings.num_workers), prompts built there too (`build_prompt_inputs`).
-A sample whose video cannot be used becomes a record with `error` set, never an exception.
+A sample whose video cannot be used becomes a record with `error` set, never an exception; a video that fails
+fails each of its queries (one record each).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -25,9 +37,10 @@ import time
 
 from torch.utils.data import Dataset
 
-from mmpg.data.dataset import GroundingDataset, VideoDataLoader, VideoItem
+from mmpg.data.dataset import GroundingDataset, VideoDataLoader, VideoItem, video_key
 from mmpg.data.prompts import build_prompt_inputs
 from mmpg.eval.metrics import score_sample, scored_truth
+from mmpg.models.counting import VisionCalls, prefill_tokens
 from mmpg.runs.evals import PredictionRecord
 
 log = logging.getLogger("mmpg.eval")
@@ -45,6 +58,10 @@ class _Indexed(Dataset):
 
     def __getitem__(self, j: int) -> tuple[int, VideoItem]:
         return self.indices[j], self.items[j]
+
+    def __getitems__(self, js: list[int]) -> list[tuple[int, VideoItem]]:
+        """A batch at once: each distinct video decoded once for all its queries (`GroundingDataset`)."""
+        return [(self.indices[j], item) for j, item in zip(js, self.items.__getitems__(js))]
 
 
 class _Collate:
@@ -78,15 +95,21 @@ def record_for(index: int, item, text: str | None, settings) -> PredictionRecord
                             pred_span=list(scored.span) if scored.span else None, text=text, iou=scored.iou)
 
 
-def _answer(engine, batch, sampling, settings, checker=None) -> list:
+def _answer(engine, batch, sampling, settings, checker=None, counts: dict | None = None, vision=None) -> list:
+    """The records of one batch; `counts` (when given) gains the batch's prefilled tokens and its videos' keys;
+    `vision` (a `VisionCalls`) is paused over the self-check, whose repeated forward is not the decoding's work."""
     indices, items, inputs, failed = batch
     records = [record_for(i, it, None, settings) for i, it in failed]
     for i, it in failed:
         log.warning("sample %s (index %d) failed: %s", it.sample.sample_id, i, it.error)
     if items:
         rollout = engine.generate_groups(inputs, 1, sampling)  # [B] answers, rows in prompt order
+        if counts is not None:
+            counts["prefix_tokens"] += prefill_tokens(engine, inputs)
+            counts["videos"] |= {video_key(it.sample) for it in items}
         if checker is not None:
-            _self_check(checker, engine.model, inputs, rollout)
+            with vision.paused() if vision is not None else contextlib.nullcontext():
+                _self_check(checker, engine.model, inputs, rollout)
         records += [record_for(i, it, text, settings) for i, it, text in zip(indices, items, rollout.texts)]
     return records
 
@@ -114,10 +137,58 @@ def fixed_batches(pending: list[int], batch_size: int) -> list[list[int]]:
     return list(out.values())
 
 
+def video_batches(keys: list, batch_size: int) -> list[list[int]]:
+    """Batches of whole videos for samples whose videos are `keys` [n] (any hashable per sample): each video's
+    indices (in order), videos in the order of their first query, packed greedily up to batch_size; a video
+    that does not fit beside the open batch starts a new one, one longer than batch_size is cut into pieces."""
+    by_video: dict = {}
+    for i, key in enumerate(keys):
+        by_video.setdefault(key, []).append(i)
+    out: list[list[int]] = []
+    room = 0  # free places of the open batch (out[-1])
+    for indices in by_video.values():
+        if len(indices) > room:
+            out.append([])
+            room = batch_size
+        while len(indices) > room:  # only when the video alone is longer than a batch
+            out[-1] += indices[:room]
+            indices = indices[room:]
+            out.append([])
+            room = batch_size
+        out[-1] += indices
+        room -= len(indices)
+    return [b for b in out if b]
+
+
+def pending_batches(samples, pending: list[int], batch_size: int, share_videos: bool) -> list[list[int]]:
+    """The pending indices grouped by their fixed batch (`fixed_batches`, or `video_batches` with share_videos),
+    in batch order; a batch with nothing pending is left out."""
+    if not share_videos:
+        return fixed_batches(pending, batch_size)
+    todo = set(pending)
+    batches = video_batches([video_key(s) for s in samples], batch_size)
+    return [b for b in ([i for i in batch if i in todo] for batch in batches) if b]
+
+
+@dataclasses.dataclass
+class DecodeCounts:
+    """What the decoding of one call did, over all ranks (the report's decoding line, metrics.json's perf/*)."""
+
+    samples: int = 0  # samples answered or failed
+    videos: int = 0  # distinct videos among the answered samples
+    vision_calls: int = 0  # videos (and images) the vision tower encoded: each once when shared
+    prefix_tokens: int = 0  # prompt tokens prefilled (the engine's figure when it shares a video's prefill)
+
+    def metrics(self) -> dict:
+        return {"perf/samples_decoded": self.samples, "perf/videos": self.videos,
+                "perf/vision_calls": self.vision_calls, "perf/prefix_tokens": self.prefix_tokens}
+
+
 def decode_pending(model, processor, samples, pending: list[int], spec, template, settings, writer, session,
-                   lockstep: bool = False) -> int:
-    """Answer `pending` over all ranks; rank 0 appends every record to predictions.jsonl. Returns the number of
-    samples answered (all ranks).
+                   lockstep: bool = False) -> DecodeCounts:
+    """Answer `pending` over all ranks; rank 0 appends every record to predictions.jsonl. Returns what was done
+    over all ranks (samples answered, distinct videos, vision-tower encodes, prefilled tokens; lockstep fillers
+    count in the last two: their forwards ran).
 
     lockstep (a ZeRO-3 model, whose every forward gathers weights from all ranks): every rank decodes `rounds`
     batches, a rank short of one repeating its first batch with the records dropped, and decodes until every rank
@@ -128,7 +199,7 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
     from mmpg.rollout import HFEngine, SamplingParams
     from mmpg import dist
 
-    todo = fixed_batches(pending, settings.batch_size)
+    todo = pending_batches(samples, pending, settings.batch_size, settings.share_videos)
     mine = todo[session.rank::session.world]
     rounds = math.ceil(len(todo) / session.world)  # the same on every rank
     lockstep = lockstep and session.world > 1
@@ -145,24 +216,36 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
     from mmpg.grouping.selfcheck import SelfCheck
 
     coll = "cuda" if str(session.device).startswith("cuda") else "cpu"
-    engine = HFEngine(model, processor, all_done=(lambda d: dist.all_true(d, coll)) if lockstep else None)
+    engine = HFEngine(model, processor, all_done=(lambda d: dist.all_true(d, coll)) if lockstep else None,
+                      share_videos=settings.share_videos)  # false: every query prefilled on its own (A/B)
     checker = SelfCheck(settings.self_check, what="decode engine") \
         if settings.self_check != "off" and not lockstep else None
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, logprobs=checker is not None)
     batches = iter(loader)
     bar = tqdm(total=len(pending), desc="eval", unit="sample", disable=session.rank != 0, dynamic_ncols=True)
     done, start = 0, time.time()
-    for r in range(rounds):
-        batch = next(batches, None)
-        records = _answer(engine, batch, sampling, settings, checker) if batch is not None else []
-        if r >= real:
-            records = []  # a lockstep filler
-        every = sorted((rec for part in dist.gather_objects(records) for rec in part), key=lambda rec: rec.index)
-        writer.append(every)  # rank 0 writes; a no-op elsewhere
-        done += len(every)
-        bar.update(len(every))
-        if session.rank == 0:
-            log.info("batch %d/%d: %d/%d samples, %.2f samples/s", r + 1, rounds, done, len(pending),
-                     done / max(time.time() - start, 1e-9))
+    counts = {"prefix_tokens": 0, "videos": set()}
+    with VisionCalls(model) as vision:
+        for r in range(rounds):
+            batch = next(batches, None)
+            records = _answer(engine, batch, sampling, settings, checker, counts, vision) if batch is not None else []
+            if r >= real:
+                records = []  # a lockstep filler
+            every = sorted((rec for part in dist.gather_objects(records) for rec in part), key=lambda rec: rec.index)
+            writer.append(every)  # rank 0 writes; a no-op elsewhere
+            done += len(every)
+            bar.update(len(every))
+            if session.rank == 0:
+                log.info("batch %d/%d: %d/%d samples, %.2f samples/s", r + 1, rounds, done, len(pending),
+                         done / max(time.time() - start, 1e-9))
     bar.close()
-    return done
+    return _total_counts(done, counts, vision.take())
+
+
+def _total_counts(done: int, counts: dict, vision_calls: int) -> DecodeCounts:
+    """This rank's counts summed (videos: united) over all ranks."""
+    from mmpg import dist
+
+    parts = dist.gather_objects((counts["videos"], vision_calls, counts["prefix_tokens"]))
+    return DecodeCounts(samples=done, videos=len(set().union(*(p[0] for p in parts))),
+                        vision_calls=sum(p[1] for p in parts), prefix_tokens=sum(p[2] for p in parts))

@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from mmpg.eval.protocols import PROTOCOLS
 
     what = p.add_mutually_exclusive_group()
-    what.add_argument("--checkpoint", default=None, help="checkpoint folder (HF format) to evaluate")
+    what.add_argument("--checkpoint", default=None, help="checkpoint folder to evaluate (HF format, or a LoRA "
+                      "adapter checkpoint: loaded on the base it names, merged)")
     what.add_argument("--run", default=None, help="a training run directory: evaluate each complete checkpoint into "
                       "RUN/evals/<benchmark>/step_N/ (finished ones skipped), then write over_steps.md|png there")
     p.add_argument("--annotations", default=None, help="benchmark annotation file (Charades-STA txt/JSON, "
@@ -81,7 +82,9 @@ def _summary(result) -> str:
     return (f"wrote {result.folder}: R1@0.3/0.5/0.7 = {r1} % ({RULES[rule][0]}), mIoU = {pct(m.get('miou'))} %, "
             f"unparseable {pct(m.get('unparseable'))} %, failed {int(m.get('failed', 0))}; decoded "
             f"{result.decoded} samples ({result.reused} from an earlier run) in {result.decode_seconds:.1f} s "
-            f"({rate:.2f} samples/s; {result.seconds:.1f} s with loading and writing)")
+            f"({rate:.2f} samples/s; {result.seconds:.1f} s with loading and writing); videos "
+            f"{result.counts.videos}, vision-tower videos encoded {result.counts.vision_calls}, prefill tokens "
+            f"{result.counts.prefix_tokens}")
 
 
 def _rank() -> int:

@@ -62,6 +62,19 @@ def _coverage(info: dict, metrics: dict, settings: dict) -> list[str]:
     return lines
 
 
+def _decoding(metrics: dict, share_videos) -> list[str]:
+    """What the decoding cost: videos, their passes through the vision tower (one each when a batch's queries of a
+    video share it) and prefilled prompt tokens, for the samples the call that finished the folder decoded."""
+    if "perf/videos" not in metrics:  # written before these counts existed
+        return []
+    n = int(metrics.get("perf/samples_decoded") or 0)
+    how = {True: ", a video's queries batched together (share_videos)", False: ", fixed batches (share_videos=false)"}
+    count = {k: int(metrics.get(f"perf/{k}") or 0) for k in ("videos", "vision_calls", "prefix_tokens")}
+    return ["## Decoding", "", f"- {n} samples decoded by the last run{how.get(share_videos, '')}",
+            f"- videos {count['videos']}, vision-tower videos encoded {count['vision_calls']}, prefill tokens "
+            f"{count['prefix_tokens']}", ""]
+
+
 def _problems(metrics: dict, records, settings: dict) -> list[str]:
     n, total = int(metrics.get("count", 0)), int(metrics.get("total", 0))
     k = int(metrics.get("unparseable_count", 0))
@@ -118,6 +131,7 @@ def eval_report(info: dict, metrics: dict, records, protocol_summary: str = "") 
     lines += ["", f"R1@m counts a sample when its tIoU {RULES[first][1]} m under the protocol's convention (first "
               "row); the other row is the other convention. mIoU does not depend on it.", ""]
     lines += _coverage(info, metrics, settings)
+    lines += _decoding(metrics, info.get("runtime", {}).get("share_videos"))
     lines += _problems(metrics, records, settings)
     if left_out:
         count = info.get("annotations_left_out_count", len(left_out))

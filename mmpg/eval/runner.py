@@ -3,9 +3,9 @@
     result = evaluate_checkpoint("runs/x/checkpoints/step_00000040", "charades_sta_test.txt", "Charades_v1",
                                  "evals/x-40/charades", load_settings("time_r1"))
 
-    samples (annotation order) --fixed batches, rank r takes batches r::W--> DataLoader workers decode videos
-       and build prompts --HFEngine.generate_groups(group size 1, temperature 0)--> answers --parse, tIoU-->
-       PredictionRecords
+    samples (annotation order) --fixed batches (share_videos: whole videos), rank r takes batches r::W-->
+       DataLoader workers decode videos (once per batch) and build prompts
+       --HFEngine.generate_groups(group size 1, temperature 0)--> answers --parse, tIoU--> PredictionRecords
        --gather to rank 0 after every batch--> predictions.jsonl (appended as produced)
     at the end, rank 0: metrics.json, plots/*.png, report.md (all written atomically)
 
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from mmpg.errors import UserError
-from mmpg.eval.batches import decode_pending
+from mmpg.eval.batches import DecodeCounts, decode_pending
 from mmpg.eval.metrics import benchmark_metrics
 from mmpg.eval.settings import EvalSettings, numbers_settings
 from mmpg.runs.evals import EvalReader, EvalWriter, check_settings
@@ -72,6 +72,7 @@ class EvalResult:
     reused: int  # samples already in predictions.jsonl
     seconds: float  # the whole call: loading, decoding, writing the report
     decode_seconds: float = 0.0  # decoding alone (videos, prompts, answers, records)
+    counts: DecodeCounts = dataclasses.field(default_factory=DecodeCounts)  # what this call's decoding did
 
 
 @dataclasses.dataclass
@@ -112,12 +113,16 @@ def left_out_reasons(left_out: list) -> dict[str, int]:
 
 
 def load_model(checkpoint, settings: EvalSettings, device: str):
-    """(model, processor, family, dtype name); one UserError line for a missing, broken or non-video checkpoint."""
+    """(model, processor, family, dtype name); one UserError line for a missing, broken or non-video checkpoint.
+    A LoRA adapter checkpoint (`mmpg.models.lora_export`) is loaded on its base and merged: the model `mmpg export`
+    writes, so both evaluate alike."""
     from transformers import AutoConfig
 
     from mmpg.models.loading import load_policy, load_processor, resolve_checkpoint
+    from mmpg.models.lora_export import adapter_base, is_adapter_checkpoint, load_adapter_model, load_any_processor
 
-    path = resolve_checkpoint(checkpoint)
+    adapter = is_adapter_checkpoint(checkpoint)  # LoRA: evaluated as its base with the adapter merged in
+    path = adapter_base(checkpoint) if adapter else resolve_checkpoint(checkpoint)
     dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     try:
         family = AutoConfig.from_pretrained(path).model_type
@@ -127,8 +132,12 @@ def load_model(checkpoint, settings: EvalSettings, device: str):
         raise UserError(f"{checkpoint} holds a {family!r} model; grounding evaluation needs a video model "
                         f"({' or '.join(VIDEO_FAMILIES)})")
     try:
-        processor = load_processor(path)
-        model = load_policy(path, dtype=dtype, device=device)
+        if adapter:
+            processor = load_any_processor(checkpoint)
+            model = load_adapter_model(checkpoint, dtype=dtype, device=device)
+        else:
+            processor = load_processor(path)
+            model = load_policy(path, dtype=dtype, device=device)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - missing or damaged weights, tokenizer, processor files
@@ -165,7 +174,8 @@ def eval_info(checkpoint, bench: Benchmark, protocol: str, step, settings: EvalS
         "annotations_left_out_reasons": left_out_reasons(bench.left_out),
         "annotations_records": bench.size + len(bench.left_out), "ground_truth_clamped": bench.clamped,
         "runtime": {"device": session.device, "world_size": session.world, "batch_size": settings.batch_size,
-                    "num_workers": settings.num_workers, "mmpg": mmpg_version, "torch": torch.__version__,
+                    "share_videos": settings.share_videos, "num_workers": settings.num_workers,
+                    "mmpg": mmpg_version, "torch": torch.__version__,
                     "transformers": transformers.__version__},
     }
 
@@ -229,16 +239,17 @@ def evaluate_loaded(model, processor, checkpoint, bench: Benchmark, out, setting
         log.info("%s: %d samples, %d already in %s, %d to decode on %d rank(s)", bench.name, n, len(done),
                  writer.folder, len(pending), session.world)
     t1 = time.time()
-    decoded = decode_pending(model, processor, bench.samples, pending, spec, template, settings, writer, session,
-                             lockstep=lockstep)
+    counts = decode_pending(model, processor, bench.samples, pending, spec, template, settings, writer, session,
+                            lockstep=lockstep)
     t2 = time.time()
-    metrics = finish(writer.folder, n, settings) if session.rank == 0 else None
+    metrics = finish(writer.folder, n, settings, counts) if session.rank == 0 else None
     dist.barrier()
-    return EvalResult(Path(out), metrics, decoded, len(done), time.time() - t0, t2 - t1)
+    return EvalResult(Path(out), metrics, counts.samples, len(done), time.time() - t0, t2 - t1, counts)
 
 
-def finish(folder, n: int, settings: EvalSettings) -> dict:
-    """Rank 0, once every sample has a record: metrics.json, the plots, report.md (each written atomically)."""
+def finish(folder, n: int, settings: EvalSettings, counts: DecodeCounts | None = None) -> dict:
+    """Rank 0, once every sample has a record: metrics.json, the plots, report.md (each written atomically).
+    metrics.json's perf/* keys are `counts`: what this call decoded (a rerun that only finishes counts its part)."""
     from mmpg.eval import plots
     from mmpg.eval.protocols import PROTOCOLS
     from mmpg.eval.report import eval_report
@@ -254,6 +265,7 @@ def finish(folder, n: int, settings: EvalSettings) -> dict:
     metrics = benchmark_metrics([r.iou for r in records], [r.error is None and r.pred_span is None for r in records],
                                 failed, settings.bad_videos)
     metrics.update(threshold_rule=settings.threshold_rule, bad_videos=settings.bad_videos)
+    metrics.update((counts or DecodeCounts()).metrics())
     writer = EvalWriter(folder)
     writer.write_metrics(metrics)
     scored = [r for r in records if settings.bad_videos == "fail" or r.error is None]

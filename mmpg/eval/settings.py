@@ -14,12 +14,12 @@ import difflib
 from dataclasses import dataclass
 from typing import Optional
 
-from mmpg.config import _f, _omegaconf_error
+from mmpg.config import _f, _omegaconf_error, _quote_text
 from mmpg.errors import UserError
 
 # Settings that change the numbers (stored in eval.json and the report, compared on a rerun). The others only change
 # how fast the same predictions are made.
-RUNTIME_ONLY = ("batch_size", "num_workers", "device", "self_check")
+RUNTIME_ONLY = ("batch_size", "share_videos", "num_workers", "device", "self_check")
 
 
 @dataclass
@@ -51,6 +51,10 @@ class EvalSettings:
     max_samples: int = _f(0, "Evaluate only the first N samples of the benchmark (0: all).")
     format: str = _f("auto", "Annotation format: auto, charades, captions, time_r1, tvgbench, jsonl (data/README.md).")
     batch_size: int = _f(8, "Prompts per greedy decoding batch (per rank).")
+    share_videos: bool = _f(True, "Batch a video's queries together, side by side (whole videos packed up to "
+                            "batch_size queries; a video with more is split), so the video is decoded once per "
+                            "batch and can be prefilled and encoded once for all its questions; false: fixed "
+                            "batches of batch_size queries in annotation order (mmpg/eval/batches.py).")
     num_workers: int = _f(2, "DataLoader workers decoding videos (0: in the main process).")
     device: str = _f("auto", "auto (cuda when available), cpu or cuda.")
     self_check: str = _f("on", "Compare the decode engine's logprobs of the first batch's answers (and of any later "
@@ -116,8 +120,7 @@ def load_settings(protocol: str = "default", overrides: list[str] | tuple[str, .
             raise UserError(f"override {item!r} must look like key=value, e.g. max_new_tokens=512")
         if key not in FIELDS:
             raise _unknown(key, f"override {item!r}")
-        if item.endswith("="):
-            item = item + "''"
+        item = _quote_text(item, EvalSettings)  # self_check=off stays "off" (YAML would read False)
         try:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:

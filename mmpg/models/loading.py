@@ -119,13 +119,15 @@ def attention_summary(model, device: str) -> str:
 
 
 def load_policy(path: str | Path, dtype: str | torch.dtype = "float32", attn_implementation: str = "sdpa",
-                gradient_checkpointing: bool = False, freeze_vision: bool = False, device: str | None = None):
+                gradient_checkpointing: bool = False, freeze_vision: bool = False, device: str | None = None,
+                lora=None, seed: int = 0):
     """A Qwen-VL (or text-only Qwen) policy from `path`, with the given dtype and attention implementation
     (`resolve_attn_implementation`: "auto", or flash_attention_2 falling back to sdpa where flash-attn cannot run).
 
     freeze_vision: no gradients for the vision tower (common for grounding RL); the grouped forward then still runs
     it once per prompt, under no_grad. Qwen2.5-VL comes with the mRoPE convention its checkpoints were trained with
-    (`mmpg.grouping.positions`), also for `generate`."""
+    (`mmpg.grouping.positions`), also for `generate`. lora: a `mmpg.config.LoraConfig`; with r > 0 the model gets
+    peft LoRA adapters in place and only they train (`mmpg.models.lora`), lora_A drawn with `seed`."""
     path = resolve_checkpoint(path)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -141,4 +143,9 @@ def load_policy(path: str | Path, dtype: str | torch.dtype = "float32", attn_imp
         model.model.visual.requires_grad_(False)
     from mmpg.grouping.positions import use_qwen_positions
 
-    return use_qwen_positions(model)
+    model = use_qwen_positions(model)
+    if lora is not None and lora.r > 0:
+        from mmpg.models.lora import apply_lora
+
+        apply_lora(model, lora, path, freeze_vision, seed=seed)
+    return model

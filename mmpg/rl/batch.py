@@ -15,8 +15,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from mmpg.data.dataset import video_key
 from mmpg.data.samples import GroundingSample
 from mmpg.grouping.inputs import prompt_attention_mask, split_visuals_per_prompt
+from mmpg.train.data import packed_shares
 
 _ROW_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
 
@@ -120,8 +122,13 @@ def collate_groups(groups: list[PromptGroup], pad_id: int) -> MicroBatch:
 
 
 def micro_batches(groups: list[PromptGroup], size: int, pad_id: int) -> list[MicroBatch]:
-    """Consecutive runs of `size` whole groups (a run of dummy groups only is a dummy micro-batch)."""
-    out = [collate_groups(groups[i:i + size], pad_id) for i in range(0, len(groups), size)]
+    """ceil(k / size) micro-batches of at most `size` whole groups, in order; the adjacent groups of one video
+    (the data layer puts a video's queries side by side) kept in one micro-batch where they fit, so the grouped
+    forward shares the video among them (`mmpg.train.data.pack_runs`; a video too many for the room left is split,
+    each part sharing within itself). A micro-batch of dummy groups only is a dummy micro-batch."""
+    keys = [video_key(g.sample) for g in groups]
+    shares = packed_shares(keys, -(-len(groups) // size), size) if groups else []
+    out = [collate_groups([groups[i] for i in share], pad_id) for share in shares if share]
     for mb in out:
         mb.dummy = all(g.dummy for g in mb.groups)
     return out

@@ -29,6 +29,8 @@ import torch
 from mmpg.data.dataset import strict_error
 from mmpg.errors import UserError
 from mmpg.grouping.selfcheck import SelfCheck, SelfCheckError, batch_dims
+from mmpg.models.counting import VisionCalls, prefill_tokens
+from mmpg.models.lora import reference_model
 from mmpg.rl import algos
 from mmpg.rl.batch import PromptGroup, micro_batches, split_groups
 from mmpg.rollout import HFEngine, SamplingParams
@@ -79,11 +81,13 @@ class GRPOStep:
             self.rollout_engine = self._vllm_engine(cfg, processor)
             self.pad_id = HFEngine(self.policy, processor)._pad_id()
         else:
-            self.rollout_engine = HFEngine(self.policy, processor, all_done=sync, decode=cfg.rollout.decode)
+            self.rollout_engine = HFEngine(self.policy, processor, all_done=sync, decode=cfg.rollout.decode,
+                                           share_videos=cfg.algorithm.share_videos)
             self.pad_id = self.rollout_engine._pad_id()
         self.batches_pulled = 0  # global batches consumed (the data position is start + this * batch_size)
         self.checker = SelfCheck(cfg.algorithm.self_check if cfg.algorithm.grouping else "off")
         self.shared_prompts = 0  # per step: see `_logprobs`
+        self.vision = VisionCalls(self.policy, ref_model)  # videos the vision towers encode (perf/vision_calls)
 
     def _vllm_engine(self, cfg, processor):
         """Connect to the vLLM server (waiting up to rollout.vllm_wait_s) and give it this policy's weights (a resumed
@@ -166,7 +170,7 @@ class GRPOStep:
         """This rank's groups of the step. A rank that ends with none of its own while others have some gets one
         dummy group (weight 0) so that the ranks stay in lockstep and train what one process trains."""
         cfg, groups, spare = self.cfg, [], None
-        info = {"skipped": 0, "rounds": 0, "dropped_groups": 0, "empty_rounds": 0}
+        info = {"skipped": 0, "rounds": 0, "dropped_groups": 0, "empty_rounds": 0, "prefix_tokens": 0}
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         while True:
@@ -186,6 +190,7 @@ class GRPOStep:
             seeds = [prompt_seed(cfg.trainer.seed, step, s.sample_id, info["rounds"]) for s in batch.samples]
             with timer("rollout"):
                 rollout = self._generate(batch, sampling, seeds)
+            info["prefix_tokens"] += prefill_tokens(self.rollout_engine, batch.inputs)  # perf/prefix_tokens
             new = split_groups(self.policy, batch, rollout, seeds)
             with timer("reward"):
                 for g in new:
@@ -283,7 +288,7 @@ class GRPOStep:
 
     def update(self, groups: list[PromptGroup], timer: Timer) -> dict:
         cfg, alg, engine = self.cfg, self.cfg.algorithm, self.engine
-        with timer("self_check"):
+        with timer("self_check"), self.vision.paused():  # its repeated forward is not the step's work
             checks = self.self_check(groups)
         mbs = self._micro_batches(groups)
         chunks = self._chunk_sizes(mbs)
@@ -294,8 +299,9 @@ class GRPOStep:
         with timer("logprob"), torch.no_grad():
             if alg.num_iterations > 1:
                 old = [self._logprobs(self.policy, mb, c) for mb, c in zip(mbs, chunks)]
-            if alg.beta > 0:
-                ref = [self._logprobs(self.ref, mb, c) for mb, c in zip(mbs, chunks)]
+            if alg.beta > 0:  # a loaded reference, or (LoRA) the policy with its adapters off, on every rank alike
+                with reference_model(self.policy, self.ref) as ref_model:
+                    ref = [self._logprobs(ref_model, mb, c) for mb, c in zip(mbs, chunks)]
         sums = dict.fromkeys(("loss", "kl", "clipped", "tokens", "real_tokens", "gap", "gap_max", "entropy"), 0.0)
         grad_norms = []
         self.shared_prompts = 0
@@ -365,6 +371,7 @@ class GRPOStep:
         """Returns (update sums, this rank's groups, collect info)."""
         timer = Timer()
         t0 = time.perf_counter()
+        self.vision.take()  # count this step's encodes only
         groups, info = self.collect(step, timer)
         self.advantages(groups)
         if dist.all_sum([sum(not g.dummy for g in groups)], self._coll_device)[0] == 0 or \
@@ -378,4 +385,5 @@ class GRPOStep:
                 info["weight_sync"] = self.sync_weights()
         timer.seconds["step"] = time.perf_counter() - t0
         info["timing"] = timer.seconds
+        info["vision_calls"] = self.vision.take()  # rollout, reference and update forwards (not the self-check)
         return sums, groups, info

@@ -15,7 +15,12 @@ Metrics (one `metrics.jsonl` line per step, also TensorBoard), over the whole gl
     alarm/logprob_drift: 1 on a step where actor/logprob_gap_max has been above the dtype's bound for
         DRIFT_STEPS steps in a row (also a warning in train.log and the inspector)
     perf/tokens_per_s (prompt + response tokens of the global batch / step seconds), perf/peak_memory_mb,
-    perf/shared_prompts (prompts the update's grouped forward packed behind another query's shared video)
+    perf/shared_prompts (prompts the update's grouped forward packed behind another query's shared video),
+    perf/videos (distinct videos among the step's groups), perf/vision_calls (videos the vision towers of the policy
+        and the reference encoded in the step's rollout, reference and update forwards, all ranks; not a vLLM
+        server's; with a video's queries shared about perf/videos per forward pass), perf/prefix_tokens (prompt
+        tokens the rollout prefilled, all ranks and sampling rounds: the engine's own count when it shares a
+        video's prefill)
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import resource
 import numpy as np
 import torch
 
+from mmpg.data.dataset import video_key
 from mmpg.rl.rewards import parsed_span
 from mmpg.runs import GroupRecord, ResponseRecord
 
@@ -37,6 +43,7 @@ def group_summary(g) -> dict:
         "truncated": [r == "length" for r in g.finish_reasons],
         "prompt_tokens": int(g.inputs["input_ids"].shape[1]),
         "gt_clamped": g.sample.raw_span is not None,
+        "video": video_key(g.sample),
     }
 
 
@@ -88,6 +95,9 @@ def step_metrics(summaries: list[dict], sums: dict, infos: list[dict], skipped_t
     step_s = m["timing_s/step"]
     m["perf/tokens_per_s"] = all_tokens / step_s if step_s > 0 else 0.0
     m["perf/peak_memory_mb"] = peak_memory_mb(device)
+    m["perf/videos"] = float(len({s["video"] for s in summaries if "video" in s}))
+    m["perf/vision_calls"] = float(sum(i.get("vision_calls", 0) for i in infos))
+    m["perf/prefix_tokens"] = float(sum(i.get("prefix_tokens", 0) for i in infos))
     return m  # non-finite values are written as null by mmpg.runs
 
 

@@ -14,6 +14,7 @@ import os
 
 from mmpg.config import Config
 from mmpg.errors import UserError
+from mmpg.models.lora import separate_reference
 from mmpg.rl.grpo import GRPOStep
 from mmpg.rl.report import DriftAlarm, group_records, group_summary, step_metrics, thumbnails
 from mmpg.rl.rewards import make_scorer
@@ -64,13 +65,14 @@ class GRPOJob:
     def __init__(self, session, samples):
         cfg = session.cfg
         self.session, self.cfg = session, cfg
-        self.ref = None
-        if cfg.algorithm.beta > 0:
+        self.ref = None  # with LoRA and no other model.ref_path: the policy's adapters-off forward (GRPOStep)
+        ref_path = separate_reference(cfg.model) if cfg.algorithm.beta > 0 else None
+        if ref_path:
             from mmpg.models.loading import load_policy
             from mmpg.train.engine import wrap_frozen
 
-            ref = load_policy(cfg.model.ref_path or cfg.model.path, dtype=session.dtype,
-                              attn_implementation=cfg.model.attn_implementation, device=session.device)
+            ref = load_policy(ref_path, dtype=session.dtype, attn_implementation=cfg.model.attn_implementation,
+                              device=session.device)
             self.ref = wrap_frozen(ref, cfg, session.world, session.dtype)
         from mmpg.data.prompts import get_template
 
@@ -146,7 +148,7 @@ def decode_here(loader, samples):
     from mmpg.data.dataset import GroundingDataset
 
     dataset = GroundingDataset(samples, loader.dataset.spec)
-    return loader.collate_fn([dataset[i] for i in range(len(samples))])
+    return loader.collate_fn(dataset.__getitems__(list(range(len(samples)))))  # each video decoded once
 
 
 def vllm_metrics(infos: list[dict]) -> dict:

@@ -20,7 +20,8 @@ logprob, see `mmpg.serve.vllm_server`), the quantity `grouped_logprobs(..., temp
 from the recompute by the engines' kernels (the train/inference mismatch, logged as actor/logprob_gap_*, corrected
 by `algos.truncated_is_weights` when rollout.tis_cap > 0).
 
-Weight sync: the trainable tensors (the language model when the vision tower is frozen) are written to one
+Weight sync: the trainable tensors (the language model when the vision tower is frozen; with LoRA the adapted
+attention and MLP blocks, adapters merged: W + scale B A, computed here, under the plain HF names) are written to one
 safetensors file (in /dev/shm when there) that the server's workers load (`collective_rpc`); the server then drops
 its prefix cache. A server that restarted (new instance id) is noticed on the next request and gets every tensor.
 """
@@ -153,11 +154,16 @@ class VLLMEngine(RolloutEngine):
     # ---- weights ------------------------------------------------------------------------------------------------
     def sync_weights(self, everything: bool = False) -> dict:
         """Send the policy's trainable tensors (every tensor with `everything`) to the server; returns
-        {"tensors", "bytes", "seconds", "server_seconds"}. The file lives in /dev/shm when there (no disk I/O)."""
+        {"tensors", "bytes", "seconds", "server_seconds"}. The file lives in /dev/shm when there (no disk I/O).
+        A LoRA policy sends its adapted modules with the adapters merged, under the plain model's names
+        (`mmpg.models.lora_export.sync_tensors`): the server serves the plain base model."""
         t0 = time.perf_counter()
         from safetensors.torch import save_file
 
-        params = {n: p.detach() for n, p in self.model.named_parameters() if everything or p.requires_grad}
+        from mmpg.models.lora_export import sync_tensors
+
+        with torch.no_grad():
+            params = sync_tensors(self.model, everything=everything)
         if not params:
             return {"tensors": 0, "bytes": 0, "seconds": 0.0, "server_seconds": 0.0}
         if self.health.get("nccl") and next(iter(params.values())).is_cuda:  # GPU: vLLM's NCCL transfer (UNTESTED)

@@ -15,6 +15,7 @@ The file formats are described once, in `mmpg.runs.layout`.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import math
 import numbers
@@ -124,12 +125,14 @@ class RunWriter:
         kind: str,
         command: Sequence[str] | None = None,
         resume_step: int | None = None,
+        extra: dict | None = None,
     ) -> None:
         """Create the folder, write run.json (first start only) and config.yaml; on resume drop steps > resume_step.
 
         `command` defaults to sys.argv. `resume_step` is the step of the checkpoint being resumed: metric and eval
         lines and rollout files of later steps (written by the killed run after that checkpoint) are removed, and
-        TensorBoard hides its events of those steps.
+        TensorBoard hides its events of those steps. `extra`: more run.json keys (e.g. "parameters", the
+        trainable-parameter counts); a resumed run adds those its run.json lacks.
         """
         if kind not in KINDS:
             raise ValueError(f"RunWriter.start: kind must be one of {KINDS}, got {kind!r}")
@@ -138,7 +141,9 @@ class RunWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         run_json = self.run_dir / RUN_JSON
         if not run_json.exists():
-            atomic_write_json(run_json, self._run_info(kind, command))
+            atomic_write_json(run_json, {**self._run_info(kind, command), **(extra or {})})
+        elif extra:
+            self._add_run_info(run_json, extra)
         atomic_write_text(self.run_dir / CONFIG_YAML, config_yaml)
         if resume_step is not None:
             self._truncate_after(int(resume_step))
@@ -157,6 +162,17 @@ class RunWriter:
             "command": [str(c) for c in (sys.argv if command is None else command)],
             "kind": kind,
         }
+
+    @staticmethod
+    def _add_run_info(run_json: Path, extra: dict) -> None:
+        """Keys of `extra` that run.json (written by an earlier start) does not have yet."""
+        try:
+            info = json.loads(run_json.read_text(encoding="utf-8"))
+        except ValueError:
+            return  # a damaged run.json is the reader's error to report, not the writer's to hide
+        missing = {k: v for k, v in extra.items() if k not in info}
+        if missing:
+            atomic_write_json(run_json, {**info, **missing})
 
     def _truncate_after(self, resume_step: int) -> None:
         dropped = sum(_truncate_jsonl(self.run_dir / name, resume_step) for name in (METRICS_JSONL, EVAL_JSONL))

@@ -6,7 +6,8 @@ and the loss is the token-mean negative log-likelihood of the target tokens only
 context), over the whole global batch: sum over micro-batches and ranks of -log p, divided by the number of target
 tokens of the global batch. The forward is the grouped one with one "response" per prompt, so the LM head runs only
 on target positions. Same config tree, DeepSpeed engine, run directory, step loop, checkpoints and resume as
-`mmpg train` (`mmpg.train`); metrics: sft/loss, sft/target_tokens, actor/grad_norm, actor/lr, timing_s/*, perf/*.
+`mmpg train` (`mmpg.train`); metrics: sft/loss, sft/target_tokens, actor/grad_norm, actor/lr, timing_s/*, perf/*
+(perf/videos: distinct videos of the step, perf/vision_calls: videos the vision tower encoded, all ranks).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import time
 import torch
 
 from mmpg.config import Config
-from mmpg.data.dataset import strict_error
+from mmpg.data.dataset import strict_error, video_key
 from mmpg.data.prompts import get_template
 from mmpg.errors import UserError
+from mmpg.models.counting import VisionCalls
 from mmpg.rl.batch import PromptGroup, micro_batches
 from mmpg.rl.report import peak_memory_mb
 from mmpg import dist
@@ -64,6 +66,7 @@ class SFTJob:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_id
         self.coll = "cuda" if session.device == "cuda" and dist.active() else "cpu"
         self.eval_samples = None
+        self.vision = VisionCalls(session.model)  # perf/vision_calls
 
     def trainer_state(self) -> dict:
         return {"data_position": self.position + self.pulled * self.cfg.data.batch_size,
@@ -99,6 +102,7 @@ class SFTJob:
 
     def train_step(self, step: int) -> StepOutput:
         t0 = time.perf_counter()
+        self.vision.take()  # count this step's encodes only
         batch = next(self.batches)
         self.pulled += 1
         if batch.skipped and self.cfg.data.strict:
@@ -125,7 +129,8 @@ class SFTJob:
             engine.step()
             loss_sum += float(loss)
         infos = dist.gather_objects({"skipped": len(batch.skipped), "prompt_tokens": sum(
-            int(g.inputs["input_ids"].shape[1]) for g in groups)})
+            int(g.inputs["input_ids"].shape[1]) for g in groups), "vision_calls": self.vision.take(),
+            "videos": {video_key(s) for s in batch.samples}})
         self.skipped_total += sum(i["skipped"] for i in infos)
         loss_total = dist.all_sum([loss_sum], self.coll)[0]
         if self.session.rank != 0:
@@ -140,7 +145,8 @@ class SFTJob:
                    "data/skipped_total": float(self.skipped_total), "timing_s/data": t_data,
                    "timing_s/update": step_s - t_data, "timing_s/step": step_s,
                    "perf/tokens_per_s": all_tokens / step_s, "perf/peak_memory_mb": peak_memory_mb(
-                       self.session.device)}
+                       self.session.device), "perf/videos": float(len(set().union(*(i["videos"] for i in infos)))),
+                   "perf/vision_calls": float(sum(i["vision_calls"] for i in infos))}
         return StepOutput(metrics=metrics)
 
     def evaluate(self, step: int) -> dict | None:

@@ -8,6 +8,16 @@
         rng/rank_00000.pt                                                <- torch / CUDA / numpy / python RNG states
         COMPLETE                                                         <- written last, then the folder is renamed
 
+With LoRA (model.lora.r > 0) the model files are the adapter in peft's format instead of the full weights:
+
+    checkpoints/step_00000040/
+        adapter_config.json, adapter_model.safetensors   <- PeftModel.save_pretrained on rank 0 (adapter tensors
+                                                             gathered under ZeRO-3); base_model_name_or_path is
+                                                             the base checkpoint's absolute path (or hub id)
+        processor / tokenizer files, deepspeed/ (trainable tensors only), trainer_state.json, rng/, COMPLETE
+
+The merged full weights are `mmpg export`'s job, not the checkpoint's.
+
 Everything is written under `checkpoints/.tmp-step_XXXXXXXX/` and renamed when complete (mmpg.runs), so a kill in the
 middle leaves a temporary folder that readers and `--resume auto` ignore. The RNG files hold tensors and lists only
 and are read with `torch.load(weights_only=True)`.
@@ -25,9 +35,11 @@ import torch
 from mmpg.errors import UserError
 from mmpg.runs import finalize_checkpoint, latest_checkpoint, prune_checkpoints, temp_checkpoint_dir
 from mmpg import dist
-from mmpg.train.engine import full_state_dict
+from mmpg.models.lora import is_lora, save_adapter
+from mmpg.train.engine import adapter_state_dict, full_state_dict
 
 STATE_FILE = "trainer_state.json"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's; its presence marks a LoRA checkpoint
 DS_TAG = "state"
 
 
@@ -63,11 +75,17 @@ def save_checkpoint(run_dir: Path, step: int, engine, processor, trainer_state: 
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state_dict = full_state_dict(engine)  # collective under ZeRO-3
+    policy = engine.module.policy
+    lora = is_lora(policy)
+    state_dict = adapter_state_dict(engine) if lora else full_state_dict(engine)  # collective under ZeRO-3
     if rank == 0:
-        engine.module.policy.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if lora:
+            save_adapter(policy, tmp, state_dict)
+        else:
+            policy.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         processor.save_pretrained(tmp)
-    engine.save_checkpoint(str(tmp / "deepspeed"), tag=DS_TAG, save_latest=False)
+    # with LoRA the frozen base is not copied into every checkpoint (it is model.path's)
+    engine.save_checkpoint(str(tmp / "deepspeed"), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=lora)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
     dist.barrier()
@@ -101,8 +119,13 @@ def load_checkpoint(path: Path, engine) -> dict:
     if state.get("world_size") != dist.world_size():
         raise UserError(f"{path}: saved with {state.get('world_size')} ranks, resumed with {dist.world_size()}; "
                         "resume with the same number of processes")
+    lora = is_lora(engine.module.policy)
+    if lora != (path / ADAPTER_CONFIG).is_file():
+        raise UserError(f"{path}: saved {'without' if lora else 'with'} LoRA adapters, resumed with model.lora.r "
+                        f"{'> 0' if lora else '= 0'}; resume with the run's own model.lora settings")
+    # LoRA: the DeepSpeed state holds the trainable tensors only; the frozen base comes from model.path
     load_path, _ = engine.load_checkpoint(str(path / "deepspeed"), tag=DS_TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+                                          load_lr_scheduler_states=True, load_module_strict=not lora)
     if load_path is None:
         raise UserError(f"{path}: DeepSpeed state could not be loaded from {path / 'deepspeed'}")
     rng_file = path / "rng" / f"rank_{dist.rank():05d}.pt"

@@ -7,8 +7,15 @@
 With data.queries_per_video K > 1 the epoch order keeps up to K queries of one video side by side: each video's
 queries (annotation order) are cut into runs of at most K, and the runs, not the samples, are permuted. Each query
 still comes once per epoch, the order is still a pure function of (seed, epoch), so a checkpoint's stream position
-resumes it exactly; a run that straddles a batch or rank boundary is split there. Side by side, a video's queries
-share its prefix in the grouped forward (`mmpg.grouping.tree`: the vision tower and every layer see it once).
+resumes it exactly; a run that straddles a global batch boundary is split there. Inside a global batch the ranks
+get whole runs (`pack_runs`: first fit in stream order, a run cut only when it fits on no rank whole), so a video
+is decoded, encoded and prefilled by one rank; the global batch itself, and so the step's data, does not change:
+
+    global batch of 8, W = 2, runs  a a a | b | c c | d d      rank 0: a a a b    rank 1: c c d d
+                      runs  a a a | b b b | c c                rank 0: a a a c    rank 1: b b b c   (c cut: no room)
+
+Side by side, a video's queries share its prefix in the grouped forward (`mmpg.grouping.tree`: the vision tower and
+every layer see it once); micro-batches keep them together the same way (`mmpg.rl.batch.micro_batches`).
 
 `start` (the stream position) is all a checkpoint needs to continue the data exactly where it stopped, and a run on
 W ranks sees the same prompts in each step as a run on one process with the same global batch. The DataLoader's
@@ -61,6 +68,51 @@ def _order(n: int, seed: int, shuffle: bool, epoch: int, runs: list[list[int]] |
     return [i for r in perm for i in runs[r]]
 
 
+def pack_runs(sizes: list[int], bins: int, capacity: int) -> list[list[tuple[int, int, int]]]:
+    """Deal runs of consecutive items (sizes [R], in order, sum <= bins * capacity) into `bins` bins of `capacity`
+    items: each run whole into the first bin with room for it; a run that fits in none is cut over the free places,
+    in bin order. Returns per bin its pieces (run, start, stop) in run order. Deterministic: a pure function of the
+    sizes, so every rank computes the same packing."""
+    if sum(sizes) > bins * capacity:
+        raise ValueError(f"{sum(sizes)} items do not fit in {bins} bins of {capacity}")
+    room, out, cut = [capacity] * bins, [[] for _ in range(bins)], []
+    for r, size in enumerate(sizes):
+        b = next((b for b in range(bins) if room[b] >= size), None)
+        if b is None:
+            cut.append(r)
+            continue
+        out[b].append((r, 0, size))
+        room[b] -= size
+    for r in cut:
+        start = 0
+        for b in range(bins):
+            take = min(room[b], sizes[r] - start)
+            if take > 0:
+                out[b].append((r, start, start + take))
+                room[b] -= take
+                start += take
+    return [sorted(pieces) for pieces in out]
+
+
+def runs_of(keys: list) -> list[list[int]]:
+    """Positions 0..len(keys)-1 cut into maximal runs of equal adjacent keys: [a, a, b, a] -> [[0, 1], [2], [3]]."""
+    out: list[list[int]] = []
+    for i, key in enumerate(keys):
+        if out and keys[out[-1][-1]] == key:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def packed_shares(keys: list, bins: int, capacity: int) -> list[list[int]]:
+    """Positions of `keys` dealt into `bins` bins of at most `capacity`, each run of equal adjacent keys whole in one
+    bin where it fits (`pack_runs`); per bin its positions, in order."""
+    runs = runs_of(keys)
+    packed = pack_runs([len(r) for r in runs], bins, capacity)
+    return [[i for r, a, b in pieces for i in runs[r][a:b]] for pieces in packed]
+
+
 class RankBatchSampler(Sampler):
     """Yields this rank's slice of global batch k = 0, 1, ... (forever), starting at stream position `start`."""
 
@@ -73,13 +125,19 @@ class RankBatchSampler(Sampler):
                             "must hold whole groups of an equal share")
         self.n, self.batch, self.rank, self.world = n, global_batch, rank, world
         self.seed, self.shuffle, self.start, self.runs = seed, shuffle, start, runs
+        self.run_id = {i: r for r, run in enumerate(runs or []) for i in run}  # sample index -> its run
 
     def __iter__(self):
         local = self.batch // self.world
         k = 0
         while True:
-            begin = self.start + k * self.batch + self.rank * local
-            yield stream_indices(self.n, self.seed, self.shuffle, begin, local, self.runs)
+            begin = self.start + k * self.batch
+            if self.runs is None:  # i.i.d. order: this rank's consecutive share
+                yield stream_indices(self.n, self.seed, self.shuffle, begin + self.rank * local, local)
+            else:  # whole runs (videos) per rank where they fit
+                batch = stream_indices(self.n, self.seed, self.shuffle, begin, self.batch, self.runs)
+                share = packed_shares([self.run_id[i] for i in batch], self.world, local)[self.rank]
+                yield [batch[j] for j in share]
             k += 1
 
     def __len__(self):  # infinite stream; DataLoader only needs this for len(), which the loop never asks

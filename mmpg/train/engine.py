@@ -15,6 +15,7 @@ DeepSpeed's CPU Adam (the only optimizer ZeRO-Offload accepts). LR: linear warm-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -178,6 +179,23 @@ def full_state_dict(engine) -> dict | None:
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return None
     return {k: v.detach().cpu() for k, v in engine.module.policy.state_dict().items()}
+
+
+def adapter_state_dict(engine) -> dict | None:
+    """The LoRA adapter tensors on the CPU on rank 0 (None elsewhere), keyed as peft's state dict
+    (`mmpg.models.lora.adapter_parameters`); collective under ZeRO-3, where only these small tensors are gathered
+    and the frozen base stays partitioned."""
+    from mmpg.models.lora import adapter_parameters
+
+    named = adapter_parameters(engine.module.policy)
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    gather = contextlib.nullcontext()
+    if is_zero3(engine):
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None)
+    with gather:
+        return {n: p.detach().cpu().clone() for n, p in named} if rank0 else None
 
 
 def stage0_grad_norm(engine) -> float | None:

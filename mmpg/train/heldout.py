@@ -6,9 +6,10 @@
           so the inspector's Evaluation tab and `mmpg eval --run` see them)
       --> eval/* metrics, which the loop appends to eval.jsonl for the curves
 
-Settings follow the training config: its prompt template, frames and pixels (data.*), eval.batch_size and
-eval.max_new_tokens, mmpg's scoring (scoring=mmpg) and failed videos left out of the metrics (bad_videos=skip), as
-training's held-out numbers always were. Every rank decodes in lockstep (ZeRO-3 gathers weights in each forward).
+Settings follow the training config: its prompt template, frames and pixels (data.*), eval.batch_size,
+eval.share_videos and eval.max_new_tokens, mmpg's scoring (scoring=mmpg) and failed videos left out of the metrics
+(bad_videos=skip), as training's held-out numbers always were. Every rank decodes in lockstep (ZeRO-3 gathers
+weights in each forward).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def heldout_settings(cfg) -> EvalSettings:
                         min_pixels=d.min_pixels, max_pixels=d.max_pixels, total_pixels=d.total_pixels,
                         dtype=str(cfg.model.dtype), max_new_tokens=cfg.eval.max_new_tokens, bad_videos="skip",
                         max_samples=cfg.eval.max_samples, format=d.format, batch_size=cfg.eval.batch_size,
-                        num_workers=d.num_workers, device=cfg.trainer.device, self_check="off", scoring="mmpg")
+                        share_videos=cfg.eval.share_videos, num_workers=d.num_workers, device=cfg.trainer.device,
+                        self_check="off", scoring="mmpg")
 
 
 def evaluate_heldout(job, step: int) -> dict | None:

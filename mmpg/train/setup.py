@@ -12,6 +12,7 @@ from pathlib import Path
 from mmpg.config import to_yaml
 from mmpg.errors import UserError
 from mmpg.models.loading import attention_summary
+from mmpg.models.lora import trainable_summary
 from mmpg.runs import METRICS_JSONL, RUN_JSON, TRAIN_LOG, RunWriter
 from mmpg import dist
 from mmpg.train.checkpoint import find_resume, load_checkpoint
@@ -72,10 +73,15 @@ def model_family(model) -> str:
 def load_models(cfg, device: str, dtype: str):
     from mmpg.models.loading import load_policy, load_processor
 
+    folder = Path(cfg.model.path).expanduser()
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        raise UserError(f"model.path: {cfg.model.path} is a LoRA adapter checkpoint, not a model; merge it into "
+                        "its base first (mmpg export), or train from its base with model.lora")
     processor = load_processor(cfg.model.path)
     model = load_policy(cfg.model.path, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
                         gradient_checkpointing=cfg.model.gradient_checkpointing,
-                        freeze_vision=cfg.model.freeze_vision, device=device)
+                        freeze_vision=cfg.model.freeze_vision, device=device, lora=cfg.model.lora,
+                        seed=cfg.trainer.seed)
     return model, processor
 
 
@@ -100,16 +106,20 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
                         "or choose another trainer.run_name")
     model, processor = load_models(cfg, device, dtype)
     family = model_family(model)
+    params = trainable_summary(model)  # before DeepSpeed partitions anything
     engine = build_engine(model, cfg, world, micro_batch, dtype, total_updates)
     start, state = 0, {}
     if resume is not None:
         state = load_checkpoint(resume, engine)
         start = int(state["step"])
     writer = RunWriter(run_dir, rank=rank, tensorboard=cfg.logging.tensorboard)
-    writer.start(to_yaml(cfg), kind=kind, command=command, resume_step=start if resume is not None else None)
+    config_yaml = f"{to_yaml(cfg)}# {params['text']}\n"  # the count as a comment: YAML readers skip it
+    writer.start(config_yaml, kind=kind, command=command, resume_step=start if resume is not None else None,
+                 extra={"parameters": params})
     _setup_logging(run_dir, rank)
     if rank == 0:
-        print(f"[mmpg] resolved config ({kind}):\n{to_yaml(cfg)}", flush=True)
+        print(f"[mmpg] resolved config ({kind}):\n{config_yaml}", flush=True)
+        log.info("%s", params["text"])
         log.info("run directory %s; %s, %s, %d rank(s), ZeRO stage %s%s", run_dir, device, dtype, world,
                  engine.zero_optimization_stage(), f"; resumed from {resume} (step {start})" if resume else "")
         log.info("attention: %s", attention_summary(model, device))
