@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from mmpg.config_checks import CHOICES, validate  # noqa: F401 - CHOICES re-exported (tests, --fields)
 from mmpg.errors import UserError
 
 
@@ -36,8 +37,9 @@ class LoraConfig:
     r: int = _f(0, "LoRA rank (peft): 0 = off (full fine-tuning); > 0 trains only low-rank adapters on "
                 "target_modules, the base weights frozen (mmpg/models/lora.py).")
     alpha: int = _f(16, "LoRA scaling numerator: the adapter's update is multiplied by alpha / r.")
-    dropout: float = _f(0.0, "Dropout on the adapters' input while training (0: none; above 0 the grouped and "
-                        "repeated forwards draw different masks, so they agree only in expectation).")
+    dropout: float = _f(0.0, "Dropout on the adapters' input in the update's forward (0: none). The rollout, "
+                        "the self-check and the old / reference logprobs run without it (mmpg.models.lora."
+                        "without_dropout), so actor/logprob_gap_* then include the dropout's noise.")
     target_modules: list = _f(LORA_TARGETS, "Modules that get adapters. A name without a dot is a leaf name "
                               "matched inside the language model only (q_proj matches every text layer's q_proj, "
                               "never the vision tower's); a dotted name is matched as a suffix of full module names "
@@ -142,7 +144,8 @@ class AlgorithmConfig:
     grouping: bool = _f(True, "Shared-prefix grouped forward; false: the naive repeated forward (A/B runs).")
     share_videos: bool = _f(True, "Adjacent prompts of one video (data.queries_per_video) share the video's part of "
                             "the prompt: in the grouped forward (mmpg.grouping.tree) and the hf rollout's cascade "
-                            "prefill and decode (mmpg.rollout.shares); false: each prompt alone.")
+                            "prefill and decode (mmpg.rollout.shares; rollout.decode=auto is copy on CUDA, which "
+                            "does not share: set rollout.decode=cascade there); false: each prompt alone.")
     self_check: str = _f("on", "Compare the grouped forward with the repeated one on one real group, in this run's "
                          "dtype, backend and versions, at the first step and whenever a batch goes past the prompt / "
                          "response / group sizes checked so far (mmpg.grouping.selfcheck): on (stop the run on a "
@@ -203,8 +206,9 @@ class EvalConfig:
     max_samples: int = _f(64, "Held-out samples per evaluation (0: all).")
     batch_size: int = _f(8, "Prompts per greedy decoding batch.")
     share_videos: bool = _f(True, "Batch a video's queries together (whole videos up to batch_size queries), so "
-                            "each video is decoded, encoded and prefilled once per batch; false: fixed batches in "
-                            "annotation order (mmpg eval's share_videos).")
+                            "each video is decoded once per batch and, with cascade decoding (the CPU default; on CUDA "
+                            "the engine decodes by copy until its cascade kernels have run on a GPU), encoded and "
+                            "prefilled once; false: fixed batches in annotation order (mmpg eval's share_videos).")
     max_new_tokens: int = _f(256, "Most tokens per answer.")
 
 
@@ -233,25 +237,6 @@ class Config:
 
 
 GROUPS = [f.name for f in dataclasses.fields(Config)]
-
-# Allowed values of the string choices, checked after the merge (OmegaConf checks types only).
-CHOICES = {
-    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "model.grouping_backend": ("auto", "sdpa", "flash", "flex"),
-    "rollout.engine": ("hf", "vllm"),
-    "rollout.decode": ("auto", "cascade", "copy"),
-    "reward.accuracy": ("iou_v2", "iou"),
-    "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
-    "algorithm.self_check": ("on", "warn", "off"),
-    "algorithm.scale_rewards": ("group", "batch", "none"),
-    "optim.scheduler": ("constant", "cosine"),
-    "trainer.device": ("auto", "cpu", "cuda"),
-    "data.template": ("time_r1", "time_r1_frames", "answer_only"),
-    # mmpg.data.formats.FORMAT_CHOICES (tests/test_config.py keeps the two equal)
-    "data.format": ("auto", "charades", "captions", "time_r1", "tvgbench", "jsonl", "activitynet", "anet",
-                    "charades_json", "charades_txt"),
-}
-
 
 def all_keys(cls=Config, prefix: str = "") -> list[str]:
     """Every dotted key of the tree, e.g. 'rollout.n'."""
@@ -348,46 +333,6 @@ def _omegaconf_error(err, source: str, schema=Config) -> UserError:
     return UserError(f"{source}: {str(err).splitlines()[0]}")
 
 
-def _validate(cfg: Config) -> None:
-    for key, allowed in CHOICES.items():
-        group, name = key.split(".")
-        value = getattr(getattr(cfg, group), name)
-        if value not in allowed:
-            raise UserError(f"config key '{key}' is {value!r}; choose one of {', '.join(allowed)}")
-    checks = [
-        ("rollout.n", cfg.rollout.n >= 1, "must be >= 1"),
-        ("rollout.max_new_tokens", cfg.rollout.max_new_tokens >= 1, "must be >= 1"),
-        ("rollout.temperature", cfg.rollout.temperature > 0, "must be > 0 for GRPO sampling"),
-        ("rollout.tis_cap", cfg.rollout.tis_cap == 0 or cfg.rollout.tis_cap >= 1, "must be 0 (off) or >= 1"),
-        ("rollout.vllm_timeout_s", cfg.rollout.vllm_timeout_s > 0, "must be > 0"),
-        ("data.batch_size", cfg.data.batch_size >= 1, "must be >= 1"),
-        ("data.queries_per_video", cfg.data.queries_per_video >= 1, "must be >= 1 (1: i.i.d. order)"),
-        ("trainer.micro_batch_size", cfg.trainer.micro_batch_size >= 1, "must be >= 1"),
-        ("trainer.total_steps", cfg.trainer.total_steps >= 1, "must be >= 1"),
-        ("algorithm.num_iterations", cfg.algorithm.num_iterations >= 1, "must be >= 1"),
-        ("algorithm.beta", cfg.algorithm.beta >= 0, "must be >= 0"),
-        ("deepspeed.zero_stage", cfg.deepspeed.zero_stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3"),
-        ("optim.lr", cfg.optim.lr >= 0, "must be >= 0"),
-    ]
-    for key, ok, what in checks:
-        if not ok:
-            group, name = key.split(".")
-            raise UserError(f"config key '{key}' is {getattr(getattr(cfg, group), name)!r}; it {what}")
-    _validate_lora(cfg.model.lora)
-
-
-def _validate_lora(lora: LoraConfig) -> None:
-    """model.lora's values (which modules exist is checked on the loaded model, mmpg.models.lora)."""
-    checks = [("r", lora.r >= 0, "must be >= 0 (0: LoRA off)"), ("alpha", lora.alpha > 0, "must be > 0"),
-              ("dropout", 0 <= lora.dropout < 1, "must be in [0, 1)"),
-              ("target_modules", lora.r == 0 or (bool(lora.target_modules) and all(
-                  isinstance(t, str) and t.strip(". ") for t in lora.target_modules)),
-               "must be a non-empty list of module names (e.g. [q_proj, v_proj])")]
-    for name, ok, what in checks:
-        if not ok:
-            raise UserError(f"config key 'model.lora.{name}' is {getattr(lora, name)!r}; it {what}")
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 schema=Config) -> Config:
     """defaults <- YAML at `path` <- `key=value` overrides; returns the typed tree or raises UserError."""
@@ -425,7 +370,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise _omegaconf_error(e, f"override {item!r}", schema) from None
     cfg = OmegaConf.to_object(merged)
     if isinstance(cfg, Config):  # the training tree's value checks; other schemas check themselves
-        _validate(cfg)
+        validate(cfg)
     return cfg
 
 

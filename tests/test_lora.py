@@ -161,3 +161,30 @@ def test_a_peft_model_shell_is_unwrapped(load_tiny, tiny_dirs):
         for fn in (grouped_logprobs, repeated_logprobs):
             assert torch.equal(fn(shell, inputs, ids, mask, GROUPS[:1]), fn(model, inputs, ids, mask, GROUPS[:1]))
     assert HFEngine(shell, processor).model is model
+
+
+def test_without_dropout_makes_the_deterministic_passes_deterministic(load_tiny, tiny_dirs):
+    # model.lora.dropout > 0: the update's forward draws masks (two grouped forwards differ), but inside
+    # `without_dropout` the grouped forward equals itself and the repeated one (the self-check, old and reference
+    # logprobs run there), and the dropout modules are back in train mode afterwards, also after an error
+    from mmpg.grouping import repeated_logprobs
+    from mmpg.models.lora import without_dropout
+
+    model, processor = lora_model(load_tiny, tiny_dirs, "qwen2_5_vl", dropout=0.5)
+    inputs = vl_batch(processor, "qwen2_5_vl", VIDEOS, "left")
+    ids, mask = completions(GROUPS, LENGTHS, model.config.text_config.vocab_size, seed=3)
+    args = (model, inputs, ids, mask, GROUPS)
+    drops = [m for n, m in model.named_modules() if ".lora_dropout." in f".{n}."]
+    assert drops and all(m.training for m in drops)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        noisy = (grouped_logprobs(*args) - grouped_logprobs(*args)).abs().max()
+        assert noisy > 1e-3, "dropout 0.5 on the adapters changes the logprobs"
+        with without_dropout(model):
+            assert not any(m.training for m in drops)
+            diff = (grouped_logprobs(*args) - repeated_logprobs(*args)).abs().max()
+        assert diff <= 1e-5, diff
+        assert all(m.training for m in drops)
+        with pytest.raises(RuntimeError), without_dropout(model):
+            raise RuntimeError("inside")
+        assert all(m.training for m in drops)

@@ -143,3 +143,15 @@ def test_sync_tensors_without_lora_are_the_trainable_parameters(load_tiny):
     got = sync_tensors(model)
     assert set(got) == {n for n, p in model.named_parameters() if p.requires_grad}
     assert len(sync_tensors(model, everything=True)) == len(list(model.parameters()))
+
+
+def test_export_never_overwrites_a_folder_holding_its_source(tiny_dirs, tmp_path, capsys):
+    # --overwrite replaces --out whole: an --out that is, or holds, the adapter or its base is refused before anything
+    # is loaded or removed
+    run = tmp_path / "run"
+    ckpt = adapter_checkpoint(tiny_dirs["qwen2_5_vl"], run / "checkpoints" / "step_00000002")
+    for out in (ckpt, run, tmp_path):
+        code = main(["export", "--checkpoint", str(ckpt), "--out", str(out), "--overwrite"])
+        err = capsys.readouterr().err
+        assert code == 2 and "which the export reads" in err, err
+        assert (ckpt / "adapter_model.safetensors").is_file()

@@ -107,6 +107,11 @@ def test_lora_sigkill_then_resume_matches_an_uninterrupted_run(grpo_data, tmp_pa
     proc = run_cli(args("killed")[:1] + ["--resume", str(ckpt)] + [a for a in args("killed")[1:]
                                                                   if not a.startswith("model.lora.r=")])
     assert proc.returncode == 2 and "saved with LoRA adapters" in proc.stderr, proc.stderr[-2000:]
+    # other adapters (fewer target modules, another rank) would load some tensors and leave the rest fresh: refused
+    for change, words in (("model.lora.target_modules=[q_proj,v_proj]", "target_modules: 14 there, 4 here"),
+                          ("model.lora.r=8", "r 4 there, 8 here")):
+        proc = run_cli(args("killed")[:1] + ["--resume", str(ckpt)] + args("killed")[1:] + [change])
+        assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
 
 
 DIST_EXTRA = {"model.lora.r": 4, "model.lora.alpha": 8, "algorithm.beta": 0.1}
@@ -182,6 +187,19 @@ def test_sft_with_lora_saves_an_adapter_checkpoint(grpo_data, tmp_path):
     loaded = dict(PeftModel.from_pretrained(base, str(ckpt)).named_parameters())
     for k, v in weights.items():
         assert torch.equal(loaded[k.replace(".weight", ".default.weight")], v), k
+
+
+@pytest.mark.slow
+def test_lora_dropout_trains_past_the_self_check(grpo_data, tmp_path):
+    """model.lora.dropout > 0 with the self-check on (the default) and a KL term: the self-check and the reference
+    logprobs run without dropout (`without_dropout`), so the check passes at its float32 bound and training goes on."""
+    _train(["train"] + overrides(grpo_data, tmp_path, "drop", **{**LORA, "model.lora.dropout": 0.3,
+                                                                  "trainer.total_steps": 2, "algorithm.beta": 0.1}))
+    lines = metrics(tmp_path / "drop")
+    assert [m["step"] for m in lines] == [1, 2]
+    checked = [m for m in lines if "check/grouped_vs_repeated_max" in m]
+    assert checked and all(m["check/grouped_vs_repeated_max"] <= m["check/bound"] == 1e-4 for m in checked)
+    assert all(abs(m["actor/loss"]) < 1e3 and m["actor/kl"] >= 0 for m in lines)
 
 
 @pytest.mark.parametrize("extra, words", [

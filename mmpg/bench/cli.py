@@ -13,6 +13,12 @@
     mmpg bench --levels lora [--lora-r 16]          memory of full vs LoRA training and of the KL reference (frozen
                                                     copy vs adapters off), one GRPO step each (mmpg.bench.lora)
 
+    mmpg bench --preset cpu-targets --levels step,eval --queries-per-video 3
+                                                       Q queries of one video: naive, per-query grouping and the
+                                                       tree (the video's part once for all Q), per phase; eval:
+                                                       one greedy answer per query, per query vs the tree
+    mmpg bench --levels lora                           memory of full vs LoRA training (`mmpg.bench.lora`)
+
 Prints a fixed-width table and writes JSON (default runs/bench/<timestamp>.json). A program, never a test.
 """
 

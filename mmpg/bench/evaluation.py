@@ -43,7 +43,7 @@ def setup(case: dict, device: torch.device):
                 model.generate(**prompt, do_sample=False, max_new_tokens=S, min_new_tokens=S, pad_token_id=0)
             return None, None
     else:
-        engine = HFEngine(model, ids["tokenizer"])
+        engine = HFEngine(model, ids["tokenizer"], decode="cascade")  # the shared path (auto is copy on CUDA)
         engine.share_videos = variant == "tree"
         sampling = SamplingParams(max_new_tokens=S, temperature=0.0, stop_token_ids=(), logprobs=False)
         prefill, marks = engine._prefill, []

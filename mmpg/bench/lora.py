@@ -86,7 +86,7 @@ def measure(case: dict) -> dict:
 
 
 # (LM spec, P, S, G): the step level's CPU LM (cpu-targets), where activations outweigh the 11 MB of weights, and
-# a wider LM of ~76M parameters with a short prompt, where the weights and their optimizer state dominate
+# a wider LM of ~92M parameters with a short prompt, where the weights and their optimizer state dominate
 SIZES = {
     "cpu": ({"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512},
             1024, 32, 4),

@@ -147,7 +147,7 @@ def tree_table(rows: list[dict]) -> str:
              f"{'P':>6}  {'S':>4}  {'G':>3}  {'Q':>2}  {'t':>3}  {'phase':<7}  {'mmpg_s':>8}  {'tree_s':>8}  "
              f"{'tree/mmpg':>9}  {'ceil':>5}  {'%ceil':>5}  {'tok_ceil':>8}  {'tokens':>13}"]
     lines.append("-" * len(lines[1]))
-    for tree in (r for r in rows if r["variant"] == "tree"):
+    for tree in (r for r in rows if r["variant"] == "tree" and r["level"] == "step"):
         per = next((r for r in rows if r["variant"] == "mmpg" and r["config"] == dict(tree["config"])), None)
         if per is None:
             continue

@@ -242,16 +242,15 @@ def setup(case: dict, device: torch.device):
         raise ValueError("the tree variant needs Q >= 2 queries per video (--queries-per-video)")
     cfg = step_config(case, grouping=variant != "naive", share=variant == "tree")
     check_grpo_config(cfg)
-    from mmpg.bench.lora_step import adapters_off_reference, apply_lora  # case lora_r / ref
+    from mmpg.bench.lora_step import apply_lora, check_reference  # case lora_r / ref
 
     copied = cfg.algorithm.beta > 0 and case.get("ref", "copy") == "copy"
     ref = copy.deepcopy(model).eval().requires_grad_(False) if copied else None
-    lora = apply_lora(model, int(case.get("lora_r", 0)))  # injected into `model`: only the adapters train
+    adapted = apply_lora(model, int(case.get("lora_r", 0)))  # injected into `model`: only the adapters train
+    check_reference(case.get("ref", "copy"), adapted)  # no copy + adapters: GRPOStep switches them off for the KL
     engine = build_engine(model, cfg, world_size=1, micro_batch=cfg.trainer.micro_batch_size,
                           dtype=case.get("dtype", "float32"), total_updates=10 ** 6)
     grpo = GRPOStep(cfg, engine, ref, ids["tokenizer"], iter(()), bench_scorer(cfg), device.type)
-    if cfg.algorithm.beta > 0 and not copied:
-        adapters_off_reference(grpo, lora)
     rollout_engine = grpo.rollout_engine if variant != "naive" else GenerateEngine(grpo.policy, ids["tokenizer"])
     if variant != "naive":
         rollout_engine.share_videos = variant == "tree"  # per query: each prompt prefilled on its own

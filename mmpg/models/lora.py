@@ -116,12 +116,50 @@ def apply_lora(model, lora_cfg, base_path: str | Path, freeze_vision: bool, seed
     return model
 
 
+def resume_mismatch(policy, adapter_config: dict) -> str | None:
+    """What differs between a checkpoint's adapter_config.json and this run's adapters (r, alpha, the adapted
+    modules, the base), or None: resuming onto other adapters would load some tensors and leave others fresh."""
+    c = lora_handle(policy).peft.peft_config["default"]
+    ours = {"r": c.r, "lora_alpha": c.lora_alpha, "target_modules": sorted(c.target_modules),
+            "base_model_name_or_path": c.base_model_name_or_path}
+    theirs = {k: adapter_config.get(k) for k in ours}
+    theirs["target_modules"] = sorted(theirs["target_modules"] or [])
+    differ = []
+    for k in ours:
+        if theirs[k] == ours[k]:
+            continue
+        if k == "target_modules":
+            only = sorted(set(theirs[k]) ^ set(ours[k]))
+            differ.append(f"target_modules: {len(theirs[k])} there, {len(ours[k])} here, e.g. {only[0]}")
+        else:
+            differ.append(f"{k} {theirs[k]!r} there, {ours[k]!r} here")
+    return "; ".join(differ) or None
+
+
 def lora_handle(policy) -> LoraHandle | None:
     return getattr(policy, "_mmpg_lora", None)
 
 
 def is_lora(policy) -> bool:
     return lora_handle(policy) is not None
+
+
+@contextlib.contextmanager
+def without_dropout(policy):
+    """The adapters' dropout off for a `with` block, restored after (also on an error). model.lora.dropout applies
+    to the update's forward only: the rollout runs in eval mode, and the passes that must be deterministic — the
+    self-check (grouped vs repeated, two forwards that would draw different masks), the old and the reference
+    logprobs — run without it. A no-op without LoRA or with dropout 0."""
+    handle = lora_handle(policy)
+    drops = [m for name, m in policy.named_modules() if ".lora_dropout." in f".{name}." and m.training] \
+        if handle is not None else []
+    for m in drops:
+        m.eval()
+    try:
+        yield policy
+    finally:
+        for m in drops:
+            m.train()
 
 
 @contextlib.contextmanager

@@ -146,8 +146,9 @@ def export_checkpoint(checkpoint, out, dtype: str = "auto", overwrite: bool = Fa
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise UserError(f"{out} exists and is not empty; pass --overwrite or choose another --out")
-    if out.resolve() in (src.resolve(), Path(base).resolve()):
-        raise UserError(f"--out {out} is the checkpoint itself; choose another folder")
+    for keep in (src, Path(base)):  # --overwrite replaces --out whole: never a folder holding what it reads
+        if keep.exists() and (out.resolve() == keep.resolve() or out.resolve() in keep.resolve().parents):
+            raise UserError(f"--out {out} is or holds {keep}, which the export reads; choose another folder")
     dtype = checkpoint_dtype(base) if dtype == "auto" else dtype
     resolve_dtype(dtype)  # an unknown name: one line, before any loading
     model = load_adapter_model(src, dtype=dtype) if adapter else load_policy(base, dtype=dtype)

@@ -30,7 +30,7 @@ from mmpg.data.dataset import strict_error
 from mmpg.errors import UserError
 from mmpg.grouping.selfcheck import SelfCheck, SelfCheckError, batch_dims
 from mmpg.models.counting import VisionCalls, prefill_tokens
-from mmpg.models.lora import reference_model
+from mmpg.models.lora import reference_model, without_dropout
 from mmpg.rl import algos
 from mmpg.rl.batch import PromptGroup, micro_batches, split_groups
 from mmpg.rollout import HFEngine, SamplingParams
@@ -288,7 +288,8 @@ class GRPOStep:
 
     def update(self, groups: list[PromptGroup], timer: Timer) -> dict:
         cfg, alg, engine = self.cfg, self.cfg.algorithm, self.engine
-        with timer("self_check"), self.vision.paused():  # its repeated forward is not the step's work
+        # the self-check's repeated forward is not the step's work; both of its forwards run without LoRA dropout
+        with timer("self_check"), self.vision.paused(), without_dropout(self.policy):
             checks = self.self_check(groups)
         mbs = self._micro_batches(groups)
         chunks = self._chunk_sizes(mbs)
@@ -296,7 +297,7 @@ class GRPOStep:
         denom = dist.all_sum([sum(algos.loss_denominator(m, alg.loss_type, cfg.rollout.max_new_tokens)
                                   for m, mb in zip(masks, mbs) if not mb.dummy)], self._coll_device)[0]
         old, ref = [None] * len(mbs), [None] * len(mbs)
-        with timer("logprob"), torch.no_grad():
+        with timer("logprob"), torch.no_grad(), without_dropout(self.policy):
             if alg.num_iterations > 1:
                 old = [self._logprobs(self.policy, mb, c) for mb, c in zip(mbs, chunks)]
             if alg.beta > 0:  # a loaded reference, or (LoRA) the policy with its adapters off, on every rank alike

@@ -35,7 +35,7 @@ import torch
 from mmpg.errors import UserError
 from mmpg.runs import finalize_checkpoint, latest_checkpoint, prune_checkpoints, temp_checkpoint_dir
 from mmpg import dist
-from mmpg.models.lora import is_lora, save_adapter
+from mmpg.models.lora import is_lora, resume_mismatch, save_adapter
 from mmpg.train.engine import adapter_state_dict, full_state_dict
 
 STATE_FILE = "trainer_state.json"
@@ -123,6 +123,11 @@ def load_checkpoint(path: Path, engine) -> dict:
     if lora != (path / ADAPTER_CONFIG).is_file():
         raise UserError(f"{path}: saved {'without' if lora else 'with'} LoRA adapters, resumed with model.lora.r "
                         f"{'> 0' if lora else '= 0'}; resume with the run's own model.lora settings")
+    if lora:
+        mismatch = resume_mismatch(engine.module.policy, json.loads((path / ADAPTER_CONFIG).read_text()))
+        if mismatch:
+            raise UserError(f"{path}: its adapters are not this run's ({mismatch}); resume with the run's own "
+                            "model.path and model.lora settings")
     # LoRA: the DeepSpeed state holds the trainable tensors only; the frozen base comes from model.path
     load_path, _ = engine.load_checkpoint(str(path / "deepspeed"), tag=DS_TAG, load_optimizer_states=True,
                                           load_lr_scheduler_states=True, load_module_strict=not lora)

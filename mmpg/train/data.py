@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from mmpg.data.dataset import GroundingCollator, GroundingDataset, VideoDataLoader
+from mmpg.data.dataset import GroundingCollator, GroundingDataset, VideoDataLoader, video_key
 from mmpg.data.video import VideoSpec
 from mmpg.errors import UserError
 
@@ -48,11 +48,12 @@ def stream_indices(n: int, seed: int, shuffle: bool, start: int, count: int,
     return out
 
 
-def video_runs(videos: list[str], k: int) -> list[list[int]] | None:
-    """Sample indices in runs of at most `k` queries of one video (each video's in annotation order); None for k 1."""
+def video_runs(videos: list, k: int) -> list[list[int]] | None:
+    """Sample indices in runs of at most `k` queries of one video (each video's in annotation order); None for k 1.
+    `videos`: what identifies each sample's video (`mmpg.data.dataset.video_key`: file and clip window)."""
     if k <= 1:
         return None
-    by_video: dict[str, list[int]] = {}
+    by_video: dict = {}
     for i, video in enumerate(videos):
         by_video.setdefault(video, []).append(i)
     return [idx[j:j + k] for idx in by_video.values() for j in range(0, len(idx), k)]
@@ -149,7 +150,7 @@ def make_train_loader(samples, spec: VideoSpec, processor, template, *, global_b
                       queries_per_video: int = 1) -> DataLoader:
     """An endless DataLoader of `GroundingBatch`es (this rank's share of each global batch, left-padded inputs).
     Bad videos are never fatal in the workers; the trainer counts `batch.skipped` (or stops in strict mode)."""
-    runs = video_runs([s.video for s in samples], queries_per_video)
+    runs = video_runs([video_key(s) for s in samples], queries_per_video)
     sampler = RankBatchSampler(len(samples), global_batch, rank, world, seed, shuffle, start, runs)
     return VideoDataLoader(GroundingDataset(samples, spec, strict=False), batch_sampler=sampler,
                            num_workers=num_workers, collate_fn=GroundingCollator(processor, template, strict=strict),

@@ -1,0 +1,66 @@
+"""The value checks of the config tree (`mmpg.config`), run after defaults, YAML and overrides are merged
+(OmegaConf checks types only): the allowed string choices and the ranges. Each failure is one `UserError` naming the
+key, its value and what it must be."""
+
+from __future__ import annotations
+
+from mmpg.errors import UserError
+
+# Allowed values of the string choices, checked after the merge (OmegaConf checks types only).
+CHOICES = {
+    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "model.grouping_backend": ("auto", "sdpa", "flash", "flex"),
+    "rollout.engine": ("hf", "vllm"),
+    "rollout.decode": ("auto", "cascade", "copy"),
+    "reward.accuracy": ("iou_v2", "iou"),
+    "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
+    "algorithm.self_check": ("on", "warn", "off"),
+    "algorithm.scale_rewards": ("group", "batch", "none"),
+    "optim.scheduler": ("constant", "cosine"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "data.template": ("time_r1", "time_r1_frames", "answer_only"),
+    # mmpg.data.formats.FORMAT_CHOICES (tests/test_config.py keeps the two equal)
+    "data.format": ("auto", "charades", "captions", "time_r1", "tvgbench", "jsonl", "activitynet", "anet",
+                    "charades_json", "charades_txt"),
+}
+
+
+def validate(cfg) -> None:
+    """Raise one UserError for the first value out of its choices or range."""
+    for key, allowed in CHOICES.items():
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if value not in allowed:
+            raise UserError(f"config key '{key}' is {value!r}; choose one of {', '.join(allowed)}")
+    checks = [
+        ("rollout.n", cfg.rollout.n >= 1, "must be >= 1"),
+        ("rollout.max_new_tokens", cfg.rollout.max_new_tokens >= 1, "must be >= 1"),
+        ("rollout.temperature", cfg.rollout.temperature > 0, "must be > 0 for GRPO sampling"),
+        ("rollout.tis_cap", cfg.rollout.tis_cap == 0 or cfg.rollout.tis_cap >= 1, "must be 0 (off) or >= 1"),
+        ("rollout.vllm_timeout_s", cfg.rollout.vllm_timeout_s > 0, "must be > 0"),
+        ("data.batch_size", cfg.data.batch_size >= 1, "must be >= 1"),
+        ("data.queries_per_video", cfg.data.queries_per_video >= 1, "must be >= 1 (1: i.i.d. order)"),
+        ("trainer.micro_batch_size", cfg.trainer.micro_batch_size >= 1, "must be >= 1"),
+        ("trainer.total_steps", cfg.trainer.total_steps >= 1, "must be >= 1"),
+        ("algorithm.num_iterations", cfg.algorithm.num_iterations >= 1, "must be >= 1"),
+        ("algorithm.beta", cfg.algorithm.beta >= 0, "must be >= 0"),
+        ("deepspeed.zero_stage", cfg.deepspeed.zero_stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3"),
+        ("optim.lr", cfg.optim.lr >= 0, "must be >= 0"),
+    ]
+    for key, ok, what in checks:
+        if not ok:
+            group, name = key.split(".")
+            raise UserError(f"config key '{key}' is {getattr(getattr(cfg, group), name)!r}; it {what}")
+    _validate_lora(cfg.model.lora)
+
+
+def _validate_lora(lora) -> None:
+    """model.lora's values (which modules exist is checked on the loaded model, mmpg.models.lora)."""
+    checks = [("r", lora.r >= 0, "must be >= 0 (0: LoRA off)"), ("alpha", lora.alpha > 0, "must be > 0"),
+              ("dropout", 0 <= lora.dropout < 1, "must be in [0, 1)"),
+              ("target_modules", lora.r == 0 or (bool(lora.target_modules) and all(
+                  isinstance(t, str) and t.strip(". ") for t in lora.target_modules)),
+               "must be a non-empty list of module names (e.g. [q_proj, v_proj])")]
+    for name, ok, what in checks:
+        if not ok:
+            raise UserError(f"config key 'model.lora.{name}' is {getattr(lora, name)!r}; it {what}")
