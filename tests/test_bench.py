@@ -364,8 +364,12 @@ def test_step_level_with_queries_per_video_times_the_tree(tmp_path, capsys, step
     assert tree["rollout_stats"] == {"prompts": 3, "prefixes": 1, "prefix_tokens": P + 3 * 5, "shared_prompts": 2}
     assert tree["shared_prompts"] == 2  # the update packed two prompts behind the first one's video
     assert tree["phases"]["update"]["ceiling"] == tree["rho_flops_tree"] > per["rho_flops"]
+    # the video encoded once per forward as a tree (rollout, reference, update: 3), once per query per forward
+    # query-wise (9), and 3 x G times in the naive update and reference (+ once per query in generate's prefill)
+    assert (tree["vision_calls"], per["vision_calls"]) == (3, 9) and naive["vision_calls"] > per["vision_calls"]
+    assert 0 < tree["kv_bytes"] < per["kv_bytes"] and naive["kv_bytes"] is None
     printed = capsys.readouterr().out
-    assert "tree vs per-query grouping" in printed
+    assert "tree vs per-query grouping" in printed and "true three-level tree" in printed
 
 
 def test_eval_level_answers_a_videos_queries_once_each(tmp_path, capsys):

@@ -147,3 +147,14 @@ def test_queries_of_one_video_ceilings_order():
     # the rollout's decode is the same in all three layouts: at G = S = 1 (no decode step) only prefills differ
     assert rollout_flops_q(dims, "tree", 10, 2, 1, 1, 1) == pytest.approx(rollout_flops_q(dims, "per_query", 10, 2,
                                                                                           1, 1, 1))
+
+
+def test_true_tree_token_ceiling_by_hand():
+    # FACTS: a true tree (each tail once per query) holds P + Q(t + GS) = 2048 + 3·(30 + 1024) = 5210 tokens at
+    # P 2048, t 30, S 128, G 8, Q 3; over per-query grouping's 9306: 1.786
+    from mmpg.bench.flops import rho_lin_q, rho_lin_true_tree
+
+    assert rho_lin_true_tree(2048, 30, 128, 8, 3) == pytest.approx(52944 / 5210)
+    assert rho_lin_true_tree(2048, 30, 128, 8, 3) / rho_lin_q("per_query", 2048, 30, 128, 8, 3) == \
+        pytest.approx(9306 / 5210)
+    assert rho_lin_true_tree(100, 5, 7, 4, 1) == pytest.approx(rho_lin_q("per_query", 100, 5, 7, 4, 1))

@@ -247,6 +247,8 @@ def dims_from_config(config) -> ModelDims:
 # the same QG(S-1) one-token steps in all. The token ceilings over naive (`rho_lin_q`):
 #     per query  QG(P+t+S) / (Q(P+t+GS)) = G(P+t+S) / (P+t+GS)
 #     tree       QG(P+t+S) / (P + QG(t+S))
+#     true tree  QG(P+t+S) / (P + Q(t+GS))     (each tail once per query: a third attention level; not built,
+#                                               printed beside the others as what it would add)
 # A lone query (Q = 1) is packed as per-query grouping in the tree too (`find_shares`: its whole prompt is its part).
 LAYOUTS = ("naive", "per_query", "tree")
 
@@ -276,6 +278,11 @@ def layout_pairs(layout: str, P, t, S, G: int, Q: int) -> float:
 def rho_lin_q(layout: str, P, t, S, G: int, Q: int) -> float:
     """Token ratio naive / layout."""
     return layout_tokens("naive", P, t, S, G, Q) / layout_tokens(layout, P, t, S, G, Q)
+
+
+def rho_lin_true_tree(P, t, S, G: int, Q: int) -> float:
+    """Token ratio naive / the true three-level tree (each tail once per query, not once per response)."""
+    return layout_tokens("naive", P, t, S, G, Q) / (P + Q * (t + G * S) if Q > 1 else P + t + G * S)
 
 
 def _encodes(layout: str, G: int, Q: int) -> int:

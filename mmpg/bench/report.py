@@ -146,6 +146,7 @@ def tree_table(rows: list[dict]) -> str:
              "tok_ceil: the token ratio of the update's forward)",
              f"{'P':>6}  {'S':>4}  {'G':>3}  {'Q':>2}  {'t':>3}  {'phase':<7}  {'mmpg_s':>8}  {'tree_s':>8}  "
              f"{'tree/mmpg':>9}  {'ceil':>5}  {'%ceil':>5}  {'tok_ceil':>8}  {'tokens':>13}"]
+    notes = []
     lines.append("-" * len(lines[1]))
     for tree in (r for r in rows if r["variant"] == "tree" and r["level"] == "step"):
         per = next((r for r in rows if r["variant"] == "mmpg" and r["config"] == dict(tree["config"])), None)
@@ -164,7 +165,25 @@ def tree_table(rows: list[dict]) -> str:
                          (a.get("time_s"), "{:.3f}", 8), (b.get("time_s"), "{:.3f}", 8), (ratio, "{:.2f}", 9),
                          (ceil, "{:.2f}", 5), (pct, "{:.0f}", 5), (tok_ceil, "{:.2f}", 8))] + [f"{toks:>13}"]
             lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
+        notes.append(_tree_note(per, tree))
+    return "\n".join(lines + notes)
+
+
+def _tree_note(per: dict, tree: dict) -> str:
+    """The work each layout did (vision-tower encodes, the rollout cache's K/V, prompt tokens prefilled) and the
+    true three-level tree's token ceiling beside the repeated-tail tree's."""
+    from mmpg.bench.flops import rho_lin_q, rho_lin_true_tree
+
+    P, t, S, G, Q = tree["P"], tree["t"], tree["S"], tree["G"], tree["Q"]
+    true = rho_lin_true_tree(P, t, S, G, Q) / rho_lin_q("per_query", P, t, S, G, Q)
+
+    def work(r):
+        kv = f"{r['kv_bytes'] / 2**20:.1f} MB" if r.get("kv_bytes") else "-"
+        prefill = (r.get("rollout_stats") or {}).get("prefix_tokens", "-")
+        return f"vision-tower videos {r.get('vision_calls', '-')}, rollout K/V {kv}, prefill tokens {prefill}"
+
+    return (f"  P {P} Q {Q}: per query: {work(per)}; tree: {work(tree)}; token ceiling of a true three-level tree "
+            f"(tails once per query): {true:.2f}")
 
 
 def _fmt(value, fmt: str, width: int) -> str:

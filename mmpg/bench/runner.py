@@ -207,7 +207,7 @@ def _aggregate(runs: list[dict]) -> dict:
            "mem_method": runs[0].get("mem_method"), "tokens": runs[0]["info"].get("tokens"), "note": ""}
     if any("phase_times" in r for r in runs):
         out["response_tokens"] = runs[0]["info"].get("response_tokens")
-        for key in ("rollout_stats", "shared_prompts"):  # what the rollout prefilled, the update shared
+        for key in ("rollout_stats", "shared_prompts", "vision_calls", "kv_bytes"):  # what the step's work was
             if key in runs[0]["info"]:
                 out[key] = runs[0]["info"][key]
         out["phases"] = _aggregate_phases(runs)

@@ -189,6 +189,7 @@ class StepRunner:
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=())
         clock = PhaseClock(self.device, memory)
+        grpo.vision.take()  # count this step's vision-tower encodes only
         with clock.step():
             with clock("rollout"):
                 rollout = self.rollout_engine.generate_groups(self.prompt, cfg.rollout.n, sampling,
@@ -202,7 +203,10 @@ class StepRunner:
         missing = [p for p in PHASES if p not in clock.seconds]
         assert not missing, f"phases {missing} did not run (algorithm.beta must be > 0 for the logprob phase)"
         info = {"response_tokens": sum(int(g.completion_mask.sum()) for g in groups),
-                "shared_prompts": grpo.shared_prompts}
+                "shared_prompts": grpo.shared_prompts,
+                # videos the vision tower encoded over rollout, reference and update (not the self-check), and the
+                # K/V the rollout's cache held after its last decode step (None for generate)
+                "vision_calls": grpo.vision.take(), "kv_bytes": getattr(self.rollout_engine, "last_kv_bytes", None)}
         stats = getattr(self.rollout_engine, "last_stats", None)
         if stats:
             info["rollout_stats"] = dict(stats)
