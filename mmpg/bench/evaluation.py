@@ -26,6 +26,7 @@ from mmpg.bench.memory import sync
 def setup(case: dict, device: torch.device):
     """(None, step, info): the model and the Q prompts built here; `step()` answers them once."""
     from mmpg.bench.batch import make_query_batch
+    from mmpg.bench.rollout import time_prefill
     from mmpg.bench.model import build_model
     from mmpg.bench.flops import layout_tokens
     from mmpg.rollout import HFEngine, SamplingParams
@@ -43,22 +44,14 @@ def setup(case: dict, device: torch.device):
                 model.generate(**prompt, do_sample=False, max_new_tokens=S, min_new_tokens=S, pad_token_id=0)
             return None, None
     else:
-        engine = HFEngine(model, ids["tokenizer"], decode="cascade")  # the shared path (auto is copy on CUDA)
-        engine.share_videos = variant == "tree"
+        # cascade: the path that shares (auto is copy on CUDA); per query with sharing off
+        engine = HFEngine(model, ids["tokenizer"], decode="cascade", share_videos=variant == "tree")
         sampling = SamplingParams(max_new_tokens=S, temperature=0.0, stop_token_ids=(), logprobs=False)
-        prefill, marks = engine._prefill, []
-
-        def timed_prefill(*args, **kwargs):
-            out = prefill(*args, **kwargs)
-            sync(device)
-            marks.append(time.perf_counter())
-            return out
-
-        engine._prefill = timed_prefill  # the bench's own hook on this instance: the engine itself never syncs
+        marks = time_prefill(engine, device)
 
         def generate():
             engine.generate_groups(prompt, 1, sampling)
-            return marks[-1] if marks else None, dict(getattr(engine, "last_stats", None) or {})
+            return marks[-1] if marks else None, dict(engine.last_stats)
 
     def step():
         sync(device)

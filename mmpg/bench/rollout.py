@@ -65,6 +65,21 @@ class _FirstToken:
         pass
 
 
+def time_prefill(engine, device) -> list[float]:
+    """Hook this engine instance's prefill (the engine itself never syncs): after each prefill, CUDA synced, the
+    time is appended to the returned list (when the first token's logits were ready)."""
+    prefill, marks = engine._prefill, []
+
+    def timed_prefill(*args, **kwargs):
+        out = prefill(*args, **kwargs)
+        sync(device)
+        marks.append(time.perf_counter())
+        return out
+
+    engine._prefill = timed_prefill
+    return marks
+
+
 def setup(case: dict, device: torch.device):
     """(None, step, info): model and prompts built here; `step()` samples the B·G responses and appends its phases
     {"prefill_s", "decode_s", "kv_bytes"} to info["phases"]."""
@@ -93,15 +108,7 @@ def setup(case: dict, device: torch.device):
         decode, backend = DECODE[case.get("backend")]
         engine = HFEngine(model, ids["tokenizer"], decode=decode, cascade_backend=backend)
         sampling = SamplingParams(max_new_tokens=S, temperature=1.0, stop_token_ids=(), logprobs=False)
-        prefill, marks = engine._prefill, []
-
-        def timed_prefill(*args, **kwargs):
-            out = prefill(*args, **kwargs)
-            sync(device)
-            marks.append(time.perf_counter())
-            return out
-
-        engine._prefill = timed_prefill  # the bench's own hook on this instance: the engine itself never syncs
+        marks = time_prefill(engine, device)
 
         def generate():  # -> (when the first token's logits were ready, the K/V bytes after the last step)
             engine.generate_groups(prompt, G, sampling)

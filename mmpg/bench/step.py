@@ -256,8 +256,6 @@ def setup(case: dict, device: torch.device):
                           dtype=case.get("dtype", "float32"), total_updates=10 ** 6)
     grpo = GRPOStep(cfg, engine, ref, ids["tokenizer"], iter(()), bench_scorer(cfg), device.type)
     rollout_engine = grpo.rollout_engine if variant != "naive" else GenerateEngine(grpo.policy, ids["tokenizer"])
-    if variant != "naive":
-        rollout_engine.share_videos = variant == "tree"  # per query: each prompt prefilled on its own
     samples = [GroundingSample(sample_id=f"bench#{q}", video="bench.mp4", duration=30.0,
                                query=f"the person opens door {q}", span=(4.0, 11.0)) for q in range(Q)]
     if Q > 1:  # the update's forward (`mmpg.bench.flops.layout_tokens`)

@@ -7,7 +7,9 @@ it, instead of a download attempt."""
 from __future__ import annotations
 
 import logging
+import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -149,3 +151,24 @@ def load_policy(path: str | Path, dtype: str | torch.dtype = "float32", attn_imp
 
         apply_lora(model, lora, path, freeze_vision, seed=seed)
     return model
+
+
+def save_model_folder(out: str | Path, model, processor, extra: dict[str, str] | None = None) -> Path:
+    """Write model + processor (and `extra` files, name -> text) as an HF checkpoint folder `out`, atomically: into a
+    temp folder beside it, renamed into place only when complete (a previous `out` is replaced; the caller checks
+    that replacing it is wanted). Weights as safetensors."""
+    out = Path(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        processor.save_pretrained(tmp)
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -22,9 +22,7 @@ copies; `hf_name` maps them back to the names of the plain model (the names the 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -138,7 +136,7 @@ def export_checkpoint(checkpoint, out, dtype: str = "auto", overwrite: bool = Fa
     one re-saved without the trainer and DeepSpeed state. safetensors weights, config, generation config, processor
     files, and EXPORT_INFO. Atomic: written into a temp folder beside `out`, then renamed. dtype "auto": the base's.
     Returns EXPORT_INFO's content."""
-    from mmpg.models.loading import load_policy, resolve_checkpoint, resolve_dtype
+    from mmpg.models.loading import load_policy, resolve_checkpoint, resolve_dtype, save_model_folder
 
     src = Path(checkpoint).expanduser()
     adapter = is_adapter_checkpoint(src)
@@ -155,18 +153,7 @@ def export_checkpoint(checkpoint, out, dtype: str = "auto", overwrite: bool = Fa
     processor = load_any_processor(src)
     info = {"source": str(src.resolve()), "base": str(Path(base).resolve()) if Path(base).exists() else base,
             "adapter_merged": adapter, "dtype": dtype}
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        model.save_pretrained(tmp, safe_serialization=True)
-        processor.save_pretrained(tmp)
-        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    save_model_folder(out, model, processor, {EXPORT_INFO: json.dumps(info, indent=2) + "\n"})
     return info
 
 

@@ -11,8 +11,6 @@ family's real image and video processors. Everything is written with `save_pretr
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -174,15 +172,6 @@ def make_tiny(family: str, out: str | Path, seed: int = 0, spec: TinySpec | None
     processor = build_tiny_processor(family, spec, seed)
     tokenizer = getattr(processor, "tokenizer", processor)
     model = build_tiny_model(family, spec, seed, tokenizer)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    from mmpg.models.loading import save_model_folder
+
+    return save_model_folder(out, model, processor)
