@@ -35,6 +35,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask,
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from mmpg.grouping.backends import get_backend
+from mmpg.grouping.ulysses import ulysses_attention
 
 PREFIX = "mmpg_grouped_"
 # Handed to the text model as its `attention_mask` during a grouped forward: a 4-D tensor is passed through mask
@@ -108,6 +109,8 @@ def _make_attention(base: str):
         dtype = attention_dtype(module, query, key, value)
         query, key, value = (x.to(dtype) for x in (query, key, value))
         layout = layout.for_device(query.device)
+        if layout.sequence is not None:  # this rank holds a shard of the row: Ulysses around the same backend
+            return ulysses_attention(get_backend(layout.backend), query, key, value, layout, scale), None
         return get_backend(layout.backend)(query, key, value, layout, scale), None
 
     grouped_attention.__name__ = grouped_name(base).replace("-", "_")

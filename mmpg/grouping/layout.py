@@ -36,6 +36,9 @@ class GroupLayout:
     # [B][G_b] leading tokens of each row that are inputs, not scored: a shared video's per-query tail
     # (`mmpg.grouping.tree`); None = every row token is a response token
     row_skip: list[list[int]] | None = None
+    # the row spread over a sequence-parallel group (`mmpg.grouping.sequence.SequenceShard`): attention runs as
+    # Ulysses (`mmpg.grouping.ulysses`) on the whole row for this rank's heads; None: the whole row is here
+    sequence: object | None = None
 
     def __post_init__(self):
         self.device = torch.device(self.device)

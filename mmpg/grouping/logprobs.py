@@ -8,6 +8,7 @@ to 1e-5 on logprobs and 1e-4 relative on every gradient in float32).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -22,6 +23,9 @@ from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.layout import GroupLayout
 from mmpg.grouping.patch import apply_grouped_attention, base_model, model_kind
 from mmpg.grouping.positions import use_qwen_positions
+from mmpg.grouping.sequence import (
+    SequenceShard, check_model_heads, group_size, sharded_head_logprobs, sharded_hidden_states,
+)
 
 
 def _token_logprobs(lm_head, hidden, targets, temperature):
@@ -34,12 +38,16 @@ def _token_logprobs(lm_head, hidden, targets, temperature):
     return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
-def head_logprobs(lm_head, hidden, targets, temperature=1.0, chunk_size=2048) -> torch.Tensor:
-    """LM head on `hidden` [n, H] only, in chunks of `chunk_size` rows. Under autograd each chunk is recomputed in
+def head_logprobs(lm_head, hidden, targets, temperature=1.0, chunk_size=2048, *, calls: int | None = None
+                  ) -> torch.Tensor:
+    """LM head on `hidden` [n, H] only, in chunks of `chunk_size` rows (or in exactly `calls` chunks, some maybe
+    empty: the ranks of a sequence-parallel group call the head alike). Under autograd each chunk is recomputed in
     backward, so peak memory holds one chunk of logits ([chunk, V]) instead of [n, V]."""
     out = []
-    for start in range(0, hidden.shape[0], chunk_size):
-        args = (lm_head, hidden[start:start + chunk_size], targets[start:start + chunk_size], temperature)
+    bounds = [(a, a + chunk_size) for a in range(0, hidden.shape[0], chunk_size)] if calls is None else \
+        [(hidden.shape[0] * c // calls, hidden.shape[0] * (c + 1) // calls) for c in range(calls)]
+    for start, stop in bounds:
+        args = (lm_head, hidden[start:stop], targets[start:stop], temperature)
         if torch.is_grad_enabled():
             out.append(checkpoint(_token_logprobs, *args, use_reentrant=False))
         else:
@@ -67,16 +75,23 @@ def _scatter_rows(flat: torch.Tensor, completions: Completions) -> torch.Tensor:
 
 
 def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, group_sizes, *, backend=None,
-                     temperature: float = 1.0, chunk_size: int = 2048, share: bool = True) -> torch.Tensor:
+                     temperature: float = 1.0, chunk_size: int = 2048, share: bool = True,
+                     sequence_group=None) -> torch.Tensor:
     """Each prompt (and its video) forwarded once with its responses packed behind it. Returns [N, S] float32.
 
     prompt_inputs: processor output for B prompts (left or right padded). completion_ids/mask: [N, S] right-padded,
     rows of prompt b contiguous and in prompt order. group_sizes: [B] positive ints summing to N.
     backend: "sdpa" | "flash" | "flex" | "lse_reference"; default: the one chosen by `apply_grouped_attention`.
     share: let adjacent prompts that begin alike (a video's queries) share that part (`mmpg.grouping.tree`); false
-    forwards each prompt on its own. What was shared is left in `model._mmpg_shared` (prompts, shared parts)."""
+    forwards each prompt on its own. What was shared is left in `model._mmpg_shared` (prompts, shared parts).
+    sequence_group: a torch.distributed process group of sp ranks that hold the same inputs and share the packed row
+    (`mmpg.grouping.sequence`); default the one given to `apply_grouped_attention`, None or size 1: one rank."""
     _check_temperature(temperature)
     model = base_model(model)  # a peft PeftModel: the transformers model inside it
+    if sequence_group is None:
+        sequence_group = getattr(model, "_mmpg_sequence_group", None)
+    if group_size(sequence_group) > 1:
+        check_model_heads(model, group_size(sequence_group))
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
                                     placeholder_token_ids(model))
     apply_grouped_attention(model)
@@ -94,8 +109,15 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     packed_ids, packed_pos, row_lens, row_skip = pack(prefixes, completions, shares, device)
     layout = GroupLayout(prefix_lens=[s.length for s in shares], response_lens=row_lens, device=device,
                          backend=backend, row_skip=row_skip if any(any(k) for k in row_skip) else None)
-    hidden = packed_hidden_states(model, leaders_visuals(prompt_inputs, visuals, shares), packed_ids, packed_pos,
-                                  layout)  # [T, H]
+    visual_inputs = leaders_visuals(prompt_inputs, visuals, shares)
+    if group_size(sequence_group) > 1:  # the row cut over the sp ranks (mmpg.grouping.sequence)
+        layout.sequence = SequenceShard(sequence_group, group_size(sequence_group), dist.get_rank(sequence_group),
+                                        layout.total)
+        hidden = sharded_hidden_states(model, visual_inputs, packed_ids, packed_pos, layout)  # [T_loc, H]
+        flat = sharded_head_logprobs(head_logprobs, model.get_output_embeddings(), hidden, layout, packed_ids,
+                                     temperature, chunk_size)
+        return _scatter_rows(flat, completions)
+    hidden = packed_hidden_states(model, visual_inputs, packed_ids, packed_pos, layout)  # [T, H]
     # with device_map the last layer (and so `hidden`) may sit on another device than the embedding
     flat = head_logprobs(model.get_output_embeddings(), hidden[layout.for_device(hidden.device).predictor_index],
                          packed_ids[layout.target_index], temperature, chunk_size)  # [sum L_i]

@@ -83,11 +83,14 @@ def model_kind(model) -> str:
     return SUPPORTED_MODEL_TYPES[model_type]
 
 
-def apply_grouped_attention(model, backend: str | None = None):
+def apply_grouped_attention(model, backend: str | None = None, sequence_group=None):
     """Select the grouped attention for the text model, put Qwen2.5-VL on its trained mRoPE convention
     (`mmpg.grouping.positions`) and remember the backend. Safe to call again (it then only changes the backend when
-    one is given). Returns the model."""
+    one is given). `sequence_group`: a process group of sp ranks over which `grouped_logprobs` spreads each packed
+    row from now on (`mmpg.grouping.sequence`). Returns the model."""
     model_kind(model)
+    if sequence_group is not None:
+        model._mmpg_sequence_group = sequence_group
     if not getattr(model, "_mmpg_checked", False):
         _check_transformers(model)
         model._mmpg_checked = True

@@ -1,0 +1,162 @@
+"""Run under `torchrun --nproc_per_node 2`: the grouped forward with its row spread over the 2 ranks (sequence
+parallelism) against the one-process grouped forward and the repeated forward, on the same batch on every rank.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/sp_worker.py OUT.json [case ...]
+
+Per case it records the max |logprob| difference against both references, the worst relative gradient difference
+of any parameter (the SP gradient averaged over the group, `mmpg.grouping.sequence`: the mean over the ranks is the
+one-process gradient), whether the vision tower's gradients were compared, the packed row's length and what the
+cut between the ranks falls inside (video, prompt text, a shared video's query tail, a response).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from batches import completions, processor_batch, random_video, vl_batch  # noqa: E402
+from mmpg.grouping import grouped_logprobs, repeated_logprobs  # noqa: E402
+from mmpg.grouping.adapters import prefix_positions  # noqa: E402
+from mmpg.grouping.inputs import check_completions, placeholder_token_ids, split_visuals_per_prompt  # noqa: E402
+from mmpg.grouping.tree import find_shares, pack_tree  # noqa: E402
+from mmpg.grouping.layout import GroupLayout  # noqa: E402
+from mmpg.models.tiny import TinySpec, build_tiny_model, build_tiny_processor  # noqa: E402
+
+TREE_QUESTIONS = ["When does the red circle appear?", "Find the moment the blue square moves to the left side.",
+                  "When is it?", "Where does the yellow triangle first become visible in the frame?"]
+
+
+def tree_batch(processor, prompts, padding_side="left"):
+    """prompts: (frames, h, w, seed) or None, question index; equal specs give equal frames (a shared video)."""
+    texts, videos, metadata = [], [], []
+    for spec, q in prompts:
+        content = ([{"type": "video"}] if spec else []) + [{"type": "text", "text": TREE_QUESTIONS[q]}]
+        texts.append(processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                   add_generation_prompt=True))
+        if spec:
+            frames, h, w, seed = spec
+            videos.append(random_video(frames, h, w, seed=seed))
+            metadata.append({"fps": 2.0, "total_num_frames": frames, "frames_indices": list(range(frames))})
+    return processor_batch(processor, texts, videos, metadata, padding_side)
+
+
+def cut_kind(model, inputs, ids, mask, groups, sp) -> tuple[int, str]:
+    """The packed row's length and what the first token of rank 1's shard is (the row packed as grouped_logprobs
+    packs it)."""
+    comp = check_completions(inputs, ids, mask, groups, placeholder_token_ids(model))
+    visuals = split_visuals_per_prompt(model, inputs)
+    prefixes = prefix_positions(model, inputs, visuals)
+    shares = find_shares(prefixes, visuals, placeholder_token_ids(model), comp.group_sizes)
+    packed, _, row_lens, row_skip = pack_tree(prefixes, comp, shares, "cpu")
+    layout = GroupLayout([s.length for s in shares], row_lens, "cpu", row_skip=row_skip)
+    cut = -(-layout.total // sp)
+    for b in range(layout.num_groups):
+        a, e = layout.prefix_span(b)
+        if a <= cut < e:  # inside the video: between its first and last placeholder (Qwen3-VL puts text between
+            video = (packed[a:e] == model.config.video_token_id).nonzero()[:, 0] + a  # frames)
+            inside = video.numel() and int(video[0]) < cut <= int(video[-1])
+            return layout.total, "video" if inside else "prompt"
+        start = e
+        for s, k in zip(row_lens[b], row_skip[b]):
+            if start <= cut < start + s:
+                return layout.total, "tail" if cut - start < k else "response"
+            start += s
+    raise AssertionError("cut outside the row")
+
+
+def _grads(model, fn, weights):
+    model.zero_grad(set_to_none=True)
+    logps = fn()
+    (logps * weights).sum().backward()
+    return logps.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_case(model, inputs, ids, mask, groups, group, sp) -> dict:
+    weights = torch.linspace(0.5, 1.5, ids.numel()).view_as(ids)
+    one, one_grads = _grads(model, lambda: grouped_logprobs(model, inputs, ids, mask, groups), weights)
+    rep, _ = _grads(model, lambda: repeated_logprobs(model, inputs, ids, mask, groups), weights)
+    seen = []  # pixel rows the vision tower encodes on this rank under SP: its share of the frames, not all
+    hook = model.model.visual.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
+    par, par_grads = _grads(model, lambda: grouped_logprobs(model, inputs, ids, mask, groups, sequence_group=group),
+                            weights)
+    hook.remove()
+    shares = [None] * sp
+    dist.all_gather_object(shares, sum(seen))
+    assert set(one_grads) == set(par_grads), set(one_grads) ^ set(par_grads)
+    worst, worst_name = 0.0, None
+    for name, ref in one_grads.items():
+        g = par_grads[name].clone()
+        dist.all_reduce(g, group=group)
+        rel = float((g / sp - ref).norm() / ref.norm().clamp_min(1e-30))
+        if rel > worst:
+            worst, worst_name = rel, name
+    total, kind = cut_kind(model, inputs, ids, mask, groups, sp)
+    return {"logp_vs_grouped": float(((par - one).abs() * mask).max()),
+            "logp_vs_repeated": float(((par - rep).abs() * mask).max()),
+            "zero_outside_mask": bool(torch.all(par[mask == 0] == 0)),
+            "grad_rel": worst, "grad_worst": worst_name, "vision_grads": any("visual" in n for n in one_grads),
+            "row": total, "cut": kind, "vision_rows": shares, "pixel_rows": int(inputs["pixel_values_videos"].shape[0])}
+
+
+def cases(family: str, model, processor, model_kv1, processor_kv1):
+    vocab = model.config.text_config.vocab_size
+    several = [(8, 112, 112), (4, 112, 56), None, (6, 56, 112)]
+    groups = [2, 3, 1, 2]
+    lengths = [3, 5, 2, 4, 6, 1, 2, 7]
+    for side in ("left", "right"):
+        ids, mask = completions(groups, lengths, vocab, seed=1)
+        yield f"{family}/several_{side}", model, vl_batch(processor, family, several, side), ids, mask, groups
+    ids, mask = completions(groups, lengths, vocab, seed=2)
+    yield f"{family}/kv1_replicated", model_kv1, vl_batch(processor_kv1, family, several), ids, mask, groups
+    video = (16, 112, 112, 1)
+    tree = [(video, 0), (video, 1), (video, 3), ((4, 112, 56, 2), 2)]
+    tree_groups = [2, 2, 1, 2]
+    for seed in range(40):  # response lengths that put the cut inside a shared video's query tail
+        g = torch.Generator().manual_seed(seed)
+        ids, mask = completions(tree_groups, torch.randint(1, 9, (7,), generator=g).tolist(), vocab, seed=seed)
+        inputs = tree_batch(processor, tree)
+        if cut_kind(model, inputs, ids, mask, tree_groups, 2)[1] == "tail":
+            yield f"{family}/tree_cut_in_tail", model, inputs, ids, mask, tree_groups
+            break
+    ids, mask = completions([2], [4, 3], vocab, seed=3)  # a long video, short responses: the cut inside the video
+    yield f"{family}/cut_in_video", model, vl_batch(processor, family, [(16, 112, 112)]), ids, mask, [2]
+    ids, mask = completions([2], [90, 41], vocab, seed=4)  # long responses, odd row: the cut inside a response
+    yield f"{family}/cut_in_response_odd", model, vl_batch(processor, family, [(2, 56, 56)]), ids, mask, [2]
+
+
+def main() -> None:
+    out_path, wanted = sys.argv[1], set(sys.argv[2:])
+    dist.init_process_group("gloo")
+    group, sp = dist.group.WORLD, dist.get_world_size()
+    torch.manual_seed(0)
+    results = {}
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        if wanted and not any(w.startswith(family) for w in wanted):
+            continue
+        processor = build_tiny_processor(family, seed=0)
+        model = build_tiny_model(family, seed=0, tokenizer=processor.tokenizer)
+        spec = TinySpec(num_kv_heads=1)
+        processor_kv1 = build_tiny_processor(family, spec, seed=0)
+        model_kv1 = build_tiny_model(family, spec, seed=0, tokenizer=processor_kv1.tokenizer)
+        for name, m, inputs, ids, mask, groups in cases(family, model, processor, model_kv1, processor_kv1):
+            if wanted and name not in wanted and family not in wanted:
+                continue
+            results[name] = run_case(m, inputs, ids, mask, groups, group, sp)
+            if dist.get_rank() == 0:
+                print(name, results[name], flush=True)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

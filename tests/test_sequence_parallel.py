@@ -1,0 +1,79 @@
+"""Sequence parallelism composed with the grouped forward (`mmpg.grouping.sequence`, `mmpg.grouping.ulysses`).
+
+2 gloo processes (`tests/sp_worker.py` under torchrun) spread each packed row over sp = 2 ranks, on tiny float32
+Qwen2.5-VL and Qwen3-VL: logprobs within 1e-5 of the one-process grouped forward and of `repeated_logprobs`, every
+parameter's gradient (vision tower included; the mean over the 2 ranks) within 1e-4 relative of the one-process
+gradient. Cases: several prompts of different videos (and one without) with unequal groups, left and right padding,
+odd row lengths (padding to a multiple of sp), a shared-video tree, 1 kv head (repeated) and 2 (split), and the cut
+between the ranks inside a video, inside a query's tail and inside a response. Each rank's vision tower encodes only
+its share of the frames.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmpg.grouping.sequence import _item_order, frame_ranges
+from mmpg.grouping.ulysses import check_heads, kv_repeats
+
+LOGP_ATOL = 1e-5
+GRAD_RTOL = 1e-4
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def sp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp") / "results.json"
+    env = dict(os.environ, FORCE_QWENVL_VIDEO_READER="decord", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(29700 + os.getpid() % 200), str(HERE / "sp_worker.py"), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+CASES = ["several_left", "several_right", "kv1_replicated", "tree_cut_in_tail", "cut_in_video", "cut_in_response_odd"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("case", CASES)
+def test_sp2_equals_one_process(sp_results, family, case):
+    r = sp_results[f"{family}/{case}"]
+    assert r["logp_vs_grouped"] <= LOGP_ATOL, r
+    assert r["logp_vs_repeated"] <= LOGP_ATOL, r
+    assert r["zero_outside_mask"], r
+    assert r["grad_rel"] <= GRAD_RTOL, r
+    assert r["vision_grads"], "the vision tower's gradients must be compared too"
+    # each rank encodes its share of the frames, not the whole video (a single-group video: one rank, plus a
+    # stand-in group on the other for lockstep)
+    assert sum(r["vision_rows"]) <= r["pixel_rows"] + min(r["vision_rows"]), r
+    expected_cut = {"tree_cut_in_tail": "tail", "cut_in_video": "video", "cut_in_response_odd": "response"}
+    if case in expected_cut:
+        assert r["cut"] == expected_cut[case], r
+
+
+def test_cases_cover_odd_rows_and_split_frames(sp_results):
+    assert any(r["row"] % 2 for r in sp_results.values())  # padding to a multiple of sp
+    assert any(min(r["vision_rows"]) > 0 and max(r["vision_rows"]) < r["pixel_rows"] for r in sp_results.values())
+
+
+def test_heads_that_cannot_be_split_are_named():
+    assert check_heads(28, 4, 2) is None and check_heads(28, 4, 4) is None
+    assert kv_repeats(28, 4, 8) == 2 and kv_repeats(4, 1, 2) == 2 and kv_repeats(4, 2, 2) == 1
+    assert "28 attention heads" in check_heads(28, 4, 8)
+    assert "attention heads" in check_heads(12, 2, 8)  # 8 does not divide 12 query heads
+    assert check_heads(6, 2, 3) is None  # lcm(2, 3) = 6 divides 6 query heads: each kv head repeated 3 times
+    assert kv_repeats(6, 2, 3) == 3 and kv_repeats(12, 3, 4) == 4
+
+
+def test_frame_ranges_and_item_order():
+    assert frame_ranges(5, 2) == [(0, 2), (2, 5)]
+    assert frame_ranges(1, 2) == [(0, 0), (0, 1)]
+    # two items of 3 and 2 tokens per rank: rank-major [r0 i0 (3), r0 i1 (2), r1 i0 (3), r1 i1 (2)] -> item order
+    assert _item_order([[3, 2], [3, 2]]).tolist() == [0, 1, 2, 5, 6, 7, 3, 4, 8, 9]
