@@ -185,6 +185,16 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class ParallelConfig:
+    sequence_parallel_size: int = _f(1, "Ranks that share each packed row (sequence parallelism, for videos too long "
+                                     "for one device): the W ranks form W/sp groups of sp consecutive ranks; the "
+                                     "ranks of a group take the same samples, split their rollouts, and each holds "
+                                     "1/sp of every packed row (Ulysses attention over the grouped layout) and "
+                                     "encodes 1/sp of every video's frames. Must divide the ranks and the model's "
+                                     "attention heads; data.batch_size is then split over W/sp groups. 1: off.")
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = _f(True, "Write TensorBoard events under RUN_DIR/tb.")
     wandb: bool = _f(False, "Also log to Weights & Biases (needs the wandb package and a login).")
@@ -230,6 +240,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -45,6 +45,7 @@ def validate(cfg) -> None:
         ("algorithm.num_iterations", cfg.algorithm.num_iterations >= 1, "must be >= 1"),
         ("algorithm.beta", cfg.algorithm.beta >= 0, "must be >= 0"),
         ("deepspeed.zero_stage", cfg.deepspeed.zero_stage in (0, 1, 2, 3), "must be 0, 1, 2 or 3"),
+        ("parallel.sequence_parallel_size", cfg.parallel.sequence_parallel_size >= 1, "must be >= 1 (1: off)"),
         ("optim.lr", cfg.optim.lr >= 0, "must be >= 0"),
     ]
     for key, ok, what in checks:

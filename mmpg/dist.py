@@ -2,6 +2,14 @@
 
 One process (no launcher) is a world of size 1 and every helper is then a no-op. Under `torchrun` or the `deepspeed`
 launcher the usual RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR variables are read by `init`.
+
+Sequence parallelism (`set_sequence_parallel`): the world of W = dp x sp ranks is cut into dp groups of sp
+consecutive ranks. The ranks of one sequence-parallel group hold the same samples and share each packed row
+(`mmpg.grouping.sequence`); the data-parallel group of a rank is the ranks at its place in every group, which hold
+different samples. What sums or gathers over the data (`data_sum`, `gather_data`, `data_rank`, `data_size`) goes
+over the data-parallel group; what keeps ranks in lockstep (`all_max`, `all_true`) over the whole world.
+
+    world 4, sp 2:   sequence groups {0, 1} {2, 3}      data groups {0, 2} {1, 3}
 """
 
 from __future__ import annotations
@@ -32,6 +40,55 @@ def init(device: str, timeout_minutes: int = 30) -> tuple[int, int]:
     return rank(), world_size()
 
 
+_SEQUENCE: dict = {"size": 1, "group": None, "data": None}
+
+
+def set_sequence_parallel(sp: int) -> None:
+    """Cut the world into sequence-parallel groups of sp consecutive ranks and make the data-parallel groups across
+    them. Collective: every rank calls it with the same sp. sp = 1: no sequence parallelism."""
+    world, me = world_size(), rank()
+    if sp <= 1:
+        _SEQUENCE.update(size=1, group=None, data=None)
+        return
+    if world % sp:
+        raise ValueError(f"sequence_parallel_size={sp} does not divide the {world} ranks")
+    sequence_group = data = None
+    for g in range(world // sp):
+        ranks = list(range(g * sp, (g + 1) * sp))
+        group = dist.new_group(ranks) if sp < world else None
+        if me in ranks:
+            sequence_group = group if group is not None else dist.group.WORLD
+    for place in range(sp):
+        ranks = list(range(place, world, sp))
+        group = dist.new_group(ranks) if len(ranks) < world else None
+        if me in ranks:
+            data = group if group is not None else dist.group.WORLD
+    _SEQUENCE.update(size=sp, group=sequence_group, data=data)
+
+
+def sequence_size() -> int:
+    return _SEQUENCE["size"]
+
+
+def sequence_group():
+    """This rank's sequence-parallel group (None without sequence parallelism)."""
+    return _SEQUENCE["group"]
+
+
+def sequence_rank() -> int:
+    return dist.get_rank(_SEQUENCE["group"]) if _SEQUENCE["group"] is not None else 0
+
+
+def data_size() -> int:
+    """Ranks that hold different samples: the world size / sp."""
+    return world_size() // _SEQUENCE["size"]
+
+
+def data_rank() -> int:
+    """This rank's place among the ranks that hold different samples (its sequence-parallel group's index)."""
+    return rank() // _SEQUENCE["size"]
+
+
 def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -44,16 +101,21 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _reduce(values: list[float], op, device) -> list[float]:
+def _reduce(values: list[float], op, device, group=None) -> list[float]:
     if not active():
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=group)
     return t.tolist()
 
 
 def all_sum(values: list[float], device="cpu") -> list[float]:
     return _reduce(values, dist.ReduceOp.SUM, device)
+
+
+def data_sum(values: list[float], device="cpu") -> list[float]:
+    """Sum over the ranks holding different samples (the world without sequence parallelism)."""
+    return _reduce(values, dist.ReduceOp.SUM, device, _SEQUENCE["data"])
 
 
 def all_max(values: list[float], device="cpu") -> list[float]:
@@ -78,11 +140,31 @@ def gather_objects(obj) -> list:
     return out
 
 
+def gather_data(obj) -> list:
+    """[obj of data rank 0, obj of data rank 1, ...] over the ranks holding different samples (every rank of a
+    sequence-parallel group holds the same; without sequence parallelism, `gather_objects`)."""
+    if _SEQUENCE["data"] is None:
+        return gather_objects(obj)
+    out = [None] * data_size()
+    dist.all_gather_object(out, obj, group=_SEQUENCE["data"])
+    return out
+
+
+def gather_sequence(obj) -> list:
+    """[obj of each rank of this rank's sequence-parallel group], in group order."""
+    if _SEQUENCE["group"] is None:
+        return [obj]
+    out = [None] * _SEQUENCE["size"]
+    dist.all_gather_object(out, obj, group=_SEQUENCE["group"])
+    return out
+
+
 def barrier() -> None:
     if active():
         dist.barrier()
 
 
 def shutdown() -> None:
+    _SEQUENCE.update(size=1, group=None, data=None)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -83,7 +83,8 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     rows of prompt b contiguous and in prompt order. group_sizes: [B] positive ints summing to N.
     backend: "sdpa" | "flash" | "flex" | "lse_reference"; default: the one chosen by `apply_grouped_attention`.
     share: let adjacent prompts that begin alike (a video's queries) share that part (`mmpg.grouping.tree`); false
-    forwards each prompt on its own. What was shared is left in `model._mmpg_shared` (prompts, shared parts).
+    forwards each prompt on its own. What was shared is left in `model._mmpg_shared` (prompts, shared parts), and
+    the tokens of the packed row this rank held (the row, or its shard) in `model._mmpg_row_tokens`.
     sequence_group: a torch.distributed process group of sp ranks that hold the same inputs and share the packed row
     (`mmpg.grouping.sequence`); default the one given to `apply_grouped_attention`, None or size 1: one rank."""
     _check_temperature(temperature)
@@ -113,10 +114,12 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     if group_size(sequence_group) > 1:  # the row cut over the sp ranks (mmpg.grouping.sequence)
         layout.sequence = SequenceShard(sequence_group, group_size(sequence_group), dist.get_rank(sequence_group),
                                         layout.total)
+        model._mmpg_row_tokens = layout.sequence.local
         hidden = sharded_hidden_states(model, visual_inputs, packed_ids, packed_pos, layout)  # [T_loc, H]
         flat = sharded_head_logprobs(head_logprobs, model.get_output_embeddings(), hidden, layout, packed_ids,
                                      temperature, chunk_size)
         return _scatter_rows(flat, completions)
+    model._mmpg_row_tokens = layout.total
     hidden = packed_hidden_states(model, visual_inputs, packed_ids, packed_pos, layout)  # [T, H]
     # with device_map the last layer (and so `hidden`) may sit on another device than the embedding
     flat = head_logprobs(model.get_output_embeddings(), hidden[layout.for_device(hidden.device).predictor_index],

@@ -14,11 +14,12 @@ positions, targets: `mmpg.grouping.logprobs`). Then
     LM head:      on the shard's own predictor positions only; the [n] logprobs are summed over the group (each
                   rank fills its entries, zeros elsewhere), so every rank holds all of them and computes the loss
 
-Gradients: every rank computes the same loss from the summed logprobs, so the gradient of the group is that of the
-sum of sp identical losses. The sum's backward (and the feature gather's) adds the ranks' gradients, so every rank's
-parameter gradient is sp times its part, and the MEAN over the group's ranks is the one-process gradient. A trainer
-therefore averages gradients over all dp x sp ranks exactly as it does over data-parallel replicas (DeepSpeed's
-default), with the loss scaled by the data-parallel size only.
+Gradients: every rank computes the same loss from the summed logprobs, so the group computes sp copies of one loss
+and its gradient is that of their sum. The sum's backward adds the ranks' gradients, and so does the feature
+gather's, so every rank's parameter gradient is sp times its part, and the MEAN over the group's ranks is the
+one-process gradient: the ranks of a group hold replicas of one gradient, like data-parallel ranks that saw the
+same batch. A trainer averages gradients over all dp x sp ranks (DeepSpeed's default, in every ZeRO stage) and
+scales the loss for the data-parallel size only.
 
 Lockstep (ZeRO-3 gathers weights inside every forward, so every rank must call each module alike): each rank
 encodes at least one temporal group (a rank left without one encodes the first group again, weighted 0), and the LM
@@ -82,7 +83,8 @@ def check_model_heads(model, sp: int) -> None:
 
 
 class _SumRanks(torch.autograd.Function):
-    """Sum over the group; every rank uses the sum, so the backward sums the gradients too."""
+    """Sum over the group; every rank uses the sum, so the backward sums the ranks' gradients too (module
+    docstring)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -93,7 +95,7 @@ class _SumRanks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
+        grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 

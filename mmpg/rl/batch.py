@@ -66,17 +66,38 @@ class MicroBatch:
     dummy: bool = False  # a stand-in that keeps ranks in lockstep; its loss is multiplied by 0
 
 
-def split_groups(model, batch, rollout, seeds: list[int]) -> list[PromptGroup]:
-    """Cut a rolled-out batch into per-prompt groups (each prompt's inputs without padding)."""
-    inputs = batch.inputs
+def prompts_alone(model, inputs) -> list[dict]:
+    """Processor inputs of B prompts -> B dicts, each one prompt without padding ([1, P_b] rows, its visuals)."""
     attn = prompt_attention_mask(inputs)
     visuals = split_visuals_per_prompt(model, inputs) if "pixel_values_videos" in inputs or \
-        "pixel_values" in inputs else [{} for _ in batch.samples]
+        "pixel_values" in inputs else [{} for _ in range(attn.shape[0])]
+    out = []
+    for b in range(attn.shape[0]):
+        one = {k: inputs[k][b:b + 1, attn[b]] for k in _ROW_KEYS if inputs.get(k) is not None}
+        one.update(visuals[b])
+        out.append(one)
+    return out
+
+
+def pad_prompts(prompts: list[dict], pad_id: int) -> dict:
+    """`prompts_alone`'s dicts -> processor-style inputs for them, left-padded to the longest."""
+    width = max(int(p["input_ids"].shape[1]) for p in prompts)
+    inputs: dict = {}
+    for key in _ROW_KEYS:
+        if key in prompts[0]:
+            value = pad_id if key == "input_ids" else 0
+            inputs[key] = torch.cat([_left_pad(p[key], width, value) for p in prompts])
+    for key in sorted({k for p in prompts for k in p if k not in _ROW_KEYS}):
+        inputs[key] = torch.cat([p[key] for p in prompts if key in p])
+    return inputs
+
+
+def split_groups(model, batch, rollout, seeds: list[int]) -> list[PromptGroup]:
+    """Cut a rolled-out batch into per-prompt groups (each prompt's inputs without padding)."""
+    alone = prompts_alone(model, batch.inputs)
     groups, row = [], 0
     for b, g in enumerate(rollout.group_sizes):
-        keep = attn[b]
-        one = {k: inputs[k][b:b + 1, keep] for k in _ROW_KEYS if inputs.get(k) is not None}
-        one.update(visuals[b])
+        one = alone[b]
         rows = slice(row, row + g)
         width = int(rollout.completion_mask[rows].sum(dim=1).max())
         groups.append(PromptGroup(
@@ -101,14 +122,7 @@ def collate_groups(groups: list[PromptGroup], pad_id: int) -> MicroBatch:
     """k groups -> one MicroBatch; prompts left-padded to the longest, completions right-padded to the longest."""
     assert groups, "a micro-batch needs at least one group"
     assert all(g.advantages is not None for g in groups), "advantages are computed before collating"
-    width = max(int(g.inputs["input_ids"].shape[1]) for g in groups)
-    inputs: dict = {}
-    for key in _ROW_KEYS:
-        if key in groups[0].inputs:
-            value = pad_id if key == "input_ids" else 0
-            inputs[key] = torch.cat([_left_pad(g.inputs[key], width, value) for g in groups])
-    for key in sorted({k for g in groups for k in g.inputs if k not in _ROW_KEYS}):
-        inputs[key] = torch.cat([g.inputs[key] for g in groups if key in g.inputs])
+    inputs = pad_prompts([g.inputs for g in groups], pad_id)
     s = max(int(g.completion_ids.shape[1]) for g in groups)
     ids = torch.cat([_right_pad(g.completion_ids, s, pad_id) for g in groups])
     mask = torch.cat([_right_pad(g.completion_mask, s) for g in groups])

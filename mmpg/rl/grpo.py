@@ -33,6 +33,7 @@ from mmpg.models.counting import VisionCalls, prefill_tokens
 from mmpg.models.lora import reference_model, without_dropout
 from mmpg.rl import algos
 from mmpg.rl.batch import PromptGroup, micro_batches, split_groups
+from mmpg.rl.split import generate_split
 from mmpg.rollout import HFEngine, SamplingParams
 from mmpg import dist
 from mmpg.train.engine import stage0_grad_norm
@@ -72,9 +73,9 @@ class GRPOStep:
         self.batches = batches  # iterator of GroundingBatch (this rank's share of each global batch)
         self.rebuild = rebuild  # [GroundingSample] -> GroundingBatch, decoded here (`_rebalance`)
         self.scorer, self.device = scorer, device
-        self.world = dist.world_size()
+        self.world = dist.data_size()  # ranks holding different samples (the world / sequence_parallel_size)
         self.local_batch = cfg.data.batch_size // self.world
-        sync = (lambda done: dist.all_true(done, self._coll_device)) if self.world > 1 else None
+        sync = (lambda done: dist.all_true(done, self._coll_device)) if dist.world_size() > 1 else None
         self.policy = engine.module.policy
         self.vllm = cfg.rollout.engine == "vllm"
         if self.vllm:
@@ -87,6 +88,7 @@ class GRPOStep:
         self.batches_pulled = 0  # global batches consumed (the data position is start + this * batch_size)
         self.checker = SelfCheck(cfg.algorithm.self_check if cfg.algorithm.grouping else "off")
         self.shared_prompts = 0  # per step: see `_logprobs`
+        self.row_tokens = 0  # per step: the longest packed row (or sequence-parallel shard) this rank held
         self.vision = VisionCalls(self.policy, ref_model)  # videos the vision towers encode (perf/vision_calls)
 
     def _vllm_engine(self, cfg, processor):
@@ -119,6 +121,15 @@ class GRPOStep:
         return out
 
     def _generate(self, batch, sampling, seeds):
+        """The batch's rollout. Under sequence parallelism the ranks of a group hold the same batch: each samples
+        its share of the prompts and the group gathers them (`mmpg.rl.split`)."""
+        if dist.sequence_size() > 1:
+            return generate_split(lambda part, part_seeds: self._generate_here(part, sampling, part_seeds),
+                                  self.policy, batch, seeds, self.pad_id, dist.sequence_size(),
+                                  dist.sequence_rank(), dist.gather_sequence)
+        return self._generate_here(batch, sampling, seeds)
+
+    def _generate_here(self, batch, sampling, seeds):
         if not self.vllm:
             return self.rollout_engine.generate_groups(batch.inputs, self.cfg.rollout.n, sampling, prompt_seeds=seeds)
         from mmpg.rollout.vllm import PromptTooLongError
@@ -150,9 +161,9 @@ class GRPOStep:
         all ranks, in stream order (the prompts one process trains), are dealt again in contiguous shares, each rank
         decoding its new share here (`rebuild`). A rank left without one (fewer usable samples than ranks) decodes a
         copy of the first, rolled out for lockstep only. Returns (this rank's batch, number of copies at its end)."""
-        usable = [s for part in dist.gather_objects(list(batch.samples)) for s in part]
+        usable = [s for part in dist.gather_data(list(batch.samples)) for s in part]
         base, extra = divmod(len(usable), self.world)
-        r = dist.rank()
+        r = dist.data_rank()
         start = r * base + min(r, extra)
         mine = usable[start:start + base + (1 if r < extra else 0)]
         copies = 0 if mine else 1
@@ -176,7 +187,7 @@ class GRPOStep:
         while True:
             batch = self._pull()
             info["skipped"] += len(batch.skipped)
-            counts = [int(c) for c in dist.gather_objects(len(batch))] if self.world > 1 else [len(batch)]
+            counts = [int(c) for c in dist.gather_data(len(batch))] if self.world > 1 else [len(batch)]
             if sum(counts) == 0:  # the whole global batch is unusable (so it is for one process too)
                 info["empty_rounds"] += 1
                 if info["empty_rounds"] >= MAX_EMPTY_ROUNDS:
@@ -225,8 +236,8 @@ class GRPOStep:
         adv = algos.group_advantages(rewards, sizes, scale="none" if scale == "batch" else scale)
         if scale == "batch":  # the std of every reward of the global batch, over all ranks (dummies left out)
             real = torch.cat([g.overall for g in groups if not g.dummy] or [rewards.new_zeros(0)])
-            n, s, ss = dist.all_sum([real.numel(), float(real.sum()), float((real.double() ** 2).sum())],
-                                    self._coll_device)
+            n, s, ss = dist.data_sum([real.numel(), float(real.sum()), float((real.double() ** 2).sum())],
+                                     self._coll_device)
             std = math.sqrt(max(0.0, (ss - s * s / n) / max(1.0, n - 1)))
             adv = adv / (std + 1e-6)
         for g, a in zip(groups, adv.split(sizes)):
@@ -243,6 +254,7 @@ class GRPOStep:
                                    share=self.cfg.algorithm.share_videos)
             prompts, parts = getattr(model, "_mmpg_shared", (0, 0))
             self.shared_prompts += prompts - parts  # prompts forwarded behind another's shared part
+            self.row_tokens = max(self.row_tokens, getattr(model, "_mmpg_row_tokens", 0))
             return out
         return repeated_logprobs(*args, temperature=self.cfg.rollout.temperature)
 
@@ -294,7 +306,7 @@ class GRPOStep:
         mbs = self._micro_batches(groups)
         chunks = self._chunk_sizes(mbs)
         masks = [self._loss_mask(mb) for mb in mbs]
-        denom = dist.all_sum([sum(algos.loss_denominator(m, alg.loss_type, cfg.rollout.max_new_tokens)
+        denom = dist.data_sum([sum(algos.loss_denominator(m, alg.loss_type, cfg.rollout.max_new_tokens)
                                   for m, mb in zip(masks, mbs) if not mb.dummy)], self._coll_device)[0]
         old, ref = [None] * len(mbs), [None] * len(mbs)
         with timer("logprob"), torch.no_grad(), without_dropout(self.policy):
@@ -334,13 +346,15 @@ class GRPOStep:
                 norm = engine.get_global_grad_norm()
                 norm = own_norm if norm is None else norm
                 grad_norms.append(float(norm) if norm is not None else float("nan"))
-        totals = dist.all_sum([sums[k] for k in sums if k != "gap_max"], self._coll_device)
+        totals = dist.data_sum([sums[k] for k in sums if k != "gap_max"], self._coll_device)
         out = dict(zip([k for k in sums if k != "gap_max"], totals))
         out["gap_max"] = dist.all_max([sums["gap_max"]], self._coll_device)[0]
         out["grad_norm"] = grad_norms[-1]
         out["lr"] = float(engine.get_lr()[0])
         # prompts that the update's grouped forward packed behind another prompt's shared video (all ranks)
-        out["shared_prompts"] = dist.all_sum([self.shared_prompts / alg.num_iterations], self._coll_device)[0]
+        out["shared_prompts"] = dist.data_sum([self.shared_prompts / alg.num_iterations], self._coll_device)[0]
+        out["row_tokens"] = dist.all_max([self.row_tokens], self._coll_device)[0]
+        self.row_tokens = 0
         out.update(checks)  # check/* on the steps that ran the self-check
         return out
 
@@ -375,7 +389,7 @@ class GRPOStep:
         self.vision.take()  # count this step's encodes only
         groups, info = self.collect(step, timer)
         self.advantages(groups)
-        if dist.all_sum([sum(not g.dummy for g in groups)], self._coll_device)[0] == 0 or \
+        if dist.data_sum([sum(not g.dummy for g in groups)], self._coll_device)[0] == 0 or \
                 not dist.all_true(len(groups) > 0, self._coll_device):
             # dynamic sampling kept no group on any rank (or a rank has not even a dummy): nothing to train
             sums = {"skipped_update": 1.0}

@@ -16,6 +16,8 @@ Metrics (one `metrics.jsonl` line per step, also TensorBoard), over the whole gl
         DRIFT_STEPS steps in a row (also a warning in train.log and the inspector)
     perf/tokens_per_s (prompt + response tokens of the global batch / step seconds), perf/peak_memory_mb,
     perf/shared_prompts (prompts the update's grouped forward packed behind another query's shared video),
+    perf/row_tokens (the most tokens of a packed row one rank held in the update's grouped forward: the whole row,
+        or its shard under sequence parallelism, parallel.sequence_parallel_size),
     perf/videos (distinct videos among the step's groups), perf/vision_calls (videos the vision towers of the policy
         and the reference encoded in the step's rollout, reference and update forwards, all ranks; not a vLLM
         server's; with a video's queries shared about perf/videos per forward pass), perf/prefix_tokens (prompt
@@ -79,6 +81,7 @@ def step_metrics(summaries: list[dict], sums: dict, infos: list[dict], skipped_t
         m["actor/grad_norm"] = sums["grad_norm"]
         m["actor/lr"] = sums["lr"]
         m["perf/shared_prompts"] = sums.get("shared_prompts", 0.0)
+        m["perf/row_tokens"] = sums.get("row_tokens", 0.0)
     else:
         m["actor/skipped_update"] = 1.0
     m["data/skipped"] = float(sum(i["skipped"] for i in infos))

@@ -21,7 +21,7 @@ from mmpg.rl.rewards import make_scorer
 from mmpg import dist
 from mmpg.train.data import make_train_loader
 from mmpg.train.loop import StepOutput, run_loop
-from mmpg.train.setup import load_train_samples, open_session, video_spec
+from mmpg.train.setup import check_sequence_parallel, load_train_samples, open_session, video_spec
 
 log = logging.getLogger("mmpg.train")
 
@@ -36,8 +36,13 @@ def check_grpo_config(cfg: Config) -> None:
         raise UserError(f"trainer.micro_batch_size={cfg.trainer.micro_batch_size} responses would split a group of "
                         f"rollout.n={g}; use a multiple of {g} (a group stays whole in one micro-batch)")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; the process group is not up yet
-    if cfg.data.batch_size % world:
-        raise UserError(f"data.batch_size={cfg.data.batch_size} prompts cannot be split evenly over {world} ranks")
+    data_ranks = check_sequence_parallel(cfg, world)
+    if cfg.data.batch_size % data_ranks:
+        raise UserError(f"data.batch_size={cfg.data.batch_size} prompts cannot be split evenly over {data_ranks} "
+                        f"{'ranks' if data_ranks == world else 'sequence-parallel groups'}")
+    if cfg.parallel.sequence_parallel_size > 1 and cfg.rollout.engine == "vllm":
+        raise UserError("parallel.sequence_parallel_size > 1 with rollout.engine=vllm is not supported yet (the "
+                        "ranks of a group would each ask the server for their share; untested): use rollout.engine=hf")
     if cfg.rollout.engine == "vllm":
         check_vllm_config(cfg)
 
@@ -73,13 +78,17 @@ class GRPOJob:
 
             ref = load_policy(ref_path, dtype=session.dtype, attn_implementation=cfg.model.attn_implementation,
                               device=session.device)
+            if session.sp > 1:  # the reference's grouped forward spreads its rows like the policy's
+                from mmpg.grouping import apply_grouped_attention
+
+                apply_grouped_attention(ref, sequence_group=dist.sequence_group())
             self.ref = wrap_frozen(ref, cfg, session.world, session.dtype)
         from mmpg.data.prompts import get_template
 
         template = get_template(cfg.data.template)
         self.position = int(session.state.get("data_position", 0))  # stream position of the next global batch
         loader = make_train_loader(samples, video_spec(cfg, session.family), session.processor, template,
-                                   global_batch=cfg.data.batch_size, rank=session.rank, world=session.world,
+                                   global_batch=cfg.data.batch_size, rank=dist.data_rank(), world=dist.data_size(),
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
                                    num_workers=cfg.data.num_workers, strict=cfg.data.strict,
                                    queries_per_video=cfg.data.queries_per_video)
@@ -111,12 +120,13 @@ class GRPOJob:
     def train_step(self, step: int) -> StepOutput:
         sums, groups, info = self.step_fn.run(step)
         groups = [g for g in groups if not g.dummy]  # lockstep stand-ins are not the step's data
-        summaries = dist.gather_objects([group_summary(g) for g in groups])
-        infos = dist.gather_objects(info)
+        # over the ranks holding different samples (the ranks of a sequence-parallel group hold the same)
+        summaries = dist.gather_data([group_summary(g) for g in groups])
+        infos = dist.gather_data(info)
         write_rollouts = self.cfg.logging.rollouts_every > 0 and step % self.cfg.logging.rollouts_every == 0
         local_records = group_records(step, groups, 0, {}, self.cfg.reward.swap_reversed) if write_rollouts else []
-        media = dist.gather_objects(self._media(groups) if write_rollouts else [])
-        records = dist.gather_objects(local_records)
+        media = dist.gather_data(self._media(groups) if write_rollouts else [])
+        records = dist.gather_data(local_records)
         flat = [r for rank_records in records for r in rank_records]
         for i, r in enumerate(flat):
             r.group_index = i

@@ -13,6 +13,7 @@ on target positions. Same config tree, DeepSpeed engine, run directory, step loo
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -28,7 +29,7 @@ from mmpg import dist
 from mmpg.train.data import make_train_loader
 from mmpg.train.engine import stage0_grad_norm
 from mmpg.train.loop import StepOutput, run_loop
-from mmpg.train.setup import load_train_samples, open_session, video_spec
+from mmpg.train.setup import check_sequence_parallel, load_train_samples, open_session, video_spec
 
 log = logging.getLogger("mmpg.train")
 
@@ -54,7 +55,7 @@ class SFTJob:
         self.template = get_template(cfg.data.template)
         self.position = int(session.state.get("data_position", 0))
         loader = make_train_loader(samples, video_spec(cfg, session.family), session.processor, self.template,
-                                   global_batch=cfg.data.batch_size, rank=session.rank, world=session.world,
+                                   global_batch=cfg.data.batch_size, rank=dist.data_rank(), world=dist.data_size(),
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
                                    num_workers=cfg.data.num_workers, strict=cfg.data.strict,
                                    queries_per_video=cfg.data.queries_per_video)
@@ -117,22 +118,22 @@ class SFTJob:
         while len(mbs) < target:  # lockstep filler (ZeRO-3), weight 0
             mbs.append(micro_batches(groups[:1], 1, self.pad_id)[0])
             mbs[-1].dummy = True
-        tokens = dist.all_sum([sum(float(mb.completion_mask.sum()) for mb in mbs if not mb.dummy)], self.coll)[0]
+        tokens = dist.data_sum([sum(float(mb.completion_mask.sum()) for mb in mbs if not mb.dummy)], self.coll)[0]
         loss_sum = 0.0
         for i, mb in enumerate(mbs):
             engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
             logp = engine(self._nll, mb, 2048)
             mask = mb.completion_mask.to(logp.device).float() * (0.0 if mb.dummy else 1.0)
             loss = -(logp * mask).sum() / tokens
-            engine.backward(loss * self.session.world, scale_wrt_gas=False)
+            engine.backward(loss * dist.data_size(), scale_wrt_gas=False)  # DeepSpeed averages over data ranks
             own_norm = stage0_grad_norm(engine) if i == len(mbs) - 1 else None
             engine.step()
             loss_sum += float(loss)
-        infos = dist.gather_objects({"skipped": len(batch.skipped), "prompt_tokens": sum(
+        infos = dist.gather_data({"skipped": len(batch.skipped), "prompt_tokens": sum(
             int(g.inputs["input_ids"].shape[1]) for g in groups), "vision_calls": self.vision.take(),
             "videos": {video_key(s) for s in batch.samples}})
         self.skipped_total += sum(i["skipped"] for i in infos)
-        loss_total = dist.all_sum([loss_sum], self.coll)[0]
+        loss_total = dist.data_sum([loss_sum], self.coll)[0]
         if self.session.rank != 0:
             return StepOutput(metrics=None)
         norm = engine.get_global_grad_norm()
@@ -157,6 +158,7 @@ class SFTJob:
 
 def sft(cfg: Config, command: list[str]) -> int:
     """Run (or resume) a supervised warm start; returns the exit status."""
+    check_sequence_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the launcher's; no process group yet
     samples = load_train_samples(cfg)
     micro = cfg.trainer.micro_batch_size
     session = open_session(cfg, "sft", command, micro_batch=micro, total_updates=cfg.trainer.total_steps)

@@ -130,7 +130,13 @@ def lr_lambda(total_updates: int, warmup: int, kind: str, min_ratio: float):
 
 def build_engine(model, cfg, world_size: int, micro_batch: int, dtype: str, total_updates: int):
     """Wrap `model` (already on its device, in its dtype) into a DeepSpeed engine with AdamW and the LR schedule.
-    The engine's module is a `TrainModule`; the policy is `engine.module.policy`."""
+    The engine's module is a `TrainModule`; the policy is `engine.module.policy`.
+
+    Sequence parallelism (parallel.sequence_parallel_size) needs nothing of DeepSpeed here: every rank's gradient is
+    a whole replica of its group's gradient (`mmpg.grouping.sequence`), so DeepSpeed averages over all ranks, in every
+    ZeRO stage, exactly as over data-parallel ranks. (Handing DeepSpeed 0.19.8 its Ulysses groups object instead makes
+    ZeRO 0-2 sum the sp ranks' gradients but ZeRO-3's default reduce-scatter average them: a run's gradient would
+    depend on the stage.)"""
     import deepspeed
 
     conf = deepspeed_config(cfg, world_size, micro_batch, dtype)

@@ -36,6 +36,7 @@ class Session:
     engine: object
     family: str
     writer: RunWriter
+    sp: int = 1  # parallel.sequence_parallel_size: ranks sharing each packed row (mmpg.dist)
     start_step: int = 0  # last completed step (0 for a fresh run)
     state: dict = dataclasses.field(default_factory=dict)  # trainer state of the resumed checkpoint
 
@@ -99,6 +100,8 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     dtype = resolve_dtype_name(cfg.model.dtype, device)
     prepare_deepspeed_env(device)
     rank, world = dist.init(device, cfg.deepspeed.timeout_minutes)
+    sp = cfg.parallel.sequence_parallel_size
+    dist.set_sequence_parallel(sp)  # groups of sp consecutive ranks share each packed row
     run_dir = _run_dir(cfg)
     resume = find_resume(cfg.checkpoint.resume, run_dir)
     if resume is None and ((run_dir / METRICS_JSONL).exists() or (run_dir / RUN_JSON).exists()):
@@ -107,6 +110,10 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     model, processor = load_models(cfg, device, dtype)
     family = model_family(model)
     params = trainable_summary(model)  # before DeepSpeed partitions anything
+    if sp > 1:  # every grouped forward of this policy spreads its packed row over the sequence-parallel group
+        from mmpg.grouping import apply_grouped_attention
+
+        apply_grouped_attention(model, sequence_group=dist.sequence_group())
     engine = build_engine(model, cfg, world, micro_batch, dtype, total_updates)
     start, state = 0, {}
     if resume is not None:
@@ -115,17 +122,53 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     writer = RunWriter(run_dir, rank=rank, tensorboard=cfg.logging.tensorboard)
     config_yaml = f"{to_yaml(cfg)}# {params['text']}\n"  # the count as a comment: YAML readers skip it
     writer.start(config_yaml, kind=kind, command=command, resume_step=start if resume is not None else None,
-                 extra={"parameters": params})
+                 extra={"parameters": params, "sequence_parallel_size": sp})
     _setup_logging(run_dir, rank)
     if rank == 0:
         print(f"[mmpg] resolved config ({kind}):\n{config_yaml}", flush=True)
         log.info("%s", params["text"])
-        log.info("run directory %s; %s, %s, %d rank(s), ZeRO stage %s%s", run_dir, device, dtype, world,
+        log.info("run directory %s; %s, %s, %d rank(s)%s, ZeRO stage %s%s", run_dir, device, dtype, world,
+                 f" = {world // sp} data-parallel x {sp} sequence-parallel" if sp > 1 else "",
                  engine.zero_optimization_stage(), f"; resumed from {resume} (step {start})" if resume else "")
         log.info("attention: %s", attention_summary(model, device))
     return Session(cfg=cfg, device=device, dtype=dtype, rank=rank, world=world, run_dir=run_dir,
                    model=engine.module.policy, processor=processor, engine=engine, family=family, writer=writer,
-                   start_step=start, state=state)
+                   sp=sp, start_step=start, state=state)
+
+
+def _model_config(cfg) -> dict | None:
+    """model.path's config.json (nothing loaded), or None when it cannot be read (loading then says why)."""
+    import json
+
+    try:
+        return json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_sequence_parallel(cfg, world: int) -> int:
+    """parallel.sequence_parallel_size against the launcher's ranks, the model's attention heads (read from
+    model.path's config.json) and the settings that cannot run under it: one UserError line each, before anything
+    is loaded or written. Returns the number of data-parallel ranks (world / sp)."""
+    from mmpg.grouping.ulysses import check_heads
+
+    sp = cfg.parallel.sequence_parallel_size
+    if sp <= 1:
+        return world
+    if world % sp:
+        raise UserError(f"parallel.sequence_parallel_size={sp} does not divide the {world} launched ranks; launch a "
+                        f"multiple of {sp} processes")
+    if not getattr(cfg.algorithm, "grouping", True):
+        raise UserError(f"parallel.sequence_parallel_size={sp} needs algorithm.grouping=true (the repeated forward "
+                        "does not spread its rows over ranks)")
+    config = _model_config(cfg) or {}
+    text = config.get("text_config", config)
+    heads = text.get("num_attention_heads")
+    if heads:
+        problem = check_heads(int(heads), int(text.get("num_key_value_heads") or heads), sp)
+        if problem:
+            raise UserError(f"parallel.sequence_parallel_size={sp}: {problem} ({cfg.model.path})")
+    return world // sp
 
 
 def check_video_budget(cfg) -> None:
