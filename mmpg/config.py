@@ -106,6 +106,12 @@ class RolloutConfig:
                      "and read once per step, each row's own tokens apart, merged by log-sum-exp), copy (the "
                      "prefill's K/V copied G ways; same tokens, more memory and time on long prompts), or auto "
                      "(cascade on the CPU, copy on CUDA until the cascade GPU kernels have been tested).")
+    prefill_chunk: int = _f(8192, "hf engine: a prompt longer than this many tokens is prefilled in chunks of it "
+                            "behind the cache, and its video encoded in frame chunks of at most this many tokens, so "
+                            "the prefill's activation peak follows the chunk, not the video (same tokens; "
+                            "mmpg.rollout.chunks; mmpg eval has its own prefill_chunk setting). 8192: typical "
+                            "grounding prompts (a few thousand tokens) keep the one-forward path, and a chunk that "
+                            "long is compute-bound on a GPU, so extra chunks cost little time. 0: never chunk.")
     vllm_url: str = _f("http://127.0.0.1:8000", "rollout.engine=vllm: address of the `mmpg vllm-serve` server "
                        "(scripts/vllm_serve.sh); it must see the trainer's files (weight sync goes through one).")
     vllm_timeout_s: float = _f(600.0, "rollout.engine=vllm: most seconds one request (a rollout batch, a weight "

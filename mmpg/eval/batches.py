@@ -217,7 +217,8 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
 
     coll = "cuda" if str(session.device).startswith("cuda") else "cpu"
     engine = HFEngine(model, processor, all_done=(lambda d: dist.all_true(d, coll)) if lockstep else None,
-                      share_videos=settings.share_videos)  # false: every query prefilled on its own (A/B)
+                      share_videos=settings.share_videos,  # false: every query prefilled on its own (A/B)
+                      prefill_chunk=settings.prefill_chunk)
     checker = SelfCheck(settings.self_check, what="decode engine") \
         if settings.self_check != "off" and not lockstep else None
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, logprobs=checker is not None)

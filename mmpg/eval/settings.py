@@ -19,7 +19,7 @@ from mmpg.errors import UserError
 
 # Settings that change the numbers (stored in eval.json and the report, compared on a rerun). The others only change
 # how fast the same predictions are made.
-RUNTIME_ONLY = ("batch_size", "share_videos", "num_workers", "device", "self_check")
+RUNTIME_ONLY = ("batch_size", "share_videos", "num_workers", "device", "self_check", "prefill_chunk")
 
 
 @dataclass
@@ -55,6 +55,9 @@ class EvalSettings:
                             "batch_size queries; a video with more is split), so the video is decoded once per "
                             "batch and can be prefilled and encoded once for all its questions; false: fixed "
                             "batches of batch_size queries in annotation order (mmpg/eval/batches.py).")
+    prefill_chunk: int = _f(8192, "A prompt longer than this many tokens is prefilled in chunks of it, its video "
+                            "encoded in frame chunks (as training's rollout.prefill_chunk): memory follows the chunk, "
+                            "not the video; the same answers. 0: one forward per batch.")
     num_workers: int = _f(2, "DataLoader workers decoding videos (0: in the main process).")
     device: str = _f("auto", "auto (cuda when available), cpu or cuda.")
     self_check: str = _f("on", "Compare the decode engine's logprobs of the first batch's answers (and of any later "
@@ -98,6 +101,7 @@ def _validate(s: EvalSettings) -> None:
         ("batch_size", s.batch_size >= 1, "must be >= 1"),
         ("max_samples", s.max_samples >= 0, "must be >= 0 (0: all)"),
         ("num_workers", s.num_workers >= 0, "must be >= 0"),
+        ("prefill_chunk", s.prefill_chunk >= 0, "must be >= 0 (0: no chunking)"),
     ] + [(k, getattr(s, k) is None or getattr(s, k) > 0, "must be > 0 or null")
          for k in ("min_pixels", "max_pixels", "total_pixels")]
     for key, ok, what in checks:

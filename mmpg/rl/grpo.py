@@ -83,7 +83,8 @@ class GRPOStep:
             self.pad_id = HFEngine(self.policy, processor)._pad_id()
         else:
             self.rollout_engine = HFEngine(self.policy, processor, all_done=sync, decode=cfg.rollout.decode,
-                                           share_videos=cfg.algorithm.share_videos)
+                                           share_videos=cfg.algorithm.share_videos,
+                                           prefill_chunk=cfg.rollout.prefill_chunk)
             self.pad_id = self.rollout_engine._pad_id()
         self.batches_pulled = 0  # global batches consumed (the data position is start + this * batch_size)
         self.checker = SelfCheck(cfg.algorithm.self_check if cfg.algorithm.grouping else "off")

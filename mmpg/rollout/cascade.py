@@ -27,10 +27,11 @@ while a per-row mask would rule out `flash_attn_with_kvcache`; the extra kernel 
 
 `SharedPrefixCache` is a transformers `Cache` (one `CascadeLayer` per decoder layer) the engine owns: the prefill
 forward stores the B prompts' K/V in it once (the model's own attention computes the prefill; under a tree the packed
-prefill's K/V is gathered into the two levels, `TreeSplit`); `start_decode(rows)` sets which prompt each of the N
-rows answers; each decode forward appends one own token per live row into a preallocated buffer and the attention
-function of `mmpg.rollout.cascade_attention` does the cascade. Rows that finish leave with `reorder_cache(keep)`;
-entries (prompts, tails, shares) whose rows all finished leave their level.
+prefill's K/V is gathered into the two levels, `TreeSplit`; a chunked prefill appends chunk after chunk, and a
+chunked tree fills the shared level in chunks and then the tails level, `expect_tails`); `start_decode(rows)` sets
+which prompt each of the N rows answers; each decode forward appends one own token per live row into a preallocated
+buffer and the attention function of `mmpg.rollout.cascade_attention` does the cascade. Rows that finish leave with
+`reorder_cache(keep)`; entries (prompts, tails, shares) whose rows all finished leave their level.
 
 Where this departs from Hydragen / FlashInfer: no paged KV and no inter-request sharing; the prefix is the whole
 prompt (video included) or a shared part found from the inputs, and the rows' own K/V are dense per row; the CPU
@@ -140,14 +141,25 @@ class CascadeLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Prefill: store [B, Hkv, L, D] as the prefix (or gather a tree's packed [1, Hkv, T, D] into its two levels)
-        and return it (the prefill's attention runs on it). Decode: write [n, Hkv, 1, D] at own position own_len and
-        return the own K/V so far [n, Hkv, own_len + 1, D]."""
+        and return it (the prefill's attention runs on it); a chunked prefill's later chunks [B, Hkv, C, D] are
+        appended to the prefix, and the prefix so far is returned. Decode: write [n, Hkv, 1, D] at own position
+        own_len and return the own K/V so far [n, Hkv, own_len + 1, D]."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if not self.owner.decoding:
-            if self.level_keys:
-                raise RuntimeError("SharedPrefixCache holds one prefill; call start_decode before decoding")
             split = self.owner.split
+            if self.owner.tails:  # a chunked tree prefill's tails [Q, Hkv, L_t, D], behind the shared parts
+                if len(self.level_keys) != 1:
+                    raise RuntimeError("SharedPrefixCache.expect_tails needs the shared parts prefilled first")
+                self.level_keys.append(key_states.contiguous())
+                self.level_values.append(value_states.contiguous())
+                return self.level_keys[1], self.level_values[1]
+            if self.level_keys and (split is not None or len(self.level_keys) > 1):
+                raise RuntimeError("SharedPrefixCache holds one prefill; call start_decode before decoding")
+            if split is None and self.level_keys:  # a later chunk of a chunked prefill: its K/V behind the earlier
+                self.level_keys = [torch.cat([self.level_keys[0], key_states], dim=2)]
+                self.level_values = [torch.cat([self.level_values[0], value_states], dim=2)]
+                return self.level_keys[0], self.level_values[0]
             if split is None:
                 self.level_keys, self.level_values = [key_states.contiguous()], [value_states.contiguous()]
             else:
@@ -202,6 +214,7 @@ class SharedPrefixCache(Cache):
         self.capacity = capacity
         self.decoding = False
         self.split: TreeSplit | None = None  # set by expect_tree before a packed tree prefill
+        self.tails = False  # set by expect_tails: the next prefill forward is a chunked tree's tails
         self.levels: list[_Level] = []  # [prefixes] or [shared parts, tails]
         self.row_query: torch.Tensor | None = None  # [n] the query (prompt) of each live row, original ids
 
@@ -230,6 +243,14 @@ class SharedPrefixCache(Cache):
             raise RuntimeError("SharedPrefixCache.expect_tree must come before the prefill")
         self.split = split
 
+    def expect_tails(self, split: TreeSplit) -> None:
+        """A chunked tree prefill (`HFEngine._prefill_tree_chunked`): the shared parts were prefilled as a left-padded
+        batch [S, L_s] (level 0, as `split.shared_mask` pads them); the next forward holds the tails [Q, L_t]
+        (level 1, padded as `split.tail_mask`), attending through `mmpg.rollout.cascade_attention.tails_attention`."""
+        if any(len(layer.level_keys) != 1 for layer in self.layers):
+            raise RuntimeError("SharedPrefixCache.expect_tails comes after the shared parts' prefill")
+        self.split, self.tails = split, True
+
     def start_decode(self, row_prompt: torch.Tensor, prompt_mask: torch.Tensor | None = None) -> None:
         """After the prefill. row_prompt [N]: the prompt of each row (non-decreasing); prompt_mask [B, L] bool: the
         prefill's attention mask (left padding False). Under a tree the masks come from its `TreeSplit`."""
@@ -241,7 +262,7 @@ class SharedPrefixCache(Cache):
             self.levels = [_Level(prompt_mask)]
         else:
             self.levels = [_Level(self.split.shared_mask, self.split.query_share), _Level(self.split.tail_mask)]
-        self.decoding = True
+        self.decoding, self.tails = True, False
         self._place(row_prompt)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -16,6 +16,12 @@ Under a tree (`mmpg.rollout.shares`) a third part joins: the tails level, rows o
 The tree's prefill is one packed forward whose layer calls carry `mmpg_layout` too: they run mmpg's grouped attention
 (`mmpg.grouping.attention`, registered for the same base) under that layout.
 
+Two prefill forms of long prompts (`mmpg.rollout.chunks`) run here too. A chunk of a chunked prefill carries
+`mmpg_prefill_chunk=<ChunkCall>` (either decode mode): `chunk_attention` reads the cache's keys so far (GQA folded,
+key mask only) and the chunk's own keys (causal), merged by log-sum-exp, so no [chunk × prompt] mask is ever built.
+A chunked tree's tails forward carries a `CascadeCall(tails=True)`: `tails_attention` reads each share's shared part
+once for all its queries' tail tokens and each tail causally, merged the same way.
+
 `cascade_attention_enabled(model)` selects the registered name for the text model for the duration of a `with` block
 and restores the previous one after (the vision tower keeps its own attention). No modeling code is copied and no
 module's `forward` is replaced.
@@ -33,11 +39,12 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask,
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from mmpg.grouping.attention import LAYOUT_KWARG, base_attention, check_tripwire, register_grouped_attention
-from mmpg.rollout.cascade import SharedPrefixCache
-from mmpg.rollout.cascade_kernels import attend
+from mmpg.rollout.cascade import SharedPrefixCache, _Rows
+from mmpg.rollout.cascade_kernels import _flash_cpu, attend
 
 PREFIX = "mmpg_cascade_"
 CASCADE_KWARG = "mmpg_cascade"
+CHUNK_KWARG = "mmpg_prefill_chunk"
 
 
 @dataclasses.dataclass
@@ -51,15 +58,36 @@ class CascadeCall:
     # one arriving in the attention kwargs was ignored by the model, and the call raises (`check_tripwire`)
     model_inputs: tuple[str, ...] = ()
     prefill: bool = False  # the prefill forward: the model's own attention fills the cache, after the tripwire
+    tails: bool = False  # a chunked tree's tails forward, behind its shared parts (`tails_attention`)
+
+
+@dataclasses.dataclass
+class ChunkCall:
+    """What one chunk of a chunked prefill hands every layer (`HFEngine._prefill_chunks`, `chunk_attention`)."""
+
+    key_mask: torch.Tensor | None  # [B, K] bool over the cache's keys so far and the chunk's (False: left padding)
+    backend: str  # a resolved name of `mmpg.rollout.cascade_kernels`
+    model_inputs: tuple[str, ...] = ()  # the tripwire's keys, as `CascadeCall.model_inputs`
 
 
 def _make_attention(base: str):
     def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         call = kwargs.pop(CASCADE_KWARG, None)
-        if call is None:
+        chunk = kwargs.pop(CHUNK_KWARG, None)
+        if call is None and chunk is None:
             return base_attention(base, module)(module, query, key, value, attention_mask, scaling=scaling,
                                                 dropout=dropout, **kwargs)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if chunk is not None:
+            check_tripwire(chunk.model_inputs, kwargs, module, "chunked prefill")
+            if kwargs.get("sliding_window") is not None:
+                raise ValueError("a chunked prefill does not support sliding-window layers; set prefill_chunk=0")
+            return chunk_attention(query, key, value, chunk.key_mask, scale, chunk.backend), None
         check_tripwire(call.model_inputs, kwargs, module, "cascade decoding")
+        if call.tails:
+            layer = call.cache.layers[module.layer_idx]
+            return tails_attention(query, layer.tail_keys, layer.tail_values, layer.prefix_keys, layer.prefix_values,
+                                   call.cache.split, scale, call.backend), None
         if call.prefill:
             # a packed tree prefill carries a layout: the grouped attention for this base runs it (and its tripwire)
             fn = ALL_ATTENTION_FUNCTIONS[register_grouped_attention(base)] if LAYOUT_KWARG in kwargs else \
@@ -67,7 +95,6 @@ def _make_attention(base: str):
             return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if kwargs.get("sliding_window") is not None:
             raise ValueError("cascade decoding does not support sliding-window layers (use_sliding_window=False)")
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         layer = call.cache.layers[module.layer_idx]
         return decode_attention(query, key, value, layer.prefix_keys, layer.prefix_values, call.cache, scale,
                                 call.backend, layer.tail_keys, layer.tail_values), None
@@ -136,14 +163,51 @@ def decode_attention(query, own_k, own_v, prefix_k, prefix_v, cache: SharedPrefi
         o, lse = attend(_stack(q, level.rows), k, v, level.mask, scale, backend)
         parts.append((_unstack(o, level.rows, rep), _unstack(lse[..., None], level.rows, rep)[..., 0]))
     parts.append(attend(q, own_k, own_v, None, scale, backend))
+    return _merge(parts, query.dtype).reshape(n, 1, hq, d)
+
+
+def _merge(parts, dtype) -> torch.Tensor:
+    """Attentions over disjoint key sets, [(o [..., E], lse [...])], merged by log-sum-exp into one, in `dtype`."""
     lse = parts[0][1]
     for _, lse_x in parts[1:]:
         lse = torch.logaddexp(lse, lse_x)
-    acc = lse.dtype if query.dtype != torch.float64 else torch.float64
+    acc = lse.dtype if dtype != torch.float64 else torch.float64
     out = parts[0][0].to(acc) * torch.exp(parts[0][1] - lse)[..., None]
     for o_x, lse_x in parts[1:]:
         out = out + o_x.to(acc) * torch.exp(lse_x - lse)[..., None]
-    return out.to(query.dtype).reshape(n, 1, hq, d)
+    return out.to(dtype)
+
+
+def tails_attention(query, tail_k, tail_v, shared_k, shared_v, split, scale: float, backend: str) -> torch.Tensor:
+    """The tails forward of a chunked tree prefill: query [Q, Hq, L_t, D] of every query's tail (left-padded as
+    split.tail_mask), tail K/V [Q, Hkv, L_t, D], shared K/V [S, Hkv, L_s, D] (padded as split.shared_mask) -> out
+    [Q, L_t, Hq, D]. Tail token l of query q attends to its share's whole shared part (one query block per share,
+    the Lt·rep queries of its tails folded into the query length, as decoding folds rows) and to tail tokens j <= l
+    of its own tail; the two parts merged by log-sum-exp. A padding query also sees itself (never read: no real
+    query attends to a padding key), so no row is empty."""
+    nq, hq, lt, d = query.shape
+    hkv = tail_k.shape[1]
+    rep = hq // hkv
+    q = query.reshape(nq, hkv, rep * lt, d)  # query head h = kv·rep + r, tail token l -> row r·L_t + l
+    rows = _Rows(split.query_share)
+    shared_mask = None if bool(split.shared_mask.all()) else split.shared_mask
+    o, lse = attend(_stack(q, rows), shared_k, shared_v, shared_mask, scale, backend)
+    parts = [(_unstack(o, rows, rep * lt), _unstack(lse[..., None], rows, rep * lt)[..., 0])]
+    at = torch.arange(lt, device=query.device)
+    own = (split.tail_mask[:, None, :] & (at[:, None] >= at[None, :])) | (at[:, None] == at[None, :])  # [Q, Lt, Lt]
+    parts.append(_masked_attention(q, tail_k, tail_v, own.repeat(1, rep, 1), scale))
+    out = _merge(parts, query.dtype)  # [Q, Hkv, rep·L_t, D]
+    return out.reshape(nq, hkv, rep, lt, d).permute(0, 3, 1, 2, 4).reshape(nq, lt, hq, d)
+
+
+def _masked_attention(q, k, v, mask, scale: float):
+    """q [B, H, Lq, D], k/v [B, H, Lk, D], mask [B, Lq, Lk] bool (every row has a True) -> (out [B, H, Lq, D] in q's
+    dtype, lse [B, H, Lq] float32 or float64), in float32 (float64 for float64 inputs): short tails only."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]), v.to(acc)).to(q.dtype), lse
 
 
 def _stack(q, rows) -> torch.Tensor:
@@ -164,3 +228,44 @@ def _unstack(x, rows, rep) -> torch.Tensor:
     if rows.equal:
         return x.reshape(-1, hkv, rep, e)
     return x[rows.group, rows.slot]
+
+
+def chunk_attention(query, key, value, key_mask, scale: float, backend: str) -> torch.Tensor:
+    """One chunk of a chunked prefill: query [B, Hq, C, D]; key/value [B, Hkv, K, D], the cache's keys so far with
+    the chunk's own last (K = past + C); key_mask [B, K] bool (False: left padding) or None -> out [B, C, Hq, D].
+
+        past part   every real past key:  [B, Hkv, rep·C, D] (GQA heads folded into Lq) x [B, Hkv, past, D]
+        own part    causal in the chunk:  key j <= query i, real keys only, and each query sees itself
+        merged by log-sum-exp
+
+    The same softmax as one causal forward over the whole prompt, without its [C, K] mask: memory follows the chunk.
+    A padding query's output is never read (no real query attends to a padding key); a row whose past is all padding
+    contributes no past part."""
+    b, hq, c, d = query.shape
+    hkv = key.shape[1]
+    rep, past = hq // hkv, key.shape[2] - c
+    parts = []
+    if past > 0:
+        mask = None if key_mask is None or bool(key_mask[:, :past].all()) else key_mask[:, :past]
+        empty = None if mask is None else ~mask.any(dim=1)  # [B] rows with no real past key yet
+        if empty is not None:
+            mask = mask | empty[:, None]  # their past part is computed on every key, then weighted 0
+        o, lse = attend(query.reshape(b, hkv, rep * c, d), key[:, :, :past], value[:, :, :past], mask, scale, backend)
+        lse = lse.reshape(b, hq, c)
+        if empty is not None and bool(empty.any()):
+            lse = lse.masked_fill(empty[:, None, None], float("-inf"))
+        parts.append((o.reshape(b, hq, c, d), lse))
+    own = None if key_mask is None else key_mask[:, past:]
+    at = torch.arange(c, device=query.device)
+    causal = at[:, None] >= at[None, :]  # [C, C]
+    mask = None if own is None or bool(own.all()) else (own[:, None, :] & causal) | (at[:, None] == at[None, :])
+    k, v = key[:, :, past:].repeat_interleave(rep, dim=1), value[:, :, past:].repeat_interleave(rep, dim=1)
+    if backend == "sdpa" and query.device.type == "cpu":  # torch's CPU flash kernel, with its LSE
+        additive = None if mask is None else \
+            query.new_zeros(mask.shape).masked_fill_(~mask, float("-inf"))[:, None]  # [B, 1, C, C]
+        o, lse = _flash_cpu(query, k, v, 0.0, additive is None, attn_mask=additive, scale=scale)
+        parts.append((o, lse.float()))
+    else:
+        full = causal.expand(b, c, c) if mask is None else mask
+        parts.append(_masked_attention(query, k, v, full, scale))
+    return _merge(parts, query.dtype).transpose(1, 2).contiguous()

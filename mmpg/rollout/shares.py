@@ -121,6 +121,22 @@ def tree_prefill(model, prefixes: Prefixes, visuals: list[dict] | None, shares: 
                        leaders)
 
 
+def tree_batches(tree: TreePrefill, pad_id: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The chunked form of a tree prefill (`HFEngine._prefill_tree_chunked`): the shared parts as a left-padded
+    batch (ids [S, L_s], attention mask [S, L_s], positions [A, S, L_s]) and the tails as one (ids [Q, L_t],
+    positions [A, Q, L_t]), padded exactly as `tree.split` pads the cache's two levels (pad ids `pad_id`, position
+    0). The packed row's grouped attention gives a tail token its share's shared part and its own earlier tail
+    tokens; the shared parts prefilled first (in chunks) and then the tails behind them give it the same keys."""
+    def batch(index, mask):
+        ids = torch.where(mask, tree.ids[index], torch.full_like(index, pad_id))
+        return ids, mask.long(), tree.positions[:, index] * mask
+
+    split = tree.split
+    shared = batch(split.shared_index, split.shared_mask)
+    ids, _, pos = batch(split.tail_index, split.tail_mask)
+    return shared, (ids, pos)
+
+
 def prefill_stats(prefixes: Prefixes, shares: list[Share] | None) -> dict:
     """`HFEngine.last_stats`: prompts B; prefixes, the prefills of a leading part (one per share, B without sharing);
     prefix_tokens, prompt tokens prefilled (each shared part once plus the tails); shared_prompts, prompts prefilled
