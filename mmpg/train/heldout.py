@@ -7,7 +7,7 @@
       --> eval/* metrics, which the loop appends to eval.jsonl for the curves
 
 Settings follow the training config: its prompt template, frames and pixels (data.*), eval.batch_size,
-eval.share_videos and eval.max_new_tokens, mmpg's scoring (scoring=mmpg) and failed videos left out of the metrics
+eval.share_videos and eval.max_new_tokens, rollout.prefill_chunk, mmpg's scoring (scoring=mmpg) and failed videos left out of the metrics
 (bad_videos=skip), as training's held-out numbers always were. Every rank decodes in lockstep (ZeRO-3 gathers
 weights in each forward).
 """
@@ -26,7 +26,7 @@ def heldout_settings(cfg) -> EvalSettings:
                         dtype=str(cfg.model.dtype), max_new_tokens=cfg.eval.max_new_tokens, bad_videos="skip",
                         max_samples=cfg.eval.max_samples, format=d.format, batch_size=cfg.eval.batch_size,
                         share_videos=cfg.eval.share_videos, num_workers=d.num_workers, device=cfg.trainer.device,
-                        self_check="off", scoring="mmpg")
+                        self_check="off", scoring="mmpg", prefill_chunk=cfg.rollout.prefill_chunk)
 
 
 def evaluate_heldout(job, step: int) -> dict | None:
