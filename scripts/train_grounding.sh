@@ -16,6 +16,8 @@
 #              dev: never
 #   ZERO       1, 2 or 3: picks configs/deepspeed/zero$ZERO.json (default: what the config says); ZERO=3_offload for
 #              ZeRO-3 with CPU offload
+#   SP         ranks that share each packed row (parallel.sequence_parallel_size; long videos): divides the GPUs
+#              and the model's attention heads, e.g. SP=4 on 8 GPUs = 2 data-parallel groups of 4
 #   RESUME     auto (continue the run named by trainer.run_name from its latest checkpoint) or a checkpoint folder
 #   VLLM       1: sample rollouts with vLLM (rollout.engine=vllm). This script starts `mmpg vllm-serve` on this node
 #              (scripts/vllm_serve.sh; .venv-vllm is made on first use), waits for it inside the trainer
@@ -35,6 +37,7 @@ config="configs/grounding_qwen25vl_7b.yaml"
 if [ $# -gt 0 ] && [[ "$1" != *=* ]]; then config="$1"; shift; fi
 args=(--config "$config")
 [ -n "${ZERO:-}" ] && args+=("deepspeed.config=configs/deepspeed/zero${ZERO}.json")
+[ -n "${SP:-}" ] && args+=("parallel.sequence_parallel_size=$SP")
 [ -n "${RESUME:-}" ] && args+=(--resume "$RESUME")
 launcher=("${MMPG_DEEPSPEED:-deepspeed}")
 if [ -n "${HOSTFILE:-}" ]; then

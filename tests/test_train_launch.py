@@ -104,6 +104,25 @@ def test_sft_script_runs_mmpg_sft_through_the_same_launch(tmp_path):
     assert res.returncode == 2 and "mmpg sft has none" in res.stderr and argv is None
 
 
+def test_sp_knob_sets_sequence_parallelism(tmp_path):
+    res, argv = _launch(tmp_path, "scripts/train_grounding.sh", {"NUM_GPUS": "8", "SP": "4"}, "a.b=1")
+    assert res.returncode == 0, res.stderr
+    assert argv == ("--num_gpus 8 --module mmpg.cli train --config configs/cpu_demo.yaml "
+                    "parallel.sequence_parallel_size=4 a.b=1")
+
+
+def test_the_long_video_config_loads_and_fits_its_heads():
+    """configs/grounding_qwen25vl_7b_long.yaml: sp 4 over Qwen2.5-VL-7B's 28 query / 4 kv heads, a budget of 64k
+    video tokens, 16 prompts over the 2 data-parallel groups of 8 GPUs."""
+    from mmpg.config import load_config
+    from mmpg.grouping.ulysses import check_heads
+
+    cfg = load_config(ROOT / "configs" / "grounding_qwen25vl_7b_long.yaml")
+    sp = cfg.parallel.sequence_parallel_size
+    assert sp == 4 and check_heads(28, 4, sp) is None and cfg.data.batch_size % (8 // sp) == 0
+    assert cfg.data.total_pixels // (28 * 28) == 65536 and cfg.data.fps == 1.0
+
+
 @pytest.mark.parametrize("hosts, local", [("localhost slots=2", True), ("# this machine\n127.0.0.1 slots=2\n", True),
                                           ("node1 slots=8\nnode2 slots=8", False),
                                           ("localhost slots=2\nnode2 slots=2", False)])
