@@ -20,8 +20,8 @@ CHOICES = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "data.template": ("time_r1", "time_r1_frames", "answer_only"),
     # mmpg.data.formats.FORMAT_CHOICES (tests/test_config.py keeps the two equal)
-    "data.format": ("auto", "charades", "captions", "time_r1", "tvgbench", "jsonl", "activitynet", "anet",
-                    "charades_json", "charades_txt"),
+    "data.format": ("auto", "charades", "captions", "time_r1", "tvgbench", "timelens", "jsonl", "activitynet", "anet",
+                    "charades_json", "charades_txt", "timelens_bench"),
 }
 
 

@@ -256,3 +256,42 @@ def test_gt_clamped_metric_counts_the_steps_clamped_groups(tmp_path):
     assert step_metrics(summaries, {}, [info], 0, "cpu")["data/gt_clamped"] == 4.0
     assert step_metrics(summaries[1:2], {}, [info], 0, "cpu")["data/gt_clamped"] == 0.0  # 3MSZA#1, inside
 
+
+
+def test_papers_scoring_keeps_every_record_with_a_readable_span(tmp_path):
+    """Evaluation under a paper's scoring (`keep_all`, what `mmpg eval` does for last_span and timelens) keeps what
+    training skips, as the papers' loaders do: TVGBench 5 of 5 (the real file: 800 of 800), TimeRFT 7 of 7, the
+    Charades-STA JSON 10 of 10. Spans the rule rejects stay as the file has them (raw_span None); sound ones are
+    clamped as before. A record without a readable span is still left out."""
+    tvg = load_annotations(write(tmp_path / "tvgbench.json", tvgbench_list()), None, strict=False, keep_all=True)
+    assert tvg.skipped == [] and len(tvg.samples) == 5 and all(s.as_written for s in tvg.samples)
+    zero, late = tvg.samples[3], tvg.samples[4]
+    assert (zero.sample_id, zero.span, zero.raw_span) == ("nlq_r1_val_3", (85.83, 85.83), None)
+    assert (late.sample_id, late.span, late.raw_span) == ("nlq_r1_val_4", (7.37, 32.75), None)
+    assert (tvg.samples[2].span, tvg.samples[2].raw_span) == ((14.1, 19.29), (14.1, 20.0))  # within the margin
+    for records, n in ((timerft_list(), 7), (charades_captions(), 10)):
+        res = load_annotations(write(tmp_path / "f.json", records), None, strict=False, keep_all=True)
+        assert (len(res.samples), res.skipped) == (n, [])
+    unreadable = tvgbench_list()[:2]
+    unreadable[1]["answer"] = "about 10 s"
+    res = load_annotations(write(tmp_path / "u.json", unreadable), None, strict=False, keep_all=True)
+    assert len(res.samples) == 1 and "expected 'START-END'" in res.skipped[0].reason
+    # training loads without keep_all: the 2 are skipped, counted
+    assert len(load_annotations(tmp_path / "tvgbench.json", None, strict=False).samples) == 3
+
+
+def test_dataset_keeps_as_written_spans_once_it_reads_the_duration(tmp_path, charades_videos):
+    """Charades-STA text has no durations: the dataset finds the problem when it reads the video (20 s). Loaded
+    as written, the sample is kept with its span as in the file; loaded for training, it fails, counted."""
+    ann = tmp_path / "charades_sta_test.txt"
+    ann.write_text("Z1DR8 20.5 21.0##starts after the end.\nZ1DR8 3.0 3.0##zero length.\nZ1DR8 3.0 21.1##late.\n")
+    spec = VideoSpec(fps=1.0, max_frames=4, min_pixels=4 * 28 * 28, max_pixels=4 * 28 * 28)
+    kept = GroundingDataset(load_annotations(ann, charades_videos, keep_all=True).samples, spec)
+    assert [(it.ok, it.sample.span, it.sample.raw_span, it.sample.duration) for it in kept.__getitems__([0, 1, 2])] \
+        == [(True, (20.5, 21.0), None, 20.0), (True, (3.0, 3.0), None, 20.0), (True, (3.0, 20.0), (3.0, 21.1), 20.0)]
+    trained = GroundingDataset(load_annotations(ann, charades_videos, strict=False).samples[:1], spec)
+    assert not trained[0].ok and "start at or past its end" in trained[0].error
+    from mmpg.data.formats import fill_durations
+
+    filled = fill_durations(load_annotations(ann, charades_videos, keep_all=True).samples)
+    assert [s.span for s in filled.samples] == [(20.5, 21.0), (3.0, 3.0), (3.0, 20.0)] and filled.skipped == []

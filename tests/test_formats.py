@@ -234,3 +234,39 @@ def test_write_jsonl_round_trip(tmp_path):
     assert '"span": [2.0, 20.3]' in (tmp_path / "clamped.jsonl").read_text()  # the file's span, not the clamped one
     again = load_annotations(tmp_path / "clamped.jsonl", None).samples
     assert [(s.span, s.raw_span) for s in again] == [((1.0, 5.0), None), ((2.0, 20.0), (2.0, 20.3))]
+
+
+TIMELENS = Path(__file__).parent / "fixtures" / "timelens"
+
+
+def test_timelens_bench_files():
+    """TimeLens-Bench's format ({video_id: {duration, spans, queries}}): ids VIDEO#k, `<video_id>.mp4`, a query's
+    whitespace squashed as its loader does; the end 0.38 s past 30.12 s is kept, clamped (raw_span the file's)."""
+    path = TIMELENS / "charades-timelens.json"
+    assert detect_format(path) == "timelens"
+    res = load_annotations(path, VIDEOS)
+    assert res.skipped == []
+    assert [(s.sample_id, s.video, s.duration, s.span, s.raw_span) for s in res.samples] == [
+        ("3MSZA#0", "/videos/3MSZA.mp4", 30.96, (24.3, 30.4), None),
+        ("3MSZA#1", "/videos/3MSZA.mp4", 30.96, (0.0, 7.2), None),
+        ("AO8RW#0", "/videos/AO8RW.mp4", 12.5, (2.5, 9.1), None),
+        ("KWZSA#0", "/videos/KWZSA.mp4", 30.12, (13.4, 30.12), (13.4, 30.5))]
+    assert res.samples[1].query == "The person places a book on the shelf."
+    assert res.samples[1].where == f"{path}['3MSZA'] query 1 (sample 3MSZA#1)"
+    qvh = load_annotations(TIMELENS / "qvhighlights-timelens.json", VIDEOS, fmt="timelens_bench").samples
+    assert [(s.sample_id, s.video, s.span) for s in qvh] == [
+        ("bP5KfdFJzC4_60.0_210.0#0", "/videos/bP5KfdFJzC4_60.0_210.0.mp4", (12.0, 40.0)),
+        ("bP5KfdFJzC4_60.0_210.0#1", "/videos/bP5KfdFJzC4_60.0_210.0.mp4", (96.0, 150.0))]
+
+
+def test_timelens_bench_bad_records(tmp_path):
+    path = tmp_path / "activitynet-timelens.json"
+    path.write_text(json.dumps({
+        "v_a": {"duration": 60.0, "spans": [[[1.0, 5.0]], [4.0]], "queries": ["one span as [[s, e]]", "half"],
+                "split": "test"},
+        "v_b": {"duration": 60.0, "spans": [[1.0, 2.0]], "queries": []}}))
+    res = load_annotations(path, None, strict=False)
+    assert [(s.sample_id, s.span, s.meta) for s in res.samples] == [("v_a#0", (1.0, 5.0), {"split": "test"})]
+    assert [(w.split(".json", 1)[1], r) for w, r in res.skipped] == [
+        ("['v_a'] query 1", "span is [4.0], expected [start, end]"),
+        ("['v_b']", "needs lists 'spans' and 'queries' of equal length")]

@@ -10,6 +10,10 @@
   "start", "end", "source", ...}]`. The moment is `answer`, as in Time-R1's evaluation (`load_tvgbench`,
   `src/vllm_inference/data/data_loader.py`). `start` / `end` are not the moment: where set (252 of 800) they say
   where the clip file was cut from its source (end - start = duration), like TimeRFT's `video_start`; metadata only.
+- `timelens`: TimeLens-Bench (arXiv 2512.14698; `charades-timelens.json`, `activitynet-timelens.json`,
+  `qvhighlights-timelens.json`, read by `timelens/dataset/timelens_data.py` in TencentARC/TimeLens):
+  `{video_id: {"duration", "spans": [[s, e], ...], "queries": [...]}}`, the video `<video_id>.mp4`; a query's
+  whitespace runs become one space, as that loader does.
 - `jsonl`: mmpg's generic JSONL (data/README.md), one
   `{"id"?, "video", "duration"?, "query", "span": [s, e], "clip"?: [a, b]}` per line.
 
@@ -22,6 +26,9 @@ where an already cut clip file came from in its source video; its timestamps are
 are ignored (not a window to cut). The list formats keep a record's other fields in `GroundingSample.metadata`.
 Spans follow one rule in every format (`mmpg.data.samples`): an end up to max(2 s, 10 %) past the duration is
 clamped (`raw_span` keeps the file's); farther out, start >= end, or a start at/past the duration is a skip.
+`keep_all=True` (evaluation under a paper's scoring) keeps those too, as written (`GroundingSample.as_written`):
+the papers' loaders keep every record (Time-R1's `load_tvgbench` and `load_charades`, TimeLens's `load_annos`), so
+their denominators count them; what is still left out is a record without a readable span.
 
 Bad records never crash a skip-mode load: with `strict=False` each one is left out and listed in
 `LoadResult.skipped` as (where, reason) and logged; with `strict=True` (default) the first one raises `UserError`
@@ -33,187 +40,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import re
-from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from mmpg.data.samples import GroundingSample, LoadResult, Skip, fit_span, frozen, resolve_video, span_problem
+from mmpg.data.records import (Bad, parse_captions, parse_charades, parse_jsonl, parse_list, parse_timelens,
+                                time_r1_record, tvgbench_record)
+from mmpg.data.samples import GroundingSample, LoadResult, Skip, fit_span, resolve_video, span_problem
 from mmpg.errors import UserError
 
 log = logging.getLogger("mmpg.data")
 
-FORMATS = ("charades", "captions", "time_r1", "tvgbench", "jsonl")
-_ALIASES = {"activitynet": "captions", "anet": "captions", "charades_json": "captions", "charades_txt": "charades"}
+FORMATS = ("charades", "captions", "time_r1", "tvgbench", "timelens", "jsonl")
+_ALIASES = {"activitynet": "captions", "anet": "captions", "charades_json": "captions", "charades_txt": "charades",
+            "timelens_bench": "timelens"}
 FORMAT_CHOICES = ("auto",) + FORMATS + tuple(_ALIASES)
 _CHARADES_LINE = re.compile(r"^\S+\s+[-+0-9.eE]+\s+[-+0-9.eE]+\s*##")
-_NUMBER = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+)"
-_TVG_ANSWER = re.compile(rf"^\s*{_NUMBER}\s*-\s*{_NUMBER}\s*$")  # "13.4-28.1"
 _TVG_FIELDS = ("path", "question", "answer")  # a list whose first record has these is TVGBench
-
-
-class _Bad(Exception):
-    """A record that cannot become a sample; carries the reason (the caller knows where)."""
-
-
-def _num(value: Any, what: str) -> float:
-    if isinstance(value, bool) or value is None:
-        raise _Bad(f"{what} is {value!r}, expected a number")
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise _Bad(f"{what} is {value!r}, expected a number") from None
-    if not math.isfinite(x):
-        raise _Bad(f"{what} is {value!r}, expected a finite number")
-    return x
-
-
-def _pair(value: Any, what: str) -> tuple[float, float]:
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise _Bad(f"{what} is {value!r}, expected [start, end]")
-    return _num(value[0], f"{what} start"), _num(value[1], f"{what} end")
-
-
-def _text(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise _Bad(f"{what} is {value!r}, expected a non-empty string")
-    return value.strip()
-
-
-def _meta(entry: dict, used: tuple[str, ...]) -> tuple:
-    """The record's fields other than `used`, hashable (`GroundingSample.metadata`)."""
-    return tuple((str(k), frozen(v)) for k, v in entry.items() if k not in used)
-
-
-# Each parser yields (where, record) or (where, _Bad).
-# A record: dict(sample_id, video, duration, query, span, clip, meta?), span as in the file (checked by the loader).
-
-def _parse_charades(path: Path, text: str) -> Iterator[tuple[str, Any]]:
-    seen: Counter = Counter()
-    for lineno, line in enumerate(text.splitlines(), 1):
-        where = f"{path}:{lineno}"
-        if not line.strip():
-            continue
-        head, sep, sentence = line.partition("##")
-        parts = head.split()
-        if not sep or len(parts) != 3:
-            yield where, _Bad(f"malformed line {line.strip()[:60]!r}, expected 'VIDEO_ID START END##sentence'")
-            continue
-        try:
-            vid = parts[0]
-            rec = dict(sample_id=f"{vid}#{seen[vid]}", video=vid, duration=None, clip=None,
-                       query=_text(sentence, "sentence"),
-                       span=(_num(parts[1], "start"), _num(parts[2], "end")))
-        except _Bad as bad:
-            yield where, bad
-            continue
-        seen[vid] += 1
-        yield where, rec
-
-
-def _parse_captions(path: Path, data: Any) -> Iterator[tuple[str, Any]]:
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object {{video_id: {{duration, timestamps, sentences}}}}")
-    for vid, entry in data.items():
-        where = f"{path}[{vid!r}]"
-        try:
-            if not isinstance(entry, dict):
-                raise _Bad("expected an object with duration, timestamps, sentences")
-            stamps, sents = entry.get("timestamps"), entry.get("sentences")
-            if not isinstance(stamps, list) or not isinstance(sents, list) or len(stamps) != len(sents):
-                raise _Bad("needs lists 'timestamps' and 'sentences' of equal length")
-            duration = None if entry.get("duration") is None else _num(entry["duration"], "duration")
-        except _Bad as bad:
-            yield where, bad
-            continue
-        for k, (stamp, sent) in enumerate(zip(stamps, sents)):
-            try:
-                yield f"{where} sentence {k}", dict(
-                    sample_id=f"{vid}#{k}", video=vid, duration=duration, clip=None,
-                    query=_text(sent, "sentence"), span=_pair(stamp, "timestamp"))
-            except _Bad as bad:
-                yield f"{where} sentence {k}", bad
-
-
-def _parse_list(path: Path, data: Any, fields: str, record) -> Iterator[tuple[str, Any]]:
-    """The JSON-list formats: `record(i, entry, seen)` turns one object into a record (or raises _Bad); `seen`
-    counts the records kept per video stem, for the `<stem>#k` ids."""
-    if not isinstance(data, list):
-        raise UserError(f"{path}: expected a JSON list of {{{fields}}} objects")
-    seen: Counter = Counter()
-    for i, entry in enumerate(data):
-        where = f"{path}[{i}]"
-        try:
-            if not isinstance(entry, dict):
-                raise _Bad("expected an object")
-            rec = record(i, entry, seen)
-        except _Bad as bad:
-            yield where, bad
-            continue
-        seen[Path(rec["video"]).stem] += 1
-        yield where, rec
-
-
-def _time_r1_record(i: int, entry: dict, seen: Counter) -> dict:
-    video = _text(entry.get("video"), "video")
-    vid = Path(video).stem
-    stamp = entry.get("timestamp", entry.get("timestamps"))
-    if isinstance(stamp, list) and len(stamp) == 1 and isinstance(stamp[0], list):
-        stamp = stamp[0]  # [[s, e]] written as a one-element list of spans
-    return dict(sample_id=str(entry.get("id", entry.get("qid", f"{vid}#{seen[vid]}"))), video=video, clip=None,
-                duration=None if entry.get("duration") is None else _num(entry["duration"], "duration"),
-                query=_text(entry.get("sentence", entry.get("query")), "sentence"), span=_pair(stamp, "timestamp"),
-                meta=_meta(entry, ("video", "duration", "timestamp", "timestamps", "sentence", "query", "id", "qid")))
-
-
-def _tvgbench_record(i: int, entry: dict, seen: Counter) -> dict:
-    video = _text(entry.get("path"), "path")
-    vid = Path(video).stem
-    answer = entry.get("answer")
-    match = _TVG_ANSWER.match(answer) if isinstance(answer, str) else None
-    if match is None:
-        raise _Bad(f"answer is {answer!r}, expected 'START-END' in seconds, e.g. '13.4-28.1'")
-    source = entry.get("source")
-    if "id" in entry or "qid" in entry:
-        sample_id = str(entry.get("id", entry.get("qid")))
-    elif isinstance(source, str) and source:  # Time-R1's qid (load_tvgbench)
-        sample_id = Path(source).stem.replace(".", "_").replace("-", "_") + f"_{i}"
-    else:
-        sample_id = f"{vid}#{seen[vid]}"
-    return dict(sample_id=sample_id, video=video, clip=None,
-                duration=None if entry.get("duration") is None else _num(entry["duration"], "duration"),
-                query=_text(entry.get("question"), "question"),
-                span=(_num(match[1], "answer start"), _num(match[2], "answer end")),
-                meta=_meta(entry, ("path", "question", "answer", "duration", "id", "qid")))
-
-
-def _parse_jsonl(path: Path, text: str) -> Iterator[tuple[str, Any]]:
-    seen: Counter = Counter()
-    for lineno, line in enumerate(text.splitlines(), 1):
-        where = f"{path}:{lineno}"
-        if not line.strip():
-            continue
-        try:
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise _Bad(f"not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(entry, dict):
-                raise _Bad("expected a JSON object per line")
-            video = _text(entry.get("video"), "video")
-            vid = Path(video).stem
-            clip = None if entry.get("clip") is None else _pair(entry["clip"], "clip")
-            if clip is not None and not 0 <= clip[0] < clip[1]:
-                raise _Bad(f"clip {clip[0]:g}-{clip[1]:g} needs 0 <= start < end")
-            rec = dict(sample_id=str(entry.get("id", f"{vid}#{seen[vid]}")), video=video, clip=clip,
-                       duration=None if entry.get("duration") is None else _num(entry["duration"], "duration"),
-                       query=_text(entry.get("query"), "query"), span=_pair(entry.get("span"), "span"))
-        except _Bad as bad:
-            yield where, bad
-            continue
-        seen[vid] += 1
-        yield where, rec
 
 
 def detect_format(path: str | Path, text: str | None = None) -> str:
@@ -237,6 +80,9 @@ def detect_format(path: str | Path, text: str | None = None) -> str:
             data = json.loads(text)
         except json.JSONDecodeError:
             return "jsonl"  # several objects, one per line
+        if isinstance(data, dict) and data and all(isinstance(v, dict) and "spans" in v and "queries" in v
+                                                   for v in list(data.values())[:1]):
+            return "timelens"
         if isinstance(data, dict) and (not data or any(isinstance(v, dict) and "timestamps" in v
                                                        for v in data.values())):
             return "captions"
@@ -265,7 +111,7 @@ def _load_json(path: Path, text: str) -> Any:
 
 
 def load_annotations(path: str | Path, video_dir: str | Path | None = None, fmt: str = "auto", strict: bool = True,
-                     *, validate: bool = True, log_skips: bool = True) -> LoadResult:
+                     *, validate: bool = True, log_skips: bool = True, keep_all: bool = False) -> LoadResult:
     """Read an annotation file into `GroundingSample`s (video paths resolved against `video_dir`).
 
     validate: drop (or, strict, raise on) spans with start >= end, negative starts, starts at/past a known
@@ -273,6 +119,9 @@ def load_annotations(path: str | Path, video_dir: str | Path | None = None, fmt:
         the file's span kept in `raw_span`. `check_dataset` turns this off to classify the problems itself (spans
         then stay as in the file). Missing durations stay None: see `fill_durations`.
     log_skips: log a warning summarising the skipped records (check-data reports them itself).
+    keep_all: evaluation under a paper's scoring: a span `validate` would drop is kept as the file has it, and every
+        sample is marked `as_written` (the dataset then keeps such spans too once it reads a duration). Training
+        never loads this way, so it still skips them, counted.
     """
     path = Path(path)
     text = _read_text(path)
@@ -280,15 +129,17 @@ def load_annotations(path: str | Path, video_dir: str | Path | None = None, fmt:
     if fmt == "auto":
         fmt = detect_format(path, text)
     if fmt == "charades":
-        records = _parse_charades(path, text)
+        records = parse_charades(path, text)
     elif fmt == "jsonl":
-        records = _parse_jsonl(path, text)
+        records = parse_jsonl(path, text)
     elif fmt == "captions":
-        records = _parse_captions(path, _load_json(path, text))
+        records = parse_captions(path, _load_json(path, text))
     elif fmt == "time_r1":
-        records = _parse_list(path, _load_json(path, text), "video, duration, timestamp, sentence", _time_r1_record)
+        records = parse_list(path, _load_json(path, text), "video, duration, timestamp, sentence", time_r1_record)
     elif fmt == "tvgbench":
-        records = _parse_list(path, _load_json(path, text), "path, question, answer, duration", _tvgbench_record)
+        records = parse_list(path, _load_json(path, text), "path, question, answer, duration", tvgbench_record)
+    elif fmt == "timelens":
+        records = parse_timelens(path, _load_json(path, text))
     else:
         raise UserError(f"unknown annotation format {fmt!r}; choose one of {', '.join(FORMAT_CHOICES)}")
 
@@ -296,20 +147,20 @@ def load_annotations(path: str | Path, video_dir: str | Path | None = None, fmt:
     cache: dict[str, str] = {}
     for where, rec in records:
         raw = None
-        if not isinstance(rec, _Bad) and validate:
+        if not isinstance(rec, Bad) and validate:
             problem = span_problem(rec["span"], rec["duration"])
-            if problem is not None:
-                rec = _Bad(f"{problem[1]} in sample {rec['sample_id']}")
-            else:
+            if problem is None:
                 rec["span"], raw = fit_span(rec["span"], rec["duration"])
-        if isinstance(rec, _Bad):
+            elif not keep_all:  # kept: the span stays as in the file
+                rec = Bad(f"{problem[1]} in sample {rec['sample_id']}")
+        if isinstance(rec, Bad):
             _skip(result, Skip(where, str(rec)), strict)
             continue
         result.samples.append(GroundingSample(
             sample_id=rec["sample_id"], video=_video_path(video_dir, rec["video"], fmt, cache),
             duration=rec["duration"], query=rec["query"], span=rec["span"],
             clip_start=rec["clip"][0] if rec["clip"] else None, clip_end=rec["clip"][1] if rec["clip"] else None,
-            origin=where, raw_span=raw, metadata=rec.get("meta", ())))
+            origin=where, raw_span=raw, metadata=rec.get("meta", ()), as_written=keep_all))
     if result.skipped and log_skips:
         log.warning("%s: skipped %d of %d annotations (first: %s: %s)", path, len(result.skipped),
                     len(result.skipped) + len(result.samples), *result.skipped[0])
@@ -345,7 +196,8 @@ def fill_durations(samples: list[GroundingSample], strict: bool = True) -> LoadR
     """Read the missing durations from the video files (decord header read, no decoding) and validate spans.
 
     Samples whose video is missing or unreadable, or whose span does not fit the duration, are skipped (or raise
-    in strict mode); ends a little past it are clamped (`raw_span` keeps the file's), like the loader does.
+    in strict mode), unless loaded `as_written` (then only the video counts); ends a little past it are clamped
+    (`raw_span` keeps the file's), like the loader does.
     """
     from mmpg.data.video import VideoError, read_duration  # decord/torch only when needed
 
@@ -363,10 +215,10 @@ def fill_durations(samples: list[GroundingSample], strict: bool = True) -> LoadR
                 _skip(result, Skip(sample.where, str(d)), strict)
                 continue
             problem = span_problem(sample.span, d)
-            if problem is not None:
+            if problem is not None and not sample.as_written:
                 _skip(result, Skip(sample.where, problem[1]), strict)
                 continue
-            span, raw = fit_span(sample.span, d)
+            span, raw = fit_span(sample.span, d) if problem is None else (sample.span, None)
             sample = dataclasses.replace(sample, duration=d, span=span, raw_span=sample.raw_span or raw)
         result.samples.append(sample)
     if result.skipped:

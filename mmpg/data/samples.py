@@ -50,13 +50,18 @@ class GroundingSample:
     duration: seconds of the whole video, or None until read from the file (`fill_durations`, or the dataset).
     query: the sentence describing the moment.
     span: (start, end) of the moment in seconds, start < end, clamped to [0, duration] (see the module docstring):
-        what training targets, rewards and mmpg's default evaluation use.
+        what training targets, rewards and mmpg's default evaluation use (as the file has it when `as_written`
+        and the span is one the rule would skip).
     clip_start / clip_end: optional window of the video shown to the model (seconds); None = whole video.
     origin: where the sample came from, `file:line` or `file[index]`, for error messages.
     raw_span: the file's (start, end) when clamping changed it by more than ROUNDING_S (an end up to
         `end_margin(duration)` past the duration), else None; a paper's protocol scores `raw_span or span`.
     metadata: the record's other fields as (key, value) pairs, lists and objects made tuples so the sample stays
         hashable (TVGBench's `question_type`, `dataset_name`, `qsemtype`, `bins`, ...); `meta` gives a dict.
+    as_written: loaded for a paper's scoring (`load_annotations(keep_all=True)`), which scores every record with
+        a readable span. A span `span_problem` rejects (zero-length, reversed, a start outside the video, an end
+        more than `end_margin` past it) is then kept, not skipped: `span` is the file's span, `raw_span` None, and
+        nothing may train on it (`span_problem(span, duration)` says why). Sound spans are clamped as usual.
     """
 
     sample_id: str
@@ -69,6 +74,7 @@ class GroundingSample:
     origin: str = ""
     raw_span: tuple[float, float] | None = None
     metadata: tuple[tuple[str, Any], ...] = ()
+    as_written: bool = False
 
     @property
     def meta(self) -> dict[str, Any]:
