@@ -211,3 +211,18 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, capsys, tiny_dirs):
         code, err = _main(args + ["--out", str(tmp_path / "out")] if "--run" not in args else args, capsys)
         assert code == 2 and len(err) == 1 and err[0].startswith("mmpg: error:") and message in err[0], (args, err)
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_timelens_protocol_names_its_settings(tmp_path):
+    """TimeLens-Bench's protocol: each value from TencentARC/TimeLens's evaluation code or marked assumed."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Please find the visual event '{query}'.")
+    with pytest.raises(UserError, match="GROUNDER_PROMPT"):
+        load_settings("timelens")
+    s = load_settings("timelens", [f"prompt_file={prompt}"])
+    assert (s.format, s.scoring, s.threshold_rule, s.fps, s.min_pixels, s.total_pixels, s.max_new_tokens) == \
+        ("timelens", "timelens", "ge", 2.0, 64 * 28 * 28, 14336 * 28 * 28, 512)
+    source = PROTOCOLS["timelens"].source
+    for text in ("eval_timelens_bench.sh", "compute_metrics.py", "assumed", "Not reproduced", "tIoU >= m"):
+        assert text in source, text
+    assert "rankings" in PROTOCOLS["timelens"].summary

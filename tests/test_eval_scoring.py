@@ -134,3 +134,125 @@ def test_report_says_how_much_of_the_benchmark_the_numbers_cover():
                  "ground truths ending past the stated duration, kept: **2**, scored against the file's own span",
                  "evaluated: **4**; scored: **4** (0 failed videos, scored 0)"):
         assert text in report, text
+
+
+def _time_r1_iou(pred, gt):
+    """Time-R1's compute_IoU (src/vllm_inference/eval_all.py) for one pair, rewritten here from its formula: numpy
+    floats, intersection and union floored at 0, then divided (0 / 0 is NaN, with a warning)."""
+    import numpy as np
+
+    inter = np.maximum(0.0, np.minimum(pred[1], gt[1]) - np.maximum(pred[0], gt[0]))
+    union = np.maximum(0.0, np.maximum(pred[1], gt[1]) - np.minimum(pred[0], gt[0]))
+    with np.errstate(invalid="ignore"):
+        return float(np.float64(inter) / np.float64(union))
+
+
+@pytest.mark.parametrize("text, truth, iou, empty", [
+    # TVGBench's zero-length Ego4D-NLQ moments, "85.83-85.83": every answer of positive length scores 0
+    ("<answer>85 to 86</answer>", (85.83, 85.83), 0.0, False),  # contains the point: inter 0, union 1
+    ("80.00 to 85.83", (85.83, 85.83), 0.0, False),  # ends on it: inter 0, union 5.83
+    ("90 to 100", (85.83, 85.83), 0.0, False),  # elsewhere: inter 0, union 14.17
+    ("85.83 to 85.83", (85.83, 85.83), 0.0, True),  # the same point: union 0; Time-R1 NaN, mmpg 0
+    ("85.83 to 85.83", (10.0, 20.0), 0.0, False),  # a zero-length answer on a real moment: inter 0, union 75.83
+    # the moment ending 4.85 s past its 27.9 s clip: scored against 7.37-32.75 as written, nothing clamped
+    ("7.37 to 27.9", (7.37, 32.75), 20.53 / 25.38, False),
+    ("7.37 to 32.75", (7.37, 32.75), 1.0, False),
+    ("20 to 40", (7.37, 32.75), 12.75 / 32.63, False),
+    # a reversed truth (start > end): inter <= 0, tIoU 0
+    ("3 to 9", (9.1, 2.5), 0.0, False),
+])
+def test_degenerate_truths_scored_as_time_r1_scores_them(text, truth, iou, empty):
+    from mmpg.eval.metrics import empty_union
+
+    sample = GroundingSample("nlq#0", "v.mp4", 134.24, "where is the nut?", truth, as_written=True)
+    scored, scored_against = score_sample(text, sample, "last_span")
+    assert scored_against == truth and scored.iou == pytest.approx(iou, abs=1e-12)
+    assert empty_union(scored.span, truth) == empty
+    theirs = _time_r1_iou(scored.span, truth)
+    assert (theirs != theirs) if empty else theirs == pytest.approx(scored.iou, abs=1e-12)  # NaN only there
+    assert score_sample(text, sample, "timelens")[0].iou == pytest.approx(
+        0.0 if empty else _time_r1_iou(tuple(float(round(x)) for x in scored.span), truth), abs=1e-12)
+
+
+def test_tvgbench_denominators_under_the_papers_scoring():
+    """The 5-record TVGBench copy loaded as `mmpg eval` loads it for last_span: all 5 in the denominators. Answers
+    13.4-28.1 (exact), 9.94-45.94 (exact), 14.1-20 (exact), 85-86 on the zero-length moment, 7.37-27.9 on the late
+    one: mIoU (1 + 1 + 1 + 0 + 0.8089) / 5 = 0.7618; R1@0.7 4/5. Left out as before (788 of 800), it would be
+    (3 + 0.8089 * 0) / 3 = 1.0 on 3: the denominators differ exactly as the issue says."""
+    import json as _json
+    import tempfile
+    from pathlib import Path
+
+    from test_benchmark_files import tvgbench_list
+
+    from mmpg.data.formats import load_annotations
+    from mmpg.eval.metrics import benchmark_metrics
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "tvgbench.json"
+        path.write_text(_json.dumps(tvgbench_list()))
+        samples = load_annotations(path, None, strict=False, keep_all=True).samples
+    answers = ["13.4 to 28.1", "9.944375536211354 to 45.94437553621135", "14.1 to 20.0", "85 to 86", "7.37 to 27.9"]
+    ious = [score_sample(a, s, "last_span")[0].iou for a, s in zip(answers, samples)]
+    assert ious == pytest.approx([1.0, 1.0, 1.0, 0.0, 20.53 / 25.38])
+    m = benchmark_metrics(ious, [False] * 5, [False] * 5)
+    assert m["count"] == 5 and m["miou"] == pytest.approx((3 + 20.53 / 25.38) / 5)
+    assert (m["r1@0.7"], m["r1@0.3"]) == pytest.approx((0.8, 0.8))
+
+
+@pytest.mark.parametrize("text, span", [
+    ("The event happens in 12.54 - 17.83 seconds.", (13.0, 18.0)),  # "A - B", rounded to whole seconds
+    ("from 12.5 to 17.5", (12.0, 18.0)),  # halves to even, as Python's round
+    ("0:05 - 1:02.4, then 3 - 4", (5.0, 62.0)),  # clock times first
+    ("first 3 - 4, later 20 - 30", (3.0, 4.0)),  # the FIRST pair (Time-R1 takes the last)
+    ("Start 2 seconds, end 9 seconds.", (2.0, 9.0)),  # any two numbers as the last resort
+    ("1:00:01 to 1:00:09", (3601.0, 3609.0)),
+    ("no numbers", None), ("only 7", None),
+])
+def test_timelens_parser(text, span):
+    from mmpg.eval.metrics import timelens_span
+
+    assert timelens_span(text) == span
+
+
+def test_timelens_scoring_against_hand_worked_answers():
+    """Truth 12.5-17.8 s. '12.54 - 17.83' becomes 13-18: inter 4.8, union 5.5 -> 0.8727 (last_span reads no 'to'
+    here: unparseable). 'between 20 to 25' misses: 0. A tie: truth 0-10, answer '0 - 5' -> exactly 0.5, which
+    TimeLens's R1@0.5 counts (>=)."""
+    sample = _sample(span=(12.5, 17.8), duration=30.0)
+    assert score_sample("The event happens in 12.54 - 17.83 seconds.", sample, "timelens")[0].iou == \
+        pytest.approx(4.8 / 5.5)
+    assert score_sample("The event happens in 12.54 - 17.83 seconds.", sample, "last_span")[0].span is None
+    assert score_sample("between 20 to 25", sample, "timelens")[0].iou == 0.0
+    none = score_sample("I cannot tell.", sample, "timelens")[0]
+    assert (none.span, none.iou) == (None, 0.0) and "extract_time" in none.reason
+    tie = score_sample("0 - 5", _sample(span=(0.0, 10.0), duration=10.0), "timelens")[0].iou
+    m = grounding_metrics([(0.0, 5.0)], [(0.0, 10.0)])
+    assert tie == 0.5 and (m["r1@0.5_ge"], m["r1@0.5"]) == (1.0, 0.0)
+
+
+def test_coverage_names_what_the_papers_scoring_kept():
+    """Under last_span the Coverage section counts the evaluated ground truths training would skip, by kind, and the
+    answers whose union with the truth is empty (Time-R1's code: NaN)."""
+    from types import SimpleNamespace
+
+    from mmpg.eval.report import eval_report
+
+    def rec(gt, pred, duration=134.24):
+        return SimpleNamespace(gt_span=list(gt), pred_span=list(pred) if pred else None, duration=duration,
+                               error=None, text="x", sample_id="s", index=0)
+
+    records = [rec((85.83, 85.83), (85.83, 85.83)), rec((50.0, 50.0), (1.0, 2.0)), rec((7.37, 32.75), None, 27.9),
+               rec((1.0, 2.0), (1.0, 2.0))]
+    info = {"benchmark": "tvgbench", "protocol": "tvgbench", "annotations_records": 4, "benchmark_size": 4,
+            "annotations_left_out_count": 0, "ground_truth_clamped": 0, "evaluated": 4,
+            "settings": {"scoring": "last_span", "bad_videos": "skip"}}
+    report = eval_report(info, {"count": 4, "total": 4, "failed": 0, "unparseable_count": 1}, records)
+    for text in ("loaded: **4**; left out: **0**", "kept as written (the paper's loader keeps every record): **3**",
+                 "  - 2 x zero-length", "  - 1 x ending more than max(2 s, 10 %) past the duration",
+                 "a zero-length truth gives tIoU 0 to any answer of positive length",
+                 "answers with an empty union with their ground truth (a zero-length answer on the same zero-length "
+                 "truth): **1**, scored 0; Time-R1's compute_IoU gives NaN"):
+        assert text in report, text
+    info["settings"]["scoring"] = "mmpg"
+    assert "kept as written" not in eval_report(info, {"count": 4, "total": 4}, records)

@@ -20,9 +20,28 @@ How an answer becomes a span and a tIoU is the `scoring` setting, part of each p
              of the raw spans, nothing clamped, answer nor ground truth (`raw_span`): max(0, min(e, e') - max(s, s'))
              / (max(e, e') - min(s, s')) (Time-R1 `src/vllm_inference/eval_all.py` compute_IoU; VideoChat-R1 the same
              floored at 0), so a reversed answer scores 0 through the formula itself, and an answer past the end of the
-             video widens the union. A sample whose video could not be used ("failed") scores 0 and counts in the
-denominator when bad_videos="fail", and is left out of it when bad_videos="skip"; either way it is counted apart
-from the unparseable answers.
+             video widens the union.
+  timelens   (timelens) TimeLens's evaluation code: `extract_time` in `timelens/utils.py` (clock times "mm:ss" /
+             "hh:mm:ss" first, then "A - B", then "A to B", then any two numbers; the FIRST pair found), each end
+             rounded to whole seconds (`eval_dataloader.py`, UNIT 1.0, Python's round: halves to even), and the
+             same raw-span tIoU (`iou` in `timelens/utils.py`). An answer with no pair becomes [duration + 10,
+             duration + 20] there, which misses any truth inside the video: here it is unparseable, tIoU 0.
+
+Degenerate ground truths under the papers' scorings (every record is kept as written, `load_annotations(keep_all=
+True)`: Time-R1's `load_tvgbench` / `load_charades` and TimeLens's `load_annos` drop none):
+- a zero-length truth (TVGBench has 11, "85.83-85.83"): any answer of positive length gets intersection 0 over a
+  positive union, tIoU 0, in all three codes and here;
+- an end past the duration (any distance: one TVGBench moment ends 4.85 s past its 27.9 s clip): kept as written
+  and scored unclamped, as their targets are the file's `timestamp` / `answer` / `span`;
+- a reversed truth (start > end; Charades-STA's train file has a few): the intersection is <= 0, floored: tIoU 0;
+- an empty union (a zero-length answer on the same zero-length truth, or reversed spans that leave no union): their
+  code divides by 0 (or by a negative). Time-R1's numpy `compute_IoU` gives NaN, which makes its mIoU NaN and which
+  R1 does not count (NaN > m is False); VideoChat-R1's plain division raises ZeroDivisionError there and its loop
+  leaves the sample out; TimeLens's `iou` raises and stops `compute_metrics.py`. mmpg scores it 0 (`raw_iou`), the
+  value Time-R1's R1 gives it, and the report counts such answers (`empty_union`).
+
+A sample whose video could not be used ("failed") scores 0 and counts in the denominator when bad_videos="fail", and
+is left out of it when bad_videos="skip"; either way it is counted apart from the unparseable answers.
 """
 
 from __future__ import annotations
@@ -70,7 +89,7 @@ def score_answer(text: str, truth: tuple[float, float], duration: float | None,
     return Scored(parsed.span, temporal_iou(parsed.span, tuple(truth)), None)
 
 
-SCORINGS = ("mmpg", "last_span")
+SCORINGS = ("mmpg", "last_span", "timelens")
 _LAST_SPAN = re.compile(r"(\d+\.?\d*) (?:to|and) (\d+\.?\d*)")
 
 
@@ -81,26 +100,41 @@ def last_span(text: str) -> tuple[float, float] | None:
 
 
 def raw_iou(pred: tuple[float, float], truth: tuple[float, float]) -> float:
-    """tIoU of two spans as written (scoring "last_span"): max(0, intersection) / union, union over the outer ends.
-    A reversed `pred` has a negative intersection, so 0; nothing is clamped to the video."""
+    """tIoU of two spans as written (scorings "last_span", "timelens"): max(0, intersection) / union, union over the
+    outer ends. A reversed `pred` has a negative intersection, so 0; nothing is clamped to the video. A zero-length
+    `truth` gives 0 to any `pred` of positive length; an empty union (`empty_union`) gives 0 where the papers' code
+    divides by zero (module docstring)."""
     inter = min(pred[1], truth[1]) - max(pred[0], truth[0])
     union = max(pred[1], truth[1]) - min(pred[0], truth[0])
     return max(0.0, inter) / union if union > 0 else 0.0
 
 
+def empty_union(pred: tuple[float, float], truth: tuple[float, float]) -> bool:
+    """Whether `raw_iou`'s union is <= 0: where the papers' code divides by zero (module docstring)."""
+    return max(pred[1], truth[1]) - min(pred[0], truth[0]) <= 0
+
+
 def score_sample(text: str, sample, scoring: str = "mmpg", swap_reversed: bool = False) -> tuple[Scored, tuple]:
     """(Scored, the ground truth it was scored against) for one answer to `sample` under `scoring` (docstring)."""
     truth = scored_truth(sample, scoring)
+    return score_text(text, truth, sample.duration, scoring, swap_reversed), truth
+
+
+def score_text(text: str, truth: tuple[float, float], duration: float | None, scoring: str = "mmpg",
+               swap_reversed: bool = False) -> Scored:
+    """One answer against `truth` (already `scored_truth`) under `scoring`."""
     if scoring == "mmpg":
-        return score_answer(text, truth, sample.duration, swap_reversed), truth
-    return score_raw(text, truth), truth
+        return score_answer(text, truth, duration, swap_reversed)
+    if scoring == "timelens":
+        return score_timelens(text, truth)
+    return score_raw(text, truth)
 
 
 def scored_truth(sample, scoring: str = "mmpg") -> tuple[float, float]:
-    """The ground truth `scoring` compares with: the loaded span (mmpg) or the file's own (last_span)."""
+    """The ground truth `scoring` compares with: the loaded span (mmpg) or the file's own (the papers')."""
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
-    raw = getattr(sample, "raw_span", None) if scoring == "last_span" else None
+    raw = getattr(sample, "raw_span", None) if scoring != "mmpg" else None
     return tuple(raw or sample.span)
 
 
@@ -109,6 +143,43 @@ def score_raw(text: str, truth: tuple[float, float]) -> Scored:
     span = last_span(text)
     if span is None:
         return Scored(None, 0.0, "no 'A to B' or 'A and B' with numbers in the answer")
+    return Scored(span, raw_iou(span, tuple(truth)), None)
+
+
+# TimeLens's answer patterns, tried in this order (`extract_time`); the first pair found is scored.
+_CLOCK = re.compile(r"\b(\d{1,2}:\d{2}:\d{2}(?:\.\d+)?|\d{1,2}:\d{2}(?:\.\d+)?)\b")  # 01:02:03.5, 1:05
+_PAIRS = (re.compile(r"(\d+\.?\d*)\s*-\s*(\d+\.?\d*)"), re.compile(r"(\d+\.?\d*)\s+to\s+(\d+\.?\d*)"))
+_BARE = re.compile(r"\b(\d+\.\d+|\d+)\b")
+
+
+def _clock(t: str) -> float:
+    """'h:mm:ss(.f)' or 'm:ss(.f)' in seconds."""
+    parts = t.split(":")
+    return sum(float(x) * 60 ** k for k, x in enumerate(reversed(parts)))
+
+
+def timelens_span(text: str) -> tuple[float, float] | None:
+    """TimeLens's parser (scoring "timelens"): the first clock-time pair, else the first "A - B", else the first
+    "A to B", else the first two numbers, in the lower-cased answer; each end rounded to whole seconds (halves to
+    even, as Python's round). None when no pair is found."""
+    text = (text or "").lower()
+    clocks = _CLOCK.findall(text)
+    if len(clocks) >= 2:
+        pair = (_clock(clocks[0]), _clock(clocks[1]))
+    else:
+        found = next((m for m in (p.search(text) for p in _PAIRS) if m), None)
+        numbers = _BARE.findall(text)
+        if found is None and len(numbers) < 2:
+            return None
+        pair = (float(found[1]), float(found[2])) if found else (float(numbers[0]), float(numbers[1]))
+    return float(round(pair[0])), float(round(pair[1]))
+
+
+def score_timelens(text: str, truth: tuple[float, float]) -> Scored:
+    """scoring "timelens": TimeLens's first span, rounded to seconds, against `truth` as written (`raw_iou`)."""
+    span = timelens_span(text)
+    if span is None:
+        return Scored(None, 0.0, "no time pair in the answer (TimeLens's extract_time finds none)")
     return Scored(span, raw_iou(span, tuple(truth)), None)
 
 

@@ -135,6 +135,34 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in [
         "Not reproduced: the question comes before the video in its user turn (mmpg puts the video first); bf16 "
         "with flash-attention.",
         "OpenGVLab/VideoChat-R1, src_eval/evaluate_tg_c8.py, GROUND_TEMPLATE (its [EVENT] becomes {query})"),
+    Protocol(
+        "timelens",
+        "TimeLens-Bench (arXiv 2512.14698: Charades-STA, ActivityNet Captions and QVHighlights re-annotated), as "
+        "its released evaluation code runs it; its authors report rankings that flip between these labels and the "
+        "original ones, so evaluate both (time_r1 on the original files).",
+        {"template": "file", "scoring": "timelens", "format": "timelens", "fps": 2.0, "min_frames": 4,
+         "max_frames": 768, "min_pixels": 64 * _TOKEN, "max_pixels": 768 * _TOKEN, "total_pixels": 14336 * _TOKEN,
+         "max_new_tokens": 512, "threshold_rule": "ge", "bad_videos": "fail"},
+        "Source: the released code (TencentARC/TimeLens: timelens/dataset/timelens_data.py, evaluation/utils.py, "
+        "evaluation/eval_dataloader.py, evaluation/compute_metrics.py, timelens/utils.py, "
+        "scripts/eval_timelens_bench.sh), not the paper's text, which was not checked here.\n"
+        "format timelens: load_annos ({video_id: {duration, spans, queries}}, every record kept, the video "
+        "<video_id>.mp4, the query's whitespace squashed and its trailing periods stripped: mmpg drops one).\n"
+        "template=file: the prompt is the user's prompt_file (see prompt_where); no system prompt (the chat "
+        "template's default).\n"
+        "scoring timelens: extract_time's first pair (clock times, then 'A - B', then 'A to B', then two numbers), "
+        "rounded to whole seconds (UNIT 1.0), against the file's span; iou() as written. threshold_rule ge: "
+        "compute_metrics.py counts tIoU >= m; mIoU and R1 over every record.\n"
+        "fps 2, min_pixels 64*28*28, total_pixels 14336*28*28: scripts/eval_timelens_bench.sh (FPS, min_tokens, "
+        "total_tokens; the same pixel counts for Qwen3-VL, whose tokens are 32x32). max_new_tokens 512: "
+        "eval_dataloader.py (greedy).\n"
+        "min_frames 4, max_frames 768, max_pixels 768*28*28: not set by the script; assumed to be qwen-vl-utils' "
+        "defaults.\n"
+        "bad_videos fail: assumed (load_annos only warns on a missing video; its DataLoader then fails on it).\n"
+        "Not reproduced: TimeLens-7B's own prompt preamble with frame timestamps written between the frames; a "
+        "record repeated in the file (same video, query and span) counts once there (a dict key), every time here; "
+        "bf16 with flash-attention.",
+        "TencentARC/TimeLens, evaluation/utils.py, GROUNDER_PROMPT (its '{}' becomes {query})"),
 ]}
 
 

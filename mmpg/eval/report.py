@@ -9,7 +9,8 @@ import math
 import re
 from collections import Counter
 
-from mmpg.eval.metrics import THRESHOLDS, score_answer, score_raw
+from mmpg.data.samples import span_problem
+from mmpg.eval.metrics import THRESHOLDS, empty_union, score_text
 
 RULES = {  # threshold_rule -> (row label, comparison)
     "gt": ("tIoU > m (Time-R1)", ">"),
@@ -42,23 +43,56 @@ def reason_kind(reason: str) -> str:
     return re.sub(r"(?<!\d)-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", "N", reason)
 
 
-def _coverage(info: dict, metrics: dict, settings: dict) -> list[str]:
+def _coverage(info: dict, metrics: dict, settings: dict, preds=()) -> list[str]:
     """Whether the numbers cover the whole benchmark: queries in the file, loaded, left out (why), clamped, scored."""
     records = info.get("annotations_records")
     if records is None:  # an evaluation folder written before these counts existed
         return []
     loaded, left = info.get("benchmark_size", 0), info.get("annotations_left_out_count", 0)
-    clamped = info.get("ground_truth_clamped", 0)
-    how = ("scored against the file's own span (scoring last_span)" if settings.get("scoring") == "last_span"
+    clamped, scoring = info.get("ground_truth_clamped", 0), settings.get("scoring", "mmpg")
+    how = (f"scored against the file's own span (scoring {scoring})" if scoring != "mmpg"
            else "scored against the span clamped to the video (scoring mmpg)")
     lines = ["## Coverage", "", f"- queries in the annotation file: **{records}**",
              f"- loaded: **{loaded}**; left out: **{left}**"
              + "".join(f"\n  - {n} x {why}" for why, n in info.get("annotations_left_out_reasons", {}).items()),
              f"- ground truths ending past the stated duration, kept: **{clamped}**, {how}",
+             *([] if scoring == "mmpg" else _kept_as_written(preds)),
              f"- evaluated: **{info.get('evaluated', loaded)}**"
              + (f" (max_samples={settings.get('max_samples')})" if settings.get("max_samples") else "")
              + f"; scored: **{int(metrics.get('count', 0))}** ({int(metrics.get('failed', 0))} failed videos, "
              + ("scored 0" if settings.get("bad_videos") == "fail" else "left out") + ")", ""]
+    return lines
+
+
+def truth_kind(span, duration) -> str | None:
+    """Why no moment could be trained on a ground truth (`mmpg.data.samples.span_problem`, in words), or None."""
+    duration = duration if duration is not None and duration == duration else None  # NaN: not known
+    problem = span_problem(tuple(span), duration)
+    if problem is None:
+        return None
+    if problem[0] == "start_ge_end":
+        return "zero-length" if span[0] == span[1] else "reversed (start > end)"
+    if span[0] < 0:
+        return "starting before 0"
+    if duration is not None and span[0] >= duration:
+        return "starting at or past the duration"
+    return "ending more than max(2 s, 10 %) past the duration"
+
+
+def _kept_as_written(records) -> list[str]:
+    """Coverage lines under a paper's scoring: the evaluated ground truths training would skip, kept as the
+    papers' loaders keep them, and the answers whose union with the truth is empty (their code divides by 0)."""
+    kinds = Counter(k for k in (truth_kind(r.gt_span, r.duration) for r in records) if k)
+    empty = sum(r.pred_span is not None and empty_union(r.pred_span, r.gt_span) for r in records)
+    lines = [f"- ground truths no moment could be trained on, kept as written (the paper's loader keeps every "
+             f"record): **{sum(kinds.values())}**" + "".join(f"\n  - {n} x {k}" for k, n in kinds.most_common())
+             + ("; scored as its code scores them: a zero-length truth gives tIoU 0 to any answer of positive "
+                "length, a reversed one 0 to every answer, one ending past the video is scored unclamped"
+                if kinds else "")]
+    if empty:
+        lines.append(f"- answers with an empty union with their ground truth (a zero-length answer on the same "
+                     f"zero-length truth): **{empty}**, scored 0; Time-R1's compute_IoU gives NaN there (its mIoU "
+                     "becomes NaN), VideoChat-R1's leaves the sample out, TimeLens's compute_metrics.py stops")
     return lines
 
 
@@ -83,10 +117,8 @@ def _problems(metrics: dict, records, settings: dict) -> list[str]:
     reasons = Counter()
     for r in records:
         if r.error is None and r.pred_span is None:
-            if settings.get("scoring", "mmpg") == "last_span":
-                why = score_raw(r.text, tuple(r.gt_span)).reason
-            else:
-                why = score_answer(r.text, tuple(r.gt_span), r.duration, settings.get("swap_reversed", False)).reason
+            why = score_text(r.text, tuple(r.gt_span), r.duration, settings.get("scoring", "mmpg"),
+                             settings.get("swap_reversed", False)).reason
             reasons[reason_kind(why or "?")] += 1
     lines += [f"- {count} x {why}" for why, count in reasons.most_common(5)]
     failed = [r for r in records if r.error is not None]
@@ -130,7 +162,7 @@ def eval_report(info: dict, metrics: dict, records, protocol_summary: str = "") 
     lines += metrics_table(metrics, first)
     lines += ["", f"R1@m counts a sample when its tIoU {RULES[first][1]} m under the protocol's convention (first "
               "row); the other row is the other convention. mIoU does not depend on it.", ""]
-    lines += _coverage(info, metrics, settings)
+    lines += _coverage(info, metrics, settings, records)
     lines += _decoding(metrics, info.get("runtime", {}).get("share_videos"))
     lines += _problems(metrics, records, settings)
     if left_out:

@@ -90,7 +90,9 @@ def load_benchmark(annotations, videos, settings: EvalSettings, name: str | None
     """The samples of an annotation file; UserError when it holds none."""
     from mmpg.data.formats import load_annotations
 
-    result = load_annotations(annotations, videos or None, fmt=settings.format, strict=False)
+    # a paper's scoring evaluates every record with a readable span, as its loader keeps them (formats.py)
+    result = load_annotations(annotations, videos or None, fmt=settings.format, strict=False,
+                              keep_all=settings.scoring != "mmpg")
     if not result.samples:
         first = f"; first: {result.skipped[0].where}: {result.skipped[0].reason}" if result.skipped else ""
         raise UserError(f"{annotations}: the benchmark is empty, no usable sample to evaluate "
@@ -162,7 +164,8 @@ def eval_info(checkpoint, bench: Benchmark, protocol: str, step, settings: EvalS
     video = {k: v for k, v in spec.element("").items() if k not in ("type", "video")}
     numbers = dict(numbers_settings(settings), dtype=dtype, family=family, video=video,
                    template_text={"user": template.user, "system": template.system, "think": template.think},
-                   parser="mmpg.rewards.parse_answer" if settings.scoring == "mmpg" else "mmpg.eval.metrics.last_span")
+                   parser={"mmpg": "mmpg.rewards.parse_answer", "timelens": "mmpg.eval.metrics.timelens_span"}.get(
+                       settings.scoring, "mmpg.eval.metrics.last_span"))
     return {
         "checkpoint": str(Path(checkpoint).expanduser().resolve()) if Path(checkpoint).expanduser().exists()
         else str(checkpoint),

@@ -31,8 +31,10 @@ class EvalSettings:
                                     "template=file. The time_r1 / videochat_r1 / tvgbench protocols need one: mmpg "
                                     "does not ship the papers' prompts (mmpg eval --fields says where each is).")
     scoring: str = _f("mmpg", "How an answer is scored (mmpg/eval/metrics.py): mmpg (the last <answer> span, "
-                      "clamped to the video, as training rewards it) or last_span (the papers' code: the last "
-                      "'A to B' anywhere, answer and ground truth unclamped).")
+                      "clamped to the video, as training rewards it), last_span (Time-R1's and VideoChat-R1's code: "
+                      "the last 'A to B' anywhere) or timelens (TimeLens's code: the first time pair, rounded to "
+                      "seconds). Under last_span and timelens the answer and the ground truth are unclamped and "
+                      "every record with a readable span is evaluated, as the papers' loaders keep them all.")
     fps: float = _f(2.0, "Frames sampled per second of video (before min_frames / max_frames).")
     min_frames: int = _f(4, "Fewest frames per video.")
     max_frames: int = _f(64, "Most frames per video; long videos get a lower effective fps.")
@@ -49,7 +51,8 @@ class EvalSettings:
     bad_videos: str = _f("fail", "A sample whose video is missing or corrupt: fail (scored IoU 0, counted) or skip "
                          "(left out of the metrics, counted).")
     max_samples: int = _f(0, "Evaluate only the first N samples of the benchmark (0: all).")
-    format: str = _f("auto", "Annotation format: auto, charades, captions, time_r1, tvgbench, jsonl (data/README.md).")
+    format: str = _f("auto", "Annotation format: auto, charades, captions, time_r1, tvgbench, timelens, jsonl "
+                   "(data/README.md).")
     batch_size: int = _f(8, "Prompts per greedy decoding batch (per rank).")
     share_videos: bool = _f(True, "Batch a video's queries together, side by side (whole videos packed up to "
                             "batch_size queries; a video with more is split), so the video is decoded once per "
@@ -72,7 +75,7 @@ CHOICES = {
     "bad_videos": ("fail", "skip"),
     "device": ("auto", "cpu", "cuda"),
     "self_check": ("on", "warn", "off"),
-    "scoring": ("mmpg", "last_span"),
+    "scoring": ("mmpg", "last_span", "timelens"),  # mmpg.eval.metrics.SCORINGS
 }
 FIELDS = [f.name for f in dataclasses.fields(EvalSettings)]
 
