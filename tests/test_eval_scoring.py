@@ -177,8 +177,8 @@ def test_degenerate_truths_scored_as_time_r1_scores_them(text, truth, iou, empty
 def test_tvgbench_denominators_under_the_papers_scoring():
     """The 5-record TVGBench copy loaded as `mmpg eval` loads it for last_span: all 5 in the denominators. Answers
     13.4-28.1 (exact), 9.94-45.94 (exact), 14.1-20 (exact), 85-86 on the zero-length moment, 7.37-27.9 on the late
-    one: mIoU (1 + 1 + 1 + 0 + 0.8089) / 5 = 0.7618; R1@0.7 4/5. Left out as before (788 of 800), it would be
-    (3 + 0.8089 * 0) / 3 = 1.0 on 3: the denominators differ exactly as the issue says."""
+    one: mIoU (1 + 1 + 1 + 0 + 0.8089) / 5 = 0.7618; R1@0.7 4/5. With the 2 left out (training's rule, mmpg's 788
+    of 800) the same answers would give 3 / 3 = 1.0: the denominators differ as Time-R1's and mmpg's did."""
     import json as _json
     import tempfile
     from pathlib import Path
