@@ -60,16 +60,17 @@ def _shared_tokens_by_hand(inputs, prompts) -> int:
 
 
 def _three_ways(model, processor, sampling, prompts=PROMPTS, groups=GROUPS, seeds=None, perm=PERM):
-    """(shared cascade, copy, per-query cascade on the batch permuted by `perm`) rollouts and the engines'
-    last_stats; `perm` must leave no two neighbours with the same video."""
+    """(shared cascade, copy, per-query cascade (share_videos off) on the batch permuted by `perm`) rollouts and the
+    engines' last_stats."""
     inputs = tree_batch(processor, prompts)
     cascade, copy = HFEngine(model, processor, decode="cascade"), HFEngine(model, processor, decode="copy")
     shared = cascade.generate_groups(inputs, groups, sampling, prompt_seeds=seeds)
     shared_stats = cascade.last_stats
     ref = copy.generate_groups(inputs, groups, sampling, prompt_seeds=seeds)
-    permuted = cascade.generate_groups(tree_batch(processor, [prompts[p] for p in perm]), [groups[p] for p in perm],
-                                       sampling, prompt_seeds=None if seeds is None else [seeds[p] for p in perm])
-    assert cascade.last_stats["shared_prompts"] == 0, f"the permuted batch must not share: {cascade.last_stats}"
+    alone = HFEngine(model, processor, decode="cascade", share_videos=False)  # per query (a video apart is shared)
+    permuted = alone.generate_groups(tree_batch(processor, [prompts[p] for p in perm]), [groups[p] for p in perm],
+                                     sampling, prompt_seeds=None if seeds is None else [seeds[p] for p in perm])
+    assert alone.last_stats["shared_prompts"] == 0, f"the per-query batch must not share: {alone.last_stats}"
     return inputs, shared, shared_stats, ref, copy.last_stats, permuted, perm
 
 
@@ -153,18 +154,20 @@ def test_vision_tower_once_per_video(family, load_tiny):
 @pytest.mark.parametrize("family", VL)
 def test_identical_text_different_videos_never_share(family, load_tiny):
     """c and c2 have the same size and text but other frames: not shared; c2 asked twice (the same prompt, so the
-    tail is its last token): shared."""
+    tail is its last token): shared; so is c, asked first and last (a video apart in the batch is brought side by
+    side, `mmpg.grouping.tree.share_order`)."""
     model, processor = load_tiny(family)
     prompts, groups = [("c", 2), ("c2", 2), ("c2", 2), ("c", 2)], [2, 1, 3, 2]
     greedy = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=())
     inputs, shared, stats, ref, _, permuted, perm = _three_ways(model, processor, greedy, prompts, groups,
                                                                 perm=[1, 0, 2, 3])
-    assert stats == {"prompts": 4, "prefixes": 3, "prefix_tokens": sum(_lengths(inputs)) - (_lengths(inputs)[1] - 1),
-                     "shared_prompts": 1}
+    lengths = _lengths(inputs)
+    assert stats == {"prompts": 4, "prefixes": 2, "prefix_tokens": sum(lengths) - (lengths[1] - 1) - (lengths[0] - 1),
+                     "shared_prompts": 2}
     _assert_same_per_prompt(shared, ref, permuted, perm, "c / c2")
     other = HFEngine(model, processor, decode="cascade")
     other.generate_groups(tree_batch(processor, [("c", 2), ("c2", 2), ("c", 2)]), 2, greedy)
-    assert other.last_stats["prefixes"] == 3 and other.last_stats["shared_prompts"] == 0
+    assert other.last_stats["prefixes"] == 2 and other.last_stats["shared_prompts"] == 1
 
 
 def test_batches_without_repeats_take_the_plain_path(load_tiny, monkeypatch):

@@ -151,3 +151,25 @@ def test_eval_batches_are_whole_videos_packed_up_to_batch_size():
     clipped = [_sample("a", 0), _sample("a", 1, (0.0, 4.0)), _sample("a", 2)]  # another clip: another video
     assert pending_batches(clipped, [0, 1, 2], 4, True) == [[0, 2, 1]]
     assert pending_batches(clipped, [0, 1, 2], 2, True) == [[0, 2], [1]]
+
+
+def test_a_videos_queries_apart_in_a_batch_go_to_one_rank():
+    from mmpg.train.data import runs_of
+
+    assert runs_of(list("aaba")) == [[0, 1, 3], [2]]
+    # [a a b c a] into 2 ranks of 3: a's three queries (positions 0, 1, 4) on one rank, b and c on the other
+    assert packed_shares(list("aabca"), 2, 3) == [[0, 1, 4], [2, 3]]
+    # an epoch boundary inside a global batch: video 0's queries come as two runs (end of epoch 0, start of epoch
+    # 1); keyed by video, both land on one rank
+    videos = ["v0", "v0", "v1", "v1"]
+    runs = video_runs(videos, 2)  # [[0, 1], [2, 3]]
+    ranks = [next(iter(RankBatchSampler(4, 4, r, 2, seed=0, shuffle=False, start=2, runs=runs, videos=videos)))
+             for r in range(2)]
+    assert ranks == [[2, 3], [0, 1]]  # stream 2..5 = v1 v1 | v0 v0: each video on one rank
+
+
+def test_split_videos_counts_videos_trained_on_several_ranks():
+    from mmpg.rl.trainer import split_videos
+
+    assert split_videos([[{"video": "a"}, {"video": "b"}], [{"video": "a"}, {"video": "c"}]]) == 1
+    assert split_videos([[{"video": "a"}, {"video": "a"}], [{"video": "b"}]]) == 0

@@ -131,3 +131,40 @@ def split_visuals_per_prompt(model, prompt_inputs) -> list[dict[str, torch.Tenso
         if item != len(tokens_per_item):
             raise ValueError(f"{len(tokens_per_item)} {kind}s given but the prompts' placeholders cover {item}")
     return per_prompt
+
+
+_ROW_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
+
+
+def prompts_alone(model, prompt_inputs) -> list[dict]:
+    """Processor inputs of B prompts -> B dicts, each one prompt without padding ([1, P_b] rows, its own visual
+    inputs, `split_visuals_per_prompt`)."""
+    attn = prompt_attention_mask(prompt_inputs)
+    visuals = split_visuals_per_prompt(model, prompt_inputs) if any(
+        prompt_inputs.get(k) is not None for _, _, _, k, _ in _VISUALS) else [{} for _ in range(attn.shape[0])]
+    out = []
+    for b in range(attn.shape[0]):
+        one = {k: prompt_inputs[k][b:b + 1, attn[b]] for k in _ROW_KEYS if prompt_inputs.get(k) is not None}
+        one.update(visuals[b])
+        out.append(one)
+    return out
+
+
+def pad_prompts(prompts: list[dict], pad_id: int) -> dict:
+    """`prompts_alone`'s dicts -> processor-style inputs for them, left-padded to the longest with `pad_id`."""
+    width = max(int(p["input_ids"].shape[1]) for p in prompts)
+    out: dict = {}
+    for key in _ROW_KEYS:
+        if key in prompts[0]:
+            value = pad_id if key == "input_ids" else 0
+            out[key] = torch.cat([torch.nn.functional.pad(p[key], (width - p[key].shape[-1], 0), value=value)
+                                  for p in prompts])
+    for key in sorted({k for p in prompts for k in p if k not in _ROW_KEYS}):
+        out[key] = torch.cat([p[key] for p in prompts if key in p])
+    return out
+
+
+def select_prompts(model, prompt_inputs, order: list[int], pad_id: int) -> dict:
+    """The processor inputs of prompts `order` (indices into the B prompts, in that order), left-padded again."""
+    alone = prompts_alone(model, prompt_inputs)
+    return pad_prompts([alone[b] for b in order], pad_id)

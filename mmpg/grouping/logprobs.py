@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from mmpg.grouping.adapters import packed_hidden_states, prefix_positions
-from mmpg.grouping.tree import Share, find_shares, leaders_visuals
+from mmpg.grouping.tree import Share, find_shares, leaders_visuals, share_order
 from mmpg.grouping.tree import pack_tree as pack
 from mmpg.grouping.inputs import (
     Completions, check_completions, mm_token_type_ids, placeholder_token_ids, prompt_attention_mask,
-    split_visuals_per_prompt,
+    select_prompts, split_visuals_per_prompt,
 )
 from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.layout import GroupLayout
@@ -83,7 +83,9 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     rows of prompt b contiguous and in prompt order. group_sizes: [B] positive ints summing to N.
     backend: "sdpa" | "flash" | "flex" | "lse_reference"; default: the one chosen by `apply_grouped_attention`.
     share: let adjacent prompts that begin alike (a video's queries) share that part (`mmpg.grouping.tree`); false
-    forwards each prompt on its own. What was shared is left in `model._mmpg_shared` (prompts, shared parts), and
+    forwards each prompt on its own. Prompts of one video anywhere in the batch share it: they are computed side by
+    side (`mmpg.grouping.tree.share_order`) and the rows given back in the caller's order. What was shared is left in
+    `model._mmpg_shared` (prompts, shared parts), and
     the tokens of the packed row this rank held (the row, or its shard) in `model._mmpg_row_tokens`.
     sequence_group: a torch.distributed process group of sp ranks that hold the same inputs and share the packed row
     (`mmpg.grouping.sequence`); default the one given to `apply_grouped_attention`, None or size 1: one rank."""
@@ -101,6 +103,15 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     backend = resolve_backend(backend or model._mmpg_backend, device, compute_dtype(model, device))
     is_vl = model_kind(model) == "vl"
     visuals = split_visuals_per_prompt(model, prompt_inputs) if is_vl else None
+    order = share_order(visuals) if share and is_vl else list(range(len(completions.group_sizes)))
+    if order != sorted(order):  # a video's prompts apart in the batch: computed side by side, given back in order
+        rows = [i for b in order for i in completions.rows_of(b)]
+        pad_id = model.config.get_text_config().pad_token_id or 0
+        out = grouped_logprobs(model, select_prompts(model, prompt_inputs, order, pad_id), completion_ids[rows],
+                               completion_mask[rows], [completions.group_sizes[b] for b in order], backend=backend,
+                               temperature=temperature, chunk_size=chunk_size, share=True,
+                               sequence_group=sequence_group)
+        return out[torch.tensor(rows, device=out.device).argsort()]
     prefixes = prefix_positions(model, prompt_inputs, visuals)
     visuals = visuals or [{} for _ in prefixes.ids]
     # prompts that begin alike (a video's queries) share that part in the packed row (mmpg.grouping.tree)

@@ -110,15 +110,17 @@ class SelfCheck:
 
     def run(self, model, prompt_inputs, completion_ids, completion_mask, group_sizes, *, temperature: float = 1.0,
             chunk_size: int = 2048, candidate: torch.Tensor | None = None, backend: str | None = None,
-            reduce_max=None) -> dict:
+            reduce_max=None, share: bool = True) -> dict:
         """Compare on one real group (or a few), no gradient; grow the envelope. `candidate` [N, S]: logprobs to
         check instead of the grouped forward's (an engine's). `reduce_max(float) -> float`: the max over ranks (all
-        ranks call `run` together under ZeRO-3). Returns the check/* metrics; raises `SelfCheckError` in mode "on"."""
+        ranks call `run` together under ZeRO-3). `share`: as `grouped_logprobs` (the path the caller's forward takes).
+        Returns the check/* metrics; raises `SelfCheckError` in mode "on"."""
         key = self.key(model, backend)
         with torch.no_grad():
             if candidate is None:
                 candidate = grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, group_sizes,
-                                             backend=backend, temperature=temperature, chunk_size=chunk_size)
+                                             backend=backend, temperature=temperature, chunk_size=chunk_size,
+                                             share=share)
             reference = repeated_logprobs(model, prompt_inputs, completion_ids, completion_mask, group_sizes,
                                           temperature=temperature)
         mask = completion_mask.to(reference.device).bool()

@@ -16,8 +16,10 @@ tokens are inputs, `GroupLayout.row_skip`), and the vision tower sees each share
 
 Where this departs from a true three-level tree: each row repeats its query's tail (G copies of ~30 tokens), so no
 new attention kernel is needed; the token ceiling is QG(P+t+S)/(P+QG(t+S)) against per-query grouping's
-G(P+t+S)/(P+t+GS) (README: Performance). Only adjacent prompts share (the data layer puts a video's queries side by
-side); a lone prompt is packed exactly as before (shared part = the whole prompt, no tail).
+G(P+t+S)/(P+t+GS) (README: Performance). Shares are runs of adjacent prompts; a video's prompts anywhere in a batch
+are first brought side by side (`share_order`: the grouped forward and the rollout engine compute in that order and
+give results back in the caller's); a lone prompt is packed exactly as before (shared part = the whole prompt, no
+tail).
 """
 
 from __future__ import annotations
@@ -51,6 +53,21 @@ def packed_tokens(lengths: list[int], groups: list[int], shared: int) -> int:
     if len(lengths) == 1:
         return lengths[0]
     return shared + sum(g * (n - shared) for n, g in zip(lengths, groups))
+
+
+def share_order(visuals: list[dict]) -> list[int]:
+    """An order of the B prompts that puts the prompts of one video side by side, wherever they sit in the batch:
+    videos (or images) in order of first appearance, each one's prompts in the caller's order; prompts without
+    visual inputs stay where they are among them. [A q1, A q2, B, A q3, B q2] -> [0, 1, 3, 2, 4]. The identity when
+    the batch already keeps each video's prompts together."""
+    groups: list[list[int]] = []
+    for b, v in enumerate(visuals):
+        home = next((g for g in groups if v and _same_visuals(visuals[g[0]], v)), None)
+        if home is None:
+            groups.append([b])
+        else:
+            home.append(b)
+    return [b for g in groups for b in g]
 
 
 def find_shares(prefixes, visuals: list[dict], banned: list[int], group_sizes: list[int]) -> list[Share]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from mmpg.data.dataset import video_key
 from mmpg.data.samples import GroundingSample
-from mmpg.grouping.inputs import prompt_attention_mask, split_visuals_per_prompt
+from mmpg.grouping.inputs import pad_prompts, prompts_alone
 from mmpg.train.data import packed_shares
 
 _ROW_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
@@ -66,32 +66,6 @@ class MicroBatch:
     dummy: bool = False  # a stand-in that keeps ranks in lockstep; its loss is multiplied by 0
 
 
-def prompts_alone(model, inputs) -> list[dict]:
-    """Processor inputs of B prompts -> B dicts, each one prompt without padding ([1, P_b] rows, its visuals)."""
-    attn = prompt_attention_mask(inputs)
-    visuals = split_visuals_per_prompt(model, inputs) if "pixel_values_videos" in inputs or \
-        "pixel_values" in inputs else [{} for _ in range(attn.shape[0])]
-    out = []
-    for b in range(attn.shape[0]):
-        one = {k: inputs[k][b:b + 1, attn[b]] for k in _ROW_KEYS if inputs.get(k) is not None}
-        one.update(visuals[b])
-        out.append(one)
-    return out
-
-
-def pad_prompts(prompts: list[dict], pad_id: int) -> dict:
-    """`prompts_alone`'s dicts -> processor-style inputs for them, left-padded to the longest."""
-    width = max(int(p["input_ids"].shape[1]) for p in prompts)
-    inputs: dict = {}
-    for key in _ROW_KEYS:
-        if key in prompts[0]:
-            value = pad_id if key == "input_ids" else 0
-            inputs[key] = torch.cat([_left_pad(p[key], width, value) for p in prompts])
-    for key in sorted({k for p in prompts for k in p if k not in _ROW_KEYS}):
-        inputs[key] = torch.cat([p[key] for p in prompts if key in p])
-    return inputs
-
-
 def split_groups(model, batch, rollout, seeds: list[int]) -> list[PromptGroup]:
     """Cut a rolled-out batch into per-prompt groups (each prompt's inputs without padding)."""
     alone = prompts_alone(model, batch.inputs)
@@ -108,10 +82,6 @@ def split_groups(model, batch, rollout, seeds: list[int]) -> list[PromptGroup]:
             texts=rollout.texts[rows], finish_reasons=rollout.finish_reasons[rows], seed=seeds[b]))
         row += g
     return groups
-
-
-def _left_pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
-    return F.pad(t, (width - t.shape[-1], 0), value=value)
 
 
 def _right_pad(t: torch.Tensor, width: int, value=0) -> torch.Tensor:

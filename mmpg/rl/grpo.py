@@ -26,13 +26,13 @@ import zlib
 
 import torch
 
-from mmpg.data.dataset import strict_error
+from mmpg.data.dataset import strict_error, video_key
 from mmpg.errors import UserError
 from mmpg.grouping.selfcheck import SelfCheck, SelfCheckError, batch_dims
 from mmpg.models.counting import VisionCalls, prefill_tokens
 from mmpg.models.lora import reference_model, without_dropout
 from mmpg.rl import algos
-from mmpg.rl.batch import PromptGroup, micro_batches, split_groups
+from mmpg.rl.batch import PromptGroup, collate_groups, micro_batches, split_groups
 from mmpg.rl.split import generate_split
 from mmpg.rollout import HFEngine, SamplingParams
 from mmpg import dist
@@ -281,7 +281,8 @@ class GRPOStep:
         return mask.float() * (0.0 if mb.dummy else 1.0)
 
     def self_check(self, groups: list[PromptGroup]) -> dict:
-        """algorithm.self_check: grouped vs repeated logprobs of one real group (this rank's longest), no gradient,
+        """algorithm.self_check: grouped vs repeated logprobs of the groups of one video (the one this rank's batch asks
+        most often: the shared-video tree the step's grouped forward takes; then its longest), no gradient,
         when some rank's batch goes past the envelope checked so far (`mmpg.grouping.selfcheck`). Every rank checks
         then, with the same LM-head chunk count (ZeRO-3 lockstep); the figure is the max over ranks."""
         if self.checker.mode == "off":
@@ -289,15 +290,23 @@ class GRPOStep:
         dims = [batch_dims(g.inputs, g.completion_mask, [g.size]) for g in groups]
         if dist.all_true(not any(self.checker.needed(self.policy, d) for d in dims), self._coll_device):
             return {}
-        g = groups[max(range(len(groups)), key=lambda i: (dims[i][0] + dims[i][1], dims[i][2]))]
+        # the path the step takes: a video's queries together, whose grouped forward shares the video (the tree);
+        # the video asked most often in this rank's batch, then its longest group
+        keys = [video_key(h.sample) for h in groups]
+        g = groups[max(range(len(groups)), key=lambda i: (keys.count(keys[i]), dims[i][0] + dims[i][1], dims[i][2]))]
+        g = collate_groups([h for h, k in zip(groups, keys) if k == video_key(g.sample)], self.pad_id)
         rows = int(g.completion_mask.sum())
         count = int(dist.all_max([math.ceil(rows / HEAD_CHUNK)], self._coll_device)[0])
         try:
-            return self.checker.run(self.policy, g.inputs, g.completion_ids, g.completion_mask, [g.size],
-                                    temperature=self.cfg.rollout.temperature, chunk_size=max(1, math.ceil(rows / count)),
-                                    reduce_max=lambda x: dist.all_max([x], self._coll_device)[0])
+            out = self.checker.run(self.policy, g.inputs, g.completion_ids, g.completion_mask, g.group_sizes,
+                                   temperature=self.cfg.rollout.temperature, chunk_size=max(1, math.ceil(rows / count)),
+                                   reduce_max=lambda x: dist.all_max([x], self._coll_device)[0],
+                                   share=self.cfg.algorithm.share_videos)
         except SelfCheckError as e:
             raise UserError(str(e)) from None
+        prompts, parts = getattr(self.policy, "_mmpg_shared", (1, 1))  # what the checked grouped forward shared
+        out["check/shared_prompts"] = dist.all_max([prompts - parts], self._coll_device)[0]
+        return out
 
     def update(self, groups: list[PromptGroup], timer: Timer) -> dict:
         cfg, alg, engine = self.cfg, self.cfg.algorithm, self.engine

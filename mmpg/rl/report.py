@@ -16,6 +16,8 @@ Metrics (one `metrics.jsonl` line per step, also TensorBoard), over the whole gl
         DRIFT_STEPS steps in a row (also a warning in train.log and the inspector)
     perf/tokens_per_s (prompt + response tokens of the global batch / step seconds), perf/peak_memory_mb,
     perf/shared_prompts (prompts the update's grouped forward packed behind another query's shared video),
+    data/split_videos (videos whose queries of the step were trained on more than one rank: each of those ranks
+        decoded and encoded the video; the sampler keeps a video's queries on one rank where they fit),
     perf/row_tokens (the most tokens of a packed row one rank held in the update's grouped forward: the whole row,
         or its shard under sequence parallelism, parallel.sequence_parallel_size),
     perf/videos (distinct videos among the step's groups), perf/vision_calls (videos the vision towers of the policy

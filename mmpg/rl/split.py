@@ -16,7 +16,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from mmpg.rl.batch import pad_prompts, prompts_alone
+from mmpg.grouping.inputs import select_prompts
 from mmpg.rollout.engine import Rollout
 
 
@@ -27,10 +27,9 @@ def share_of(n: int, size: int, rank: int) -> range:
 
 def sub_batch(model, batch, index: list[int], pad_id: int):
     """The GroundingBatch of the prompts at `index` (inputs re-padded on the left; nothing decoded again)."""
-    alone = prompts_alone(model, batch.inputs)
     return dataclasses.replace(batch, samples=[batch.samples[i] for i in index],
                                videos=[batch.videos[i] for i in index],
-                               inputs=pad_prompts([alone[i] for i in index], pad_id), skipped=[])
+                               inputs=select_prompts(model, batch.inputs, index, pad_id), skipped=[])
 
 
 def join_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:

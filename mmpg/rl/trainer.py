@@ -135,6 +135,7 @@ class GRPOJob:
             return StepOutput(metrics=None)
         metrics = step_metrics([s for part in summaries for s in part], sums, infos, self.skipped_total,
                                self.session.device)
+        metrics["data/split_videos"] = float(split_videos(summaries))
         if self.cfg.rollout.engine == "vllm":
             metrics.update(vllm_metrics(infos))
         alarm = self.drift.update(step, metrics)
@@ -150,6 +151,16 @@ class GRPOJob:
         from mmpg.train.heldout import evaluate_heldout
 
         return evaluate_heldout(self, step)
+
+
+def split_videos(summaries: list[list[dict]]) -> int:
+    """Videos whose queries of this step were trained on more than one data-parallel rank (each such rank decoded,
+    encoded and prefilled the video): `summaries` per rank, each group's `video`."""
+    ranks: dict = {}
+    for r, part in enumerate(summaries):
+        for s in part:
+            ranks.setdefault(s["video"], set()).add(r)
+    return sum(len(r) > 1 for r in ranks.values())
 
 
 def decode_here(loader, samples):

@@ -14,8 +14,10 @@ goes through the vision tower and every decoder layer G times. Here:
 Both decode modes give the same tokens (tested: greedy and seeded sampling, token for token); cascade holds
 P + G·S tokens of K/V per prompt instead of G·(P + S) and reads the prefix once per step instead of G times.
 
-A video shared by its queries (decode="cascade" only): adjacent prompts with the same video that agree on a leading
-part are found from the inputs (`mmpg.rollout.shares`) and prefilled as one packed tree row — each shared part, and
+A video shared by its queries (decode="cascade" only): prompts with the same video, wherever they sit in the batch,
+are sampled side by side (`mmpg.grouping.tree.share_order`; the rollout comes back in the caller's order, and with
+prompt seeds each row's tokens do not depend on the order); adjacent prompts that agree on a leading part are found
+from the inputs (`mmpg.rollout.shares`) and prefilled as one packed tree row — each shared part, and
 its video through the vision tower, once; each query's tail behind it — then decoded with three cascade levels
 (shared part | tail | own tokens). A batch in which no two prompts share takes the plain path above unchanged;
 decode="copy" is always per query (the reference). `last_stats` says what the last call prefilled.
@@ -51,7 +53,10 @@ from transformers import DynamicCache
 
 from mmpg.grouping.adapters import prefix_positions
 from mmpg.grouping.attention import LAYOUT_KWARG
-from mmpg.grouping.inputs import placeholder_token_ids, prompt_attention_mask, split_visuals_per_prompt
+from mmpg.grouping.inputs import (
+    placeholder_token_ids, prompt_attention_mask, select_prompts, split_visuals_per_prompt,
+)
+from mmpg.grouping.tree import share_order
 from mmpg.grouping.patch import base_model, model_kind
 from mmpg.rollout.cascade import SharedPrefixCache
 from mmpg.rollout.cascade_attention import (
@@ -141,6 +146,12 @@ class HFEngine(RolloutEngine):
         empty = (attn.sum(dim=1) == 0).nonzero()
         if empty.numel():
             raise ValueError(f"prompt {int(empty[0])} is empty (all-zero attention_mask); drop it from the batch")
+        order = self._share_order(prompt_inputs)
+        if order != sorted(order):  # a video's prompts apart in the batch: sampled side by side, answered in order
+            out = self.generate_groups(select_prompts(self.model, prompt_inputs, order, self._pad_id()),
+                                       [sizes[b] for b in order], sampling,
+                                       None if prompt_seeds is None else [prompt_seeds[b] for b in order])
+            return _rows_back(out, order, sizes)
         modes = {m: m.training for m in self.model.modules()}
         self.model.eval()
         try:
@@ -376,6 +387,15 @@ class HFEngine(RolloutEngine):
             logprobs=(logps[:, :width] * mask).cpu() if sampling.logprobs else None,
         )
 
+    def _share_order(self, prompt_inputs) -> list[int]:
+        """Cascade decoding with shared videos: the prompt order that puts each video's prompts side by side
+        (`mmpg.grouping.tree.share_order`); the identity otherwise."""
+        n = int(prompt_inputs["input_ids"].shape[0])
+        device = self.model.get_input_embeddings().weight.device
+        if not (self.share_videos and self._is_vl and resolve_decode(self.decode, device) == "cascade"):
+            return list(range(n))
+        return share_order(split_visuals_per_prompt(self.model, prompt_inputs))
+
     # ---- model facts ------------------------------------------------------------------------------------------------
     @property
     def _is_vl(self) -> bool:
@@ -396,6 +416,19 @@ class HFEngine(RolloutEngine):
         if pad is None:
             pad = self._stop_ids(SamplingParams())[0]
         return int(pad)
+
+
+def _rows_back(out: Rollout, order: list[int], sizes: list[int]) -> Rollout:
+    """A rollout of the prompts in `order` -> the same rollout in the caller's prompt order (`sizes`: the caller's
+    group sizes)."""
+    starts = [sum(sizes[:b]) for b in range(len(sizes))]
+    rows = [starts[b] + j for b in order for j in range(sizes[b])]  # row k of `out` answers caller row rows[k]
+    back = torch.tensor(rows).argsort()
+    pick = back.tolist()
+    return Rollout(completion_ids=out.completion_ids[back], completion_mask=out.completion_mask[back],
+                   group_sizes=list(sizes), texts=[out.texts[k] for k in pick],
+                   finish_reasons=[out.finish_reasons[k] for k in pick],
+                   logprobs=None if out.logprobs is None else out.logprobs[back])
 
 
 def _kv_bytes(cache) -> int:

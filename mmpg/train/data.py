@@ -8,8 +8,9 @@ With data.queries_per_video K > 1 the epoch order keeps up to K queries of one v
 queries (annotation order) are cut into runs of at most K, and the runs, not the samples, are permuted. Each query
 still comes once per epoch, the order is still a pure function of (seed, epoch), so a checkpoint's stream position
 resumes it exactly; a run that straddles a global batch boundary is split there. Inside a global batch the ranks
-get whole runs (`pack_runs`: first fit in stream order, a run cut only when it fits on no rank whole), so a video
-is decoded, encoded and prefilled by one rank; the global batch itself, and so the step's data, does not change:
+get whole videos (`pack_runs`: a video's queries of the batch, wherever they sit in it — two runs on both sides of
+an epoch boundary too — first fit in stream order, cut only when they fit on no rank whole), so a video is decoded,
+encoded and prefilled by one rank; the global batch itself, and so the step's data, does not change:
 
     global batch of 8, W = 2, runs  a a a | b | c c | d d      rank 0: a a a b    rank 1: c c d d
                       runs  a a a | b b b | c c                rank 0: a a a c    rank 1: b b b c   (c cut: no room)
@@ -96,19 +97,17 @@ def pack_runs(sizes: list[int], bins: int, capacity: int) -> list[list[tuple[int
 
 
 def runs_of(keys: list) -> list[list[int]]:
-    """Positions 0..len(keys)-1 cut into maximal runs of equal adjacent keys: [a, a, b, a] -> [[0, 1], [2], [3]]."""
-    out: list[list[int]] = []
+    """Positions 0..len(keys)-1 grouped by equal key, wherever they sit, groups in order of first appearance:
+    [a, a, b, a] -> [[0, 1, 3], [2]] (a video's queries on both sides of an epoch boundary stay one group)."""
+    out: dict = {}
     for i, key in enumerate(keys):
-        if out and keys[out[-1][-1]] == key:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
+        out.setdefault(key, []).append(i)
+    return list(out.values())
 
 
 def packed_shares(keys: list, bins: int, capacity: int) -> list[list[int]]:
-    """Positions of `keys` dealt into `bins` bins of at most `capacity`, each run of equal adjacent keys whole in one
-    bin where it fits (`pack_runs`); per bin its positions, in order."""
+    """Positions of `keys` dealt into `bins` bins of at most `capacity`, the positions of one key whole in one bin
+    where they fit (`pack_runs`); per bin its positions, each key's together, keys in order of first appearance."""
     runs = runs_of(keys)
     packed = pack_runs([len(r) for r in runs], bins, capacity)
     return [[i for r, a, b in pieces for i in runs[r][a:b]] for pieces in packed]
@@ -118,7 +117,7 @@ class RankBatchSampler(Sampler):
     """Yields this rank's slice of global batch k = 0, 1, ... (forever), starting at stream position `start`."""
 
     def __init__(self, n: int, global_batch: int, rank: int, world: int, seed: int, shuffle: bool, start: int = 0,
-                 runs: list[list[int]] | None = None):
+                 runs: list[list[int]] | None = None, videos: list | None = None):
         if n < 1:
             raise UserError("the training set is empty")
         if global_batch % world:
@@ -126,7 +125,9 @@ class RankBatchSampler(Sampler):
                             "must hold whole groups of an equal share")
         self.n, self.batch, self.rank, self.world = n, global_batch, rank, world
         self.seed, self.shuffle, self.start, self.runs = seed, shuffle, start, runs
-        self.run_id = {i: r for r, run in enumerate(runs or []) for i in run}  # sample index -> its run
+        # sample index -> what keeps it with others on one rank: its video (the runs of one video in a global batch,
+        # e.g. on both sides of an epoch boundary, go to one rank together where they fit), else its run
+        self.run_id = {i: (videos[i] if videos is not None else r) for r, run in enumerate(runs or []) for i in run}
 
     def __iter__(self):
         local = self.batch // self.world
@@ -151,7 +152,8 @@ def make_train_loader(samples, spec: VideoSpec, processor, template, *, global_b
     """An endless DataLoader of `GroundingBatch`es (this rank's share of each global batch, left-padded inputs).
     Bad videos are never fatal in the workers; the trainer counts `batch.skipped` (or stops in strict mode)."""
     runs = video_runs([video_key(s) for s in samples], queries_per_video)
-    sampler = RankBatchSampler(len(samples), global_batch, rank, world, seed, shuffle, start, runs)
+    videos = [video_key(s) for s in samples]
+    sampler = RankBatchSampler(len(samples), global_batch, rank, world, seed, shuffle, start, runs, videos)
     return VideoDataLoader(GroundingDataset(samples, spec, strict=False), batch_sampler=sampler,
                            num_workers=num_workers, collate_fn=GroundingCollator(processor, template, strict=strict),
                            persistent_workers=False, prefetch_factor=2 if num_workers > 0 else None)
