@@ -13,7 +13,7 @@ tests=(tests/test_grouping_equivalence.py tests/test_grouping_positions.py tests
        tests/test_grouping_layout.py tests/test_grouping_tree.py tests/test_selfcheck.py
        tests/test_flash_loaded_models.py tests/test_rollout.py
        tests/test_rollout_seeds.py tests/test_cascade.py tests/test_rollout_tree.py tests/test_eval_run.py
-       tests/test_lora.py tests/test_sequence_parallel.py tests/test_prefill_chunks.py)
+       tests/test_lora.py tests/test_sequence_parallel.py tests/test_prefill_chunks.py tests/test_share_any_order.py)
 installed="$(python -c 'import transformers; print(transformers.__version__)')"
 oldest="$(python -c 'from mmpg.grouping.patch import TRANSFORMERS_RANGE as r; print(r[0])')"
 newest="$(python -m pip index versions transformers 2>/dev/null | sed -n 's/^transformers (\(.*\))$/\1/p')"

@@ -112,12 +112,18 @@ def encode_in_chunks(model, pixels: torch.Tensor, grid: torch.Tensor, method: st
         px = pixels[call[0][0]: call[-1][0] + call[-1][1]]  # a view: a call's slices are consecutive pixel rows
         out = fn(px, torch.tensor([g for _, _, g in call], device=grid.device), return_dict=True)
         cls = type(out)
-        feats.append(torch.cat(out.pooler_output))
+        feats.append(_joined(out.pooler_output))
         if getattr(out, "deepstack_features", None) is not None:
             deep = deep or [[] for _ in out.deepstack_features]
             for acc, tap in zip(deep, out.deepstack_features):
-                acc.append(torch.cat(tap))
+                acc.append(_joined(tap))
     return cls, torch.cat(feats), None if deep is None else [torch.cat(d) for d in deep]
+
+
+def _joined(x) -> torch.Tensor:
+    """Per-item features as one [N, H] tensor: transformers splits them per item in some releases (a tuple), not
+    in others (5.17's Qwen3-VL deepstack features)."""
+    return torch.cat(list(x)) if isinstance(x, (tuple, list)) else x
 
 
 def encoder_outputs(model, visuals: dict, max_tokens: int) -> list[EncodedVisuals]:
