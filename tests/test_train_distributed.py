@@ -146,3 +146,62 @@ def test_a_rank_whose_share_is_unusable_trains_what_one_process_trains(grpo_data
         assert abs(x["actor/grad_norm"] - y["actor/grad_norm"]) <= NORM_RTOL * y["actor/grad_norm"]
     rel = _rel(final_weights(tmp_path / "two", 3), final_weights(tmp_path / "one", 3))
     assert rel <= WEIGHT_RTOL, f"final weights differ by {rel:.2e} (relative norm)"
+
+
+def test_heldout_survives_a_rank_whose_whole_share_failed(grpo_data, tmp_path):
+    """Held-out evaluation under ZeRO-3 with eval batches of 2 and no video sharing: the fixed batches are [0, 1]
+    and [2, 3]; rank 0 takes [0, 1], whose videos are both missing, rank 1 takes [2, 3]. Rank 0 has nothing to
+    decode while rank 1's forwards gather weights from it: it decodes a blank-video stand-in (answer dropped) so the
+    ranks stay in lockstep. The run finishes, the two failures are counted, the two good samples scored."""
+    synth = grpo_data["synth"]
+    good = json.loads((synth / "train.json").read_text())
+    vids = list(good)[:2]
+    lines = [{"id": f"gone{i}", "video": str(tmp_path / f"gone{i}.mp4"), "duration": 10.0, "query": "a circle",
+              "span": [1.0, 3.0]} for i in range(2)]
+    lines += [{"id": f"ok{i}", "video": str(synth / "videos" / f"{v}.mp4"), "duration": good[v]["duration"],
+               "query": good[v]["sentences"][0], "span": good[v]["timestamps"][0]} for i, v in enumerate(vids)]
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    config = tmp_path / "zero3.json"
+    config.write_text(json.dumps(ZERO3))
+    args = ["train"] + overrides(grpo_data, tmp_path, "heldout", **{
+        "deepspeed.config": str(config), "trainer.total_steps": 1, "data.fps": 0.5, "data.min_frames": 2,
+        "data.max_frames": 4, "rollout.max_new_tokens": 4, "eval.every_n_steps": 1, "data.val": str(val),
+        "eval.batch_size": 2, "eval.share_videos": "false", "eval.max_new_tokens": 6, "eval.max_samples": 0,
+        "deepspeed.timeout_minutes": 2})  # a rank left waiting in a collective fails in 2 minutes, not 30
+    proc = run_cli(args, timeout=300, procs=2)
+    assert proc.returncode == 0, proc.stderr[-5000:]  # before the fix: rank 0 waited in a gather, killed (rc 1)
+    (line,) = [json.loads(x) for x in (tmp_path / "heldout" / "eval.jsonl").read_text().splitlines()]
+    assert (line["eval/count"], line["eval/skipped"]) == (2, 2)
+    from mmpg.runs.evals import EvalReader
+
+    records = EvalReader(tmp_path / "heldout" / "evals" / "val" / "step_00000001").predictions()
+    assert [(r.sample_id, r.error is None) for r in records] == [
+        ("gone0", False), ("gone1", False), ("ok0", True), ("ok1", True)]
+
+
+def test_sft_rank_whose_share_is_unusable_trains_what_one_process_trains(grpo_data, tmp_path):
+    """SFT, ZeRO-3, 4 prompts per step on 2 ranks, no shuffle: step 1 = [0, 1 | 2, 3] with synth_00000 (samples
+    0-2) deleted leaves rank 0 nothing and rank 1 sample 3. Rank 0 runs a weight-0 stand-in (a blank video) in
+    every forward and backward of rank 1; one process trains [3], and so must two ranks: same losses, gradient
+    norms and final weights (before: both ranks stopped with 'a whole batch of unusable videos', exit 2)."""
+    synth = tmp_path / "synth"
+    shutil.copytree(grpo_data["synth"], synth)
+    (synth / "videos" / "synth_00000.mp4").unlink()
+    data = {"model": grpo_data["model"], "synth": synth}
+    config = tmp_path / "zero3.json"
+    config.write_text(json.dumps(ZERO3))
+    args = {"deepspeed.config": str(config), "data.batch_size": 4, "data.fps": 0.5, "data.min_frames": 2,
+            "data.max_frames": 4, "data.shuffle": False, "trainer.total_steps": 2, "trainer.micro_batch_size": 1,
+            "checkpoint.every_n_steps": 2, "deepspeed.timeout_minutes": 2}
+    for name, procs in (("one", 1), ("two", 2)):
+        proc = run_cli(["sft"] + overrides(data, tmp_path, name, **args), timeout=300, procs=procs)
+        assert proc.returncode == 0, proc.stderr[-5000:]
+    a, b = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    assert [m["data/skipped"] for m in b] == [3, 0]
+    for x, y in zip(a, b):
+        assert x["data/skipped"] == y["data/skipped"] and x["sft/target_tokens"] == y["sft/target_tokens"]
+        assert abs(x["sft/loss"] - y["sft/loss"]) <= LOSS_ATOL
+        assert abs(x["actor/grad_norm"] - y["actor/grad_norm"]) <= NORM_RTOL * y["actor/grad_norm"]
+    rel = _rel(final_weights(tmp_path / "two", 2), final_weights(tmp_path / "one", 2))
+    assert rel <= WEIGHT_RTOL, f"final weights differ by {rel:.2e} (relative norm)"

@@ -74,6 +74,23 @@ def video_key(sample: GroundingSample) -> tuple:
     return sample.video, sample.clip_start, sample.clip_end
 
 
+STAND_IN_VIDEO = "<lockstep stand-in>"  # the path a stand-in's blank video carries (no file)
+
+
+def stand_in_batch(processor, template: str | PromptTemplate | None = None) -> GroundingBatch:
+    """One prompt about a black two-frame video of one merged patch per frame (no file read): what a rank with
+    nothing usable in a round forwards while sharded weights (ZeRO-3) need every rank in every forward. Its
+    answer or loss is dropped; it only runs the same modules (vision tower, then the decoder) as a real batch."""
+    vp = processor.video_processor
+    side = vp.patch_size * vp.merge_size
+    video = DecodedVideo(frames=torch.zeros(2, 3, side, side), timestamps=[0.0, 0.5], sample_fps=2.0,
+                         metadata={"fps": 2.0, "frames_indices": [0, 1], "total_num_frames": 2,
+                                   "video_backend": "none"}, path=STAND_IN_VIDEO, duration=1.0)
+    sample = GroundingSample(sample_id="stand-in", video=STAND_IN_VIDEO, duration=1.0, query="nothing",
+                             span=(0.0, 1.0), origin="lockstep stand-in")
+    return GroundingBatch([sample], [video], build_prompt_inputs(processor, [sample], [video], template), [])
+
+
 def strict_error(skip: Skip) -> UserError:
     """The one-line error of strict mode for a sample that cannot be used."""
     return UserError(f"{skip.where}: {skip.reason}; fix or remove this sample, or turn strict off to skip it")

@@ -6,6 +6,7 @@ the shared-prefix engine; after every round the records of all ranks are gathere
     W = 2 ranks:                 rank 0: [3] [6, 7]     rank 1: [4, 5] []    (an empty batch still joins the
     round 1: gather -> rank 0 appends 3, 4, 5                                 gather: both make 2 gathers)
     round 2: gather -> rank 0 appends 6, 7
+    lockstep (ZeRO-3): rank 1's empty round 2, or a round whose videos all failed, decodes a blank stand-in
 
 Why fixed batches, dealt out whole, rather than samples dealt out one by one: a prompt's answer can depend on the
 batch it is decoded in (left padding changes the rounding; in bfloat16 a greedy near-tie can flip), so every
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -37,7 +39,7 @@ import time
 
 from torch.utils.data import Dataset
 
-from mmpg.data.dataset import GroundingDataset, VideoDataLoader, VideoItem, video_key
+from mmpg.data.dataset import GroundingDataset, VideoDataLoader, VideoItem, stand_in_batch, video_key
 from mmpg.data.prompts import build_prompt_inputs
 from mmpg.eval.metrics import score_sample, scored_truth
 from mmpg.models.counting import VisionCalls, prefill_tokens
@@ -95,23 +97,31 @@ def record_for(index: int, item, text: str | None, settings) -> PredictionRecord
                             pred_span=list(scored.span) if scored.span else None, text=text, iou=scored.iou)
 
 
-def _answer(engine, batch, sampling, settings, checker=None, counts: dict | None = None, vision=None) -> list:
-    """The records of one batch; `counts` (when given) gains the batch's prefilled tokens and its videos' keys;
-    `vision` (a `VisionCalls`) is paused over the self-check, whose repeated forward is not the decoding's work."""
-    indices, items, inputs, failed = batch
+def _answer(engine, batch, sampling, settings, checker=None, counts: dict | None = None, vision=None,
+            stand_in=None) -> list:
+    """The records of one batch (None: no batch this round); `counts` (when given) gains the batch's prefilled
+    tokens and its videos' keys; `vision` (a `VisionCalls`) is paused over the self-check, whose repeated forward is
+    not the decoding's work. `stand_in` (lockstep): a callable giving the inputs decoded, answer dropped, when
+    nothing of this batch can be decoded, so this rank still joins every forward of the others."""
+    indices, items, inputs, failed = batch if batch is not None else ([], [], None, [])
     records = [record_for(i, it, None, settings) for i, it in failed]
     for i, it in failed:
         log.warning("sample %s (index %d) failed: %s", it.sample.sample_id, i, it.error)
-    if items:
-        rollout = engine.generate_groups(inputs, 1, sampling)  # [B] answers, rows in prompt order
-        if counts is not None:
-            counts["prefix_tokens"] += prefill_tokens(engine, inputs)
-            counts["videos"] |= {video_key(it.sample) for it in items}
-        if checker is not None:
-            with vision.paused() if vision is not None else contextlib.nullcontext():
-                _self_check(checker, engine.model, inputs, rollout)
-        records += [record_for(i, it, text, settings) for i, it, text in zip(indices, items, rollout.texts)]
-    return records
+    if not items:
+        if stand_in is not None:
+            filler = stand_in()
+            engine.generate_groups(filler, 1, sampling)
+            if counts is not None:
+                counts["prefix_tokens"] += prefill_tokens(engine, filler)  # its forwards ran
+        return records
+    rollout = engine.generate_groups(inputs, 1, sampling)  # [B] answers, rows in prompt order
+    if counts is not None:
+        counts["prefix_tokens"] += prefill_tokens(engine, inputs)
+        counts["videos"] |= {video_key(it.sample) for it in items}
+    if checker is not None:
+        with vision.paused() if vision is not None else contextlib.nullcontext():
+            _self_check(checker, engine.model, inputs, rollout)
+    return records + [record_for(i, it, text, settings) for i, it, text in zip(indices, items, rollout.texts)]
 
 
 def _self_check(checker, model, inputs, rollout) -> None:
@@ -190,10 +200,12 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
     over all ranks (samples answered, distinct videos, vision-tower encodes, prefilled tokens; lockstep fillers
     count in the last two: their forwards ran).
 
-    lockstep (a ZeRO-3 model, whose every forward gathers weights from all ranks): every rank decodes `rounds`
-    batches, a rank short of one repeating its first batch with the records dropped, and decodes until every rank
-    is done (the engine's all_done); the engine self-check is left out there (its forwards would be one rank's
-    alone; training's own self-check covers the grouped forward)."""
+    lockstep (a ZeRO-3 model, whose every forward gathers weights from all ranks): every rank runs `rounds`
+    rounds and decodes in each until every rank is done (the engine's all_done); a round where this rank has
+    nothing to decode (no batch left, or every video of its batch failed: those still become failed records)
+    decodes a blank-video stand-in instead (`stand_in_batch`, answer dropped), as training's weight-0 dummies do. The
+    engine self-check is left out there (its forwards would be one rank's alone; training's own self-check covers
+    the grouped forward)."""
     from tqdm.auto import tqdm
 
     from mmpg.rollout import HFEngine, SamplingParams
@@ -203,9 +215,6 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
     mine = todo[session.rank::session.world]
     rounds = math.ceil(len(todo) / session.world)  # the same on every rank
     lockstep = lockstep and session.world > 1
-    real = len(mine)
-    if lockstep and todo:
-        mine = mine + [mine[0] if mine else todo[0]] * (rounds - real)  # fillers: decoded, records dropped
     shard = [i for b in mine for i in b]
     positions, start = [], 0  # each batch as positions into `shard`
     for b in mine:
@@ -221,6 +230,7 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
                       prefill_chunk=settings.prefill_chunk)
     checker = SelfCheck(settings.self_check, what="decode engine") \
         if settings.self_check != "off" and not lockstep else None
+    stand_in = functools.cache(lambda: stand_in_batch(processor, template).inputs) if lockstep else None
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, logprobs=checker is not None)
     batches = iter(loader)
     bar = tqdm(total=len(pending), desc="eval", unit="sample", disable=session.rank != 0, dynamic_ncols=True)
@@ -229,9 +239,7 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
     with VisionCalls(model) as vision:
         for r in range(rounds):
             batch = next(batches, None)
-            records = _answer(engine, batch, sampling, settings, checker, counts, vision) if batch is not None else []
-            if r >= real:
-                records = []  # a lockstep filler
+            records = _answer(engine, batch, sampling, settings, checker, counts, vision, stand_in)
             every = sorted((rec for part in dist.gather_objects(records) for rec in part), key=lambda rec: rec.index)
             writer.append(every)  # rank 0 writes; a no-op elsewhere
             done += len(every)

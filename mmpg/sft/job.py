@@ -8,6 +8,8 @@ tokens of the global batch. The forward is the grouped one with one "response" p
 on target positions. Same config tree, DeepSpeed engine, run directory, step loop, checkpoints and resume as
 `mmpg train` (`mmpg.train`); metrics: sft/loss, sft/target_tokens, actor/grad_norm, actor/lr, timing_s/*, perf/*
 (perf/videos: distinct videos of the step, perf/vision_calls: videos the vision tower encoded, all ranks).
+A rank whose whole share of a global batch is unusable trains a weight-0 stand-in (a blank video) beside the
+others' real micro-batches (ZeRO-3 lockstep), so W ranks update as one process does on the usable samples.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 import torch
 
 from mmpg.config import Config
-from mmpg.data.dataset import strict_error, video_key
+from mmpg.data.dataset import stand_in_batch, strict_error, video_key
 from mmpg.data.prompts import get_template
 from mmpg.errors import UserError
 from mmpg.models.counting import VisionCalls
@@ -94,6 +96,15 @@ class SFTJob:
                 advantages=torch.zeros(1)))
         return groups
 
+    def _stand_in(self) -> list[PromptGroup]:
+        """This rank's whole share of the global batch was unusable: one weight-0 group about a blank video
+        (`stand_in_batch`) keeps it in every forward and backward of the others (ZeRO-3 gathers weights in each).
+        Its tokens are in neither the loss nor the token count, so the update is the one of the usable samples,
+        as one process computes it on the same global batch."""
+        (group,) = self._groups(stand_in_batch(self.session.processor, self.template))
+        group.dummy = True
+        return [group]
+
     @staticmethod
     def _nll(policy, mb, chunk):
         from mmpg.grouping import grouped_logprobs
@@ -108,9 +119,7 @@ class SFTJob:
         self.pulled += 1
         if batch.skipped and self.cfg.data.strict:
             raise strict_error(batch.skipped[0])
-        if not dist.all_true(len(batch) > 0, self.coll):
-            raise UserError("a whole batch of unusable videos on some rank; check the data with mmpg check-data")
-        groups = self._groups(batch)
+        groups = self._groups(batch) if len(batch) else self._stand_in()
         t_data = time.perf_counter() - t0
         engine = self.session.engine
         mbs = micro_batches(groups, max(1, self.cfg.trainer.micro_batch_size), self.pad_id)
@@ -119,6 +128,8 @@ class SFTJob:
             mbs.append(micro_batches(groups[:1], 1, self.pad_id)[0])
             mbs[-1].dummy = True
         tokens = dist.data_sum([sum(float(mb.completion_mask.sum()) for mb in mbs if not mb.dummy)], self.coll)[0]
+        if tokens == 0:  # no rank has a usable sample (nor would one process): nothing to train on
+            raise UserError("a whole global batch of unusable videos; check the data with mmpg check-data")
         loss_sum = 0.0
         for i, mb in enumerate(mbs):
             engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
@@ -130,7 +141,7 @@ class SFTJob:
             engine.step()
             loss_sum += float(loss)
         infos = dist.gather_data({"skipped": len(batch.skipped), "prompt_tokens": sum(
-            int(g.inputs["input_ids"].shape[1]) for g in groups), "vision_calls": self.vision.take(),
+            int(g.inputs["input_ids"].shape[1]) for g in groups if not g.dummy), "vision_calls": self.vision.take(),
             "videos": {video_key(s) for s in batch.samples}})
         self.skipped_total += sum(i["skipped"] for i in infos)
         loss_total = dist.data_sum([loss_sum], self.coll)[0]

@@ -7,9 +7,11 @@
       --> eval/* metrics, which the loop appends to eval.jsonl for the curves
 
 Settings follow the training config: its prompt template, frames and pixels (data.*), eval.batch_size,
-eval.share_videos and eval.max_new_tokens, rollout.prefill_chunk, mmpg's scoring (scoring=mmpg) and failed videos left out of the metrics
-(bad_videos=skip), as training's held-out numbers always were. Every rank decodes in lockstep (ZeRO-3 gathers
-weights in each forward).
+eval.share_videos and eval.max_new_tokens, rollout.prefill_chunk, mmpg's scoring (scoring=mmpg) and failed videos
+left out of the metrics (bad_videos=skip), as training's held-out numbers always were. Every rank decodes in
+lockstep (ZeRO-3 gathers weights in each forward): a rank with nothing to decode in a round (no batch left, or all
+its videos failed) decodes a blank-video stand-in whose answer is dropped (`mmpg.eval.batches.decode_pending`);
+the failures are counted in eval/skipped.
 """
 
 from __future__ import annotations
