@@ -1,9 +1,13 @@
 # mmpg on NVIDIA GPUs: CUDA devel base (nvcc for flash-attn and DeepSpeed's JIT ops), torch, flash-attn, DeepSpeed,
 # mmpg installed editable in /workspace/mmpg/.venv by the same scripts/env.sh the launch scripts source.
 #   docker build -t mmpg .
-#   docker run --gpus all --ipc=host mmpg                                 scripts/gpu_check.sh (the default)
+#   docker run --gpus all --ipc=host mmpg                                 mmpg --help (the default: the commands)
+#   docker run --gpus all --ipc=host -v "$PWD/data:/workspace/mmpg/data" mmpg scripts/train_grounding.sh ...
 #   docker run --gpus all --ipc=host -v "$PWD/data:/workspace/mmpg/data" mmpg scripts/bench.sh --preset gpu
-# The entrypoint is bash, so any launch script (or `-c "mmpg ..."`) is the command.
+#   docker run -it --gpus all --ipc=host mmpg -i                          a shell
+# The entrypoint is bash, so any launch script (or `-c "mmpg ..."`) is the command. The default prints what there is
+# to run and exits at once, on any host, with or without a GPU or mounted data (the demo is a CPU job of minutes:
+# scripts/demo.sh; scripts/gpu_check.sh is the project's GPU-lease harness and wants its wheels/ bundle).
 #
 # CUDA versions must line up three ways:
 #   * the base image's nvcc has torch's CUDA major: torch 2.14.1 from PyPI is built for CUDA 13.0 (torch.version.cuda;
@@ -59,4 +63,4 @@ ENV PATH=/workspace/mmpg/.venv/bin:$PATH \
     TOKENIZERS_PARALLELISM=false \
     TORCH_EXTENSIONS_DIR=/workspace/mmpg/.cache/torch_extensions
 ENTRYPOINT ["/bin/bash"]
-CMD ["scripts/gpu_check.sh"]
+CMD ["-c", "mmpg --help"]

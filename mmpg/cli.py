@@ -1,6 +1,7 @@
 """The `mmpg` command. Each subcommand parses its flags and calls one library function; no logic lives here.
 
-User errors (`mmpg.errors.UserError`) print one line `mmpg: error: ...` and exit with status 2, like argparse's own.
+User errors (`mmpg.errors.is_user_error`: a `UserError`, or what mmpg.grouping raises for an unsupported
+transformers) print one line `mmpg: error: ...` and exit with status 2, like argparse's own.
 `--local_rank N` is taken anywhere on the command line (the deepspeed launcher puts it before the subcommand).
 """
 
@@ -11,7 +12,11 @@ import os
 import sys
 from pathlib import Path
 
-from mmpg.errors import UserError
+from mmpg import __version__
+from mmpg.errors import UserError, is_user_error
+
+# mmpg.models.tiny.FAMILIES, which imports torch (too slow for --help); tests/test_cli.py checks they agree
+TINY_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3")
 
 
 def _positive_int(text: str) -> int:
@@ -95,6 +100,11 @@ def _cmd_train(args) -> int:
             value = getattr(value, part)
         print(value)
         return 0
+    from mmpg.demo.pipeline import unbuilt_input  # a demo config before `mmpg demo --build-only`: say so
+
+    problem = unbuilt_input(cfg.model.path, cfg.data.train, cfg.data.val, cfg.data.videos)
+    if problem:
+        raise UserError(problem)
     if args.command == "sft":
         from mmpg.sft.job import sft
 
@@ -146,10 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     from mmpg.data.formats import FORMAT_CHOICES
 
     parser = argparse.ArgumentParser(prog="mmpg", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-tiny", help="build a tiny random-weight Qwen checkpoint offline")
-    p.add_argument("--family", required=True, help="qwen2_5_vl, qwen3_vl, qwen2 or qwen3")
+    p.add_argument("--family", required=True, choices=TINY_FAMILIES, help="model family: the two video "
+                   "families (Qwen2.5-VL, Qwen3-VL) or the text-only Qwen2 / Qwen3")
     p.add_argument("--out", required=True, help="folder to write (must be empty or absent)")
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--hidden-size", type=_positive_int, default=64)
@@ -244,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-steps", type=_positive_int, default=None, help="override the preset's SFT steps")
     p.add_argument("--grpo-steps", type=_positive_int, default=None, help="override the preset's GRPO steps")
     p.add_argument("--workdir", default="data/generated/demo", help="where the tiny model, videos, runs and "
-                   "results are kept")
+                   "results are kept")  # mmpg.demo.pipeline.WORKDIR
     p.add_argument("--build-only", action="store_true", help="only build the tiny model and the videos if missing")
     p.set_defaults(func=_cmd_demo)
     return parser
@@ -285,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv[1:]  # the subcommand's own arguments, as recorded in run.json
     try:
         return int(args.func(args) or 0)
-    except UserError as err:
+    except Exception as err:  # noqa: BLE001 - re-raised unless it is the user's to fix
+        if not is_user_error(err):
+            raise
         print(f"mmpg: error: {err}", file=sys.stderr)
         return 2
 

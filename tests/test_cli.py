@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,8 +23,63 @@ def _run(argv, capsys):
 def test_unknown_family(tmp_path, capsys):
     code, err = _run(["make-tiny", "--family", "llama", "--out", str(tmp_path / "m")], capsys)
     assert code == 2
-    assert len(err.splitlines()) == 1 and "unknown model family 'llama'" in err
+    assert "argument --family: invalid choice: 'llama'" in err.splitlines()[-1]
     assert not (tmp_path / "m").exists()
+
+
+def test_make_tiny_lists_the_families_it_builds(capsys):
+    from mmpg.cli import TINY_FAMILIES
+    from mmpg.models.tiny import FAMILIES
+
+    assert TINY_FAMILIES == FAMILIES
+    with pytest.raises(SystemExit) as exit_:
+        main(["make-tiny", "--help"])
+    assert exit_.value.code == 0 and "--family {qwen2_5_vl,qwen3_vl,qwen2,qwen3}" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    from mmpg import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"mmpg {__version__}"
+
+
+def _old_transformers(monkeypatch):
+    from mmpg.grouping import patch
+
+    monkeypatch.setattr(patch.transformers, "__version__", "5.16.1")
+    patch._check_transformers()
+
+
+def _missing_feature(monkeypatch):
+    from mmpg.grouping import patch
+
+    patch._check_features(SimpleNamespace(config=SimpleNamespace(model_type="qwen2_5_vl"), model=SimpleNamespace()))
+
+
+def _ignored_input(monkeypatch):
+    import torch
+
+    from mmpg.grouping.attention import check_tripwire
+
+    check_tripwire(("mm_encoder_outputs",), {"mm_encoder_outputs": None}, torch.nn.Identity(), "prefill")
+
+
+@pytest.mark.parametrize("situation, says", [(_old_transformers, "tested on transformers >="),
+                                             (_missing_feature, "no longer takes the visual inputs"),
+                                             (_ignored_input, "mm_encoder_outputs handed to the model's forward")])
+def test_an_unsupported_transformers_is_one_line_and_exit_2(monkeypatch, capsys, situation, says):
+    """What mmpg.grouping raises for the user's transformers (its own RuntimeError subclasses: it imports no other
+    mmpg package) is shown as every user error is; any other exception still raises with its traceback."""
+    import mmpg.cli
+
+    monkeypatch.setattr(mmpg.cli, "_cmd_synth", lambda args: situation(monkeypatch))
+    code, err = _run(["synth", "--out", "x", "--n", "1"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("mmpg: error: ") and says in err
+    monkeypatch.setattr(mmpg.cli, "_cmd_synth", lambda args: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["synth", "--out", "x", "--n", "1"])
 
 
 def test_make_tiny_refuses_non_empty_folder(tmp_path, capsys):
@@ -64,3 +120,21 @@ def test_console_script_make_tiny(tmp_path):
     assert "wrote tiny qwen2 checkpoint" in proc.stdout
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     assert not list(tmp_path.glob(".tiny.tmp-*"))
+
+
+def test_the_docker_images_default_command_is_mmpg_help():
+    """`docker run mmpg` runs the image's ENTRYPOINT with its CMD: here `bash -c "mmpg --help"`, which prints the
+    commands and exits 0 on any host (no GPU, no data mounted needed)."""
+    import json
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    lines = (root / "Dockerfile").read_text().splitlines()
+    entrypoint = json.loads(next(x for x in reversed(lines) if x.startswith("ENTRYPOINT ")).split(" ", 1)[1])
+    cmd = json.loads(next(x for x in reversed(lines) if x.startswith("CMD ")).split(" ", 1)[1])
+    assert entrypoint == ["/bin/bash"] and cmd == ["-c", "mmpg --help"]
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # the image's PATH has it
+    proc = subprocess.run(["bash", *cmd], capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: mmpg") and "make-tiny" in proc.stdout and "demo" in proc.stdout

@@ -58,3 +58,45 @@ def test_quick_demo_learns_and_opens_in_the_inspector(tmp_path, capsys):
         page.close()
     assert RunSource(grpo_run).steps() == list(range(1, PRESETS["quick"].grpo_steps + 1))
     assert any("test" in name for name in run_evals(grpo_run))
+
+
+@pytest.mark.parametrize("config", ["cpu_demo.yaml", "sft_cpu_demo.yaml"])
+def test_a_demo_config_before_the_demo_is_built_names_the_command_that_builds_it(tmp_path, monkeypatch, capsys,
+                                                                                 config):
+    from mmpg.cli import main
+    from mmpg.demo.pipeline import CONFIGS
+
+    monkeypatch.chdir(tmp_path)  # no data/generated/demo here
+    command = "train" if config == "cpu_demo.yaml" else "sft"
+    assert main([command, "--config", str(CONFIGS / config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "data/generated/demo/" in err and "`mmpg demo --build-only`" in err
+
+
+def test_running_a_demo_config_twice_continues_the_run(tmp_path):
+    """Both demo configs say checkpoint.resume: auto, so a second `mmpg train|sft --config ...` (or a second
+    scripts/train_cpu_demo.sh after a stopped warm start) continues the run from its latest checkpoint, as a rerun
+    does in verl and EasyR1, instead of refusing the used run_name; a fresh name starts a run; a run stopped before
+    its first checkpoint is one line saying how to start over."""
+    from mmpg.config import load_config
+    from mmpg.demo.pipeline import CONFIGS
+    from mmpg.errors import UserError
+    from mmpg.runs import METRICS_JSONL
+    from mmpg.train.setup import resume_point
+
+    for config in ("cpu_demo.yaml", "sft_cpu_demo.yaml"):
+        assert load_config(str(CONFIGS / config), []).checkpoint.resume == "auto"
+    run = tmp_path / "grpo-demo"
+    assert resume_point("auto", run) is None  # the first run
+    run.mkdir()
+    (run / METRICS_JSONL).write_text('{"v": 1, "step": 1}\n')
+    with pytest.raises(UserError, match=r"no complete checkpoint to continue from .* \(rm -r "):
+        resume_point("auto", run)
+    with pytest.raises(UserError, match="already holds a run; continue it with checkpoint.resume=auto"):
+        resume_point("", run)
+    for step in (50, 100):
+        ckpt = run / "checkpoints" / f"step_{step:08d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text("{}")
+        (ckpt / "COMPLETE").write_text("")
+    assert resume_point("auto", run) == ckpt

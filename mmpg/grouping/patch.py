@@ -26,13 +26,18 @@ SUPPORTED_MODEL_TYPES = {"qwen2_5_vl": "vl", "qwen3_vl": "vl", "qwen2": "text", 
 TRANSFORMERS_RANGE = (Version("5.17.0"), Version("6.0.0"))
 
 
+class UnsupportedTransformersError(RuntimeError):
+    """The installed transformers is outside the tested range or lacks a feature the grouped forward calls."""
+
+
 def _check_transformers(model=None) -> None:
     """The tested version range, then (given a model) the features the grouped forward calls on it."""
     v = Version(transformers.__version__)
     lo, hi = TRANSFORMERS_RANGE
     if not lo <= Version(v.base_version) < hi:
-        raise RuntimeError(f"mmpg.grouping is tested on transformers >={lo},<{hi} (the version matrix of "
-                           f"scripts/test.sh); found {transformers.__version__}: pip install 'transformers>={lo},<{hi}'")
+        raise UnsupportedTransformersError(
+            f"mmpg.grouping is tested on transformers >={lo},<{hi} (the version matrix of scripts/test.sh); found "
+            f"{transformers.__version__}: pip install 'transformers>={lo},<{hi}'")
     if model is not None:
         _check_features(model)
 
@@ -58,10 +63,10 @@ def _check_features(model) -> None:
         fn = getattr(inner, name, None)
         if fn is None or not params <= _params(fn):
             missing = sorted(params - _params(fn)) if fn is not None else []
-            raise RuntimeError(f"transformers {transformers.__version__}: {type(inner).__name__}.{name} no longer "
-                               f"{what}{' (no ' + ', '.join(missing) + ')' if missing else ' (not found)'}; mmpg's "
-                               f"grouped forward needs it (tested: transformers >={TRANSFORMERS_RANGE[0]},"
-                               f"<{TRANSFORMERS_RANGE[1]})")
+            raise UnsupportedTransformersError(
+                f"transformers {transformers.__version__}: {type(inner).__name__}.{name} no longer {what}"
+                f"{' (no ' + ', '.join(missing) + ')' if missing else ' (not found)'}; mmpg's grouped forward needs "
+                f"it (tested: transformers >={TRANSFORMERS_RANGE[0]},<{TRANSFORMERS_RANGE[1]})")
 
 
 def base_model(model):

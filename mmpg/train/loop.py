@@ -65,6 +65,9 @@ def run_loop(job, session) -> None:
     total, start = cfg.trainer.total_steps, session.start_step
     every_ckpt, every_eval = cfg.checkpoint.every_n_steps, cfg.eval.every_n_steps
     tracker = _tracker(session)
+    if start >= total and session.rank == 0:
+        log.info("the run is at step %d of trainer.total_steps=%d: nothing to train (raise trainer.total_steps to "
+                 "go on, or choose another trainer.run_name for a new run)", start, total)
     bar = tqdm(total=total, initial=start, desc=f"{job.kind}", unit="step", disable=session.rank != 0,
                dynamic_ncols=True)
     try:

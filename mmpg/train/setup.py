@@ -47,6 +47,22 @@ def _run_dir(cfg) -> Path:
     return Path(cfg.trainer.output_dir) / name
 
 
+def resume_point(resume: str, run_dir: Path) -> Path | None:
+    """The checkpoint the run continues from (checkpoint.resume: '', 'auto' or a checkpoint folder), None for a
+    fresh run. A folder that already holds a run is never started over: without a checkpoint to continue from,
+    one line says what to do (with 'auto', a fresh name starts a run and a used one continues it, as a rerun of the
+    same command does in verl and EasyR1)."""
+    found = find_resume(resume, run_dir)
+    if found is None and ((run_dir / METRICS_JSONL).exists() or (run_dir / RUN_JSON).exists()):
+        if resume == "auto":
+            raise UserError(f"{run_dir} holds a run with no complete checkpoint to continue from (it stopped before "
+                            f"its first checkpoint.every_n_steps save); remove it to start over (rm -r {run_dir}) "
+                            "or choose another trainer.run_name")
+        raise UserError(f"{run_dir} already holds a run; continue it with checkpoint.resume=auto (--resume auto) "
+                        "or choose another trainer.run_name")
+    return found
+
+
 def _setup_logging(run_dir: Path, rank: int) -> None:
     root = logging.getLogger("mmpg")
     root.setLevel(logging.INFO)
@@ -103,10 +119,7 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     sp = cfg.parallel.sequence_parallel_size
     dist.set_sequence_parallel(sp)  # groups of sp consecutive ranks share each packed row
     run_dir = _run_dir(cfg)
-    resume = find_resume(cfg.checkpoint.resume, run_dir)
-    if resume is None and ((run_dir / METRICS_JSONL).exists() or (run_dir / RUN_JSON).exists()):
-        raise UserError(f"{run_dir} already holds a run; continue it with checkpoint.resume=auto (--resume auto) "
-                        "or choose another trainer.run_name")
+    resume = resume_point(cfg.checkpoint.resume, run_dir)
     model, processor = load_models(cfg, device, dtype)
     family = model_family(model)
     params = trainable_summary(model)  # before DeepSpeed partitions anything
