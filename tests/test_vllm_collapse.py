@@ -1,5 +1,6 @@
 """What the vLLM engine sends for a prompt's videos (no server needed): each video back in the chat template's form
-`<vs> <pad> <ve>`, which vLLM expands again from the frames."""
+`<vs> <pad> <ve>`, which vLLM expands again from the frames; each distinct video of a batch once (wire 2), what the
+server makes of both wire forms, and `last_stats` from an answer's counters."""
 
 from __future__ import annotations
 
@@ -22,3 +23,72 @@ def test_text_and_unclosed_pairs_are_kept():
     assert _collapse_videos([7, VS, 8, VE, 9], PAD, (VS, VE)) == [7, VS, 8, VE, 9]  # a pair without video
     assert _collapse_videos([7, VS, PAD, PAD], PAD, (VS, VE)) == [7, VS, PAD]  # never closed: runs collapsed only
     assert _collapse_videos([7, 8], None, None) == [7, 8]  # a text model
+
+
+# ---- a video once per batch (wire 2) ------------------------------------------------------------------------------
+def _video(seed: int, fps: float = 2.0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    frames = torch.randint(0, 256, (2, 3, 28, 28), generator=g).float()
+    return frames, {"fps": fps, "total_num_frames": 2, "frames_indices": [0, 1]}
+
+
+def test_distinct_videos_by_object_and_by_content():
+    from mmpg.rollout.vllm import distinct_videos
+
+    a, b = _video(0), _video(1)
+    a_copy = (a[0].clone(), dict(a[1]))  # another object, equal frames and metadata: the same video
+    a_fps = (a[0], dict(a[1], fps=4.0))  # same frames, other fps (other Qwen3-VL timestamps): another video
+    table, index = distinct_videos([a, a, None, b, a_copy, a, a_fps])
+    assert index == [0, 0, None, 1, 0, 0, 2] and len(table) == 3
+    assert table[0][0] is a[0] and table[2][1]["fps"] == 4.0
+
+
+def test_rollout_stats_counts_hand_worked():
+    """[A q1, A q2, text, A q3] of 10, 11, 5, 12 tokens, G = 2: vLLM looked up 2 x 38 = 76 prompt tokens and found
+    50 (the other sample of each prompt, and A's video block for q2, q3), so it computed 26."""
+    from mmpg.rollout.vllm import rollout_stats
+
+    ids = [[1] * 10, [1] * 11, [2] * 5, [1] * 12]
+    answer = {"counters": {"prefix_cache_queries": 76, "prefix_cache_hits": 50, "mm_cache_queries": 3,
+                           "mm_cache_hits": 2}, "timing_s": {"enqueue": 0.5}}
+    stats = rollout_stats(ids, [0, 0, None, 0], answer, 1234)
+    assert stats == {"prompts": 4, "prefixes": 2, "prefix_tokens": 26, "shared_prompts": 2, "cached_tokens": 50,
+                     "videos": 1, "request_bytes": 1234, "processor_runs": 1, "timing_s": {"enqueue": 0.5}}
+
+
+def test_server_builds_one_item_per_video_named_by_content():
+    """The server side of both wire forms (no vLLM needed): wire 2 hands every prompt of a video one frames array
+    and one content name; wire 1 gives each prompt its own frames and no name (vLLM hashes them)."""
+    import numpy as np
+
+    from mmpg.serve.vllm_server import _prompt, _video_table
+    from mmpg.serve.wire import frames_array, video_digest
+
+    (fa, ma), (fb, mb) = _video(0), _video(1)
+    arrays = {"video_0": frames_array(fa), "video_1": frames_array(fb)}
+    meta = {"videos": [{"key": "video_0", "metadata": ma}, {"key": "video_1", "metadata": mb}]}
+    table = _video_table(meta, arrays)
+    got = [_prompt({"token_ids": [7, 1, 9, 2], "video": v}, arrays, table) for v in (0, 1, 0, None)]
+    assert got[0]["multi_modal_data"]["video"][0][0] is got[2]["multi_modal_data"]["video"][0][0]
+    assert got[0]["multi_modal_uuids"] == got[2]["multi_modal_uuids"] != got[1]["multi_modal_uuids"]
+    assert got[3] == {"prompt_token_ids": [7, 1, 9, 2]}
+    old = _prompt({"token_ids": [7, 1, 9, 2], "video": {"key": "video_0", "metadata": ma}}, arrays, None)
+    assert "multi_modal_uuids" not in old
+    np.testing.assert_array_equal(old["multi_modal_data"]["video"][0][0], got[0]["multi_modal_data"]["video"][0][0])
+    assert old["multi_modal_data"]["video"][0][1] == got[0]["multi_modal_data"]["video"][0][1]
+    one_pixel = arrays["video_0"].copy()
+    one_pixel[0, 0, 0, 0] ^= 1
+    name = video_digest(arrays["video_0"], ma)
+    assert video_digest(one_pixel, ma) != name != video_digest(arrays["video_0"], dict(ma, fps=3.0))
+
+
+def test_wire_version_check():
+    import pytest
+
+    from mmpg.serve.wire import WIRE_VERSION, ServerError, check_wire
+
+    check_wire({"wire": WIRE_VERSION}, "http://x")
+    with pytest.raises(ServerError, match="speaks wire format 1, this client 2.*restart it from this checkout"):
+        check_wire({}, "http://x")

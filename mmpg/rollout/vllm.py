@@ -14,6 +14,16 @@ from the metadata's fps and frames_indices, as transformers computes them). The 
 trainer's token for token, else the request fails (`_check_prompts`). vLLM's prefix cache holds each prompt's K/V
 once for its G samples (`n = G` in one request).
 
+A video once: the request carries a table of the batch's distinct videos (`mmpg.serve.wire` version 2) and each
+prompt the index of its own; K queries of one video (`data.queries_per_video`: the very same `DecodedVideo`, or equal
+frames and metadata) send its frames once, and the server names it by content so that vLLM hashes it once and runs
+its processor and vision encoder once. `last_stats` says what the last call prefilled, in `HFEngine.last_stats`'
+terms: prompts B; prefixes, the prompts that do not follow an earlier prompt of the batch with the same video (each
+video's first query, and every text-only prompt); shared_prompts, B - prefixes; prefix_tokens, the prompt tokens vLLM
+computed (its counters: prompt tokens looked up in its prefix cache less those found there, over every sample's
+sequence, so a prompt of G samples is computed about once); and vLLM's own: cached_tokens (those found),
+processor_runs (videos its HF processor ran on), videos (distinct videos sent), request_bytes, the server's timing_s.
+
 What comes back is laid out as `Rollout` documents. `Rollout.logprobs` are the engine's: log softmax(logits / T) at
 each sampled token before top-k / top-p (the server asks vLLM for processed logprobs with those filters off in the
 logprob, see `mmpg.serve.vllm_server`), the quantity `grouped_logprobs(..., temperature=T)` recomputes. They differ
@@ -44,7 +54,7 @@ from mmpg.rollout.engine import (
     SamplingParams,
     group_sizes_for,
 )
-from mmpg.serve.wire import DEFAULT_URL, ServerError, call, frames_array, pack
+from mmpg.serve.wire import DEFAULT_URL, WIRE_VERSION, ServerError, call, check_wire, frames_array, pack
 
 log = logging.getLogger("mmpg.rollout.vllm")
 
@@ -67,8 +77,10 @@ class VLLMEngine(RolloutEngine):
         self.model, self.processor, self.url, self.timeout_s = model, processor, url, float(timeout_s)
         self.banned = [int(t) for t in placeholder_token_ids(model)]  # never sampled (HFEngine bans them too)
         self.health = wait_for_server(url, wait_s) if wait_s > 0 else self._health()
+        check_wire(self.health, url)
         self.version = int(self.health["version"])  # weight version the server holds (0: its checkpoint)
         self.last_sync: dict = {}
+        self.last_stats: dict | None = None  # what the last generate_groups prefilled (module docstring)
         self._sender = None  # the NCCL weight sender (GPU servers started with --nccl), made on first use
 
     # ---- sampling -----------------------------------------------------------------------------------------------
@@ -94,7 +106,8 @@ class VLLMEngine(RolloutEngine):
                 raise PromptTooLongError(b, f"prompt {b} has {len(p)} tokens; with max_new_tokens="
                                             f"{sampling.max_new_tokens} that exceeds the vLLM server's max_model_len "
                                             f"{limit}: restart it with a larger --max-model-len, or use fewer frames")
-        body = pack(*self._request(ids, sizes, seeds, sampling, prompt_inputs, videos))
+        meta, arrays = self._request(ids, sizes, seeds, sampling, prompt_inputs, videos)
+        body = pack(meta, arrays)
         try:
             answer = call(self.url, "/generate", body=body, timeout=self.timeout_s, what="a rollout request")
         except ServerError as e:
@@ -106,27 +119,27 @@ class VLLMEngine(RolloutEngine):
             body = pack(*self._request(ids, sizes, seeds, sampling, prompt_inputs, videos))
             answer = call(self.url, "/generate", body=body, timeout=self.timeout_s, what="a rollout request")
         _check_prompts(answer.get("prompt_token_ids"), ids)
+        self.last_stats = rollout_stats(ids, [p["video"] for p in meta["prompts"]], answer, len(body))
         return self._rollout(answer["outputs"], sizes, sampling)
 
     def _request(self, ids, sizes, seeds, sampling: SamplingParams, prompt_inputs, videos) -> tuple[dict, dict]:
-        """The request's JSON part and its frames."""
+        """The request's JSON part and its frames: each distinct video once (wire 2)."""
         video_token = _video_token_id(self.model)
         brackets = _vision_brackets(self.model)
-        arrays, prompts = {}, []
-        for b, (p, g, seed) in enumerate(zip(ids, sizes, seeds)):
-            # vLLM expands a video's placeholder itself (from the frames): it gets the chat template's form back
-            entry = {"token_ids": _collapse_videos(p, video_token, brackets), "n": g, "seed": int(seed) % (2 ** 63),
-                     "video": None}
-            if video_token is not None and video_token in p:
-                if videos is None or b >= len(videos) or videos[b] is None:
-                    raise ValueError(f"prompt {b} holds a video but no frames were given; VLLMEngine needs the "
-                                     "decoded videos: generate_groups(..., videos=batch.videos)")
-                frames, meta = _frames_and_metadata(videos[b])
-                arrays[f"video_{b}"] = frames_array(frames)
-                entry["video"] = {"key": f"video_{b}", "metadata": meta}
-            prompts.append(entry)
+        has_video = [video_token is not None and video_token in p for p in ids]
+        for b in (b for b, v in enumerate(has_video) if v):
+            if videos is None or b >= len(videos) or videos[b] is None:
+                raise ValueError(f"prompt {b} holds a video but no frames were given; VLLMEngine needs the "
+                                 "decoded videos: generate_groups(..., videos=batch.videos)")
+        table, index = distinct_videos([videos[b] if v else None for b, v in enumerate(has_video)])
+        arrays = {f"video_{v}": frames_array(frames) for v, (frames, _) in enumerate(table)}
+        # vLLM expands a video's placeholder itself (from the frames): it gets the chat template's form back
+        prompts = [{"token_ids": _collapse_videos(p, video_token, brackets), "n": g, "seed": int(seed) % (2 ** 63),
+                    "video": v} for p, g, seed, v in zip(ids, sizes, seeds, index)]
         stop = list(sampling.stop_token_ids) if sampling.stop_token_ids is not None else _eos_ids(self.model)
-        meta = {"prompts": prompts, "expect": {"instance": self.health["instance"], "version": self.version},
+        meta = {"wire": WIRE_VERSION, "prompts": prompts,
+                "videos": [{"key": f"video_{v}", "metadata": m} for v, (_, m) in enumerate(table)],
+                "expect": {"instance": self.health["instance"], "version": self.version},
                 "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                              "max_tokens": sampling.max_new_tokens, "stop_token_ids": stop, "banned": self.banned,
                              "logprobs": sampling.logprobs}}
@@ -197,19 +210,51 @@ class VLLMEngine(RolloutEngine):
         return self._sender
 
     def _health(self) -> dict:
-        return call(self.url, "/health", timeout=min(self.timeout_s, 30.0), what="a health check")
+        health = call(self.url, "/health", timeout=min(self.timeout_s, 30.0), what="a health check")
+        check_wire(health, self.url)
+        return health
 
 
-def wait_for_server(url: str, wait_s: float, poll_s: float = 2.0) -> dict:
-    """Poll /health until the server answers or `wait_s` seconds pass (then a ServerError saying what to do)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return call(url, "/health", timeout=min(10.0, max(1.0, wait_s)), what="a health check")
-        except ServerError as e:
-            if time.monotonic() + poll_s > deadline:
-                raise ServerError(f"{e} (waited {wait_s:g} s: rollout.vllm_wait_s)") from None
-            time.sleep(poll_s)
+def distinct_videos(videos: Sequence) -> tuple[list[tuple[torch.Tensor, dict]], list[int | None]]:
+    """[B] videos (None: no video) -> the distinct ones as (frames [T, C, H, W], metadata) and each prompt's index
+    into them (None for none). Distinct means another object whose frames or metadata differ: the same object is one
+    video (the loader hands a video's queries one `DecodedVideo`), and so are two objects with equal metadata and
+    equal frames (compared exactly, only when shapes and metadata already agree)."""
+    table: list[tuple[torch.Tensor, dict]] = []
+    seen: dict[int, int] = {}  # id(video) -> index
+    index: list[int | None] = []
+    for video in videos:
+        if video is None:
+            index.append(None)
+            continue
+        if id(video) not in seen:
+            frames, meta = _frames_and_metadata(video)
+            same = (v for v, (f, m) in enumerate(table)
+                    if m == meta and f.shape == frames.shape and f.dtype == frames.dtype and torch.equal(f, frames))
+            seen[id(video)] = next(same, len(table))
+            if seen[id(video)] == len(table):
+                table.append((frames, meta))
+        index.append(seen[id(video)])
+    return table, index
+
+
+def rollout_stats(ids: list[list[int]], index: list[int | None], answer: dict, request_bytes: int) -> dict:
+    """`VLLMEngine.last_stats` from the server's answer (module docstring). ids: [B] the prompts' token ids; index:
+    [B] each prompt's video in the request's table (None: none)."""
+    firsts = {v: b for b, v in reversed(list(enumerate(index))) if v is not None}  # each video's first prompt
+    shared = sum(1 for b, v in enumerate(index) if v is not None and firsts[v] != b)
+    counters = dict(answer.get("counters") or {})
+    if "prefix_cache_queries" in counters and "prefix_cache_hits" in counters:  # vLLM's own count, every sample's
+        cached = int(counters["prefix_cache_hits"])
+        computed = int(counters["prefix_cache_queries"]) - cached
+    else:  # an older vLLM: one sample's figure per prompt
+        cached = sum(int(c) for c in answer.get("cached_tokens") or [])
+        computed = sum(map(len, ids)) - cached
+    return {"prompts": len(ids), "prefixes": len(ids) - shared, "prefix_tokens": computed, "shared_prompts": shared,
+            "cached_tokens": cached, "videos": len(firsts), "request_bytes": int(request_bytes),
+            "processor_runs": (counters["mm_cache_queries"] - counters["mm_cache_hits"]
+                               if "mm_cache_queries" in counters and "mm_cache_hits" in counters else None),
+            "timing_s": dict(answer.get("timing_s") or {})}
 
 
 # ---- model facts (the same rules as HFEngine) ----------------------------------------------------------------------

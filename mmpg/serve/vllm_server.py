@@ -3,10 +3,15 @@
     python -m mmpg.serve.vllm_server --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--max-model-len 8192]
 
 Endpoints (JSON answers; errors are {"error": "..."} with a 4xx/5xx status):
-    GET  /health           {"instance", "version", "max_model_len", "checkpoint", "device", "nccl"}: instance is new at
-                           every start, so a client notices a restart; version counts the weight updates applied
-    POST /generate         a `mmpg.serve.wire` blob: per prompt token ids, n, seed, an optional video (frames +
-                           metadata); sampling settings. -> {"outputs": [[{"token_ids", "logprobs", "finish_reason"}]]}
+    GET  /health           {"instance", "version", "max_model_len", "checkpoint", "device", "nccl", "wire"}: instance
+                           is new at every start, so a client notices a restart; version counts the weight updates
+                           applied; wire, the newest request format it reads (`mmpg.serve.wire`)
+    POST /generate         a `mmpg.serve.wire` blob: per prompt token ids, n, seed, an optional video (wire 2: an index
+                           into the batch's table of distinct videos, frames + metadata); sampling settings.
+                           -> {"outputs": [[{"token_ids", "logprobs", "finish_reason"}]], "prompt_token_ids",
+                               "cached_tokens" (per prompt, vLLM's figure: one of its n samples'), "videos"
+                               (distinct videos), "counters" (vLLM's, see COUNTERS), "timing_s": {"unpack",
+                               "videos", "enqueue", "engine"}}
     POST /update_weights   {"path", "version"}: a safetensors file of changed tensors (HF names), loaded by every
                            worker through `collective_rpc`, then the prefix cache is dropped
     POST /init_weight_transfer, /update_weights_nccl: vLLM's NCCL weight transfer (GPU only; UNTESTED, no GPU here)
@@ -14,6 +19,15 @@ Endpoints (JSON answers; errors are {"error": "..."} with a 4xx/5xx status):
 Why not `vllm serve` (the OpenAI server): its completions endpoint takes text or token ids but not decoded frames with
 their metadata next to token ids, nor per-request logprobs of the sampled tokens in one array, nor weight updates.
 The server is stdlib `http.server` (one request at a time for the engine, a lock around it; /health never waits).
+
+A video once (wire 2): each distinct video of a request becomes vLLM's item once (frames, metadata) and is named by
+its content (`wire.video_digest`: one blake2b pass over its frames); every prompt that asks it passes that name as
+`multi_modal_uuids`, so vLLM 0.32 skips its own hash of the frames (it hashes the name with the processor kwargs
+instead, `ProcessorInputs.get_mm_hashes`), runs its HF processor once (processor cache, keyed by that hash), the
+vision encoder once (encoder cache) and keys the prefix cache's video blocks by it. A content name is exact across
+requests too: a video asked again in a later batch is the same item. "timing_s": unpack (the blob), videos (the
+table and its hashes), enqueue (vLLM's input processing: rendering, its hashes, its processor; `LLM.enqueue`),
+engine (scheduling, vision encoder, prefill, decoding; `LLM.wait_for_completion`).
 
 Logprobs: vLLM's default `raw_logprobs`, i.e. log softmax of the model's logits before temperature, banned-token bias
 and top-k / top-p. That is the trainer's policy logprob for temperature 1 (and for greedy decoding, where HFEngine also
@@ -35,9 +49,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
-from mmpg.serve.wire import unpack
+from mmpg.serve.wire import WIRE_VERSION, unpack, video_digest
 
 log = logging.getLogger("mmpg.serve")
+# vLLM's counters an answer reports (their change over the request): prompt tokens of its sequences (each of the n
+# samples its own), those looked up in / found in the prefix cache, multimodal items looked up in / found in the
+# processor cache (a hit: its HF processor did not run for that item)
+COUNTERS = {"vllm:prompt_tokens": "prompt_tokens", "vllm:prefix_cache_queries": "prefix_cache_queries",
+            "vllm:prefix_cache_hits": "prefix_cache_hits", "vllm:mm_cache_queries": "mm_cache_queries",
+            "vllm:mm_cache_hits": "mm_cache_hits"}
 BAN_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]; e^-100 is zero next to any real logit gap
 
 
@@ -54,7 +74,8 @@ class Backend:
         kwargs = {"model": args.checkpoint, "dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed,
                   "enable_prefix_caching": True, "limit_mm_per_prompt": {"video": 1, "image": 0},
                   "gpu_memory_utilization": args.gpu_memory_utilization, "logprobs_mode": "raw_logprobs",
-                  "enforce_eager": args.enforce_eager, "worker_extension_cls": "mmpg.serve.worker.WeightFileLoader"}
+                  "enforce_eager": args.enforce_eager, "worker_extension_cls": "mmpg.serve.worker.WeightFileLoader",
+                  "disable_log_stats": False}  # vLLM's counters (`COUNTERS`), read per request
         if args.nccl:  # GPU: vLLM's RL weight transfer (UNTESTED here)
             kwargs["weight_transfer_config"] = {"backend": "nccl"}
         mismatch = normalization_mismatch(args.checkpoint)
@@ -72,46 +93,60 @@ class Backend:
 
     def health(self) -> dict:
         return {"instance": self.instance, "version": self.version, "max_model_len": self.max_model_len,
-                "checkpoint": self.checkpoint, "device": self.device, "nccl": self.nccl}
+                "checkpoint": self.checkpoint, "device": self.device, "nccl": self.nccl, "wire": WIRE_VERSION}
 
     # ---- generate -------------------------------------------------------------------------------------------
     def generate(self, blob: bytes) -> dict:
+        t0 = time.perf_counter()
         meta, arrays = unpack(blob)
+        wire = int(meta.get("wire", 1))
+        if wire > WIRE_VERSION:
+            raise RequestError(f"the request is wire format {wire}, this server reads up to {WIRE_VERSION}: restart "
+                               "mmpg vllm-serve from the trainer's checkout")
         expect = meta.get("expect") or {}
         if expect.get("instance") not in (None, self.instance):
             raise Conflict("the vLLM server restarted since this client synced its weights (it serves the "
                            f"checkpoint {self.checkpoint} again)")
-        prompts = [self._prompt(p, arrays) for p in meta["prompts"]]
+        t1 = time.perf_counter()
+        table = _video_table(meta, arrays) if wire >= 2 else None
+        prompts = [_prompt(p, arrays, table) for p in meta["prompts"]]
         params = [self._sampling(meta["sampling"], p) for p in meta["prompts"]]
+        t2 = time.perf_counter()
         with self.lock:
-            outs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+            before = self._counters()
+            self.llm.enqueue(prompts, sampling_params=params, use_tqdm=False)  # vLLM's input processing
+            t3 = time.perf_counter()
+            outs = self.llm.wait_for_completion(use_tqdm=False)
+            t4 = time.perf_counter()
+            after = self._counters()
         want_logprobs = bool(meta["sampling"].get("logprobs", True))
         # greedy: vLLM wants n = 1; the G rows are the same answer, repeated
         repeat = [1 if sp.n == int(p["n"]) else int(p["n"]) for sp, p in zip(params, meta["prompts"])]
         answer = {"instance": self.instance, "version": self.version,
                   "outputs": [[_completion(c, want_logprobs) for c in o.outputs] * k for o, k in zip(outs, repeat)],
-                  "prompt_token_ids": [list(o.prompt_token_ids) for o in outs]}  # as vLLM expanded the videos
+                  "prompt_token_ids": [list(o.prompt_token_ids) for o in outs],  # as vLLM expanded the videos
+                  "cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
+                  "videos": len(table) if table is not None else sum(1 for p in meta["prompts"] if p.get("video")),
+                  "counters": {k: after[k] - before.get(k, 0) for k in after},
+                  "timing_s": {"unpack": t1 - t0, "videos": t2 - t1, "enqueue": t3 - t2, "engine": t4 - t3}}
         if meta["sampling"].get("prompt_logprobs"):  # diagnostics: log p(prompt token t | tokens < t), t >= 1
             answer["prompt_logprobs"] = [[float(step[t].logprob) for step, t in zip(o.prompt_logprobs[1:],
                                                                                    o.prompt_token_ids[1:])]
                                          for o in outs]
         return answer
 
-    @staticmethod
-    def _prompt(p: dict, arrays: dict) -> dict:
-        prompt = {"prompt_token_ids": [int(t) for t in p["token_ids"]]}
-        video = p.get("video")
-        if video:
-            frames = arrays.get(video["key"])
-            if frames is None:
-                raise RequestError(f"request names {video['key']} but holds no such tensor")
-            meta = dict(video["metadata"], do_sample_frames=False)
-            meta.setdefault("duration", meta["total_num_frames"] / float(meta["fps"]))
-            meta.setdefault("video_backend", "mmpg")
-            # frames [T, H, W, 3] as the trainer's processor saw them (sized by qwen-vl-utils): no resize here either
-            prompt["multi_modal_data"] = {"video": [(np.asarray(frames), meta)]}
-            prompt["mm_processor_kwargs"] = {"do_resize": False, "do_sample_frames": False}
-        return prompt
+    def _counters(self) -> dict:
+        """vLLM's cumulative counters named in COUNTERS (summed over engines), {} where this vLLM has none."""
+        try:
+            metrics = self.llm.get_metrics()
+        except (AssertionError, AttributeError):  # stats off, or a vLLM without get_metrics
+            return {}
+        out = {}
+        for m in metrics:
+            key = COUNTERS.get(m.name)
+            if key is not None and hasattr(m, "value"):
+                out[key] = out.get(key, 0) + int(m.value)
+        return out
 
     @staticmethod
     def _sampling(s: dict, p: dict):
@@ -163,6 +198,50 @@ class Backend:
             self.llm.reset_prefix_cache()
             self.version = int(payload.get("version", self.version + 1))
         return {"version": self.version, "tensors": len(info["names"]), "seconds": time.perf_counter() - t0}
+
+
+def _video_table(meta: dict, arrays: dict) -> list[tuple[tuple, str]]:
+    """wire 2: each distinct video of the request as vLLM's item (frames [T, H, W, 3], metadata) and its content
+    name, made once however many prompts ask it."""
+    table = []
+    for v, video in enumerate(meta.get("videos") or []):
+        frames = arrays.get(video.get("key"))
+        if frames is None:
+            raise RequestError(f"video {v} of the request names tensor {video.get('key')!r}, which it does not hold")
+        metadata = _processor_metadata(video["metadata"])
+        table.append(((np.asarray(frames), metadata), video_digest(frames, metadata)))
+    return table
+
+
+def _prompt(p: dict, arrays: dict, table: list | None) -> dict:
+    """One request prompt -> vLLM's prompt dict. table: the request's videos (wire 2), None for wire 1, where the
+    prompt names its own tensor and vLLM hashes its frames itself."""
+    prompt = {"prompt_token_ids": [int(t) for t in p["token_ids"]]}
+    video = p.get("video")
+    if video is None or video is False:
+        return prompt
+    if table is not None:
+        if not isinstance(video, int) or not 0 <= video < len(table):
+            raise RequestError(f"a prompt names video {video!r}; the request's table holds {len(table)}")
+        (frames, metadata), name = table[video]
+        prompt["multi_modal_uuids"] = {"video": [name]}
+    else:
+        frames = arrays.get(video["key"])
+        if frames is None:
+            raise RequestError(f"request names {video['key']} but holds no such tensor")
+        frames, metadata = np.asarray(frames), _processor_metadata(video["metadata"])
+    # frames [T, H, W, 3] as the trainer's processor saw them (sized by qwen-vl-utils): no resize here either; each
+    # prompt its own metadata dict (vLLM's video loader may write to it), the frames shared
+    prompt["multi_modal_data"] = {"video": [(frames, dict(metadata))]}
+    prompt["mm_processor_kwargs"] = {"do_resize": False, "do_sample_frames": False}
+    return prompt
+
+
+def _processor_metadata(metadata: dict) -> dict:
+    meta = dict(metadata, do_sample_frames=False)
+    meta.setdefault("duration", meta["total_num_frames"] / float(meta["fps"]))
+    meta.setdefault("video_backend", "mmpg")
+    return meta
 
 
 def normalization_mismatch(checkpoint: str) -> str | None:

@@ -1,10 +1,20 @@
 """What travels between `VLLMEngine` and the vLLM server, and the client side of HTTP (stdlib only, timeouts always).
 
 A generate request is one safetensors blob: its `__metadata__["request"]` is JSON (prompts' token ids, sampling
-settings, video metadata) and its tensors are the decoded frames, `video_{b}` [T, H, W, 3] (uint8 when the frames are
-whole numbers, else float32: no rounding on the way). safetensors because both venvs have it, it is a documented
-format (8-byte little-endian header length, JSON header, raw buffers) and it carries large frames without base64.
+settings, video metadata) and its tensors are the decoded frames [T, H, W, 3] (uint8 when the frames are whole
+numbers, else float32: no rounding on the way). safetensors because both venvs have it, it is a documented format
+(8-byte little-endian header length, JSON header, raw buffers) and it carries large frames without base64.
 Answers are JSON. A weight update names a safetensors file that the trainer wrote (same host, /dev/shm when there).
+
+Versions (`WIRE_VERSION`; the request's "wire", the server's /health "wire"; absent means 1):
+    1  each prompt carries its own video: tensor `video_{b}`, prompt["video"] = {"key", "metadata"}. A video asked
+       by K queries travels K times and vLLM hashes its frames K times.
+    2  a table of the batch's distinct videos, request["videos"] = [{"key": "video_{v}", "metadata"}], tensors
+       `video_{v}`; prompt["video"] = v (its index) or None. Each video travels once; the server names it by its
+       content (`video_digest`, hashed once) and hands vLLM that name as the item's `multi_modal_uuids`, so vLLM
+       neither hashes the frames again nor runs its processor on them more than once.
+A server answers both; a client of version 2 refuses a server of version 1 (`check_wire`), and a server refuses a
+request newer than itself, each with one line saying what to restart.
 
 Errors the client can meet are `ServerError`s whose message says what to do: no server, a timeout, the server
 refusing a request (its message passed on).
@@ -12,6 +22,7 @@ refusing a request (its message passed on).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import struct
@@ -22,6 +33,7 @@ import numpy as np
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 REQUEST_KEY = "request"
+WIRE_VERSION = 2  # see the module docstring
 
 
 class ServerError(RuntimeError):
@@ -50,6 +62,26 @@ def unpack(blob: bytes) -> tuple[dict, dict[str, np.ndarray]]:
     header = json.loads(blob[8:8 + n])
     meta = json.loads(header.get("__metadata__", {}).get(REQUEST_KEY, "{}"))
     return meta, load(blob)
+
+
+def check_wire(health: dict, url: str) -> None:
+    """Refuse a server that cannot read this client's requests (its /health says which version it speaks)."""
+    theirs = int(health.get("wire", 1))
+    if theirs < WIRE_VERSION:
+        raise ServerError(f"the vLLM server at {url} speaks wire format {theirs}, this client {WIRE_VERSION} (a video "
+                          "sent once per batch): it is an older mmpg vllm-serve; restart it from this checkout "
+                          "(scripts/vllm_serve.sh)")
+
+
+def video_digest(frames: np.ndarray, metadata: dict) -> str:
+    """A name for a video's content: frames (dtype, shape, bytes) and metadata (fps and frames_indices set Qwen3-VL's
+    timestamps). Equal names mean equal inputs to vLLM's processor, so vLLM may reuse what it computed for one."""
+    h = hashlib.blake2b(digest_size=20)
+    arr = np.ascontiguousarray(frames)
+    h.update(f"{arr.dtype.str}{arr.shape}".encode())
+    h.update(memoryview(arr).cast("B"))
+    h.update(json.dumps(metadata, sort_keys=True, default=str).encode())
+    return "mmpg-video-" + h.hexdigest()
 
 
 def frames_array(frames) -> np.ndarray:
