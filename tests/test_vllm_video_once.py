@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 K = 3  # queries per video (data.queries_per_video)
 VIDEO = (16, 224, 224)  # frames, height, width: 8 x 8 x 8 = 512 video tokens on Qwen2.5-VL (28-pixel merged patches)
-REPEATS = 3  # timed requests per form, each on fresh videos (no cache hit from an earlier request)
+REPEATS = 5  # timed requests per form, each on fresh videos (no cache hit from an earlier request)
 
 
 @pytest.fixture(scope="module")

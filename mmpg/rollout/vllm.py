@@ -116,7 +116,8 @@ class VLLMEngine(RolloutEngine):
             log.warning("the vLLM server at %s restarted; sending it every weight again", self.url)
             self.health, self._sender = self._health(), None  # a new server: a new NCCL group too
             self.sync_weights(everything=True)
-            body = pack(*self._request(ids, sizes, seeds, sampling, prompt_inputs, videos))
+            meta["expect"] = {"instance": self.health["instance"], "version": self.version}
+            body = pack(meta, arrays)
             answer = call(self.url, "/generate", body=body, timeout=self.timeout_s, what="a rollout request")
         _check_prompts(answer.get("prompt_token_ids"), ids)
         self.last_stats = rollout_stats(ids, [p["video"] for p in meta["prompts"]], answer, len(body))
@@ -255,6 +256,18 @@ def rollout_stats(ids: list[list[int]], index: list[int | None], answer: dict, r
             "processor_runs": (counters["mm_cache_queries"] - counters["mm_cache_hits"]
                                if "mm_cache_queries" in counters and "mm_cache_hits" in counters else None),
             "timing_s": dict(answer.get("timing_s") or {})}
+
+
+def wait_for_server(url: str, wait_s: float, poll_s: float = 2.0) -> dict:
+    """Poll /health until the server answers or `wait_s` seconds pass (then a ServerError saying what to do)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return call(url, "/health", timeout=min(10.0, max(1.0, wait_s)), what="a health check")
+        except ServerError as e:
+            if time.monotonic() + poll_s > deadline:
+                raise ServerError(f"{e} (waited {wait_s:g} s: rollout.vllm_wait_s)") from None
+            time.sleep(poll_s)
 
 
 # ---- model facts (the same rules as HFEngine) ----------------------------------------------------------------------
