@@ -18,6 +18,9 @@
                                                        tree (the video's part once for all Q), per phase; eval:
                                                        one greedy answer per query, per query vs the tree
     mmpg bench --levels lora                           memory of full vs LoRA training (`mmpg.bench.lora`)
+    mmpg bench --preset sp-cpu --sp 2                  one GRPO step with the packed row spread over 2 gloo
+                                                       processes beside one process, P 2K..16K: per-rank peak
+                                                       memory and time with their ceilings (`mmpg.bench.sp`)
 
 Prints a fixed-width table and writes JSON (default runs/bench/<timestamp>.json). A program, never a test.
 """
@@ -80,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "architecture must be the config's; checked)")
     parser.add_argument("--lora-r", type=int, default=16, help="--levels lora: the LoRA rank compared with full "
                         "training (mmpg.bench.lora: full vs LoRA, reference copy vs adapters off; its own table)")
+    parser.add_argument("--sp", type=int, default=1,
+                        help="step level: also run each config with its packed row spread over this many gloo "
+                        "processes (sequence parallelism, `mmpg.bench.sp`), beside sp 1; per-rank peak memory and "
+                        "time with their ceilings in a table of their own (default 1: off)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (fresh process each)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per process (>= 1: the memory step)")
@@ -96,10 +103,15 @@ def plan(args) -> list[dict]:
     """The configs to run: the preset, its levels, overrides and variant filter applied (duplicates dropped)."""
     built = build(args.preset, args.family)
     own_rollout = any(c["level"] == "rollout" for c in built)  # else rollout rows reuse the model configs
-    levels = args.levels or (["rollout"] if all(c["level"] == "rollout" for c in built) else ["attention", "model"])
+    only = {c["level"] for c in built}
+    levels = args.levels or (list(only) if only in ({"rollout"}, {"step"}) else ["attention", "model"])
     unknown = set(levels) - set(LEVELS)
     if unknown:
         raise UserError(f"unknown bench level(s) {', '.join(sorted(unknown))}; choose from {', '.join(LEVELS)}")
+    sp = getattr(args, "sp", 1) or 1
+    if sp < 1 or (sp > 1 and set(levels) != {"step"}):
+        raise UserError(f"--sp {sp}: a positive size, for the step level alone (--levels step); got levels "
+                        f"{','.join(levels)}")
     vllm = {k: getattr(args, f"vllm_{k}", None) for k in ("url", "checkpoint")}
     want_vllm = bool(getattr(args, "vllm", False) or vllm["url"] or "vllm" in (args.variants or []))
     configs = []
@@ -129,7 +141,14 @@ def plan(args) -> list[dict]:
             if c["variants"] and key not in seen:
                 seen.add(key)
                 out.append(c)
-    return out
+    return [x for c in out for x in (c, *_spread(c, sp))]  # each config's sp 1, then its sp N
+
+
+def _spread(config: dict, sp: int) -> list[dict]:
+    """The step config again with its row spread over sp ranks (`mmpg.bench.sp`), without the naive variant (the
+    repeated forward does not spread); [] for sp 1."""
+    variants = [v for v in config["variants"] if v.split(":")[0] != "naive"]
+    return [dict(config, sp=sp, variants=variants)] if sp > 1 and variants else []
 
 
 def _with_vllm(config: dict, want: bool, given: dict) -> dict:
@@ -201,6 +220,10 @@ def run(args) -> int:
         print("\n" + report.tree_table(rows))
     if any(r["level"] == "eval" for r in rows) and not args.dry_run:
         print("\n" + report.eval_table(rows))
+    if getattr(args, "sp", 1) > 1 and not args.dry_run:
+        from mmpg.bench.sp import sp_table
+
+        print("\n" + sp_table(rows))
     path = report.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=False))
     print(f"wrote {path}")
     failed = [r for r in rows if (r.get("note") or "").split(":")[0] not in ("", "OOM", "n/a", "skipped")

@@ -24,6 +24,13 @@
                  G 8, S 32, fp32: generate, copy, cascade and vllm (a `mmpg vllm-serve` started for it, eager)
     rollout-vllm-gpu  (UNTESTED: never run yet) rollout-gpu's shape and variants on qwen2_5_vl (Qwen2.5-VL-3B-sized,
                  bf16) plus vllm (server with CUDA graphs, 40 % of the GPU, beside the other variants' workers)
+    sp-cpu       the step level (`--levels step` is implied) at P 2K, 4K, 8K, 16K, S 64, G 4, the cpu-targets
+                 model (qwen2_5_vl, LM hidden 256, 4 layers, 4/2 heads, tiny vocab; vision 32 x 2, frozen), for
+                 `--sp N`: the prefix dominates the row; naive at P <= 4K only (time); one round of one timed step;
+                 the trainer's first-step self-check off (a repeated forward that is not the step's work; at 16K it
+                 would dominate the measured cold step, on every rank); memory measured as live memory: freed
+                 pages given back before each phase and blocks >= 64 KiB mapped on their own (`mmpg.bench.memory.
+                 release`, `worker_env`), so an RSS peak does not count what glibc keeps of freed tensors
 `--vllm` adds the vllm variant to any rollout config (e.g. `--preset rollout-cpu --family qwen2_5_vl --vllm`);
 text-only families are skipped with the reason in the row.
 """
@@ -46,6 +53,7 @@ QWEN2_5_VL_3B_SPEC = {"hidden_size": 2048, "num_layers": 36, "num_heads": 16, "n
 # Qwen2-VL-2B's LM (public config: hidden 1536, 28 layers, 12/2 heads, I 8960) with Qwen2.5-VL's vision tower.
 QWEN2_VL_2B_SPEC = {"hidden_size": 1536, "num_layers": 28, "num_heads": 12, "num_kv_heads": 2,
                     "intermediate_size": 8960, "vision_depth": 32, "vision_hidden_size": 1280, "vision_heads": 16}
+SP_MMAP_THRESHOLD = 64 * 1024  # sp-cpu: blocks >= 64 KiB mapped on their own (`mmpg.bench.memory.worker_env`)
 TINY_SPEC = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
 
 
@@ -141,6 +149,10 @@ def build(preset: str, family: str = "qwen2") -> list[dict]:
                 evaluation(48, 6, t=5, family=family, spec=TINY_SPEC)]
     if preset == "rollout-cpu":
         return [rollout(4096, 256, 8, family)]
+    if preset == "sp-cpu":  # the naive step at P <= 4K only: at 8K and 16K it alone would take most of the budget
+        return [step(P, 64, 4, family, variants=STEP_VARIANTS[:2] if P <= 4096 else ["mmpg"], self_check="off",
+                     release=True, mmap_threshold=SP_MMAP_THRESHOLD)
+                for P in (2048, 4096, 8192, 16384)]
     if preset in ("rollout-gpu", "rollout-vllm-gpu"):  # untested: never run yet
         kernels = ["mmpg:cascade_sdpa"] + (["mmpg:cascade_flash"] if "mmpg:flash" in _gpu_backends() else [])
         vllm = ["vllm"] if preset == "rollout-vllm-gpu" else []
@@ -155,5 +167,5 @@ def build(preset: str, family: str = "qwen2") -> list[dict]:
 
 PRESETS = {  # preset -> the CLI's default (rounds, repeats, warmup)
     "cpu-targets": (2, 2, 1), "cpu-grid": (1, 2, 1), "gpu": (2, 3, 2), "tiny": (1, 1, 1),
-    "rollout-cpu": (2, 2, 1), "rollout-gpu": (1, 2, 1), "rollout-vllm-cpu": (2, 2, 1), "rollout-vllm-gpu": (1, 2, 1),
+    "rollout-cpu": (2, 2, 1), "sp-cpu": (1, 1, 1), "rollout-gpu": (1, 2, 1), "rollout-vllm-cpu": (2, 2, 1), "rollout-vllm-gpu": (1, 2, 1),
 }

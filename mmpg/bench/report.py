@@ -71,6 +71,9 @@ def _phase_lines(row: dict) -> list[dict]:
     from mmpg.bench.step import PHASE_CEILINGS, PHASES
 
     keep = {k: row.get(k) for k in ("level", "P", "S", "G", "Q", "variant", "rho_lin", "rho_attn", "rho_flops")}
+    sp = (row.get("config") or {}).get("sp", 1)
+    if sp > 1:  # the row spread over sp ranks (`mmpg.bench.sp`; its own table has the per-rank figures)
+        keep["variant"] = f"{row['variant']} sp{sp}"
     if row.get("variant") == "tree":
         keep.update({k: row.get(f"{k}_tree") for k in ("rho_lin", "rho_flops")})
     names = (*PHASES, "total")

@@ -35,6 +35,7 @@ import tempfile
 
 from mmpg.bench import flops
 from mmpg.bench.levels import LEVELS, ceiling_key
+from mmpg.bench.memory import worker_env
 
 
 def split_variant(label: str) -> tuple[str, str | None]:
@@ -120,7 +121,14 @@ def ceilings(config: dict, shape: dict) -> dict:
 
 # ---- running ---------------------------------------------------------------------------------------------------------
 def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: bool) -> dict:
-    """One (config, variant, round): `worker.measure` in a fresh process, or here without memory (in_process)."""
+    """One (config, variant, round): `worker.measure` in a fresh process, or here without memory (in_process); a
+    case with sp > 1 in sp processes (`mmpg.bench.sp.launch`)."""
+    if case.get("sp", 1) > 1:
+        if in_process:
+            return {"error": "n/a: --sp > 1 runs sp worker processes (not --in-process)", "times": []}
+        from mmpg.bench.sp import launch
+
+        return launch(case, warmup, repeats, timeout)
     if in_process:
         from mmpg.bench.worker import measure
 
@@ -131,7 +139,7 @@ def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: 
             json.dump({"case": case, "warmup": warmup, "repeats": repeats}, f)
         try:
             proc = subprocess.run([sys.executable, "-m", "mmpg.bench.worker", job, result], timeout=timeout,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(case))
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s", "times": []}
         if proc.returncode != 0 or not os.path.exists(result):
@@ -207,10 +215,14 @@ def _aggregate(runs: list[dict]) -> dict:
            "mem_method": runs[0].get("mem_method"), "tokens": runs[0]["info"].get("tokens"), "note": ""}
     if any("phase_times" in r for r in runs):
         out["response_tokens"] = runs[0]["info"].get("response_tokens")
-        for key in ("rollout_stats", "shared_prompts", "vision_calls", "kv_bytes"):  # what the step's work was
+        for key in ("rollout_stats", "shared_prompts", "vision_calls", "kv_bytes",  # what the step's work was
+                    "row_tokens", "threads", "trainable_params"):  # and what `mmpg.bench.sp` needs
             if key in runs[0]["info"]:
                 out[key] = runs[0]["info"][key]
+        if isinstance(out.get("row_tokens"), int):  # one process: one rank
+            out["row_tokens"] = [out["row_tokens"]]
         out["phases"] = _aggregate_phases(runs)
+        out["rank_phase_peak_MB"] = _rank_peaks(runs)  # per rank (max over ranks: the phases' peak_MB)
     return out
 
 
@@ -224,6 +236,15 @@ def _aggregate_phases(runs: list[dict]) -> dict:
         phases[name] = {"time_s": _median(times), "times": times,
                         "peak_MB": _median(((r.get("phase_peak_bytes") or {}).get(name) for r in runs), 2**20)}
     return phases
+
+
+def _rank_peaks(runs: list[dict]) -> dict:
+    """{phase: [median over rounds of each rank's peak, MB]}: one rank for one process, sp for `mmpg.bench.sp`."""
+    per_run = [r.get("rank_phase_peak_bytes") or {k: [v] for k, v in (r.get("phase_peak_bytes") or {}).items()}
+               for r in runs]
+    names = per_run[0] if per_run else {}
+    return {name: [_median((p.get(name, [])[i] if i < len(p.get(name, [])) else None for p in per_run), 2**20)
+                   for i in range(len(names[name]))] for name in names}
 
 
 def _rollout_rows(rows: list[dict], results: dict, skipped: dict, served: dict | None, repeats: int) -> list[dict]:

@@ -98,8 +98,8 @@ class PhaseClock:
     synchronised at both ends) and, with memory=True, records its peak: the high-water during the phase (reset at
     its start) minus the memory in use when the step began (`with clock.step(): ...`); probes: `mmpg.bench.memory`."""
 
-    def __init__(self, device: torch.device, memory: bool):
-        self.device, self.memory = device, memory
+    def __init__(self, device: torch.device, memory: bool, release: bool = False):
+        self.device, self.memory, self.release = device, memory, release and memory
         self.seconds: dict[str, float] = {}
         self.peaks: dict[str, int | None] = {}
         self.method, self.base = None, 0
@@ -107,7 +107,7 @@ class PhaseClock:
     @contextlib.contextmanager
     def step(self):
         if self.memory:
-            gc.collect()
+            probes.release(self.device) if self.release else gc.collect()
             probes.sync(self.device)
             self.base = probes.in_use(self.device)
         probes.sync(self.device)
@@ -122,6 +122,8 @@ class PhaseClock:
     @contextlib.contextmanager
     def __call__(self, name: str):
         if self.memory:
+            if self.release:  # untimed: the freed pages of earlier phases leave the RSS (`probes.release`)
+                probes.release(self.device)
             self.method, before = probes.reset_peak(self.device)
         probes.sync(self.device)
         t0 = time.perf_counter()
@@ -138,7 +140,8 @@ class PhaseClock:
 def step_config(case: dict, grouping: bool, share: bool = True):
     """The trainer's config for the case: G = rollout.n responses of S tokens, one prompt (Q: the case's queries of
     one video) per step, one micro-batch of all the step's groups, ZeRO 0, the KL term at `beta` (case, default
-    0.04); `share`: algorithm.share_videos."""
+    0.04); `share`: algorithm.share_videos; parallel.sequence_parallel_size = the case's `sp` (default 1);
+    algorithm.self_check = the case's `self_check` (default on, as the trainer runs)."""
     from mmpg.config import load_config
 
     G, S, Q = case["G"], case["S"], case.get("Q", 1)
@@ -146,7 +149,8 @@ def step_config(case: dict, grouping: bool, share: bool = True):
                  "trainer.micro_batch_size": Q * G, "data.batch_size": Q,
                  "algorithm.share_videos": str(share).lower(), "algorithm.grouping": str(grouping).lower(),
                  "algorithm.beta": case.get("beta", 0.04), "model.dtype": case.get("dtype", "float32"),
-                 "deepspeed.zero_stage": 0}
+                 "deepspeed.zero_stage": 0, "parallel.sequence_parallel_size": case.get("sp", 1),
+                 "algorithm.self_check": case.get("self_check", "on")}
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
 
 
@@ -171,14 +175,17 @@ class StepRunner:
 
     phased = True
 
-    def __init__(self, grpo, rollout_engine, prompt: dict, samples: list, device: torch.device):
+    def __init__(self, grpo, rollout_engine, prompt: dict, samples: list, device: torch.device,
+                 release: bool = False):
         self.grpo, self.rollout_engine, self.prompt, self.device = grpo, rollout_engine, prompt, device
+        self.release = release  # `PhaseClock`'s: freed pages given back before each measured phase
         # what split_groups reads
         self.batch = types.SimpleNamespace(inputs=prompt, samples=samples, videos=[None] * len(samples))
         self.calls = 0
         self.stats: list[dict] = []  # the engine's last_stats of each step (prefills, prefix tokens)
 
     def __call__(self, memory: bool = False) -> dict:
+        from mmpg.grouping.patch import base_model
         from mmpg.rl.batch import split_groups
         from mmpg.rl.grpo import prompt_seed
         from mmpg.rollout import SamplingParams
@@ -188,7 +195,7 @@ class StepRunner:
         seeds = [prompt_seed(cfg.trainer.seed, self.calls, s.sample_id, 1) for s in self.batch.samples]
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=())
-        clock = PhaseClock(self.device, memory)
+        clock = PhaseClock(self.device, memory, self.release)
         grpo.vision.take()  # count this step's vision-tower encodes only
         with clock.step():
             with clock("rollout"):
@@ -206,7 +213,9 @@ class StepRunner:
                 "shared_prompts": grpo.shared_prompts,
                 # videos the vision tower encoded over rollout, reference and update (not the self-check), and the
                 # K/V the rollout's cache held after its last decode step (None for generate)
-                "vision_calls": grpo.vision.take(), "kv_bytes": getattr(self.rollout_engine, "last_kv_bytes", None)}
+                "vision_calls": grpo.vision.take(), "kv_bytes": getattr(self.rollout_engine, "last_kv_bytes", None),
+                # tokens of the packed row (or its sequence-parallel shard) this rank's last grouped forward held
+                "row_tokens": getattr(base_model(grpo.policy), "_mmpg_row_tokens", None)}
         stats = getattr(self.rollout_engine, "last_stats", None)
         if stats:
             info["rollout_stats"] = dict(stats)
@@ -224,9 +233,15 @@ def setup(case: dict, device: torch.device):
     from mmpg import dist
     from mmpg.train.engine import build_engine, prepare_deepspeed_env
 
-    variant = case["variant"]
+    variant, sp = case["variant"], case.get("sp", 1)
+    if sp > 1 and variant == "naive":
+        raise NotImplementedError("the repeated forward does not spread its rows over sequence-parallel ranks")
     prepare_deepspeed_env(device.type)  # before deepspeed is imported (build_engine imports it)
-    dist.init(device.type)  # one process: a private process group, as the trainer makes
+    dist.init(device.type)  # one process: a private process group, as the trainer makes; under torchrun: the world
+    if sp > 1 and dist.world_size() != sp:
+        raise ValueError(f"the bench's sp={sp} step runs one sequence-parallel group: launch exactly {sp} processes "
+                         f"(torchrun --nproc_per_node {sp}), not {dist.world_size()}")
+    dist.set_sequence_parallel(sp)  # as `mmpg.train.setup.open_session` does
     from mmpg.rl.grpo import GRPOStep
     from mmpg.rl.trainer import check_grpo_config
 
@@ -252,7 +267,12 @@ def setup(case: dict, device: torch.device):
     ref = copy.deepcopy(model).eval().requires_grad_(False) if copied else None
     adapted = apply_lora(model, int(case.get("lora_r", 0)))  # injected into `model`: only the adapters train
     check_reference(case.get("ref", "copy"), adapted)  # no copy + adapters: GRPOStep switches them off for the KL
-    engine = build_engine(model, cfg, world_size=1, micro_batch=cfg.trainer.micro_batch_size,
+    if sp > 1:  # every grouped forward (policy and reference) spreads its row, as the trainer sets it up
+        from mmpg.grouping import apply_grouped_attention
+
+        for m in (model, ref) if ref is not None else (model,):
+            apply_grouped_attention(m, sequence_group=dist.sequence_group())
+    engine = build_engine(model, cfg, world_size=dist.world_size(), micro_batch=cfg.trainer.micro_batch_size,
                           dtype=case.get("dtype", "float32"), total_updates=10 ** 6)
     grpo = GRPOStep(cfg, engine, ref, ids["tokenizer"], iter(()), bench_scorer(cfg), device.type)
     rollout_engine = grpo.rollout_engine if variant != "naive" else GenerateEngine(grpo.policy, ids["tokenizer"])
@@ -263,4 +283,8 @@ def setup(case: dict, device: torch.device):
         info["tokens"] = int(layout_tokens(layout, info["P"], case["t"], case["S"], case["G"], Q))
     else:
         info["tokens"] = forward_tokens(info["P"], case["S"], case["G"], shared=variant == "mmpg")
-    return None, StepRunner(grpo, rollout_engine, prompt, samples, device), info
+    # what `mmpg.bench.sp` needs for its ceilings: the replicated bytes (gradient + AdamW's m, v per trainable
+    # parameter) and the threads this rank computes on
+    info.update(sp=sp, trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                threads=torch.get_num_threads())
+    return None, StepRunner(grpo, rollout_engine, prompt, samples, device, case.get("release", False)), info

@@ -16,6 +16,9 @@ repeat reads 0) does not measure memory at all.
 A step with `phased = True` (the step level, `mmpg.bench.step.StepRunner`) times its own phases and measures their
 memory itself when called with memory=True (a `measured` around it would be reset by the phases' own resets); the
 result then also holds `phase_times` (one dict of phase seconds per timed step) and `phase_peak_bytes`.
+
+A case with sp > 1 (`mmpg.bench.sp`) runs as sp ranks under torchrun: every rank measures its own process and
+writes its own RESULT.json.rank<r> (`rank_path`), which `mmpg.bench.sp.merge` combines.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -94,13 +98,30 @@ def _measure_phased(step, out: dict, warmup: int, repeats: int, memory: bool) ->
     out["info"].update(runs[-1]["info"] if runs else cold["info"])
 
 
+def rank_path(result: str, rank: int) -> str:
+    """Where rank `rank` of a sequence-parallel case (`mmpg.bench.sp`) writes its result: RESULT.json.rank<r>."""
+    return f"{result}.rank{rank}"
+
+
 def main(argv: list[str]) -> int:
+    """One process, or one rank of the case's sp under torchrun (RANK/WORLD_SIZE set): each rank measures its own
+    memory and writes its own file (`rank_path`); a rank that failed exits 1, so torchrun stops the others instead
+    of leaving them waiting in a collective."""
     if len(argv) != 2:
         print("usage: python -m mmpg.bench.worker CASE.json RESULT.json", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         job = json.load(f)
-    atomic_write(argv[1], json.dumps(measure(job["case"], job["warmup"], job["repeats"])))
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    out = measure(job["case"], job["warmup"], job["repeats"])
+    atomic_write(argv[1] if world == 1 else rank_path(argv[1], rank), json.dumps(out))
+    if world > 1 and out["error"]:
+        print(f"rank {rank}: {out['error']}\n{out.get('traceback', '')}", file=sys.stderr, flush=True)
+        return 1
+    if world > 1:
+        from mmpg import dist
+
+        dist.shutdown()
     return 0
 
 

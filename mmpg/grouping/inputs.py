@@ -160,7 +160,8 @@ def pad_prompts(prompts: list[dict], pad_id: int) -> dict:
             out[key] = torch.cat([torch.nn.functional.pad(p[key], (width - p[key].shape[-1], 0), value=value)
                                   for p in prompts])
     for key in sorted({k for p in prompts for k in p if k not in _ROW_KEYS}):
-        out[key] = torch.cat([p[key] for p in prompts if key in p])
+        parts = [p[key] for p in prompts if key in p]
+        out[key] = parts[0] if len(parts) == 1 else torch.cat(parts)  # one prompt's patches: not copied again
     return out
 
 

@@ -155,7 +155,8 @@ def _encode_slices(inner, pixels, grid, getter: str, shard) -> tuple[torch.Tenso
         mine, my_grid = [pixels[:rows_per_group[0]]], [[1, int(grid[0, 1]), int(grid[0, 2])]]
     frozen = not any(p.requires_grad for p in inner.visual.parameters())
     with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
-        emb, deep = _features(getattr(inner, getter)(torch.cat(mine), torch.tensor(my_grid, device=grid.device),
+        pixels_mine = mine[0] if len(mine) == 1 else torch.cat(mine)  # one slice: a view, not a copy
+        emb, deep = _features(getattr(inner, getter)(pixels_mine, torch.tensor(my_grid, device=grid.device),
                                                      return_dict=True))
     if stand_in:
         emb, deep = emb[:0] + 0 * emb.sum(), ([d[:0] + 0 * d.sum() for d in deep] if deep else None)
