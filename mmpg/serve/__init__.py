@@ -4,10 +4,11 @@ vLLM pins its own torch and transformers, so it lives in its own venv (`.venv-vl
 and the trainer talks to it over HTTP on 127.0.0.1, as TRL's `trl vllm-serve` does:
 
     trainer (.venv)                                    server (.venv-vllm, vllm.LLM)
-    mmpg.rollout.vllm.VLLMEngine  --POST /generate-->  token ids + frames -> n = G samples, token ids + logprobs
+    mmpg.rollout.vllm.VLLMEngine  --POST /generate-->  token ids + each distinct video's frames once -> n = G
+                                                       samples, token ids + logprobs, vLLM's cache counters
                                   --POST /update_weights (path of a safetensors file of changed tensors)-->
                                      collective_rpc: every worker loads them into its model; prefix cache reset
-                                  --GET /health-->     instance id, weight version, max_model_len, checkpoint
+                                  --GET /health-->     instance id, weight version, max_model_len, checkpoint, wire
 
 This package imports nothing of mmpg beyond itself (the server's venv has mmpg installed without dependencies), and
 `wire` imports no vllm, so the trainer can use it too.

@@ -114,6 +114,7 @@ class Backend:
         t2 = time.perf_counter()
         with self.lock:
             before = self._counters()
+            t2b = time.perf_counter()  # after waiting for the lock and reading the counters
             self.llm.enqueue(prompts, sampling_params=params, use_tqdm=False)  # vLLM's input processing
             t3 = time.perf_counter()
             outs = self.llm.wait_for_completion(use_tqdm=False)
@@ -128,7 +129,7 @@ class Backend:
                   "cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
                   "videos": len(table) if table is not None else sum(1 for p in meta["prompts"] if p.get("video")),
                   "counters": {k: after[k] - before.get(k, 0) for k in after},
-                  "timing_s": {"unpack": t1 - t0, "videos": t2 - t1, "enqueue": t3 - t2, "engine": t4 - t3}}
+                  "timing_s": {"unpack": t1 - t0, "videos": t2 - t1, "enqueue": t3 - t2b, "engine": t4 - t3}}
         if meta["sampling"].get("prompt_logprobs"):  # diagnostics: log p(prompt token t | tokens < t), t >= 1
             answer["prompt_logprobs"] = [[float(step[t].logprob) for step, t in zip(o.prompt_logprobs[1:],
                                                                                    o.prompt_token_ids[1:])]
