@@ -8,4 +8,6 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
 cd "$MMPG_ROOT"
+# without --preset this script runs the default one (`mmpg bench` alone only prints what it would run)
+case " $* " in *" --preset "*|*" --preset="*) ;; *) set -- --preset cpu-targets "$@" ;; esac
 exec python -m mmpg.bench.cli "$@"

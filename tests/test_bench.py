@@ -382,3 +382,15 @@ def test_eval_level_answers_a_videos_queries_once_each(tmp_path, capsys):
     assert tree["prefix_tokens"] == tree["P"] + 3 * tree["t"] and per["prefix_tokens"] == 3 * (per["P"] + per["t"])
     assert tree["rho_eval_tree"] > 1 and per["pct_ceiling"] is None  # per query is the baseline
     assert "eval: Q queries of one video" in capsys.readouterr().out
+
+
+def test_no_preset_prints_the_plan_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    """`mmpg bench` alone: what cpu-targets would run and how to start it; nothing measured or written."""
+    monkeypatch.chdir(tmp_path)
+    from mmpg.bench import runner
+
+    monkeypatch.setattr(runner, "run_config", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
+    assert cli.run(_args()) == 0
+    out = capsys.readouterr().out
+    assert "nothing measured" in out and "--preset cpu-targets" in out
+    assert not (tmp_path / "runs").exists()

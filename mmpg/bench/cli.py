@@ -51,7 +51,9 @@ def _str_list(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="cpu-targets", choices=PRESETS, help="plan to run (default cpu-targets)")
+    parser.add_argument("--preset", default=None, choices=PRESETS,
+                        help="plan to run; without it (and without --levels) mmpg bench prints what cpu-targets would "
+                             "run and measures nothing (a run takes minutes)")
     parser.add_argument("--levels", type=_str_list, default=None,
                         help="comma list of attention,model,rollout,step,eval (default: attention,model); rollout "
                              "reuses the preset's model configs; step times one whole GRPO step per phase (rollout, "
@@ -186,6 +188,10 @@ def run(args) -> int:
 
         return run_lora(args)
 
+    if args.preset is None:
+        if args.levels is None and not args.dry_run:
+            return _no_preset(args)
+        args.preset = DEFAULT_PRESET
     rounds, repeats, warmup = (v if v is not None else d
                                for v, d in zip((args.rounds, args.repeats, args.warmup), PRESETS[args.preset]))
     configs = plan(args)
@@ -229,6 +235,22 @@ def run(args) -> int:
     failed = [r for r in rows if (r.get("note") or "").split(":")[0] not in ("", "OOM", "n/a", "skipped")
               and not (r.get("note") or "").startswith("naive ~")]
     return 1 if failed else 0
+
+
+DEFAULT_PRESET = "cpu-targets"
+
+
+def _no_preset(args) -> int:
+    """`mmpg bench` with neither --preset nor --levels: the plan of the default preset, nothing run or written."""
+    args.preset = DEFAULT_PRESET
+    configs = plan(args)
+    print(f"mmpg bench: nothing measured. --preset {DEFAULT_PRESET} would run {len(configs)} configs "
+          f"({', '.join(sorted({c['level'] for c in configs}))} levels; minutes on a CPU):")
+    for c in configs:
+        print(f"  {c['level']}: P={c.get('P')} S={c.get('S')} G={c.get('G')} variants {', '.join(c['variants'])}")
+    print(f"Run it with --preset {DEFAULT_PRESET}, choose another ({', '.join(PRESETS)}), or add --dry-run to print "
+          "a plan's ceilings; bash scripts/bench.sh runs the default preset.")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
