@@ -33,6 +33,7 @@ from mmpg.models.counting import VisionCalls, prefill_tokens
 from mmpg.models.lora import reference_model, without_dropout
 from mmpg.rl import algos
 from mmpg.rl.batch import PromptGroup, collate_groups, micro_batches, split_groups
+from mmpg.train.data import packed_shares
 from mmpg.rl.split import generate_split
 from mmpg.rollout import HFEngine, SamplingParams
 from mmpg import dist
@@ -159,14 +160,14 @@ class GRPOStep:
 
     def _rebalance(self, batch):
         """Some rank's whole share of this global batch was unusable while others' was not: the usable samples of
-        all ranks, in stream order (the prompts one process trains), are dealt again in contiguous shares, each rank
+        all ranks, in stream order (the prompts one process trains), are dealt again, each video's whole where it fits
+        (`mmpg.train.data.packed_shares`), each rank
         decoding its new share here (`rebuild`). A rank left without one (fewer usable samples than ranks) decodes a
         copy of the first, rolled out for lockstep only. Returns (this rank's batch, number of copies at its end)."""
         usable = [s for part in dist.gather_data(list(batch.samples)) for s in part]
-        base, extra = divmod(len(usable), self.world)
-        r = dist.data_rank()
-        start = r * base + min(r, extra)
-        mine = usable[start:start + base + (1 if r < extra else 0)]
+        # at most ceil(n / W) each, a video's queries on one rank where they fit (`packed_shares`)
+        shares = packed_shares([video_key(s) for s in usable], self.world, -(-len(usable) // self.world))
+        mine = [usable[i] for i in shares[dist.data_rank()]]
         copies = 0 if mine else 1
         mine = mine or usable[:1]
         if [s.sample_id for s in mine] == [s.sample_id for s in batch.samples]:
