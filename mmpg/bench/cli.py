@@ -36,6 +36,9 @@ from mmpg.bench.presets import PRESETS, ROLLOUT_VARIANTS, build
 from mmpg.errors import UserError
 
 
+DEFAULT_PRESET = "cpu-targets"  # what scripts/bench.sh runs, and what `mmpg bench` alone describes
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x]
@@ -103,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan(args) -> list[dict]:
     """The configs to run: the preset, its levels, overrides and variant filter applied (duplicates dropped)."""
-    built = build(args.preset, args.family)
+    built = build(args.preset or DEFAULT_PRESET, args.family)
     own_rollout = any(c["level"] == "rollout" for c in built)  # else rollout rows reuse the model configs
     only = {c["level"] for c in built}
     levels = args.levels or (list(only) if only in ({"rollout"}, {"step"}) else ["attention", "model"])
@@ -235,9 +238,6 @@ def run(args) -> int:
     failed = [r for r in rows if (r.get("note") or "").split(":")[0] not in ("", "OOM", "n/a", "skipped")
               and not (r.get("note") or "").startswith("naive ~")]
     return 1 if failed else 0
-
-
-DEFAULT_PRESET = "cpu-targets"
 
 
 def _no_preset(args) -> int:
