@@ -6,7 +6,7 @@
 # Prints the wheel list and the total size, and fails (exit 1) when wheels/ plus the working tree would pass the
 # device tool's 64 MiB; exit 2 when a wheel cannot be fetched (no registry?).
 #   bash scripts/gpu_bundle.sh            then: bash scripts/gpu_check.sh --rehearse (proves the bundle complete)
-# On the device:  run(command="bash scripts/gpu_check.sh", carry=["wheels"])
+# On the GPU machine:  bash scripts/gpu_check.sh   (wheels/ copied beside the tree)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (issue 24): every GPU path of mmpg on the lent H200 in 8 minutes of wall clock, and its
+# The one prepared GPU run (issue 24): every GPU path of mmpg on one GPU machine in 8 minutes of wall clock, and its
 # rehearsal on this machine's CPU.
 #   here, first:  bash scripts/gpu_bundle.sh && bash scripts/gpu_check.sh --rehearse
-#   the device:   run(command="bash scripts/gpu_check.sh", carry=["wheels"], timeout_s=600)
+#   the GPU machine:  bash scripts/gpu_check.sh   (wheels/ copied beside the tree)
 # Stages, in order, each under its own limit (`python -m mmpg.grouping.gpu_check plan`; a stage that reaches it is
 # killed and what it did not finish is reported NOT RUN), every line stamped with the seconds elapsed:
 #   install  wheels/*.whl with pip --no-index --no-deps --target <work>/site, put on PYTHONPATH (the image's torch

@@ -1,7 +1,7 @@
 """What travels to the lent GPU machine beside the working tree (`wheels/`), and the proof, made here, that it is
 complete for that machine's image.
 
-The image (device tool's KINDS.md, read 2026-11-17): Python 3.12, torch 2.11.0+cu130, transformers 5.17.0 and the
+The GPU image (as recorded 2026-11-17): Python 3.12, torch 2.11.0+cu130, transformers 5.17.0 and the
 packages in IMAGE; no package registry. What mmpg's GPU checks (scripts/gpu_check.sh: the `gpu` tests, `mmpg train`
 in one process, `mmpg bench`) import beyond it is BUNDLE: `scripts/gpu_bundle.sh` downloads those wheels (cp312,
 manylinux x86-64; deepspeed, an sdist only, is built here into a pure-Python wheel), and renders the synthetic
@@ -64,7 +64,7 @@ OPTIONAL = {  # wheels gpu_check.sh uses when someone puts one in wheels/; none 
                   "building it on the device takes longer than a lease)",
 }
 
-# The image's packages (KINDS.md); versions where a pip list on record gives them (2026-11), else None.
+# The GPU image's packages; versions where a pip list on record gives them (2026-11), else None.
 IMAGE = dict.fromkeys("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder

@@ -106,7 +106,7 @@ class HFEngine(RolloutEngine):
         # "cascade": each prompt's K/V held once (`mmpg.rollout.cascade`); "copy": the prefill's cache copied G ways
         # (DynamicCache), kept for A/B and as the reference. Same tokens either way (tested on the CPU). "auto"
         # (default): cascade on the CPU, copy on CUDA until the cascade CUDA kernels have run on a GPU
-        # (tests/test_cascade_gpu.py has never run: no GPU has been lent yet).
+        # (tests/test_cascade_gpu.py has not run on a GPU yet).
         self.decode = decode
         self.cascade_backend = cascade_backend  # auto, sdpa, flash or math (`mmpg.rollout.cascade_kernels`)
         self.last_kv_bytes: int | None = None  # K/V bytes the cache held after the last call's final decode step

@@ -1,5 +1,5 @@
-"""GPU weight sync to the vLLM server over NCCL, without importing vllm here. UNTESTED: no GPU was lent while it was
-written; `tests/test_vllm_gpu.py` (markers gpu, vllm) and `MMPG_GPU_VLLM=1 bash scripts/gpu_check.sh` check it.
+"""GPU weight sync to the vLLM server over NCCL, without importing vllm here. UNTESTED: it has not run on a GPU yet;
+`tests/test_vllm_gpu.py` (markers gpu, vllm) and `MMPG_GPU_VLLM=1 bash scripts/gpu_check.sh` check it.
 
 vLLM's RL weight transfer (`init_weight_transfer_engine` / `start_weight_update` / `update_weights` /
 `finish_weight_update`, NCCL backend) lets a trainer that cannot import vLLM join by NCCL unique id:
