@@ -1,7 +1,8 @@
 """The decode attention of cascade decoding, registered through transformers' `AttentionInterface`.
 
-`register_cascade_attention(base)` registers `mmpg_cascade_<base>` (see `cascade_name`), and `base`'s mask function
-under that name. It behaves exactly like `base` — the implementation the text model uses now, possibly mmpg's grouped
+`register_cascade_attention(base)` registers `mmpg_cascade_<base>` (see `cascade_name`), and under that name the mask
+function of the implementation its ordinary calls run (`mmpg.grouping.attention._ordinary`: sdpa for a flash-loaded
+model, whose ordinary and prefill calls run sdpa and need sdpa's 4-D mask, not flash's 2-D one). It behaves exactly like `base` — the implementation the text model uses now, possibly mmpg's grouped
 one — unless the layer call carries `mmpg_cascade=<CascadeCall>` in its kwargs, which only `HFEngine`'s cascade decode
 step passes; then `key`/`value` are the row's own K/V that `SharedPrefixCache` returned and the prefix comes from the
 cache:
@@ -38,7 +39,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from mmpg.grouping.attention import LAYOUT_KWARG, base_attention, check_tripwire, register_grouped_attention
+from mmpg.grouping.attention import (
+    LAYOUT_KWARG, _ordinary, base_attention, check_tripwire, register_grouped_attention,
+)
 from mmpg.rollout.cascade import SharedPrefixCache, _Rows
 from mmpg.rollout.cascade_kernels import _flash_cpu, attend
 
@@ -120,7 +123,9 @@ def register_cascade_attention(base: str) -> str:
         if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
             raise ValueError(f"attention implementation {base!r} is not registered in transformers")
         AttentionInterface.register(name, _make_attention(base))
-        mask = ALL_MASK_ATTENTION_FUNCTIONS.get(base, eager_mask if base == "eager" else sdpa_mask)
+        ordinary = _ordinary(base)  # flash -> sdpa: the mask must be the one the ordinary calls consume
+        mask = ALL_MASK_ATTENTION_FUNCTIONS[ordinary] if ordinary in ALL_MASK_ATTENTION_FUNCTIONS else (
+            eager_mask if ordinary == "eager" else sdpa_mask)
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask)
     return name
 
