@@ -1,7 +1,7 @@
 """Cascade decoding's CUDA kernels (`sdpa`: torch's memory-efficient kernel with its LSE; `flash`: flash-attn's
 `flash_attn_with_kvcache` with `cache_leftpad` and its LSE) against the float32 `math` kernel, and the cascade engine
 on CUDA against the copy path, at tiny and at the released head geometry (tests/release_geometry.py). Skipped without a
-CUDA device; NEVER RUN YET (written on a CPU-only machine).
+CUDA device; UNTESTED on a GPU so far.
 
 fp32: the same bounds as the CPU tests (token-identical greedy decoding, logprobs within 1e-4 of the grouped
 recompute). bf16: the two paths round differently, so differences are printed and bounded loosely."""
@@ -49,6 +49,25 @@ def test_cuda_kernel_matches_math(backend, dtype, padded, record_property):
     record_property("max_abs_lse", float((lse - ref_lse).abs().max()))
     assert out.shape == q.shape and lse.shape == (B, H, Lq) and lse.dtype == torch.float32
     assert float((out.float() - ref).abs().max()) < tol and float((lse - ref_lse).abs().max()) < tol
+
+
+def test_cuda_efficient_bias_is_broadcast(record_property):
+    """Issue 30, defect 3: the memory-efficient kernel takes the broadcast key bias (`key_bias`) and allocates
+    about B·ceil16(Lk) bytes of it per call, not the B·H·Lq·Lk of a materialised bias; same result as math."""
+    B, H, Lq, Lk, D = 2, 4, 56, 16_000, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, n, D, generator=g, device="cuda", dtype=torch.bfloat16) for n in (Lq, Lk, Lk))
+    mask = torch.arange(Lk, device="cuda")[None, :] >= torch.tensor([0, 999], device="cuda")[:, None]
+    attend(q, k, v, mask, D ** -0.5, "sdpa")  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out, lse = attend(q, k, v, mask, D ** -0.5, "sdpa")
+    extra = torch.cuda.max_memory_allocated() - before - out.numel() * 2 - lse.numel() * 4
+    record_property("extra_bytes", extra)
+    assert extra < B * H * Lq * Lk * 2 // 4, f"{extra} bytes beyond the outputs: the bias was materialised"
+    ref, ref_lse = attend(q.float(), k.float(), v.float(), mask, D ** -0.5, "math")
+    assert float((out.float() - ref).abs().max()) < 2e-2 and float((lse - ref_lse).abs().max()) < 2e-2
 
 
 @pytest.mark.parametrize("geometry", ["gqa7", "gqa4"])

@@ -7,10 +7,10 @@ Queries and keys have the same head count: the caller folds GQA's query heads in
 of a left-padded prefix batch (True = attend); every query row has at least one real key. Backends:
 
     sdpa   torch's own kernels. CPU: `_scaled_dot_product_flash_attention_for_cpu` (returns the LSE; tested).
-           CUDA: `_scaled_dot_product_efficient_attention(compute_log_sumexp=True)` (UNTESTED: no GPU here; see
+           CUDA: `_scaled_dot_product_efficient_attention(compute_log_sumexp=True)` (UNTESTED on a GPU; see
            tests/test_cascade_gpu.py)
     flash  flash-attn 2.6+ `flash_attn_with_kvcache(..., cache_leftpad=, return_softmax_lse=True)`, CUDA fp16/bf16
-           (UNTESTED: no GPU here; see tests/test_cascade_gpu.py)
+           (UNTESTED on a GPU; see tests/test_cascade_gpu.py)
     math   float32 (float64 for float64 inputs) matmul + logsumexp on any device; the reference in tests, and what
            "auto" picks off the CPU until the CUDA kernels have been run
 """
@@ -60,23 +60,33 @@ def _math(q, k, v, key_mask, scale):
     return out.to(q.dtype), lse
 
 
+def key_bias(key_mask: torch.Tensor, dtype: torch.dtype, heads: int, lq: int) -> torch.Tensor:
+    """key_mask [B, Lk] bool (True: attend) -> additive bias [B, H, Lq, Lk] of `dtype` (0 or -inf) for torch's
+    memory-efficient kernel, built as torch's own SDPA builds it (`preprocess_mask` in ATen's attention.cpp): one row
+    per batch row, its last dim padded to a multiple of 16 in storage and sliced back (the kernel wants aligned row
+    strides), then expanded over heads and queries with stride 0 (the kernel reads the bias through its strides).
+
+    Memory: B·ceil16(Lk)·s bytes per call instead of the B·H·Lq·ceil16(Lk)·s of a materialised bias, i.e. H·Lq times
+    less. At the released 7B geometry (H = 4 key-value heads, Lq = G·rep = 8·7 = 56 rows of a prompt folded into the
+    query length, bf16) and P = 16k: 32 KB instead of 7.3 MB per prompt, per layer and decode step."""
+    b, lk = key_mask.shape
+    padded = (lk + 15) // 16 * 16
+    bias = torch.zeros(b, 1, 1, padded, dtype=dtype, device=key_mask.device)[..., :lk]
+    bias.masked_fill_(~key_mask[:, None, None, :], float("-inf"))
+    return bias.expand(b, heads, lq, lk)
+
+
 def _cuda_efficient(q, k, v, key_mask, scale):
-    """UNTESTED (no GPU here). The memory-efficient kernel takes an additive bias whose last dim must be 16-aligned:
-    it is built padded and sliced, as torch's own SDPA does; its LSE comes padded along Lq (to 32) and is sliced."""
-    bias = None
-    if key_mask is not None:
-        B, H, Lq, _ = q.shape
-        Lk = k.shape[2]
-        padded = (Lk + 15) // 16 * 16
-        bias = q.new_zeros(B, H, Lq, padded)[..., :Lk]
-        bias.masked_fill_(~key_mask[:, None, None, :], float("-inf"))
+    """UNTESTED on a GPU (tests/test_cascade_gpu.py). The memory-efficient kernel takes an additive bias
+    (`key_bias`: one broadcast row per batch row); its LSE comes padded along Lq (to 32) and is sliced."""
+    bias = None if key_mask is None else key_bias(key_mask, q.dtype, q.shape[1], q.shape[2])
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, bias, True, 0.0, False, scale=scale)[:2]
     return out, lse[..., : q.shape[2]].float()
 
 
 def _flash(q, k, v, key_mask, scale):
-    """UNTESTED (no GPU here). flash-attn's layout is [B, L, H, D]; the left padding of a prefix batch is its
+    """UNTESTED on a GPU. flash-attn's layout is [B, L, H, D]; the left padding of a prefix batch is its
     `cache_leftpad` (keys [leftpad, Lk) of each batch row are attended)."""
     from flash_attn import flash_attn_with_kvcache
 
