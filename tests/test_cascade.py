@@ -95,9 +95,10 @@ def test_flash_call_site_with_a_standin(monkeypatch):
         assert float((out - ref).abs().max()) < 1e-5 and float((lse - ref_lse).abs().max()) < 1e-5
 
 
-def test_auto_backend_is_tested_code_only():
+def test_auto_backend_is_torchs_kernel():
+    """The per-run chain with its check (flash first on CUDA) is tests/test_decode_choice.py."""
     assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
-    assert resolve_backend("auto", torch.device("cuda", 0)) == "math"  # CUDA kernels opt-in until run on a GPU
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "sdpa"
     assert resolve_backend("flash", torch.device("cuda", 0)) == "flash"
 
 
@@ -253,11 +254,11 @@ def test_bad_decode_mode_and_backend(load_tiny):
         HFEngine(model, tokenizer, decode="cascade", cascade_backend="xla")
 
 
-def test_cascade_is_the_default_on_the_cpu():
+def test_cascade_is_the_default():
     from mmpg.config import Config
     from mmpg.rollout.hf import resolve_decode
 
     assert Config().rollout.decode == "auto" and HFEngine.__init__.__defaults__[1] == "auto"
     assert resolve_decode("auto", torch.device("cpu")) == "cascade"
-    assert resolve_decode("auto", torch.device("cuda", 0)) == "copy"  # until tests/test_cascade_gpu.py has run
+    assert resolve_decode("auto", torch.device("cuda", 0)) == "cascade"  # its kernel checked against copy first
     assert resolve_decode("copy", torch.device("cpu")) == "copy"

@@ -11,8 +11,11 @@ of a left-padded prefix batch (True = attend); every query row has at least one 
            tests/test_cascade_gpu.py)
     flash  flash-attn 2.6+ `flash_attn_with_kvcache(..., cache_leftpad=, return_softmax_lse=True)`, CUDA fp16/bf16
            (UNTESTED on a GPU; see tests/test_cascade_gpu.py)
-    math   float32 (float64 for float64 inputs) matmul + logsumexp on any device; the reference in tests, and what
-           "auto" picks off the CPU until the CUDA kernels have been run
+    math   float32 (float64 for float64 inputs) matmul + logsumexp on any device; the reference in tests, and the
+           last kernel of the chain before copy decoding
+
+"auto" is chosen per run by `mmpg.rollout.decode_choice` (CUDA: flash if usable, else sdpa, else math, each checked
+against copy decoding on the run's batches); `resolve_backend` alone maps it to sdpa.
 """
 
 from __future__ import annotations
@@ -25,22 +28,21 @@ _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
-    """"auto" -> sdpa on CPU (torch's CPU flash kernel, tested), math elsewhere: the CUDA kernels (flash, sdpa) are
-    opt-in until tests/test_cascade_gpu.py has passed on a GPU; math is plain torch ops, exact on any device."""
+    """"auto" -> sdpa (torch's own kernel with its LSE: the CPU flash kernel, or CUDA's memory-efficient one); the
+    per-run choice with its check is `mmpg.rollout.decode_choice`. Others as given."""
     if name not in BACKENDS:
         raise ValueError(f"unknown cascade attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    if name != "auto":
-        return name
-    return "sdpa" if device.type == "cpu" else "math"
+    return "sdpa" if name == "auto" else name
 
 
 def attend(q, k, v, key_mask, scale: float, backend: str):
-    if backend == "math":
-        return _math(q, k, v, key_mask, scale)
-    if backend == "flash":
-        return _flash(q, k, v, key_mask, scale)
-    if backend != "sdpa":
+    kernel = KERNELS.get(backend)
+    if kernel is None:
         raise ValueError(f"unknown cascade attention backend {backend!r}")
+    return kernel(q, k, v, key_mask, scale)
+
+
+def _sdpa(q, k, v, key_mask, scale):
     if q.device.type == "cpu":
         mask = None  # the CPU kernel takes an additive mask of q's dtype: [B, 1, 1, Lk], -inf on padding
         if key_mask is not None:
@@ -98,3 +100,7 @@ def _flash(q, k, v, key_mask, scale):
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache_seqlens=seqlens, cache_leftpad=leftpad,
         softmax_scale=scale, causal=False, return_softmax_lse=True)
     return out.transpose(1, 2), lse.float()  # [B, H, Lq, D], [B, H, Lq]
+
+
+# backend name -> kernel (q, k, v, key_mask, scale) -> (out, lse); tests swap one in to inject a fault
+KERNELS = {"sdpa": _sdpa, "flash": _flash, "math": _math}

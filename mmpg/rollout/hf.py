@@ -5,14 +5,16 @@ goes through the vision tower and every decoder layer G times. Here:
 
     B prompts, left-padded ──prefill (one forward, vision tower once, use_cache)──> cache [B, L], logits [B, V]
       decode="cascade":  the B prefixes stay once in a `SharedPrefixCache`; each row gets its own K/V buffer, and
-      (auto on the CPU)  the decode attention reads each prefix once for all its rows (`mmpg.rollout.cascade`)
+      (auto)             the decode attention reads each prefix once for all its rows (`mmpg.rollout.cascade`)
       decode="copy":     ──cache rows index_select'ed by repeat_interleave(arange(B), G_b)──> cache [N, L]
-      (auto on CUDA)     (until the cascade CUDA kernels have been tested on a GPU)
+                         (the reference, and where a cascade kernel that failed its check steps down to)
     token 0 of every row: sampled from its prompt's prefill logits (independently per row)
     token t > 0:          one forward of the model on the N' still-running rows (finished rows leave the cache)
 
 Both decode modes give the same tokens (tested: greedy and seeded sampling, token for token); cascade holds
 P + G·S tokens of K/V per prompt instead of G·(P + S) and reads the prefix once per step instead of G times.
+Which cascade kernel runs (flash, sdpa, math) is chosen and checked against copy decoding on the run's own batches
+(`mmpg.rollout.decode_choice`: on CUDA by default; a kernel that disagrees or raises steps down to the next).
 
 A video shared by its queries (decode="cascade" only): prompts with the same video, wherever they sit in the batch,
 are sampled side by side (`mmpg.grouping.tree.share_order`; the rollout comes back in the caller's order, and with
@@ -63,6 +65,7 @@ from mmpg.rollout.cascade_attention import (
     CASCADE_KWARG, CHUNK_KWARG, CascadeCall, ChunkCall, cascade_attention_enabled,
 )
 from mmpg.rollout.cascade_kernels import resolve_backend
+from mmpg.rollout.decode_choice import DecodeChoice
 from mmpg.rollout.chunks import chunk_spans, encoder_outputs, span_inputs, supports_encoder_outputs
 from mmpg.rollout.engine import (
     FINISH_LENGTH, FINISH_STOP, Rollout, RolloutEngine, SamplingParams, group_sizes_for,
@@ -80,10 +83,9 @@ _VISUAL_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_
 
 
 def resolve_decode(decode: str, device: torch.device) -> str:
-    """"auto" -> cascade on the CPU, copy on CUDA (the cascade CUDA kernels are untested); others as given."""
-    if decode != "auto":
-        return decode
-    return "copy" if device.type == "cuda" else "cascade"
+    """"auto" -> cascade (on CUDA its kernel is checked against copy decoding first: `mmpg.rollout.decode_choice`);
+    others as given."""
+    return "cascade" if decode == "auto" else decode
 
 
 class HFEngine(RolloutEngine):
@@ -93,22 +95,24 @@ class HFEngine(RolloutEngine):
     processor: the model's processor or tokenizer, used to decode the responses."""
 
     def __init__(self, model, processor, all_done: Callable[[bool], bool] | None = None, decode: str = "auto",
-                 cascade_backend: str = "auto", share_videos: bool = True, prefill_chunk: int = 0):
+                 cascade_backend: str = "auto", share_videos: bool = True, prefill_chunk: int = 0,
+                 decode_check: str = "auto"):
         model = base_model(model)  # a peft PeftModel: the transformers model inside it (LoRA wrappers included)
         model_kind(model)  # refuses unsupported model types with a clear message
         if decode not in DECODE_MODES:
             raise ValueError(f"HFEngine decode={decode!r}; choose one of {', '.join(DECODE_MODES)}")
-        resolve_backend(cascade_backend, torch.device("cpu"))  # checks the name
         if prefill_chunk < 0:
             raise ValueError(f"HFEngine prefill_chunk={prefill_chunk}; give a token count >= 0 (0: no chunking)")
         self.model = model
         self.processor = processor
         # "cascade": each prompt's K/V held once (`mmpg.rollout.cascade`); "copy": the prefill's cache copied G ways
         # (DynamicCache), kept for A/B and as the reference. Same tokens either way (tested on the CPU). "auto"
-        # (default): cascade on the CPU, copy on CUDA until the cascade CUDA kernels have run on a GPU
-        # (tests/test_cascade_gpu.py has not run on a GPU yet).
+        # (default): cascade, its kernel chosen and checked on the run's batches (`mmpg.rollout.decode_choice`)
         self.decode = decode
         self.cascade_backend = cascade_backend  # auto, sdpa, flash or math (`mmpg.rollout.cascade_kernels`)
+        # decode_check: auto (on for CUDA), on, off: the chosen cascade kernel against copy decoding
+        self._path: str | None = None
+        self.choice = DecodeChoice(resolve_decode(decode, torch.device("cpu")), cascade_backend, decode_check)
         self.last_kv_bytes: int | None = None  # K/V bytes the cache held after the last call's final decode step
         # the last call's prefill, for the trainer and eval (`mmpg.rollout.shares.prefill_stats`): prompts, prefixes
         # (prefills of a leading part: one per share, B without sharing), prefix_tokens, shared_prompts
@@ -162,17 +166,21 @@ class HFEngine(RolloutEngine):
                 module.training = training
 
     # ---- the three stages -------------------------------------------------------------------------------------------
-    def _generate(self, prompt_inputs, sizes: list[int], sampling: SamplingParams, prompt_seeds=None) -> Rollout:
+    def _generate(self, prompt_inputs, sizes: list[int], sampling: SamplingParams, prompt_seeds=None,
+                  path: str | None = None) -> Rollout:
+        """`path`: "copy" or a cascade kernel name (the decode check's two runs); None: the engine's choice."""
         device = self.model.get_input_embeddings().weight.device
+        path = path or self.choice.choose(self, prompt_inputs, sizes, device)
+        self._path = path  # the chunked prefill's kernel (`_prefill_chunks`)
         rows = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
         visuals = split_visuals_per_prompt(self.model, prompt_inputs) if self._is_vl else None
         prefixes = prefix_positions(self.model, prompt_inputs, visuals)  # per prompt: ids [P_b], positions [A, P_b]
-        if resolve_decode(self.decode, device) == "cascade":
+        if path != "copy":
             # None: no two prompts share (the plain path)
             shares = decode_shares(self.model, prefixes, visuals) if self.share_videos else None
             self.last_stats = prefill_stats(prefixes, shares)
             cache = SharedPrefixCache.for_model(self.model, sampling.max_new_tokens)
-            backend, watched = resolve_backend(self.cascade_backend, device), (self._cache_kwarg, "logits_to_keep")
+            backend, watched = path, (self._cache_kwarg, "logits_to_keep")
             with cascade_attention_enabled(self.model):
                 prefill = {CASCADE_KWARG: CascadeCall(cache, backend, model_inputs=watched, prefill=True)}
                 if shares is None:
@@ -190,6 +198,14 @@ class HFEngine(RolloutEngine):
         logits, attn, start = self._prefill(prefixes, prompt_inputs, device, cache)
         cache.reorder_cache(rows)  # [B, ...] -> [N, ...]: the G-way copy of each prompt's K/V
         return self._decode(cache, logits, attn, start, rows, sizes, sampling, prompt_seeds)
+
+    def check_decode(self, prompt_inputs, picks: list[int], g_max: int, steps: int, kernel: str):
+        """The decode check's two runs (`mmpg.rollout.decode_choice`): prompts `picks` of the batch, g_max rows each,
+        `steps` greedy tokens without a stop token, by copy decoding and by `kernel` -> (reference, candidate)."""
+        part = select_prompts(self.model, prompt_inputs, picks, self._pad_id())
+        greedy = SamplingParams(max_new_tokens=steps, temperature=0, stop_token_ids=(), logprobs=True)
+        sizes = [g_max] * len(picks)
+        return self._generate(part, sizes, greedy, path="copy"), self._generate(part, sizes, greedy, path=kernel)
 
     def _decode(self, cache, logits, attn, start, rows, sizes, sampling: SamplingParams, prompt_seeds) -> Rollout:
         """Sample token 0 from the prefill logits, then decode the live rows; `cache` is the copied DynamicCache
@@ -273,9 +289,9 @@ class HFEngine(RolloutEngine):
         if visuals:
             encoded = encoder_outputs(self.model, visuals, 0 if self.all_done is not None else self.prefill_chunk)
         spans = chunk_spans(ids.shape[1], self.prefill_chunk)
-        backend = resolve_backend(self.cascade_backend, ids.device)
-        # chunk_attention on torch's CPU flash kernel; elsewhere (backend math: the cascade CUDA kernels have not run
-        # on a GPU yet) the model's own attention with its [B, 1, C, b] mask
+        backend = self._path if self._path not in (None, "copy") else resolve_backend(self.cascade_backend, ids.device)
+        # chunk_attention on torch's CPU flash kernel; elsewhere (its CUDA path is UNTESTED on a GPU) the model's own
+        # attention with its [B, 1, C, b] mask
         own = backend == "sdpa" and ids.device.type == "cpu"
         marker = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=ids.device)  # chunk_attention masks itself
         with cascade_attention_enabled(self.model) if own else contextlib.nullcontext():
