@@ -105,7 +105,16 @@ class RolloutConfig:
     decode: str = _f("auto", "How the hf engine decodes behind the shared prefix: cascade (each prompt's K/V held "
                      "and read once per step, each row's own tokens apart, merged by log-sum-exp), copy (the "
                      "prefill's K/V copied G ways; same tokens, more memory and time on long prompts), or auto "
-                     "(cascade on the CPU, copy on CUDA until the cascade GPU kernels have been tested).")
+                     "(cascade, its kernel checked as rollout.decode_check says; mmpg.rollout.decode_choice).")
+    cascade_backend: str = _f("auto", "Cascade decoding's attention kernel: auto (CUDA: flash when a usable "
+                              "flash-attn 2.7+ is installed and the model is bf16/fp16, else sdpa, else math; CPU: "
+                              "sdpa), flash (flash-attn's kvcache kernel with its LSE), sdpa (torch's kernel with its "
+                              "LSE), math (float32 matmuls, any device). A kernel that fails its check steps down "
+                              "the chain to copy decoding with one warning line.")
+    decode_check: str = _f("auto", "Check the cascade kernel against copy decoding on the run's first batch and when "
+                           "a batch's longest prompt or largest group grows (greedy, 4 tokens of 2 prompts: same "
+                           "tokens, logprobs within the dtype's bound): auto (on for CUDA, off on the CPU, where "
+                           "the kernels are tested), on, off. The choice is recorded as decode_kernel.")
     prefill_chunk: int = _f(8192, "hf engine: a prompt longer than this many tokens is prefilled in chunks of it "
                             "behind the cache, and its video encoded in frame chunks of at most this many tokens, so "
                             "the prefill's activation peak follows the chunk, not the video (same tokens; "
@@ -150,8 +159,8 @@ class AlgorithmConfig:
     grouping: bool = _f(True, "Shared-prefix grouped forward; false: the naive repeated forward (A/B runs).")
     share_videos: bool = _f(True, "Adjacent prompts of one video (data.queries_per_video) share the video's part of "
                             "the prompt: in the grouped forward (mmpg.grouping.tree) and the hf rollout's cascade "
-                            "prefill and decode (mmpg.rollout.shares; rollout.decode=auto is copy on CUDA, which "
-                            "does not share: set rollout.decode=cascade there); false: each prompt alone.")
+                            "prefill and decode (mmpg.rollout.shares; not under rollout.decode=copy, or when "
+                            "the cascade kernels all failed their check); false: each prompt alone.")
     self_check: str = _f("on", "Compare the grouped forward with the repeated one on one real group, in this run's "
                          "dtype, backend and versions, at the first step and whenever a batch goes past the prompt / "
                          "response / group sizes checked so far (mmpg.grouping.selfcheck): on (stop the run on a "
@@ -222,8 +231,8 @@ class EvalConfig:
     max_samples: int = _f(64, "Held-out samples per evaluation (0: all).")
     batch_size: int = _f(8, "Prompts per greedy decoding batch.")
     share_videos: bool = _f(True, "Batch a video's queries together (whole videos up to batch_size queries), so "
-                            "each video is decoded once per batch and, with cascade decoding (the CPU default; on CUDA "
-                            "the engine decodes by copy until its cascade kernels have run on a GPU), encoded and "
+                            "each video is decoded once per batch and, with cascade decoding (the default; copy "
+                            "decoding does not share), encoded and "
                             "prefilled once; false: fixed batches in annotation order (mmpg eval's share_videos).")
     max_new_tokens: int = _f(256, "Most tokens per answer.")
 

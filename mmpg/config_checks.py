@@ -12,6 +12,8 @@ CHOICES = {
     "model.grouping_backend": ("auto", "sdpa", "flash", "flex"),
     "rollout.engine": ("hf", "vllm"),
     "rollout.decode": ("auto", "cascade", "copy"),
+    "rollout.cascade_backend": ("auto", "flash", "sdpa", "math"),
+    "rollout.decode_check": ("auto", "on", "off"),
     "reward.accuracy": ("iou_v2", "iou"),
     "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
     "algorithm.self_check": ("on", "warn", "off"),

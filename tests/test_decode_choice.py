@@ -146,3 +146,39 @@ def test_bad_check_mode(vl):
     model, processor, _ = vl
     with pytest.raises(ValueError, match="decode_check='sometimes'; choose one of auto, on, off"):
         HFEngine(model, processor, decode_check="sometimes")
+
+
+def test_settings_reach_the_engine(load_tiny, monkeypatch):
+    """rollout.cascade_backend / decode_check (training, held-out eval) and mmpg eval's settings of the same names
+    reach HFEngine; bad values are one error line naming the choices."""
+    from mmpg.config import load_config
+    from mmpg.errors import UserError
+    from mmpg.eval.settings import load_settings, numbers_settings
+    from mmpg.rl import grpo
+    from mmpg.train.heldout import heldout_settings
+
+    cfg = load_config(None, ["rollout.cascade_backend=math", "rollout.decode_check=on"])
+    s = heldout_settings(cfg)
+    assert (s.decode, s.cascade_backend, s.decode_check) == ("auto", "math", "on")
+    with pytest.raises(UserError, match="rollout.cascade_backend.*auto, flash, sdpa, math"):
+        load_config(None, ["rollout.cascade_backend=xla"])
+    e = load_settings("default", ["cascade_backend=flash", "decode_check=off", "decode=copy"])
+    assert (e.decode, e.cascade_backend, e.decode_check) == ("copy", "flash", "off")
+    assert "cascade_backend" not in numbers_settings(e)  # the same answers, only faster
+    with pytest.raises(UserError, match="decode_check.*auto, on, off"):
+        load_settings("default", ["decode_check=sometimes"])
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def capture(*args, **kwargs):
+        seen.update(kwargs)
+        raise Built
+
+    monkeypatch.setattr(grpo, "HFEngine", capture)
+    model, processor = load_tiny("qwen2")
+    engine = type("E", (), {"module": type("M", (), {"policy": model})()})()
+    with pytest.raises(Built):
+        grpo.GRPOStep(cfg, engine, None, processor, iter(()), None, "cpu")
+    assert seen["cascade_backend"] == "math" and seen["decode_check"] == "on"

@@ -106,7 +106,8 @@ def setup(case: dict, device: torch.device):
 
     if variant == "mmpg":
         decode, backend = DECODE[case.get("backend")]
-        engine = HFEngine(model, ids["tokenizer"], decode=decode, cascade_backend=backend)
+        # the named kernel, unchecked: a check that stepped down would time another path under this label
+        engine = HFEngine(model, ids["tokenizer"], decode=decode, cascade_backend=backend, decode_check="off")
         sampling = SamplingParams(max_new_tokens=S, temperature=1.0, stop_token_ids=(), logprobs=False)
         marks = time_prefill(engine, device)
 

@@ -227,6 +227,8 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
     coll = "cuda" if str(session.device).startswith("cuda") else "cpu"
     engine = HFEngine(model, processor, all_done=(lambda d: dist.all_true(d, coll)) if lockstep else None,
                       share_videos=settings.share_videos,  # false: every query prefilled on its own (A/B)
+                      decode=settings.decode, cascade_backend=settings.cascade_backend,
+                      decode_check=settings.decode_check,  # the kernel chosen and checked as training's rollout
                       prefill_chunk=settings.prefill_chunk)
     checker = SelfCheck(settings.self_check, what="decode engine") \
         if settings.self_check != "off" and not lockstep else None

@@ -19,7 +19,8 @@ from mmpg.errors import UserError
 
 # Settings that change the numbers (stored in eval.json and the report, compared on a rerun). The others only change
 # how fast the same predictions are made.
-RUNTIME_ONLY = ("batch_size", "share_videos", "num_workers", "device", "self_check", "prefill_chunk")
+RUNTIME_ONLY = ("batch_size", "share_videos", "num_workers", "device", "self_check", "prefill_chunk", "decode",
+                "cascade_backend", "decode_check")
 
 
 @dataclass
@@ -63,6 +64,13 @@ class EvalSettings:
                             "not the video; the same answers. 0: one forward per batch.")
     num_workers: int = _f(2, "DataLoader workers decoding videos (0: in the main process).")
     device: str = _f("auto", "auto (cuda when available), cpu or cuda.")
+    decode: str = _f("auto", "How answers are decoded behind the shared prompt, as training's rollout.decode: auto / "
+                     "cascade (each prompt's K/V read once per step for all its rows), copy (the reference).")
+    cascade_backend: str = _f("auto", "Cascade decoding's kernel, as training's rollout.cascade_backend: auto (CUDA: "
+                              "flash if usable, else sdpa, else math; CPU: sdpa), flash, sdpa, math.")
+    decode_check: str = _f("auto", "Check the cascade kernel against copy decoding on the first batch and when "
+                           "prompts or groups grow, stepping down the chain on a disagreement (one warning line), "
+                           "as training's rollout.decode_check: auto (on for CUDA), on, off.")
     self_check: str = _f("on", "Compare the decode engine's logprobs of the first batch's answers (and of any later "
                          "batch with longer prompts or answers) with the repeated forward, in this dtype and "
                          "backend (mmpg.grouping.selfcheck): on (stop on a difference above the dtype's bound), "
@@ -74,6 +82,9 @@ CHOICES = {
     "threshold_rule": ("gt", "ge"),
     "bad_videos": ("fail", "skip"),
     "device": ("auto", "cpu", "cuda"),
+    "decode": ("auto", "cascade", "copy"),
+    "cascade_backend": ("auto", "flash", "sdpa", "math"),
+    "decode_check": ("auto", "on", "off"),
     "self_check": ("on", "warn", "off"),
     "scoring": ("mmpg", "last_span", "timelens"),  # mmpg.eval.metrics.SCORINGS
 }

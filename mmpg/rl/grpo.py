@@ -84,6 +84,8 @@ class GRPOStep:
             self.pad_id = HFEngine(self.policy, processor)._pad_id()
         else:
             self.rollout_engine = HFEngine(self.policy, processor, all_done=sync, decode=cfg.rollout.decode,
+                                           cascade_backend=cfg.rollout.cascade_backend,
+                                           decode_check=cfg.rollout.decode_check,
                                            share_videos=cfg.algorithm.share_videos,
                                            prefill_chunk=cfg.rollout.prefill_chunk)
             self.pad_id = self.rollout_engine._pad_id()

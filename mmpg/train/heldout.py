@@ -26,6 +26,8 @@ def heldout_settings(cfg) -> EvalSettings:
     return EvalSettings(template=d.template, fps=d.fps, min_frames=d.min_frames, max_frames=d.max_frames,
                         min_pixels=d.min_pixels, max_pixels=d.max_pixels, total_pixels=d.total_pixels,
                         dtype=str(cfg.model.dtype), max_new_tokens=cfg.eval.max_new_tokens, bad_videos="skip",
+                        decode=cfg.rollout.decode, cascade_backend=cfg.rollout.cascade_backend,
+                        decode_check=cfg.rollout.decode_check,
                         max_samples=cfg.eval.max_samples, format=d.format, batch_size=cfg.eval.batch_size,
                         share_videos=cfg.eval.share_videos, num_workers=d.num_workers, device=cfg.trainer.device,
                         self_check="off", scoring="mmpg", prefill_chunk=cfg.rollout.prefill_chunk)
