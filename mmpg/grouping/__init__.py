@@ -15,9 +15,9 @@ leading part too, each row carrying its query's tail before its response (`mmpg.
 
 from mmpg.grouping.layout import GroupLayout
 from mmpg.grouping.logprobs import grouped_logprobs, head_logprobs, repeated_logprobs
-from mmpg.grouping.patch import SUPPORTED_MODEL_TYPES, apply_grouped_attention
+from mmpg.grouping.patch import SUPPORTED_MODEL_TYPES, apply_grouped_attention, set_grouping_options
 
 __all__ = [
     "GroupLayout", "SUPPORTED_MODEL_TYPES", "apply_grouped_attention", "grouped_logprobs", "head_logprobs",
-    "repeated_logprobs",
+    "repeated_logprobs", "set_grouping_options",
 ]

@@ -39,6 +39,9 @@ class GroupLayout:
     # the row spread over a sequence-parallel group (`mmpg.grouping.sequence.SequenceShard`): attention runs as
     # Ulysses (`mmpg.grouping.ulysses`) on the whole row for this rank's heads; None: the whole row is here
     sequence: object | None = None
+    # deterministic attention backward where the backend has a choice (flash-attn's `deterministic=`; the model's
+    # `_mmpg_deterministic`, set by `apply_grouped_attention`)
+    deterministic: bool = False
 
     def __post_init__(self):
         self.device = torch.device(self.device)

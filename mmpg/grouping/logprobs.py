@@ -120,7 +120,8 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     model._mmpg_shared = (len(prefixes.ids), len(shares))
     packed_ids, packed_pos, row_lens, row_skip = pack(prefixes, completions, shares, device)
     layout = GroupLayout(prefix_lens=[s.length for s in shares], response_lens=row_lens, device=device,
-                         backend=backend, row_skip=row_skip if any(any(k) for k in row_skip) else None)
+                         backend=backend, row_skip=row_skip if any(any(k) for k in row_skip) else None,
+                         deterministic=bool(getattr(model, "_mmpg_deterministic", False)))
     visual_inputs = leaders_visuals(prompt_inputs, visuals, shares)
     if group_size(sequence_group) > 1:  # the row cut over the sp ranks (mmpg.grouping.sequence)
         layout.sequence = SequenceShard(sequence_group, group_size(sequence_group), dist.get_rank(sequence_group),

@@ -88,11 +88,32 @@ def model_kind(model) -> str:
     return SUPPORTED_MODEL_TYPES[model_type]
 
 
-def apply_grouped_attention(model, backend: str | None = None, sequence_group=None):
+def _check_backend_name(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown grouped attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def set_grouping_options(model, backend: str | None = None, deterministic: bool | None = None):
+    """Record the grouped forward's backend ("auto", "sdpa", ...: what `resolve_backend` reads at each grouped
+    forward and shared prefill) and its deterministic-backward flag on `model` (a peft model: the transformers model
+    inside), without patching its attention: the first grouped forward does that, so a run that never takes the
+    grouped path keeps its own attention untouched. None leaves a setting as it is. Returns the model."""
+    inner = base_model(model)
+    if backend is not None:
+        _check_backend_name(backend)
+        inner._mmpg_backend = backend
+    if deterministic is not None:
+        inner._mmpg_deterministic = bool(deterministic)
+    return model
+
+
+def apply_grouped_attention(model, backend: str | None = None, sequence_group=None, deterministic: bool | None = None):
     """Select the grouped attention for the text model, put Qwen2.5-VL on its trained mRoPE convention
     (`mmpg.grouping.positions`) and remember the backend. Safe to call again (it then only changes the backend when
     one is given). `sequence_group`: a process group of sp ranks over which `grouped_logprobs` spreads each packed
-    row from now on (`mmpg.grouping.sequence`). Returns the model."""
+    row from now on (`mmpg.grouping.sequence`). `deterministic`: deterministic attention backward kernels where the
+    backend has a choice (flash-attn's `deterministic=`), from now on. Returns the model."""
+    set_grouping_options(model, deterministic=deterministic)
     model_kind(model)
     if sequence_group is not None:
         model._mmpg_sequence_group = sequence_group
@@ -100,8 +121,8 @@ def apply_grouped_attention(model, backend: str | None = None, sequence_group=No
         _check_transformers(model)
         model._mmpg_checked = True
     use_qwen_positions(model)
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"unknown grouped attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend is not None:
+        _check_backend_name(backend)
     text_config = model.config.get_text_config()
     current = text_config._attn_implementation or "eager"
     name = register_grouped_attention(current)

@@ -80,4 +80,9 @@ def flash_status(device: torch.device) -> tuple[bool, str]:
 
 
 def reset() -> None:
+    """Forget the probe's answers and the flash kernels built on them (a test swapped the installed package)."""
     flash_status.cache_clear()
+    from mmpg.grouping.backends import varlen
+
+    varlen.flash_kernel.cache_clear()
+    varlen._parameters.cache_clear()

@@ -6,13 +6,19 @@ A kernel computes attention over concatenated segments (FlashAttention's varlen 
     backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale) -> (dq, dk, dv)
 Segment i of q attends to segment i of k; `lse` is float32 log-sum-exp of the scaled scores per query and head.
 
-`FlashVarlenKernel` calls flash-attn's varlen functions (GPU; on the CPU through the tests' stand-in package).
+`FlashVarlenKernel` calls flash-attn's varlen functions (GPU; on the CPU through the tests' stand-in package). It is
+built once per process and `deterministic` flag (`flash_kernel`), and the arguments the installed flash-attn takes are
+read once per function: neither the version probe nor `inspect.signature` runs per call and layer. `deterministic`
+is passed to flash-attn's backward (`model.deterministic`, set through `apply_grouped_attention`): its default
+backward adds dK/dV partial sums in an order that varies from run to run; deterministic=True fixes the order, at
+some cost in backward speed (flash-attn's own figure: it uses more memory and can be slower).
 `TorchVarlenKernel` is a pure-torch kernel with the same contract; it lets the merge and its custom backward be
 tested exactly on a CPU (backend `lse_reference`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -81,11 +87,17 @@ class TorchVarlenKernel:
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+@functools.cache
+def _parameters(fn) -> frozenset[str]:
+    """The argument names `fn` takes (read once per function). From flash-attn 2.6 on, with torch >= 2.4, the
+    functions are `torch.library.custom_op`s whose own signature is (*args, **kwargs): the wrapped function
+    (`_init_fn`) has the real one."""
+    return frozenset(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
+
+
 def _call_with_supported(fn, **kwargs):
-    """flash-attn added arguments across 2.x releases (softcap, ...); pass only the ones this version takes. From 2.6
-    on, with torch >= 2.4, the functions are `torch.library.custom_op`s whose own signature is (*args, **kwargs): the
-    wrapped function (`_init_fn`) has the real one."""
-    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    """flash-attn added arguments across 2.x releases (softcap, ...); pass only the ones this version takes."""
+    params = _parameters(fn)
     return fn(**{name: value for name, value in kwargs.items() if name in params})
 
 
@@ -94,8 +106,9 @@ class FlashVarlenKernel:
     its call sites run through the stand-in package in tests/fake_flash_attn (tests/test_flash_standin.py); the real
     kernel only in the `gpu` tests."""
 
-    def __init__(self):
+    def __init__(self, deterministic: bool = False):
         self._fwd, self._bwd = flash_interface()  # ImportError naming the problem (version, FA4-only, missing)
+        self.deterministic = bool(deterministic)
 
     @staticmethod
     def _explain(err: RuntimeError, q) -> RuntimeError:
@@ -122,7 +135,7 @@ class FlashVarlenKernel:
             out=out.contiguous(), softmax_lse=lse.contiguous(), dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q,
             cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale,
             causal=causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-            deterministic=False, rng_state=None)
+            deterministic=self.deterministic, rng_state=None)
         return dq, dk, dv
 
 
@@ -192,8 +205,15 @@ def varlen_grouped_attention(query, key, value, layout, scaling, kernel) -> torc
     return out[None]
 
 
+@functools.cache
+def flash_kernel(deterministic: bool = False) -> FlashVarlenKernel:
+    """The process's flash kernel for this `deterministic` flag (`probe.reset` clears it with the probe's cache)."""
+    return FlashVarlenKernel(deterministic)
+
+
 def flash_grouped_attention(query, key, value, layout, scaling):
-    return varlen_grouped_attention(query, key, value, layout, scaling, FlashVarlenKernel())
+    kernel = flash_kernel(bool(getattr(layout, "deterministic", False)))
+    return varlen_grouped_attention(query, key, value, layout, scaling, kernel)
 
 
 def reference_grouped_attention(query, key, value, layout, scaling):
