@@ -55,7 +55,15 @@ class ModelConfig:
                                   "on CUDA when flash-attn imports, else sdpa), sdpa, eager, flash_attention_2 (sdpa "
                                   "with a warning when flash-attn is missing); the grouped forward registers its own "
                                   "on top.")
-    grouping_backend: str = _f("auto", "Grouped attention backend: auto, sdpa, flash, flex.")
+    grouping_backend: str = _f("auto", "Grouped forward's attention backend (training, SFT, the rollout's shared "
+                               "prefill, the bench): auto (flash on CUDA in bf16/fp16 when a usable flash-attn 2.7+ "
+                               "is installed, else sdpa), sdpa (exact everywhere), flash (FlashAttention varlen, no "
+                               "G-fold K/V copy), flex (FlexAttention block mask, compiled). A flash or flex backend "
+                               "that fails the self-check (or raises) falls back to sdpa with one warning line.")
+    deterministic: bool = _f(False, "Deterministic attention backward: flash-attn's deterministic=True in the grouped "
+                             "flash backend (and FLASH_ATTENTION_DETERMINISTIC=1 for transformers' own "
+                             "flash_attention_2). Needed for bit-identical resume on a GPU with flash; costs some "
+                             "backward speed. sdpa's math and the CPU are deterministic anyway.")
     gradient_checkpointing: bool = _f(False, "Recompute decoder activations in backward (less memory, ~30% more "
                                       "compute).")
     freeze_vision: bool = _f(True, "No gradients for the vision tower (common for grounding RL; it still runs once "
@@ -125,6 +133,9 @@ class RolloutConfig:
                        "(scripts/vllm_serve.sh); it must see the trainer's files (weight sync goes through one).")
     vllm_timeout_s: float = _f(600.0, "rollout.engine=vllm: most seconds one request (a rollout batch, a weight "
                                "update) may take before the step fails with a clear error instead of hanging.")
+    vllm_sync_timeout_s: float = _f(300.0, "rollout.engine=vllm: most seconds one weight sync may take (the NCCL "
+                                    "rendezvous, the broadcast and the server's load, or the file's load); past it, "
+                                    "or at once when the server refuses, every rank stops with one error line.")
     vllm_wait_s: float = _f(300.0, "rollout.engine=vllm: most seconds the trainer waits at start for the server "
                             "to come up (it loads the model first).")
     tis_cap: float = _f(0.0, "Truncated importance sampling for the rollout/training mismatch: each token's loss is "

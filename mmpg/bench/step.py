@@ -141,7 +141,8 @@ def step_config(case: dict, grouping: bool, share: bool = True):
     """The trainer's config for the case: G = rollout.n responses of S tokens, one prompt (Q: the case's queries of
     one video) per step, one micro-batch of all the step's groups, ZeRO 0, the KL term at `beta` (case, default
     0.04); `share`: algorithm.share_videos; parallel.sequence_parallel_size = the case's `sp` (default 1);
-    algorithm.self_check = the case's `self_check` (default on, as the trainer runs)."""
+    algorithm.self_check = the case's `self_check` (default on, as the trainer runs); model.grouping_backend = the
+    variant's backend (`mmpg:flash`; default auto)."""
     from mmpg.config import load_config
 
     G, S, Q = case["G"], case["S"], case.get("Q", 1)
@@ -150,7 +151,8 @@ def step_config(case: dict, grouping: bool, share: bool = True):
                  "algorithm.share_videos": str(share).lower(), "algorithm.grouping": str(grouping).lower(),
                  "algorithm.beta": case.get("beta", 0.04), "model.dtype": case.get("dtype", "float32"),
                  "deepspeed.zero_stage": 0, "parallel.sequence_parallel_size": case.get("sp", 1),
-                 "algorithm.self_check": case.get("self_check", "on")}
+                 "algorithm.self_check": case.get("self_check", "on"),
+                 "model.grouping_backend": case.get("backend") or "auto"}
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
 
 
@@ -267,6 +269,10 @@ def setup(case: dict, device: torch.device):
     ref = copy.deepcopy(model).eval().requires_grad_(False) if copied else None
     adapted = apply_lora(model, int(case.get("lora_r", 0)))  # injected into `model`: only the adapters train
     check_reference(case.get("ref", "copy"), adapted)  # no copy + adapters: GRPOStep switches them off for the KL
+    from mmpg.train.setup import grouping_options
+
+    for m in (model, ref) if ref is not None else (model,):  # model.grouping_backend, as the trainer sets it
+        grouping_options(m, cfg)
     if sp > 1:  # every grouped forward (policy and reference) spreads its row, as the trainer sets it up
         from mmpg.grouping import apply_grouped_attention
 

@@ -144,6 +144,9 @@ def load_model(checkpoint, settings: EvalSettings, device: str):
         raise
     except Exception as e:  # noqa: BLE001 - missing or damaged weights, tokenizer, processor files
         raise UserError(f"{checkpoint}: cannot load the checkpoint ({_first_line(e)})") from None
+    from mmpg.grouping import set_grouping_options
+
+    set_grouping_options(model, backend=settings.grouping_backend)  # the shared prefill's backend
     model.eval()
     return model, processor, family, dtype
 

@@ -20,7 +20,8 @@ from mmpg.errors import UserError
 # Settings that change the numbers (stored in eval.json and the report, compared on a rerun). The others only change
 # how fast the same predictions are made.
 RUNTIME_ONLY = ("batch_size", "share_videos", "num_workers", "device", "self_check", "prefill_chunk", "decode",
-                "cascade_backend", "decode_check")
+                "cascade_backend", "decode_check",
+                "grouping_backend")
 
 
 @dataclass
@@ -75,6 +76,9 @@ class EvalSettings:
                          "batch with longer prompts or answers) with the repeated forward, in this dtype and "
                          "backend (mmpg.grouping.selfcheck): on (stop on a difference above the dtype's bound), "
                          "warn, off.")
+    grouping_backend: str = _f("auto", "Attention backend of the shared prefill (a video's queries prefilled once, "
+                               "mmpg.grouping): auto (flash on CUDA in bf16/fp16 when a usable flash-attn is "
+                               "installed, else sdpa), sdpa, flash, flex; as training's model.grouping_backend.")
 
 
 CHOICES = {
@@ -86,6 +90,7 @@ CHOICES = {
     "cascade_backend": ("auto", "flash", "sdpa", "math"),
     "decode_check": ("auto", "on", "off"),
     "self_check": ("on", "warn", "off"),
+    "grouping_backend": ("auto", "sdpa", "flash", "flex"),
     "scoring": ("mmpg", "last_span", "timelens"),  # mmpg.eval.metrics.SCORINGS
 }
 FIELDS = [f.name for f in dataclasses.fields(EvalSettings)]

@@ -21,7 +21,7 @@ from mmpg.rl.rewards import make_scorer
 from mmpg import dist
 from mmpg.train.data import make_train_loader
 from mmpg.train.loop import StepOutput, run_loop
-from mmpg.train.setup import check_sequence_parallel, load_train_samples, open_session, video_spec
+from mmpg.train.setup import check_sequence_parallel, grouping_options, load_train_samples, open_session, video_spec
 
 log = logging.getLogger("mmpg.train")
 
@@ -78,6 +78,7 @@ class GRPOJob:
 
             ref = load_policy(ref_path, dtype=session.dtype, attn_implementation=cfg.model.attn_implementation,
                               device=session.device)
+            grouping_options(ref, cfg)  # the reference's grouped forward: the policy's backend
             if session.sp > 1:  # the reference's grouped forward spreads its rows like the policy's
                 from mmpg.grouping import apply_grouped_attention
 

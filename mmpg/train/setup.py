@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -87,6 +88,16 @@ def model_family(model) -> str:
     return kind
 
 
+def grouping_options(model, cfg):
+    """model.grouping_backend and model.deterministic onto a loaded policy or reference (`mmpg.grouping`: read at each
+    grouped forward); with model.deterministic, transformers' own flash_attention_2 runs deterministic too."""
+    from mmpg.grouping import set_grouping_options
+
+    if cfg.model.deterministic:
+        os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"
+    return set_grouping_options(model, backend=cfg.model.grouping_backend, deterministic=cfg.model.deterministic)
+
+
 def load_models(cfg, device: str, dtype: str):
     from mmpg.models.loading import load_policy, load_processor
 
@@ -123,6 +134,7 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     model, processor = load_models(cfg, device, dtype)
     family = model_family(model)
     params = trainable_summary(model)  # before DeepSpeed partitions anything
+    grouping_options(model, cfg)
     if sp > 1:  # every grouped forward of this policy spreads its packed row over the sequence-parallel group
         from mmpg.grouping import apply_grouped_attention
 
