@@ -63,7 +63,8 @@ class ModelConfig:
     deterministic: bool = _f(False, "Deterministic attention backward: flash-attn's deterministic=True in the grouped "
                              "flash backend (and FLASH_ATTENTION_DETERMINISTIC=1 for transformers' own "
                              "flash_attention_2). Needed for bit-identical resume on a GPU with flash; costs some "
-                             "backward speed. sdpa's math and the CPU are deterministic anyway.")
+                             "backward speed. CPU runs are deterministic anyway; torch's own GPU sdpa kernels follow "
+                             "torch.use_deterministic_algorithms, which this does not set.")
     gradient_checkpointing: bool = _f(False, "Recompute decoder activations in backward (less memory, ~30% more "
                                       "compute).")
     freeze_vision: bool = _f(True, "No gradients for the vision tower (common for grounding RL; it still runs once "
