@@ -4,7 +4,7 @@ It reads only through `mmpg.runs` (never imports the trainer, `mmpg.rl` or `mmpg
 while a run is writing. Modules:
     data.py      RunSource (reader + caches by file stat), group summaries, filters, table rows, text parts
     evals.py     EvalSource, predictions worst first
-    timeline.py  ground truth and predicted spans as SVG, coloured by reward
+    timeline.py  ground truth and predicted spans as SVG, coloured by tIoU on one 0-1 scale
     curves.py    training curves as long tables for line plots
     frames.py    frame strips: stored thumbnails, or frames decoded on demand
     render.py    HTML pieces and CSS;  guard.py  handlers never raise into the page

@@ -22,7 +22,9 @@ from collections import OrderedDict
 from pathlib import Path
 
 from mmpg.errors import UserError
-from mmpg.runs import EVAL_JSONL, METRICS_JSONL, GroupRecord, RunReader
+from mmpg.rewards.grounding import temporal_iou
+from mmpg.rewards.parse import parse_answer
+from mmpg.runs import EVAL_JSONL, METRICS_JSONL, GroupRecord, ResponseRecord, RunReader
 from mmpg.runs.layout import rollout_path
 
 FILTERS = (
@@ -32,6 +34,7 @@ FILTERS = (
     "truncated responses",
     "lowest mean reward",
     "highest mean reward",
+    "out-of-range answers",
 )
 SCOPES = ("this step", "all steps")
 
@@ -150,8 +153,9 @@ class GroupSummary:
     size: int  # G
     mean_reward: float  # mean "overall" reward; NaN if none is finite
     all_equal: bool  # every response has the same overall reward: zero advantage, no learning signal
-    unparsed: int  # responses whose answer did not parse
+    unparsed: int  # responses without a span (unparsed, out of range or truncated)
     truncated: int  # responses that hit max_new_tokens
+    out_of_range: int = 0  # answers outside the video: rejected ("out of range") or cut to it ("clamped")
 
     @property
     def key(self) -> str:
@@ -166,6 +170,8 @@ class GroupSummary:
             parts.append("all equal")
         if self.unparsed:
             parts.append(f"{self.unparsed} unparsed")
+        if self.out_of_range:
+            parts.append(f"{self.out_of_range} out of range")
         if self.truncated:
             parts.append(f"{self.truncated} truncated")
         return " · ".join(parts)
@@ -184,11 +190,13 @@ def summarize(step: int, position: int, group: GroupRecord) -> GroupSummary:
         all_equal=len(finite) == len(overall) and (max(finite, default=0.0) - min(finite, default=0.0)) <= 1e-9,
         unparsed=sum(r.parsed_span is None for r in group.responses),
         truncated=sum(r.finish_reason == "length" for r in group.responses),
+        out_of_range=sum(verdict(r, group.duration).label in ("out of range", "clamped") for r in group.responses),
     )
 
 
 def filter_groups(summaries: list[GroupSummary], name: str, limit: int = 200) -> list[GroupSummary]:
-    """The groups a filter keeps, in the order the picker lists them (at most `limit`).
+    """The groups a filter keeps, in the order the picker lists them (at most `limit`): newest step first, so the
+    recent failures of a long run are the ones listed.
 
     'lowest' / 'highest mean reward' keep every group, sorted (groups without a finite reward last).
     """
@@ -198,12 +206,13 @@ def filter_groups(summaries: list[GroupSummary], name: str, limit: int = 200) ->
         FILTERS[1]: lambda s: s.all_equal,
         FILTERS[2]: lambda s: s.unparsed > 0,
         FILTERS[3]: lambda s: s.truncated > 0,
+        FILTERS[6]: lambda s: s.out_of_range > 0,
     }.get(name, lambda s: True)
-    out = [s for s in summaries if keep(s)]
+    out = sorted((s for s in summaries if keep(s)), key=lambda s: (-s.step, s.position))
     if name in (FILTERS[4], FILTERS[5]):
         sign = 1.0 if name == FILTERS[4] else -1.0
         out.sort(key=lambda s: (not math.isfinite(s.mean_reward), sign * s.mean_reward
-                                if math.isfinite(s.mean_reward) else 0.0, s.step, s.position))
+                                if math.isfinite(s.mean_reward) else 0.0, -s.step, s.position))
     return out[:limit]
 
 
@@ -213,6 +222,70 @@ def parse_group_key(key: str | None) -> tuple[int, int]:
     if not m:
         raise UserError(f"{key!r} is not a group (expected 'step:position')")
     return int(m.group(1)), int(m.group(2))
+
+
+def count_matches(summaries: list[GroupSummary], name: str) -> int:
+    """How many groups the filter keeps, with no limit."""
+    return len(filter_groups(summaries, name, limit=len(summaries) + 1))
+
+
+# ------------------------------------------------------------------------------------------ what went wrong
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What became of a response's answer. label: "ok", "truncated" (hit max_new_tokens), "unparsed" (no span
+    read), "out of range" (a span wholly outside the video: rejected, though its format may still score) or
+    "clamped" (a span partly outside, cut to the video). raw: the answer as written, where it matters."""
+
+    label: str
+    raw: str | None = None
+    why: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.label != "ok"
+
+    def text(self) -> str:
+        """One short cell: 'ok', 'truncated', 'unparsed', 'out of range: 24 to 30', 'clamped from 16 to 24'."""
+        if self.label == "out of range" and self.raw:
+            return f"out of range: {self.raw}"
+        if self.label == "clamped" and self.raw:
+            return f"clamped from {self.raw}"
+        return self.label
+
+
+def verdict(r: ResponseRecord, duration: float) -> Verdict:
+    """Name the failure of one response by reading its answer again without the video's bounds."""
+    if r.finish_reason == "length":
+        return Verdict("truncated", why="hit max_new_tokens before the answer closed")
+    raw = parse_answer(r.text, None)  # the span as written, before it is checked against [0, duration]
+    short = raw.answer[:60] if raw.answer else None
+    outside = raw.reason is not None and "outside the video" in raw.reason  # ends at or before 0
+    if r.parsed_span is None:
+        if outside or (raw.ok and math.isfinite(duration) and raw.span[0] >= duration):
+            return Verdict("out of range", short, f"{short!r} lies outside the {_fmt(duration, 1)} s video")
+        return Verdict("unparsed", short, raw.reason or "no span was read")
+    if raw.ok and any(abs(a - b) > 1e-6 for a, b in zip(raw.span, r.parsed_span)):
+        return Verdict("clamped", short, f"{short!r} was cut to the {_fmt(duration, 1)} s video")
+    return Verdict("ok")
+
+
+def span_iou(r: ResponseRecord, gt: list[float]) -> float | None:
+    """The tIoU of a response's span with the truth (its logged "iou" when there is one); None without a span."""
+    if r.parsed_span is None:
+        return None
+    logged = r.rewards.get("iou")
+    if logged is not None and math.isfinite(logged):
+        return logged
+    return temporal_iou(tuple(r.parsed_span), tuple(gt))
+
+
+REWARD_HELP = ("<b>Reading the rewards.</b> overall = format + accuracy (weights in the run's config, 1 each by "
+               "default). format: 1 when the response is &lt;think&gt;…&lt;/think&gt;&lt;answer&gt;…&lt;/answer&gt;, "
+               "whatever the span. iou: the plain tIoU |pred ∩ truth| / |pred ∪ truth|; it colours the bars (red 0, "
+               "yellow 0.5, green 1, the same scale as Evaluation) and is written on them. iou_v2 = tIoU × (1 − "
+               "|Δstart|/d) × (1 − |Δend|/d) (Time-R1): also pays for boundary distance; accuracy is iou_v2 unless "
+               "the config sets reward.accuracy: iou. An answer outside the video gets no span (out of range) or "
+               "is cut to it (clamped); both are named in the table.")
 
 
 # ----------------------------------------------------------------------------------------------- table rows
@@ -225,15 +298,16 @@ def reward_keys(group: GroupRecord) -> list[str]:
 def response_rows(group: GroupRecord) -> tuple[list[str], list[list]]:
     """(headers, rows) of the response table: one row per response, in sampling order.
 
-    Columns: #, start_s, end_s (None when unparsed), each reward component, advantage, length, finish.
+    Columns: #, start_s, end_s (None when unparsed), answer (ok or the failure, the raw answer beside a clamped
+    span), each reward component, advantage, length, finish.
     """
     keys = reward_keys(group)
-    headers = ["#", "start_s", "end_s", *keys, "advantage", "length", "finish"]
+    headers = ["#", "start_s", "end_s", "answer", *keys, "advantage", "length", "finish"]
     rows = []
     for i, r in enumerate(group.responses):
         start, end = (r.parsed_span if r.parsed_span else (None, None))
-        rows.append([i, _num(start, 2), _num(end, 2), *[_num(r.rewards.get(k), 3) for k in keys],
-                     _num(r.advantage, 3), r.length, r.finish_reason])
+        rows.append([i, _num(start, 2), _num(end, 2), verdict(r, group.duration).text(),
+                     *[_num(r.rewards.get(k), 3) for k in keys], _num(r.advantage, 3), r.length, r.finish_reason])
     return headers, rows
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 
-from app.data import _fmt, split_response
+from app.data import Verdict, _fmt, split_response
 from mmpg.runs import ResponseRecord
 
 CSS = """
@@ -36,14 +36,17 @@ CSS = """
 _TAGS = {"think": "think", "answer": "answer", "text": "outside the tags"}
 
 
-def response_html(index: int, r: ResponseRecord) -> str:
-    """A response with its facts on top and each part (<think>, <answer>, other text) in its own box."""
+def response_html(index: int, r: ResponseRecord, v: Verdict | None = None) -> str:
+    """A response with its facts on top (what went wrong first, when something did) and each part (<think>,
+    <answer>, other text) in its own box."""
     span = f"{_fmt(r.parsed_span[0], 2)} – {_fmt(r.parsed_span[1], 2)} s" if r.parsed_span else "did not parse"
+    failure = (f'<div class="mmpg-error mmpg-verdict"><b>{html.escape(v.label)}</b>: {html.escape(v.why)}</div>'
+               if v is not None and v.failed else "")
     rewards = ", ".join(f"{k} {_fmt(v)}" for k, v in r.rewards.items())
     facts = (f"<b>Response #{index}</b> · parsed span {span} · {rewards} · advantage {_fmt(r.advantage)} · "
              f"{r.length} tokens · finish: {html.escape(r.finish_reason)}"
              + (" (hit max_new_tokens: truncated)" if r.finish_reason == "length" else ""))
-    return f'<div class="mmpg-response-facts">{facts}</div>' + text_parts_html(r.text)
+    return failure + f'<div class="mmpg-response-facts">{facts}</div>' + text_parts_html(r.text)
 
 
 def text_parts_html(text: str) -> str:

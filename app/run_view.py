@@ -15,7 +15,8 @@ import pandas as pd
 
 from app.curves import EVAL_PANEL, PANELS, curve_frames, long_frame, metric_keys
 from app.data import (
-    FILTERS, SCOPES, RunSource, _fmt, drift_note, filter_groups, group_header, parse_group_key, response_rows,
+    FILTERS, REWARD_HELP, SCOPES, RunSource, _fmt, count_matches, drift_note, filter_groups, group_header,
+    parse_group_key, response_rows, span_iou, verdict,
 )
 from app.frames import frame_items, strip_html
 from app.guard import guarded
@@ -48,6 +49,23 @@ def empty_table() -> pd.DataFrame:
     return pd.DataFrame({"#": pd.Series(dtype="int64")})
 
 
+FAILED_ROW = "background-color: #fde2e1; color: #7a1c16"
+
+
+def highlighted(frame: pd.DataFrame, rows: list[int]):
+    """The table with the failed responses' rows tinted red (a pandas Styler, which Gradio draws with its styles)."""
+    styles = [[FAILED_ROW if i in rows else ""] * frame.shape[1] for i in range(len(frame))]
+    return (frame.style.apply(lambda _: pd.DataFrame(styles, index=frame.index, columns=frame.columns), axis=None)
+            .format(_cell))
+
+
+def _cell(v) -> str:
+    """A cell as the table shows it: 10.0 as '10', 0.25 as '0.25', a missing value empty."""
+    if v is None or (isinstance(v, float) and v != v):
+        return ""
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
 class RunView:
     """Components and handlers of the run tabs. `build` goes inside the page's `gr.Tabs`, `wire` after it."""
 
@@ -70,6 +88,7 @@ class RunView:
             self.gallery = gr.HTML(elem_id="frames")
             self.frames_note = gr.HTML(elem_id="frames-note")
             self.timeline = gr.HTML(elem_id="timeline")
+            gr.HTML(f'<div class="mmpg-info">{REWARD_HELP}</div>', elem_id="reward-help")
             self.table = gr.Dataframe(value=empty_table(), label="Responses: click a row to read it, a header to sort",
                                       interactive=False, elem_id="responses", max_height=420)
             self.response = picker("Response", "response")
@@ -100,13 +119,13 @@ class RunView:
         s = self.status
         picks = [self.step, self.filter, self.scope]
         for c in picks:  # progress shows on the group list (reading every step file for "all steps" takes seconds)
-            c.input(guarded(s)(self.on_pick), picks, [s, self.group, self.picked, *self.view],
+            c.input(guarded(s)(self.on_pick), picks, [s, self.step, self.group, self.picked, *self.view],
                     show_progress="full", show_progress_on=[self.picked])
         pick_out = [s, self.group, self.picked, *self.view]
         self.prev.click(guarded(s)(self.on_prev), picks, [self.step, *pick_out], show_progress="hidden")
         self.next.click(guarded(s)(self.on_next), picks, [self.step, *pick_out], show_progress="hidden")
         # quick reads straight from the cache: no queue round trip (queue=False)
-        self.group.input(guarded(s)(self.on_group), [self.group], [s, *self.view], queue=False)
+        self.group.input(guarded(s)(self.on_group), [self.group], [s, self.step, *self.view], queue=False)
         self.table.select(guarded(s)(self.on_select), [self.group], [s, self.response, self.text], queue=False)
         self.response.input(guarded(s)(self.on_response), [self.group, self.response], [s, self.text], queue=False)
         self.any_key.input(guarded(s)(self.on_any), [self.any_key], [s, self.any_plot])
@@ -203,7 +222,9 @@ class RunView:
                 out.update({self.picked: message_html("no rollouts written yet (rollouts/ is empty)", "note"),
                             **self.empty_view("no rollouts written yet")})
             elif force or target != step:
-                out.update(self.on_pick(target, filt, scope, keep=key))
+                picked = self.on_pick(target, filt, scope, keep=key)
+                picked.pop(self.step, None)  # keep the new list of steps set above
+                out.update(picked)
             out[self.title] = self.title_md(steps)
             seen["steps"] = steps
         mkey = self.src.metrics_key()
@@ -229,9 +250,12 @@ class RunView:
             summaries, problems = self.src.summaries(int(step)), []
         kept = filter_groups(summaries, filt or FILTERS[0])
         where = "in the run" if scope == SCOPES[1] else f"at step {step}"
-        note = f"{len(kept)} group(s) listed of {len(summaries)} {where}"
-        if len(kept) == 200:
-            note += " (the first 200)"
+        matched = count_matches(summaries, filt or FILTERS[0])
+        note = f"{matched} group(s) match of {len(summaries)} {where}"
+        if matched > len(kept):
+            note += f" (the newest {len(kept)} listed)"
+        elif scope == SCOPES[1] and len(kept) > 1:
+            note += " (newest first)"
         html = message_html(note, "info") + "".join(message_html(p, "note") for p in problems[:3])
         return [(s.label(scope == SCOPES[1]), s.key) for s in kept], html
 
@@ -244,21 +268,27 @@ class RunView:
         summary = self.src.summaries(step)[position]
         items, note = frame_items(self.src.reader(), g.media_key, g.video)
         headers, rows = response_rows(g)
-        bars = [Bar(f"#{i}", r.parsed_span, r.rewards.get("overall"),
-                    f"#{i}: " + (f"{r.parsed_span[0]:.2f}–{r.parsed_span[1]:.2f} s" if r.parsed_span else "unparsed")
-                    + f", reward {_fmt(r.rewards.get('overall'))}, advantage {_fmt(r.advantage)}")
-                for i, r in enumerate(g.responses)]
+        verdicts = [verdict(r, g.duration) for r in g.responses]
+        failed = [i for i, v in enumerate(verdicts) if v.failed]
+        first = failed[0] if failed else 0  # open the offending answer first
+        bars = [Bar(f"#{i}", r.parsed_span, span_iou(r, g.gt_span),
+                    f"#{i}: " + (f"{r.parsed_span[0]:.2f}–{r.parsed_span[1]:.2f} s" if r.parsed_span else v.label)
+                    + f", tIoU {_fmt(span_iou(r, g.gt_span))}, reward {_fmt(r.rewards.get('overall'))}, advantage "
+                    f"{_fmt(r.advantage)}" + (f" ({v.why})" if v.why else ""), "" if v.label == "ok" else v.text())
+                for i, (r, v) in enumerate(zip(g.responses, verdicts))]
         svg = timeline_svg(timeline_data(g.gt_span, g.duration, bars), uid="run")
         choices = [(f"#{i} · reward {_fmt(r.rewards.get('overall'))} · {r.finish_reason}", i)
                    for i, r in enumerate(g.responses)]
         return {
+            self.step: step,  # in sync when the group came from a filter over all steps
             self.header: group_header(g, summary),
             self.gallery: strip_html(items),
             self.frames_note: message_html(note, "note" if not items or "missing" in note else "info"),
             self.timeline: svg,
-            self.table: pd.DataFrame(rows, columns=headers),
-            self.response: gr.update(choices=choices, value=0 if choices else None),
-            self.text: response_html(0, g.responses[0]) if g.responses else message_html("no responses", "note"),
+            self.table: highlighted(pd.DataFrame(rows, columns=headers), failed),
+            self.response: gr.update(choices=choices, value=first if choices else None),
+            self.text: (response_html(first, g.responses[first], verdicts[first]) if g.responses
+                        else message_html("no responses", "note")),
         }
 
     def empty_view(self, why: str) -> dict:
@@ -275,7 +305,7 @@ class RunView:
         i = as_int(index, "a response number")
         if i is None or not 0 <= i < len(responses):
             raise UserError(f"this group has {len(responses)} responses; there is no #{i}")
-        return response_html(i, responses[i])
+        return response_html(i, responses[i], verdict(responses[i], groups[position].duration))
 
     def curves(self) -> dict:
         metrics, evals = self.src.metrics(), self.src.eval_metrics()

@@ -125,28 +125,33 @@ def make_run(out: str | os.PathLike, steps: int = 1000, groups: int = 16, g: int
 #   (1, 0) every response gives the same span: all rewards equal     (2, 0) one truncated (and so unparsed) response
 #   (1, 1) one answer that does not parse                            (3, 0) close to the truth: highest mean reward
 #   (2, 1), (3, 1) ordinary; (3, 1) is far off: lowest mean reward
+# SMALL_RAW: answers written outside the video, (step, position, response) -> the answer text: (2, 1) #3 is cut to the
+# 20 s video (clamped: parsed [16, 20]); (3, 1) #3 lies wholly outside it (out of range: no span, format 1).
 SMALL_GT = {0: [2.0, 6.0], 1: [10.0, 16.0]}  # position -> ground truth; durations 12 s and 20 s
 SMALL_DURATION = {0: 12.0, 1: 20.0}
 SMALL_SPANS = {
     (1, 0): [([3.0, 5.0], "stop")] * 4,
     (1, 1): [([9.0, 15.0], "stop"), ([11.0, 17.0], "stop"), (None, "stop"), ([12.0, 13.0], "stop")],
     (2, 0): [([1.0, 5.0], "stop"), ([2.5, 7.0], "stop"), (None, "length"), ([0.0, 3.0], "stop")],
-    (2, 1): [([10.0, 16.0], "stop"), ([4.0, 9.0], "stop"), ([14.0, 19.5], "stop"), ([8.0, 12.0], "stop")],
+    (2, 1): [([10.0, 16.0], "stop"), ([4.0, 9.0], "stop"), ([14.0, 19.5], "stop"), ([16.0, 20.0], "stop")],
     (3, 0): [([2.0, 6.0], "stop"), ([2.2, 5.8], "stop"), ([1.8, 6.0], "stop"), ([2.0, 5.5], "stop")],
-    (3, 1): [([0.0, 2.0], "stop"), ([1.0, 3.0], "stop"), ([15.0, 19.0], "stop"), ([0.5, 1.5], "stop")],
+    (3, 1): [([0.0, 2.0], "stop"), ([1.0, 3.0], "stop"), ([15.0, 19.0], "stop"), (None, "stop")],
 }
+SMALL_RAW = {(2, 1, 3): "16.0 to 24.0", (3, 1, 3): "24.0 to 30.0"}
 
 
-def _small_response(span, finish: str, gt: list[float]) -> ResponseRecord:
+def _small_response(span, finish: str, gt: list[float], raw: str | None = None) -> ResponseRecord:
     if finish == "length":
         text = "<think>First the person opens the door, then " + "walks around " * 12
+    elif raw is not None:
+        text = f"<think>It happens late.</think> <answer>{raw}</answer>"
     elif span is None:
         text = "<think>Hard to say.</think> <answer>near the end</answer>"
     else:
         text = f"<think>The action starts at {span[0]} s and ends at {span[1]} s.</think> " \
                f"<answer>{span[0]:.1f} to {span[1]:.1f}</answer>"
     iou = _iou(span, gt) if span else 0.0
-    fmt = 1.0 if span and finish == "stop" else 0.0
+    fmt = 1.0 if (span or raw) and finish == "stop" else 0.0
     return ResponseRecord(text=text, parsed_span=span, rewards={"overall": fmt + iou, "format": fmt, "iou": iou},
                           advantage=0.0, length=len(text) // 4, finish_reason=finish)
 
@@ -187,8 +192,8 @@ def make_small_run(out: str | os.PathLike, video_dir: str | os.PathLike | None =
     for step in (1, 2, 3):
         groups = []
         for pos in (0, 1):
-            responses = _with_advantages([_small_response(span, fin, SMALL_GT[pos])
-                                          for span, fin in SMALL_SPANS[(step, pos)]])
+            responses = _with_advantages([_small_response(span, fin, SMALL_GT[pos], SMALL_RAW.get((step, pos, i)))
+                                          for i, (span, fin) in enumerate(SMALL_SPANS[(step, pos)])])
             groups.append(GroupRecord(step=step, group_index=pos, sample_id=f"sample-{pos}", video=videos[pos],
                                       duration=SMALL_DURATION[pos], query=f"query of video {pos}: the person <cooks>",
                                       gt_span=SMALL_GT[pos], media_key=keys[pos], responses=responses))

@@ -1,11 +1,12 @@
 """The timeline: the ground-truth span and each response's predicted span on the video's time axis, coloured by
-reward, drawn as inline SVG (no plotting library, crisp at any size, a tooltip per bar).
+tIoU with the truth, drawn as inline SVG (no plotting library, crisp at any size, a tooltip per bar).
 
-    data = timeline_data(gt_span=[3.0, 9.5], duration=30.0, bars=[Bar("#0", [2.0, 8.0], 1.7, "..."), ...])
+    data = timeline_data(gt_span=[3.0, 9.5], duration=30.0, bars=[Bar("#0", [2.0, 8.0], 0.55, "..."), ...])
     svg = timeline_svg(data)          # a string for gr.HTML
 
-The colour scale runs from min(0, lowest reward) (red) to max(1, highest reward) (green), so the same colour means
-the same reward across groups of a run that use the default rewards (format + tIoU, 0..2).
+One absolute colour scale everywhere (rollouts and evaluation): tIoU 0 is red, 0.5 yellow, 1 green, and the value
+is written on each bar. A scale relative to a group's best answer would paint a group that missed the moment
+entirely green; the reward (format + accuracy) is not used because its format part says nothing about the span.
 """
 
 from __future__ import annotations
@@ -25,15 +26,16 @@ class Bar:
 
     label: str  # e.g. "#3"
     span: list[float] | None  # [start_s, end_s]; None: the answer did not parse (drawn as a note)
-    reward: float | None  # colours the bar; None or NaN: grey
+    value: float | None  # tIoU with the truth, 0..1: colours the bar and is written on it; None or NaN: grey
     title: str = ""  # tooltip text
+    note: str = ""  # written after the bar, e.g. "clamped from 4 to 10" or "truncated"
 
 
-def colour(reward: float | None, low: float, high: float) -> str:
-    """'#rrggbb' for a reward on the red-yellow-green scale between low and high; grey for None/NaN."""
-    if reward is None or not math.isfinite(reward):
+def colour(value: float | None, low: float = 0.0, high: float = 1.0) -> str:
+    """'#rrggbb' for a value on the red-yellow-green scale between low and high; grey for None/NaN."""
+    if value is None or not math.isfinite(value):
         return _NONE_COLOUR
-    t = 0.5 if high - low < 1e-12 else min(1.0, max(0.0, (reward - low) / (high - low)))
+    t = 0.5 if high - low < 1e-12 else min(1.0, max(0.0, (value - low) / (high - low)))
     a, b, u = (_LOW, _MID, t * 2) if t < 0.5 else (_MID, _HIGH, t * 2 - 1)
     return "#%02x%02x%02x" % tuple(round(x + (y - x) * u) for x, y in zip(a, b))
 
@@ -48,27 +50,27 @@ def nice_ticks(axis_max: float, target: int = 8) -> list[float]:
     return [round(i * step, 6) for i in range(int(axis_max / step + 1e-9) + 1)]
 
 
-def timeline_data(gt_span: list[float], duration: float, bars: list[Bar], scale: str = "reward") -> dict:
+def timeline_data(gt_span: list[float], duration: float, bars: list[Bar], scale: str = "tIoU") -> dict:
     """Everything the SVG needs, as plain data (tested without a browser).
 
-    Returns {"axis_max", "ticks", "gt": [s, e], "low", "high", "scale" (what colours mean), "rows": [{"label", "x0",
-    "x1", "colour", "title", "note"}]}: x0/x1 are the span clipped to [0, axis_max] (None when the span is missing),
-    note says why a row has no bar or looks odd ("unparsed", "reversed span").
+    Returns {"axis_max", "ticks", "gt": [s, e], "low": 0, "high": 1, "scale" (what colours mean), "rows": [{"label",
+    "x0", "x1", "colour", "value", "title", "note"}]}: x0/x1 are the span clipped to [0, axis_max] (None when the span
+    is missing), note says why a row has no bar or looks odd ("unparsed", "reversed span", the bar's own note).
     """
     ends = [x for b in bars if b.span for x in b.span if math.isfinite(x)] + [x for x in gt_span if math.isfinite(x)]
     axis_max = max([duration] if duration and math.isfinite(duration) else [], default=0.0)
     axis_max = max([axis_max, *ends]) or 1.0
-    rewards = [b.reward for b in bars if b.reward is not None and math.isfinite(b.reward)]
-    low, high = min([0.0, *rewards]), max([1.0, *rewards])
+    low, high = 0.0, 1.0
     rows = []
     for b in bars:
-        row = {"label": b.label, "x0": None, "x1": None, "colour": colour(b.reward, low, high), "title": b.title,
-               "note": ""}
+        value = b.value if b.value is not None and math.isfinite(b.value) else None
+        row = {"label": b.label, "x0": None, "x1": None, "colour": colour(value, low, high), "value": value,
+               "title": b.title, "note": b.note}
         if b.span is None or not all(math.isfinite(x) for x in b.span):
-            row["note"] = "unparsed"
+            row["note"] = b.note or "unparsed"
         else:
             s, e = b.span
-            row["note"] = "reversed span" if s > e else ""
+            row["note"] = "; ".join(x for x in ("reversed span" if s > e else "", b.note) if x)
             row["x0"], row["x1"] = max(0.0, min(s, e)), min(axis_max, max(s, e))
         rows.append(row)
     return {"axis_max": axis_max, "ticks": nice_ticks(axis_max), "gt": list(gt_span), "low": low, "high": high,
@@ -101,14 +103,15 @@ def timeline_svg(data: dict, uid: str = "t", width: int = 900, label_w: int = 70
     for i, r in enumerate(rows, start=1):
         x0 = None if r["x0"] is None else x(r["x0"])
         x1 = None if r["x1"] is None else x(r["x1"])
-        out.append(_row(i, r["label"], x0, x1, r["colour"], r["title"], r["note"], top, row_h, label_w, "span-bar"))
+        out.append(_row(i, r["label"], x0, x1, r["colour"], r["title"], r["note"], top, row_h, label_w, "span-bar",
+                        r["value"]))
     out.append(_axis(data, x, body_bottom, label_w, plot_w))
     out.append(_legend(data, height - legend_h + 4, label_w, f"mmpg-scale-{uid}"))
     out.append("</svg>")
     return "".join(out)
 
 
-def _row(i, label, x0, x1, fill, title, note, top, row_h, label_w, cls) -> str:
+def _row(i, label, x0, x1, fill, title, note, top, row_h, label_w, cls, value=None) -> str:
     y = top + i * row_h
     parts = [f'<text x="{label_w - 6}" y="{y + row_h * 0.7:.1f}" text-anchor="end" fill="#444">'
              f"{html.escape(label)}</text>"]
@@ -117,8 +120,15 @@ def _row(i, label, x0, x1, fill, title, note, top, row_h, label_w, cls) -> str:
         dash = ' stroke="#333" stroke-dasharray="3,2"' if note else ""
         parts.append(f'<rect class="{cls}" x="{x0:.1f}" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}" rx="2" '
                      f'fill="{fill}"{dash}><title>{html.escape(title)}</title></rect>')
+    after = x1 + 4 if x1 is not None else label_w + 4
+    if value is not None and x0 is not None:  # the tIoU on the bar (after it when the bar is too narrow)
+        inside = x1 - x0 >= 34
+        vx = (x0 + x1) / 2 if inside else after
+        parts.append(f'<text class="bar-value" x="{vx:.1f}" y="{y + row_h * 0.7:.1f}" fill="#111" '
+                     f'text-anchor="{"middle" if inside else "start"}" font-weight="600">{value:.2f}</text>')
+        after += 0 if inside else 32
     if note:
-        nx = (x1 + 4) if x1 is not None else label_w + 4
+        nx = after
         parts.append(f'<text class="note" x="{nx:.1f}" y="{y + row_h * 0.7:.1f}" fill="#777" font-style="italic">'
                      f"{html.escape(note)}<title>{html.escape(title)}</title></text>")
     return "".join(parts)
@@ -145,4 +155,4 @@ def _legend(data, y, label_w, gradient_id) -> str:
             f'<rect x="{label_w + 240}" y="{y + 1}" width="22" height="11" fill="{_GT_COLOUR}"/>'
             f'<text x="{label_w + 268}" y="{y + 10}" fill="#444">ground truth</text>'
             f'<rect x="{label_w + 360}" y="{y + 1}" width="22" height="11" fill="{_NONE_COLOUR}"/>'
-            f'<text x="{label_w + 388}" y="{y + 10}" fill="#444">no {html.escape(data["scale"])}</text>')
+            f'<text x="{label_w + 388}" y="{y + 10}" fill="#444">no span</text>')

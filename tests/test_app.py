@@ -16,7 +16,9 @@ from urllib.parse import unquote
 import pytest
 
 from app.curves import curve_frames, long_frame
-from app.data import FILTERS, RunSource, filter_groups, parse_group_key, response_rows, split_response
+from app.data import (
+    FILTERS, RunSource, count_matches, filter_groups, parse_group_key, response_rows, split_response, verdict,
+)
 from app.evals import EvalSource, prediction_rows, worst_first
 from app.frames import decoded_items, frame_items, strip_html, thumbnail_items
 from app.synthetic import SMALL_EVAL, SMALL_GT, SMALL_SPANS, make_eval_folder, make_small_run
@@ -45,12 +47,16 @@ def test_filters_pick_the_known_groups(small):
     every = src.all_summaries()[0]
     assert [s.key for s in every] == ["1:0", "1:1", "2:0", "2:1", "3:0", "3:1"]
     assert [s.key for s in filter_groups(every, FILTERS[1])] == ["1:0"]  # all rewards equal
-    assert [s.key for s in filter_groups(every, FILTERS[2])] == ["1:1", "2:0"]  # an answer that does not parse
+    # newest first, so the recent failures of a long run are the ones listed
+    assert [s.key for s in filter_groups(every, FILTERS[2])] == ["3:1", "2:0", "1:1"]  # an answer without a span
     assert [s.key for s in filter_groups(every, FILTERS[3])] == ["2:0"]  # truncated
     lowest, highest = filter_groups(every, FILTERS[4]), filter_groups(every, FILTERS[5])
     assert lowest[0].key == "3:1" and highest[0].key == "3:0"
     assert [s.mean_reward for s in lowest] == sorted(s.mean_reward for s in every)
     assert [s.key for s in filter_groups(src.summaries(2), FILTERS[3])] == ["2:0"]  # "this step"
+    assert [s.key for s in filter_groups(every, FILTERS[6])] == ["3:1", "2:1"]  # out of range or clamped
+    assert [s.key for s in filter_groups(every, FILTERS[0], limit=2)] == ["3:0", "3:1"]  # the newest kept
+    assert count_matches(every, FILTERS[2]) == 3 and count_matches(every, FILTERS[0]) == 6
     with pytest.raises(UserError, match="unknown filter"):
         filter_groups(every, "nonsense")
 
@@ -58,7 +64,9 @@ def test_filters_pick_the_known_groups(small):
 def test_response_rows_show_each_response(small):
     g = RunSource(small["run"]).groups(2)[0]
     headers, rows = response_rows(g)
-    assert headers == ["#", "start_s", "end_s", "overall", "format", "iou", "advantage", "length", "finish"]
+    assert headers == ["#", "start_s", "end_s", "answer", "overall", "format", "iou", "advantage", "length",
+                       "finish"]
+    assert [r[3] for r in rows] == ["ok", "ok", "truncated", "ok"]
     assert len(rows) == 4
     spans = [(r[1], r[2]) for r in rows]
     assert spans == [tuple(s) if s else (None, None) for s, _ in SMALL_SPANS[(2, 0)]]
@@ -67,6 +75,22 @@ def test_response_rows_show_each_response(small):
     # response 0: [1, 5] against [2, 6]: overlap 3, union 5
     assert rows[0][iou] == pytest.approx(0.6)
     assert rows[2][headers.index("overall")] == 0.0
+
+
+def test_each_failure_is_named_with_the_raw_answer(small):
+    src = RunSource(small["run"])
+    g21, g31, g11 = src.groups(2)[1], src.groups(3)[1], src.groups(1)[1]
+    clamped, outside = verdict(g21.responses[3], g21.duration), verdict(g31.responses[3], g31.duration)
+    assert (clamped.label, clamped.raw, clamped.text()) == ("clamped", "16.0 to 24.0", "clamped from 16.0 to 24.0")
+    assert (outside.label, outside.text()) == ("out of range", "out of range: 24.0 to 30.0")
+    assert g31.responses[3].rewards["format"] == 1.0  # the format reward alone still pays it
+    assert verdict(g11.responses[2], g11.duration).label == "unparsed"
+    assert verdict(src.groups(2)[0].responses[2], 12.0).label == "truncated"
+    assert verdict(g21.responses[0], g21.duration).label == "ok"
+    negative = g11.responses[0].__class__(text="<answer>-5 to -1</answer>", parsed_span=None, rewards={},
+                                          advantage=0.0, length=3, finish_reason="stop")
+    assert verdict(negative, 20.0).label == "out of range"
+    assert [s.out_of_range for s in src.summaries(2)] == [0, 1] and "1 out of range" in src.summaries(3)[1].label(1)
 
 
 def test_group_keys_from_the_browser_are_checked():
@@ -86,16 +110,18 @@ def test_split_response_sets_think_and_answer_apart():
 # ---------------------------------------------------------------------------------------------- timeline
 def test_timeline_data_places_every_span(small):
     g = RunSource(small["run"]).groups(2)[1]
-    bars = [Bar(f"#{i}", r.parsed_span, r.rewards["overall"]) for i, r in enumerate(g.responses)]
+    bars = [Bar(f"#{i}", r.parsed_span, r.rewards["iou"]) for i, r in enumerate(g.responses)]
     data = timeline_data(g.gt_span, g.duration, bars)
     assert data["axis_max"] == 20.0 and data["gt"] == SMALL_GT[1]
     assert [(r["x0"], r["x1"]) for r in data["rows"]] == [tuple(s) for s, _ in SMALL_SPANS[(2, 1)]]
     assert data["ticks"][0] == 0 and data["ticks"][-1] <= 20.0
-    # response 0 matches the truth exactly (reward 2), response 1 misses it (reward 1): greener is better
+    # response 0 matches the truth exactly (tIoU 1), response 1 misses it (tIoU 0): one absolute scale, 0 red, 1 green
     best, worst = data["rows"][0]["colour"], data["rows"][1]["colour"]
-    assert int(best[1:3], 16) < int(worst[1:3], 16)  # less red
+    assert (best, worst) == (colour(1.0), colour(0.0)) == ("#1a9850", "#d73027")
+    assert (data["low"], data["high"]) == (0.0, 1.0)
     svg = timeline_svg(data)
     assert svg.count('class="span-bar"') == 4 and svg.count('class="gt-bar"') == 1
+    assert re.findall(r'class="bar-value"[^>]*>([\d.]+)<', svg) == ["1.00", "0.00", "0.21", "0.00"]
 
 
 def test_timeline_unparsed_reversed_and_overlong_spans():
@@ -251,10 +277,15 @@ def test_load_pick_and_refresh_handlers(small, tmp_path, views):
     rv, ev = views(run)
     out = rv.on_load(follow=False)
     assert out[rv.step]["value"] == 3 and out[rv.group]["value"] == "3:0"
-    assert len(out[rv.table]) == 4 and 'class="span-bar"' in out[rv.timeline]
+    assert len(out[rv.table].data) == 4 and 'class="span-bar"' in out[rv.timeline]
     out = rv.on_pick(2, FILTERS[3], "this step")
     assert [v for _, v in out[rv.group]["choices"]] == ["2:0"]
-    assert list(out[rv.table]["finish"]) == ["stop", "stop", "length", "stop"]
+    assert list(out[rv.table].data["finish"]) == ["stop", "stop", "length", "stop"]
+    # the truncated response's row is tinted, and its text opens first
+    assert "#fde2e1" in out[rv.table].to_html() and out[rv.response]["value"] == 2 and "truncated" in out[rv.text]
+    out = rv.on_pick(3, FILTERS[2], "all steps")  # over the run: newest first, counted, the Step box follows
+    assert out[rv.group]["value"] == "3:1" and out[rv.step] == 3 and "3 group(s) match of 6" in out[rv.picked]
+    assert rv.on_group("1:1")[rv.step] == 1
     seen = {"steps": [1, 2, 3], "curves": True, "metrics": rv.src.metrics_key()}
     assert set(rv.on_refresh(2, FILTERS[0], "this step", "2:0", seen, False)) == {rv.seen}  # nothing changed
     writer = RunWriter(run, tensorboard=False)

@@ -161,20 +161,21 @@ def test_filter_over_the_run_and_step_buttons(browser, run_url):
     wait_rows(page, "responses", count=4)
     page.get_by_label("all steps").check()
     pick(page, "filter", "truncated responses")
-    wait_text(page, "picked", "1 group(s) listed of 6")
+    wait_text(page, "picked", "1 group(s) match of 6")
     assert page.locator("#group input").input_value().startswith("step 2 · group 0")
     wait_rows(page, "responses", count=4, first_cell_pattern="length")
     assert [r[-1] for r in table_rows(page, "responses")] == ["stop", "stop", "length", "stop"]
     assert page.locator("#frames img").count() == 4  # the stored thumbnails, served from inside the run
     page.wait_for_function("() => Array.from(document.querySelectorAll('#frames img'))"
                            ".every(i => i.complete && i.naturalWidth > 0)")
-    assert page.locator("#timeline text.note", has_text="unparsed").count() == 1
+    assert page.locator("#timeline text.note", has_text="truncated").count() == 1  # named, not "unparsed"
     page.screenshot(path=str(ARTIFACTS / "rollouts_filter_truncated.png"), full_page=True)
     page.get_by_label("this step").check()
     pick(page, "filter", "all groups")
-    page.locator("#step-prev").click()  # from step 3 (the newest, shown first) to step 2
-    wait_text(page, "picked", "at step 2")
-    assert page.locator("#step input").input_value() == "2"
+    assert page.locator("#step input").input_value() == "2"  # the Step box followed the group found over the run
+    page.locator("#step-prev").click()  # from step 2 to step 1
+    wait_text(page, "picked", "at step 1")
+    assert page.locator("#step input").input_value() == "1"
     page.wait_for_timeout(1500)  # a timer tick (every second here) while the choices changed: no error toast
     no_error_page(page)
     page.close()
@@ -262,4 +263,56 @@ def test_a_training_runs_heldout_evaluation_and_drift_alarm(browser, serve, grpo
     page.wait_for_function("() => document.body.innerText.includes('logprob drift: 1 step(s) flagged')")
     no_error_page(page)
     page.screenshot(path=str(ARTIFACTS / "heldout_eval.png"), full_page=True)
+    page.close()
+
+
+def bar_fills(page, elem_id: str) -> list[tuple[int, int, int]]:
+    fills = page.locator(f"#{elem_id} svg rect.span-bar").evaluate_all("rs => rs.map(r => r.getAttribute('fill'))")
+    return [tuple(int(f[i:i + 2], 16) for i in (1, 3, 5)) for f in fills]
+
+
+def test_the_lowest_reward_group_is_drawn_red(browser, run_url):
+    """Colours are tIoU on one absolute scale: the run's worst group (3:1, tIoU 0 or 0.11 for every answer, though
+    the format reward alone gives each 1) is red, its values are written on the bars, the best group is green."""
+    page = browser.new_page()
+    page.goto(run_url)
+    wait_rows(page, "responses", count=4)
+    pick(page, "filter", "lowest mean reward")
+    page.wait_for_function("() => document.querySelector('#group input').value.startsWith('group 1')")
+    wait_text(page, "group-header", "sample-1")
+    fills = bar_fills(page, "timeline")
+    assert len(fills) == 3 and all(r >= 0xc8 and g <= 0x80 for r, g, _ in fills), fills  # red, never green
+    assert page.locator("#timeline text.bar-value").all_text_contents() == ["0.00", "0.00", "0.11"]
+    assert "overall = format + accuracy" in page.inner_text("#reward-help")
+    pick(page, "filter", "highest mean reward")
+    wait_text(page, "group-header", "sample-0")
+    assert all(g >= 0x90 and r <= 0x90 for r, g, _ in bar_fills(page, "timeline"))  # green
+    no_error_page(page)
+    page.close()
+
+
+def test_each_failure_has_its_label_and_the_step_box_follows(browser, run_url):
+    page = browser.new_page()
+    page.goto(run_url)
+    wait_rows(page, "responses", count=4)
+    page.get_by_label("all steps").check()
+    pick(page, "filter", "out-of-range answers")
+    wait_text(page, "picked", "2 group(s) match of 6 in the run (newest first)")
+    wait_rows(page, "responses", count=4, first_cell_pattern="out of range: 24.0 to 30.0")
+    assert page.locator("#step input").input_value() == "3"
+    wait_text(page, "response-text", "Response #3")  # the offending answer opens first, named
+    assert "out of range" in page.inner_text("#response-text .mmpg-verdict")
+    row = page.locator("#responses [role=row].virtual-row").nth(3).locator("[role=gridcell]").first
+    assert "253, 226, 225" in row.evaluate("c => getComputedStyle(c).backgroundColor + c.getAttribute('style')"
+                                           " + getComputedStyle(c.parentElement).backgroundColor")
+    assert page.locator("#timeline text.note", has_text="out of range: 24.0 to 30.0").count() == 1
+    page.locator("#group input").click()
+    page.get_by_role("option").filter(has_text="step 2 · group 1").click()
+    wait_rows(page, "responses", count=4, first_cell_pattern="clamped from 16.0 to 24.0")
+    assert page.locator("#step input").input_value() == "2"
+    pick(page, "filter", "truncated responses")
+    wait_rows(page, "responses", count=4, first_cell_pattern="truncated")
+    assert "hit max_new_tokens" in page.inner_text("#response-text .mmpg-verdict")
+    no_error_page(page)
+    page.screenshot(path=str(ARTIFACTS / "rollouts_failures.png"), full_page=True)
     page.close()
