@@ -223,22 +223,23 @@ class HFEngine(RolloutEngine):
         stopped = torch.zeros(n, dtype=torch.bool, device=device)
         live = torch.arange(n, device=device)  # rows still decoding; the cache holds exactly these rows, in order
         step_logits = logits[rows]
-        row_gens = _row_generators(prompt_seeds, sizes) if prompt_seeds is not None else None
+        # [N, steps] float64 on the device: row i's uniform of step t, drawn up front from its own generator
+        seeded = prompt_seeds is not None and not sampling.greedy
+        row_uniforms = _row_uniforms(prompt_seeds, sizes, steps, device) if seeded else None
         local_done = False
         for t in range(steps):
             if not local_done:
-                uniforms = None
-                if row_gens is not None and not sampling.greedy:  # one draw per live row from its own generator
-                    uniforms = torch.cat([torch.rand(1, generator=row_gens[i], dtype=torch.float64)
-                                          for i in live.tolist()])
+                uniforms = None if row_uniforms is None else row_uniforms[live, t]
                 tok, lp = next_tokens(step_logits, sampling.temperature, sampling.top_k, sampling.top_p, generator,
                                       banned, uniforms)
                 tokens[live, t], logps[live, t], lengths[live] = tok, lp, t + 1
                 done = torch.isin(tok, stop_ids)
                 stopped[live] |= done
-                local_done = t + 1 == steps or bool(done.all())
-                if not local_done and bool(done.any()):
-                    keep = (~done).nonzero()[:, 0]
+                # the step's one host sync: how many rows stopped (none on the last step)
+                finished = 0 if t + 1 == steps else int(done.sum())
+                local_done = t + 1 == steps or finished == tok.numel()
+                if not local_done and finished:
+                    keep = (~done).nonzero()[:, 0]  # which rows leave: a second sync, on such steps only
                     kv.reorder_cache(keep)
                     live, tok = live[keep], tok[keep]
             if (self.all_done(local_done) if self.all_done is not None else local_done) or t + 1 == steps:
@@ -453,6 +454,13 @@ def _kv_bytes(cache) -> int:
         return cache.kv_bytes()
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
                if t is not None)
+
+
+def _row_uniforms(prompt_seeds: Sequence[int], sizes: list[int], steps: int, device) -> torch.Tensor:
+    """[N, steps] float64 on `device`: row j of prompt b's uniforms, `steps` draws at once from its CPU generator
+    (`_row_generators`) — the same numbers as one draw per step (tested), moved to the device once per call."""
+    return torch.stack([torch.rand(steps, generator=g, dtype=torch.float64)
+                        for g in _row_generators(prompt_seeds, sizes)]).to(device)
 
 
 def _row_generators(prompt_seeds: Sequence[int], sizes: list[int]) -> list[torch.Generator]:
