@@ -117,3 +117,19 @@ def test_cuda_cascade_bf16(backend, load_tiny):
         inputs, SIZES, sampling, prompt_seeds=[1, 2, 3])
     assert rollout.completion_ids.shape == (sum(SIZES), 10)
     assert_recompute_matches(model, inputs, rollout, 1.0, 0.05)
+
+
+def test_cuda_decode_check_keeps_the_fastest_kernel(load_tiny):
+    """On CUDA `decode="auto"` is cascade with flash (when usable) or sdpa, checked against copy decoding on the
+    first batch (bf16); the fastest kernel must pass and stay recorded without a step-down."""
+    from mmpg import choices
+
+    choices.reset()
+    model, processor = load_tiny("qwen2_5_vl")
+    model, inputs = _on_cuda(model, vl_batch(processor, "qwen2_5_vl", VIDEOS), torch.bfloat16)
+    engine = HFEngine(model, processor)
+    engine.generate_groups(inputs, SIZES, SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=()))
+    chosen = choices.current()["decode_kernel"]
+    print(f"decode kernel: {chosen}")
+    assert chosen["value"] == engine.choice.chain[0] and chosen["value"] in ("flash", "sdpa"), chosen
+    assert chosen["why"] == "", chosen["why"]

@@ -44,7 +44,7 @@ def setup(case: dict, device: torch.device):
                 model.generate(**prompt, do_sample=False, max_new_tokens=S, min_new_tokens=S, pad_token_id=0)
             return None, None
     else:
-        # cascade: the path that shares (auto is copy on CUDA); per query with sharing off
+        # cascade: the path that shares; per query with sharing off
         engine = HFEngine(model, ids["tokenizer"], decode="cascade", share_videos=variant == "tree")
         sampling = SamplingParams(max_new_tokens=S, temperature=0.0, stop_token_ids=(), logprobs=False)
         marks = time_prefill(engine, device)

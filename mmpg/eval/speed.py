@@ -62,7 +62,8 @@ def measure(checkpoint, annotations, videos, samples: int, batch_size: int, over
     items = [it for it in GroundingDataset(chosen, spec) if it.ok]
     singles = [_inputs(processor, [it], template) for it in items]
     batches = [_inputs(processor, items[i:i + batch_size], template) for i in range(0, len(items), batch_size)]
-    engine = HFEngine(model, processor)
+    engine = HFEngine(model, processor, decode=settings.decode, cascade_backend=settings.cascade_backend,
+                      decode_check=settings.decode_check)
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, logprobs=False)
     eos = model.generation_config.eos_token_id
     banned = placeholder_token_ids(model) or None
