@@ -40,6 +40,7 @@ def validate(cfg) -> None:
         ("rollout.temperature", cfg.rollout.temperature > 0, "must be > 0 for GRPO sampling"),
         ("rollout.tis_cap", cfg.rollout.tis_cap == 0 or cfg.rollout.tis_cap >= 1, "must be 0 (off) or >= 1"),
         ("rollout.vllm_timeout_s", cfg.rollout.vllm_timeout_s > 0, "must be > 0"),
+        ("rollout.vllm_sync_timeout_s", cfg.rollout.vllm_sync_timeout_s > 0, "must be > 0"),
         ("rollout.prefill_chunk", cfg.rollout.prefill_chunk >= 0, "must be >= 0 (0: no chunking)"),
         ("data.batch_size", cfg.data.batch_size >= 1, "must be >= 1"),
         ("data.queries_per_video", cfg.data.queries_per_video >= 1, "must be >= 1 (1: i.i.d. order)"),

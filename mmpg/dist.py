@@ -131,6 +131,16 @@ def all_true(flag: bool, device="cpu") -> bool:
     return bool(all_min([1.0 if flag else 0.0], device)[0] > 0)
 
 
+def first_error(message: str | None) -> str | None:
+    """Each rank's error message (None: it went well) -> the first failing rank's message, the same on every rank
+    (None when none failed). A collective: every rank calls it right after a step that may fail on some ranks only
+    (rank 0's vLLM weight sync), so that the others learn of a failure at once, instead of waiting out the collective
+    timeout in their next collective for a rank that gave up."""
+    if not active():
+        return message
+    return next((m for m in gather_objects(message) if m), None)
+
+
 def gather_objects(obj) -> list:
     """[obj of rank 0, obj of rank 1, ...] on every rank (pickled; for small per-step records)."""
     if not active():

@@ -66,6 +66,23 @@ class Timer:
         return _Phase()
 
 
+def on_every_rank(fn):
+    """fn() here (a step against the vLLM server); a ServerError or UserError on any rank becomes, on every rank, a
+    UserError with the first failing rank's message, before any rank enters another collective (`dist.first_error`:
+    this is the barrier too). Returns fn's result."""
+    from mmpg.serve.wire import ServerError
+
+    out, error = None, None
+    try:
+        out = fn()
+    except (ServerError, UserError) as e:
+        error = str(e)
+    error = dist.first_error(error)
+    if error:
+        raise UserError(error)
+    return out
+
+
 class GRPOStep:
     """Holds what a step needs; `run(step)` does one step and returns (metrics on rank 0, groups of this rank)."""
 
@@ -99,30 +116,19 @@ class GRPOStep:
         """Connect to the vLLM server (waiting up to rollout.vllm_wait_s) and give it this policy's weights (a resumed
         run's differ from the checkpoint the server loaded)."""
         from mmpg.rollout.vllm import VLLMEngine
-        from mmpg.serve.wire import ServerError
 
-        try:
+        def connect():
             engine = VLLMEngine(self.policy, processor, url=cfg.rollout.vllm_url, timeout_s=cfg.rollout.vllm_timeout_s,
-                                wait_s=cfg.rollout.vllm_wait_s)
+                                wait_s=cfg.rollout.vllm_wait_s, sync_timeout_s=cfg.rollout.vllm_sync_timeout_s)
             if dist.rank() == 0:
                 engine.sync_weights()
-        except ServerError as e:
-            raise UserError(str(e)) from None
-        dist.all_true(True, self._coll_device)  # every rank samples only once the weights are there
-        return engine
+            return engine
+
+        return on_every_rank(connect)  # every rank samples only once the weights are there
 
     def sync_weights(self) -> dict:
         """rollout.engine=vllm: the trainable tensors to the server (rank 0), the other ranks wait."""
-        from mmpg.serve.wire import ServerError
-
-        out = {}
-        if dist.rank() == 0:
-            try:
-                out = self.rollout_engine.sync_weights()
-            except ServerError as e:
-                raise UserError(str(e)) from None
-        dist.all_true(True, self._coll_device)
-        return out
+        return on_every_rank(lambda: self.rollout_engine.sync_weights() if dist.rank() == 0 else {})
 
     def _generate(self, batch, sampling, seeds):
         """The batch's rollout. Under sequence parallelism the ranks of a group hold the same batch: each samples

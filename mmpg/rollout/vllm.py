@@ -33,7 +33,9 @@ by `algos.truncated_is_weights` when rollout.tis_cap > 0).
 Weight sync: the trainable tensors (the language model when the vision tower is frozen; with LoRA the adapted
 attention and MLP blocks, adapters merged: W + scale B A, computed here, under the plain HF names) are written to one
 safetensors file (in /dev/shm when there) that the server's workers load (`collective_rpc`); the server then drops
-its prefix cache. A server that restarted (new instance id) is noticed on the next request and gets every tensor.
+its prefix cache. A GPU server started with --nccl on GPUs of its own gets them by NCCL broadcast instead
+(`mmpg.rollout.vllm_nccl`: the path chosen once per server, every step bounded by `sync_timeout_s`). A server that
+restarted (new instance id) is noticed on the next request and gets every tensor.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mmpg import choices
 from mmpg.rollout.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -54,6 +57,7 @@ from mmpg.rollout.engine import (
     SamplingParams,
     group_sizes_for,
 )
+from mmpg.rollout.vllm_nccl import SYNC_TIMEOUT_S, NCCLWeightSender, local_gpu_facts, plan_weight_sync
 from mmpg.serve.wire import DEFAULT_URL, WIRE_VERSION, ServerError, call, check_wire, frames_array, pack
 
 log = logging.getLogger("mmpg.rollout.vllm")
@@ -71,10 +75,12 @@ class VLLMEngine(RolloutEngine):
     """Samples with a vLLM server. model: the trainer's policy (stop / pad ids, placeholder ids, weights to sync);
     processor: decodes the responses. wait_s: how long the constructor waits for the server to come up."""
 
-    def __init__(self, model, processor, url: str = DEFAULT_URL, timeout_s: float = 600.0, wait_s: float = 0.0):
+    def __init__(self, model, processor, url: str = DEFAULT_URL, timeout_s: float = 600.0, wait_s: float = 0.0,
+                 sync_timeout_s: float = SYNC_TIMEOUT_S):
         from mmpg.grouping.inputs import placeholder_token_ids
 
         self.model, self.processor, self.url, self.timeout_s = model, processor, url, float(timeout_s)
+        self.sync_timeout_s = float(sync_timeout_s)  # one weight sync, NCCL rendezvous included
         self.banned = [int(t) for t in placeholder_token_ids(model)]  # never sampled (HFEngine bans them too)
         self.health = wait_for_server(url, wait_s) if wait_s > 0 else self._health()
         check_wire(self.health, url)
@@ -82,6 +88,8 @@ class VLLMEngine(RolloutEngine):
         self.last_sync: dict = {}
         self.last_stats: dict | None = None  # what the last generate_groups prefilled (module docstring)
         self._sender = None  # the NCCL weight sender (GPU servers started with --nccl), made on first use
+        self._plan = None  # how weights reach this server (`vllm_nccl.plan_weight_sync`), decided on first sync
+        self._device: torch.device | None = None  # where the synced tensors live (the NCCL sender's device)
 
     # ---- sampling -----------------------------------------------------------------------------------------------
     def generate_groups(self, prompt_inputs, group_size: int | Sequence[int], sampling: SamplingParams | None = None,
@@ -114,7 +122,7 @@ class VLLMEngine(RolloutEngine):
             if e.status != 409:  # 409: a restarted server (new instance id), see mmpg.serve.vllm_server
                 raise
             log.warning("the vLLM server at %s restarted; sending it every weight again", self.url)
-            self.health, self._sender = self._health(), None  # a new server: a new NCCL group too
+            self.health, self._sender, self._plan = self._health(), None, None  # a new server: a new NCCL group too
             self.sync_weights(everything=True)
             meta["expect"] = {"instance": self.health["instance"], "version": self.version}
             body = pack(meta, arrays)
@@ -180,7 +188,7 @@ class VLLMEngine(RolloutEngine):
             params = sync_tensors(self.model, everything=everything)
         if not params:
             return {"tensors": 0, "bytes": 0, "seconds": 0.0, "server_seconds": 0.0}
-        if self.health.get("nccl") and next(iter(params.values())).is_cuda:  # GPU: vLLM's NCCL transfer (UNTESTED)
+        if self._sync_plan(next(iter(params.values())).device).kind == "nccl":  # GPU: vLLM's NCCL transfer
             answer = self._nccl().send(params, self.version + 1)
             return self._synced(params, answer, t0)
         tensors = {n: p.to("cpu").contiguous() for n, p in params.items()}
@@ -191,7 +199,7 @@ class VLLMEngine(RolloutEngine):
             save_file(tensors, path)
             answer = call(self.url, "/update_weights", payload={"path": path, "version": self.version + 1,
                                                                 "instance": self.health["instance"]},
-                          timeout=self.timeout_s, what="a weight update")
+                          timeout=self.sync_timeout_s, what="a weight update", setting="rollout.vllm_sync_timeout_s")
         finally:
             os.unlink(path)
         return self._synced(tensors, answer, t0)
@@ -202,12 +210,22 @@ class VLLMEngine(RolloutEngine):
                           "seconds": time.perf_counter() - t0, "server_seconds": float(answer["seconds"])}
         return self.last_sync
 
+    def _sync_plan(self, device: torch.device):
+        """The weight sync path for this server (`vllm_nccl.plan_weight_sync`), decided once per server and recorded
+        as the "weight_sync" choice (`mmpg.choices`); a colocated server's step down to the file is one warning."""
+        if self._plan is None:
+            gpu, version = local_gpu_facts(device)
+            self._plan = plan_weight_sync(self.health, self.url, device.type == "cuda", gpu, version)
+            self._device = device
+            if self._plan.kind == "file" and self.health.get("nccl"):
+                log.warning("vLLM weight sync by file, not NCCL: %s", self._plan.why)
+            choices.record("weight_sync", self._plan.kind, self._plan.why if self.health.get("nccl") else "")
+        return self._plan
+
     def _nccl(self):
         if self._sender is None:
-            from mmpg.rollout.vllm_nccl import NCCLWeightSender
-
-            self._sender = NCCLWeightSender(self.url, workers=int(self.health.get("workers", 1)),
-                                            timeout_s=self.timeout_s)
+            self._sender = NCCLWeightSender(self.url, workers=self._plan.workers, timeout_s=self.sync_timeout_s,
+                                            device=self._device)
         return self._sender
 
     def _health(self) -> dict:

@@ -1,5 +1,6 @@
-"""GPU weight sync to the vLLM server over NCCL, without importing vllm here. UNTESTED: it has not run on a GPU yet;
-`tests/test_vllm_gpu.py` (markers gpu, vllm) and `MMPG_GPU_VLLM=1 bash scripts/gpu_check.sh` check it.
+"""GPU weight sync to the vLLM server over NCCL, without importing vllm here. UNTESTED on a GPU: its failure paths are
+tested on the CPU with a refusing server and a stand-in NCCL peer (`tests/test_vllm_nccl.py`); the GPU path itself
+by `tests/test_vllm_gpu.py` (markers gpu, vllm) on a machine with GPUs and the vLLM environment.
 
 vLLM's RL weight transfer (`init_weight_transfer_engine` / `start_weight_update` / `update_weights` /
 `finish_weight_update`, NCCL backend) lets a trainer that cannot import vLLM join by NCCL unique id:
@@ -11,55 +12,204 @@ vLLM's RL weight transfer (`init_weight_transfer_engine` / `start_weight_update`
     POST /update_weights_nccl {names, dtypes, shapes} -> start, receive one broadcast per tensor, load_weights, finish
     broadcast(tensor, root 0) for each, in that order
 
-The HTTP calls block until the workers are done, so they run on a side thread while this thread does the NCCL part.
-The file path of `VLLMEngine.sync_weights` works on GPUs too (same host); this one skips the host copy.
+Bounded: the HTTP call and the NCCL side each run on a daemon thread and this thread waits for both with one deadline
+(`rollout.vllm_sync_timeout_s`). A server that refuses (an error status) ends the wait at once, one that never
+answers or a peer that never joins ends it at the deadline: a `ServerError` of one line naming the server and what to
+do, never a hang. NCCL cannot cancel a rendezvous, so a thread left inside one stays there (a daemon: it does not keep
+the process alive) and the sender refuses every later send; the server is told the same deadline for its side.
+
+Which path a sync takes (`plan_weight_sync`, decided once per server from its /health):
+    file   the tensors are not on CUDA, the server was started without --nccl, or one of its workers runs on this
+           process's GPU: NCCL refuses two ranks of one group on one device, and a colocated server is what
+           scripts/train_grounding.sh starts by default, so it gets the safetensors file in /dev/shm (one warning line)
+    nccl   otherwise, with world = 1 + the server's workers (its /health "workers": one per GPU of vLLM's tensor,
+           pipeline and data parallel ranks, counted by the server through `collective_rpc`)
+NCCL versions: NCCL's own init compares every rank's version code (major, minor and patch) and fails with
+"Mismatched NCCL version detected" on any difference, so equal versions go ahead, different ones are refused before
+anything starts (one line naming both), and a server that cannot say its version gets one warning line and the
+bounded rendezvous.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-from mmpg.serve.wire import call
+from mmpg.serve.wire import ServerError, call
+
+log = logging.getLogger("mmpg.rollout.vllm")
+SYNC_TIMEOUT_S = 300.0  # rollout.vllm_sync_timeout_s' default: a 7B model's tensors load in well under a minute
+SETTING = "rollout.vllm_sync_timeout_s"
+
+
+def nccl_version(v) -> str | None:
+    """(2, 21, 5), 22105 or "2.21.5" -> "2.21.5" (None when unknown). Integer codes as NCCL_VERSION_CODE: major *
+    10000 + minor * 100 + patch since NCCL 2.9, major * 1000 + minor * 100 + patch before."""
+    if v is None or v == "" or v == ():
+        return None
+    if isinstance(v, (tuple, list)):
+        return ".".join(str(int(x)) for x in v)
+    if isinstance(v, int):
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+    return str(v)
+
+
+@dataclass
+class SyncPlan:
+    """How weights reach one server: kind "nccl" (world = 1 + workers) or "file"; why: the reason for "file"."""
+
+    kind: str
+    workers: int = 0
+    why: str = ""
+
+
+def plan_weight_sync(health: dict, url: str, on_cuda: bool, local_gpu: str | None = None,
+                     local_nccl: str | None = None) -> SyncPlan:
+    """The path of this server's weight syncs (module docstring). health: its /health answer; on_cuda: the tensors
+    to send are on a GPU; local_gpu: that GPU's UUID; local_nccl: this process's NCCL version. Raises ServerError
+    (one line) for a server that cannot take part: no worker count, or another NCCL version."""
+    if not on_cuda:
+        return SyncPlan("file", why="the weights are not on a GPU")
+    if not health.get("nccl"):
+        return SyncPlan("file", why="the server was started without --nccl")
+    if "workers" not in health:
+        raise ServerError(f"the vLLM server at {url} was started with --nccl but does not report its workers (an "
+                          "older mmpg vllm-serve): restart it from this checkout (scripts/vllm_serve.sh)")
+    workers = int(health["workers"])
+    gpus = [g for g in health.get("worker_gpus") or [] if g]
+    if local_gpu and local_gpu in gpus:
+        return SyncPlan("file", workers, why=f"the vLLM server runs on this process's GPU ({local_gpu}) and NCCL "
+                                             "refuses two ranks on one GPU: weights go by file")
+    theirs, ours = nccl_version(health.get("nccl_version")), nccl_version(local_nccl)
+    if theirs and ours and theirs != ours:
+        raise ServerError(f"NCCL {ours} here and NCCL {theirs} in the vLLM server at {url}: NCCL joins only equal "
+                          "versions; install one nvidia-nccl version in both environments (or point the server at "
+                          "this one with VLLM_NCCL_SO_PATH), or restart the server without --nccl (weights by file)")
+    if not theirs or not ours:
+        log.warning("the NCCL version of %s is unknown (here %s, server %s): trying the NCCL weight sync anyway, for "
+                    "at most rollout.vllm_sync_timeout_s", url, ours or "unknown", theirs or "unknown")
+    return SyncPlan("nccl", workers)
+
+
+def local_gpu_facts(device: torch.device) -> tuple[str | None, str | None]:
+    """(UUID of this CUDA device, this process's NCCL version) for `plan_weight_sync`; (None, None) off CUDA."""
+    if device.type != "cuda":
+        return None, None
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    try:
+        version = nccl_version(torch.cuda.nccl.version())
+    except (RuntimeError, AttributeError):
+        version = None
+    return (str(uuid) if uuid is not None else None), version
+
+
+class _Side:
+    """fn() on a daemon thread, waited for with a deadline and never joined (`_wait_all`)."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.value, self.error, self.done = name, None, None, threading.Event()
+        threading.Thread(target=self._run, args=(fn,), name=f"mmpg-nccl-{name}", daemon=True).start()
+
+    def _run(self, fn):
+        try:
+            self.value = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            self.error = e
+        finally:
+            self.done.set()
+
+
+def _wait_all(sides: list[_Side], timeout_s: float, url: str, what: str) -> list:
+    """The sides' results once all are done. The first that fails ends the wait at once; the deadline ends it too:
+    a ServerError of one line either way."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        failed = next((s for s in sides if s.done.is_set() and s.error is not None), None)
+        if failed is not None:
+            e = failed.error
+            why = str(e) if isinstance(e, ServerError) else (f"{what} failed in {failed.name} ({type(e).__name__}: "
+                                                             f"{e}) with the vLLM server at {url}")
+            raise ServerError(f"{why}; NCCL weight sync: restart the server and the run, or restart the server "
+                              "without --nccl (weights by file)")
+        if all(s.done.is_set() for s in sides):
+            return [s.value for s in sides]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            pending = ", ".join(s.name for s in sides if not s.done.is_set())
+            raise ServerError(f"{what} with the vLLM server at {url} did not finish within {timeout_s:g} s "
+                              f"({SETTING}; still waiting for {pending}): check the server's log, "
+                              "restart it and the run, or restart it without --nccl (weights by file)")
+        next(s for s in sides if not s.done.is_set()).done.wait(min(left, 0.05))
 
 
 class NCCLWeightSender:
-    """Rank 0 of a NCCL group with the server's workers. url: the server; workers: its tensor-parallel size."""
+    """Rank 0 of a NCCL group with the server's workers. url: the server; workers: its /health "workers"; timeout_s:
+    the most one set-up or one send may take (rollout.vllm_sync_timeout_s); device: the CUDA device of the tensors
+    (default: the current one). After a failure every later send refuses at once (the group is unusable)."""
 
-    def __init__(self, url: str, workers: int = 1, timeout_s: float = 600.0):
+    def __init__(self, url: str, workers: int = 1, timeout_s: float = SYNC_TIMEOUT_S,
+                 device: torch.device | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("the NCCL weight transfer needs a CUDA device; on the CPU the file sync is used")
         from torch.cuda import nccl
 
-        self.url, self.timeout_s, self.world = url, timeout_s, 1 + int(workers)
+        self.url, self.timeout_s, self.world = url, float(timeout_s), 1 + int(workers)
+        self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.broken: str | None = None
         uid = nccl.unique_id()
-        payload = {"nccl_unique_id_b64": base64.b64encode(uid).decode(), "world_size": self.world}
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            answer = pool.submit(call, url, "/init_weight_transfer", payload=payload, timeout=timeout_s,
-                                 what="the NCCL weight transfer set-up")
-            self.comm = nccl.init_rank(self.world, uid, 0)
-            warm = torch.zeros(1, device="cuda")
-            nccl.all_reduce([warm], comms=[self.comm])  # vLLM's handshake: one all_reduce before anything else
-            answer.result()
+        payload = {"nccl_unique_id_b64": base64.b64encode(uid).decode(), "world_size": self.world,
+                   "timeout_s": self.timeout_s}
+        http = _Side("the server's /init_weight_transfer", lambda: call(
+            url, "/init_weight_transfer", payload=payload, timeout=self.timeout_s,
+            what="the NCCL weight transfer set-up", setting=SETTING))
+        join = _Side("the NCCL rendezvous", lambda: self._join(uid))
+        self.comm = self._wait([http, join], "the NCCL weight transfer set-up")[1]
+
+    def _join(self, uid: bytes):
+        """ncclCommInitRank as rank 0 and vLLM's warm-up all_reduce (on a side thread: the device is per thread)."""
+        from torch.cuda import nccl
+
+        torch.cuda.set_device(self.device)
+        comm = nccl.init_rank(self.world, uid, 0)
+        warm = torch.zeros(1, device=self.device)
+        nccl.all_reduce([warm], comms=[comm])
+        torch.cuda.synchronize(self.device)
+        return comm
 
     def send(self, named: dict[str, torch.Tensor], version: int) -> dict:
         """Broadcast these CUDA tensors (HF names) to the workers; returns the server's answer (its weight version)."""
-        from torch.cuda import nccl
-
+        if self.broken:
+            raise ServerError(self.broken)
         t0 = time.perf_counter()
         names = list(named)
         meta = {"names": names, "dtype_names": [str(named[n].dtype).removeprefix("torch.") for n in names],
-                "shapes": [list(named[n].shape) for n in names], "version": version}
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            answer = pool.submit(call, self.url, "/update_weights_nccl", payload=meta, timeout=self.timeout_s,
-                                 what="an NCCL weight update")
-            stream = torch.cuda.current_stream()
-            for n in names:
-                nccl.broadcast([named[n].contiguous()], root=0, streams=[stream], comms=[self.comm])
-            torch.cuda.synchronize()
-            out = answer.result()
+                "shapes": [list(named[n].shape) for n in names], "version": version, "timeout_s": self.timeout_s}
+        http = _Side("the server's /update_weights_nccl", lambda: call(
+            self.url, "/update_weights_nccl", payload=meta, timeout=self.timeout_s, what="an NCCL weight update",
+            setting=SETTING))
+        push = _Side(f"the broadcast of {len(names)} tensors", lambda: self._broadcast(named, names))
+        out = self._wait([http, push], "an NCCL weight update")[0]
         out["seconds_total"] = time.perf_counter() - t0
         return out
+
+    def _broadcast(self, named: dict[str, torch.Tensor], names: list[str]) -> None:
+        from torch.cuda import nccl
+
+        torch.cuda.set_device(self.device)
+        stream = torch.cuda.current_stream(self.device)
+        held = [named[n].contiguous() for n in names]  # alive until the stream is done with them
+        for t in held:
+            nccl.broadcast([t], root=0, streams=[stream], comms=[self.comm])
+        torch.cuda.synchronize(self.device)
+
+    def _wait(self, sides: list[_Side], what: str) -> list:
+        try:
+            return _wait_all(sides, self.timeout_s, self.url, what)
+        except ServerError as e:
+            self.broken = f"the NCCL weight sync with the vLLM server at {self.url} is unusable after: {e}"
+            raise

@@ -3,9 +3,11 @@
     python -m mmpg.serve.vllm_server --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--max-model-len 8192]
 
 Endpoints (JSON answers; errors are {"error": "..."} with a 4xx/5xx status):
-    GET  /health           {"instance", "version", "max_model_len", "checkpoint", "device", "nccl", "wire"}: instance
-                           is new at every start, so a client notices a restart; version counts the weight updates
-                           applied; wire, the newest request format it reads (`mmpg.serve.wire`)
+    GET  /health           {"instance", "version", "max_model_len", "checkpoint", "device", "nccl", "wire", "workers",
+                           "worker_gpus", "nccl_version"}: instance is new at every start, so a client notices a
+                           restart; version counts the weight updates applied; wire, the newest request format it
+                           reads (`mmpg.serve.wire`); workers, worker_gpus, nccl_version: what the NCCL weight sync
+                           needs to know (`mmpg.serve.nccl`)
     POST /generate         a `mmpg.serve.wire` blob: per prompt token ids, n, seed, an optional video (wire 2: an index
                            into the batch's table of distinct videos, frames + metadata); sampling settings.
                            -> {"outputs": [[{"token_ids", "logprobs", "finish_reason"}]], "prompt_token_ids",
@@ -14,7 +16,8 @@ Endpoints (JSON answers; errors are {"error": "..."} with a 4xx/5xx status):
                                "videos", "enqueue", "engine"}}
     POST /update_weights   {"path", "version"}: a safetensors file of changed tensors (HF names), loaded by every
                            worker through `collective_rpc`, then the prefix cache is dropped
-    POST /init_weight_transfer, /update_weights_nccl: vLLM's NCCL weight transfer (GPU only; UNTESTED, no GPU here)
+    POST /init_weight_transfer, /update_weights_nccl: vLLM's NCCL weight transfer (GPU only, UNTESTED on a GPU;
+                           `mmpg.serve.nccl`), each bounded by the trainer's "timeout_s"
 
 Why not `vllm serve` (the OpenAI server): its completions endpoint takes text or token ids but not decoded frames with
 their metadata next to token ids, nor per-request logprobs of the sampled tokens in one array, nor weight updates.
@@ -49,6 +52,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
+from mmpg.serve import nccl
+from mmpg.serve.nccl import worker_facts
 from mmpg.serve.wire import WIRE_VERSION, unpack, video_digest
 
 log = logging.getLogger("mmpg.serve")
@@ -76,7 +81,7 @@ class Backend:
                   "gpu_memory_utilization": args.gpu_memory_utilization, "logprobs_mode": "raw_logprobs",
                   "enforce_eager": args.enforce_eager, "worker_extension_cls": "mmpg.serve.worker.WeightFileLoader",
                   "disable_log_stats": False}  # vLLM's counters (`COUNTERS`), read per request
-        if args.nccl:  # GPU: vLLM's RL weight transfer (UNTESTED here)
+        if args.nccl:  # GPU: vLLM's RL weight transfer (UNTESTED on a GPU)
             kwargs["weight_transfer_config"] = {"backend": "nccl"}
         mismatch = normalization_mismatch(args.checkpoint)
         if mismatch:
@@ -90,10 +95,12 @@ class Backend:
         self.lock = threading.Lock()
         self.device = args.device
         self.nccl = bool(args.nccl)
+        self.workers = worker_facts(self.llm.collective_rpc("mmpg_worker_info"))  # mmpg.serve.worker
 
     def health(self) -> dict:
         return {"instance": self.instance, "version": self.version, "max_model_len": self.max_model_len,
-                "checkpoint": self.checkpoint, "device": self.device, "nccl": self.nccl, "wire": WIRE_VERSION}
+                "checkpoint": self.checkpoint, "device": self.device, "nccl": self.nccl, "wire": WIRE_VERSION,
+                **self.workers}
 
     # ---- generate -------------------------------------------------------------------------------------------
     def generate(self, blob: bytes) -> dict:
@@ -180,25 +187,12 @@ class Backend:
         return {"version": self.version, "tensors": int(counts[0]), "seconds": time.perf_counter() - t0}
 
     def init_weight_transfer(self, payload: dict) -> dict:
-        """GPU, UNTESTED: join the trainer's NCCL group (unique-id rendezvous; workers at ranks 1..)."""
-        info = {"nccl_unique_id_b64": payload["nccl_unique_id_b64"], "rank_offset": 1,
-                "world_size": int(payload["world_size"]), "packed": False}
-        with self.lock:
-            self.llm.collective_rpc("init_weight_transfer_engine", args=(info,))
-        return {"ok": True}
+        """GPU, UNTESTED on a GPU: join the trainer's NCCL group (`mmpg.serve.nccl`)."""
+        return nccl.init_weight_transfer(self, payload)
 
     def update_weights_nccl(self, payload: dict) -> dict:
-        """GPU, UNTESTED: receive tensors broadcast one by one by the trainer (names, dtype names, shapes given)."""
-        t0 = time.perf_counter()
-        info = {k: payload[k] for k in ("names", "dtype_names", "shapes")}
-        with self.lock:
-            self.llm.collective_rpc("start_weight_update")
-            self.llm.collective_rpc("update_weights", args=(info,))
-            self.llm.collective_rpc("finish_weight_update")
-            self.llm.llm_engine.reset_encoder_cache()
-            self.llm.reset_prefix_cache()
-            self.version = int(payload.get("version", self.version + 1))
-        return {"version": self.version, "tensors": len(info["names"]), "seconds": time.perf_counter() - t0}
+        """GPU, UNTESTED on a GPU: receive the trainer's broadcast tensors (`mmpg.serve.nccl`)."""
+        return nccl.update_weights_nccl(self, payload)
 
 
 def _video_table(meta: dict, arrays: dict) -> list[tuple[tuple, str]]:
@@ -353,7 +347,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs: starts faster, "
                    "decodes slower")
-    p.add_argument("--nccl", action="store_true", help="GPU: enable vLLM's NCCL weight transfer (UNTESTED)")
+    p.add_argument("--nccl", action="store_true", help="GPU: enable vLLM's NCCL weight transfer (UNTESTED on a GPU); "
+                   "a trainer on one of the server's GPUs (colocated) syncs by file anyway")
 
 
 def main(argv=None) -> int:

@@ -104,8 +104,9 @@ def frames_array(frames) -> np.ndarray:
 
 
 def call(url: str, path: str, *, body: bytes | None = None, payload: dict | None = None, timeout: float,
-         what: str = "") -> dict:
-    """POST `body` (bytes) or `payload` (JSON), or GET when both are None; returns the JSON answer.
+         what: str = "", setting: str = "rollout.vllm_timeout_s") -> dict:
+    """POST `body` (bytes) or `payload` (JSON), or GET when both are None; returns the JSON answer. setting: the
+    config key of `timeout`, named in a timeout's message.
 
     Raises ServerError: connection refused or reset (no server, or it died), a timeout, or an error status (with the
     server's own message)."""
@@ -125,12 +126,12 @@ def call(url: str, path: str, *, body: bytes | None = None, payload: dict | None
             message = e.reason
         raise ServerError(f"vLLM server at {url} refused {label} (HTTP {e.code}): {message}", e.code) from None
     except TimeoutError:
-        raise ServerError(f"vLLM server at {url} did not answer {label} within {timeout:g} s (rollout.vllm_timeout_s)"
-                          "; it may be overloaded or stuck: check its log") from None
+        raise ServerError(f"vLLM server at {url} did not answer {label} within {timeout:g} s ({setting}); it may be "
+                          "overloaded or stuck: check its log") from None
     except (urllib.error.URLError, ConnectionError) as e:
         reason = getattr(e, "reason", e)
         if isinstance(reason, (socket.timeout, TimeoutError)):
-            raise ServerError(f"vLLM server at {url} did not answer {label} within {timeout:g} s "
-                              "(rollout.vllm_timeout_s); check its log") from None
+            raise ServerError(f"vLLM server at {url} did not answer {label} within {timeout:g} s ({setting}); "
+                              "check its log") from None
         raise ServerError(f"no vLLM server at {url} ({reason}) for {label}; start one with `mmpg vllm-serve "
                           "--checkpoint MODEL_DIR` (scripts/vllm_serve.sh) or set rollout.vllm_url") from None

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 
 class WeightFileLoader:
-    """Worker extension: load tensors from a safetensors file that the trainer wrote."""
+    """Worker extension: load tensors from a safetensors file that the trainer wrote; say where it runs."""
+
+    def mmpg_worker_info(self) -> dict:
+        """This worker's device, GPU UUID and NCCL version (`mmpg.serve.nccl.worker_info`), for /health."""
+        from mmpg.serve.nccl import worker_info
+
+        return worker_info()
 
     def mmpg_load_weights_file(self, path: str) -> int:
         """Load the file's tensors (HF names, any subset) into this worker's model. Through vLLM's in-place reload,
