@@ -5,6 +5,7 @@ while a run is writing. Modules:
     data.py      RunSource (reader + caches by file stat), group summaries, filters, table rows, text parts
     evals.py     EvalSource, predictions worst first
     timeline.py  ground truth and predicted spans as SVG, coloured by tIoU on one 0-1 scale
+    summary.py   the run summary on top: headline trends (smoothed, change over the last steps), latest evaluation
     curves.py    training curves as long tables for line plots
     frames.py    frame strips: stored thumbnails, or frames decoded on demand
     render.py    HTML pieces and CSS;  guard.py  handlers never raise into the page

@@ -30,6 +30,18 @@ CSS = """
                   position: relative; }
 .mmpg-strip img:hover { transform: scale(2.2); z-index: 20; box-shadow: 0 4px 16px rgba(0, 0, 0, 0.35); }
 .mmpg-strip figcaption { font-size: 0.8em; color: var(--body-text-color-subdued); }
+.mmpg-summary-title { font-weight: 600; margin: 2px 0 6px; }
+.mmpg-cards { display: flex; flex-wrap: wrap; gap: 10px; }
+.mmpg-card { border: 1px solid var(--border-color-primary); border-radius: 6px; padding: 6px 10px; }
+.mmpg-card-name { font-size: 0.85em; color: var(--body-text-color-subdued); text-transform: uppercase;
+                  letter-spacing: 0.04em; }
+.mmpg-card-now { font-size: 1.5em; font-weight: 700; }
+.mmpg-sub { font-size: 0.8em; font-weight: 400; color: var(--body-text-color-subdued); text-transform: none; }
+.mmpg-up { color: #1a7f43; font-weight: 600; }
+.mmpg-down { color: #c0392b; font-weight: 600; }
+.mmpg-flat { color: var(--body-text-color-subdued); }
+.mmpg-evals { border: none !important; margin: 0; }
+.mmpg-evals td, .mmpg-evals th { padding: 1px 8px !important; text-align: right; border: none !important; }
 .mmpg-plots img { max-height: 300px; margin: 4px; border: 1px solid #ddd; border-radius: 4px; }
 """
 

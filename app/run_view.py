@@ -21,8 +21,10 @@ from app.data import (
 from app.frames import frame_items, strip_html
 from app.guard import guarded
 from app.render import message_html, response_html
+from app.summary import summary_html
 from app.timeline import Bar, timeline_data, timeline_svg
 from mmpg.errors import UserError
+from mmpg.runs import EvalReader, list_run_evals
 
 
 def picker(label: str, elem_id: str, **kwargs) -> gr.Dropdown:
@@ -73,6 +75,10 @@ class RunView:
         self.src, self.status, self.title, self.seen = source, status, title, seen
 
     # ------------------------------------------------------------------------------------------------- layout
+    def build_summary(self) -> None:
+        """The run summary (goes above the tabs)."""
+        self.summary = gr.HTML(elem_id="summary")
+
     def build(self) -> None:
         with gr.Tab("Rollouts", id="rollouts"):
             with gr.Row(equal_height=True):
@@ -109,8 +115,8 @@ class RunView:
 
     def outputs(self) -> list:
         """Everything `on_refresh` may update (the page's load event uses the same list)."""
-        return [self.status, self.title, self.step, self.group, self.picked, *self.view, *self.plots.values(),
-                self.any_key, self.curves_note, self.seen]
+        return [self.status, self.title, self.summary, self.step, self.group, self.picked, *self.view,
+                *self.plots.values(), self.any_key, self.curves_note, self.seen]
 
     def inputs(self) -> list:
         return [self.step, self.filter, self.scope, self.group, self.seen]
@@ -219,7 +225,10 @@ class RunView:
             target = steps[-1] if steps and (follow or step not in steps) else (step if steps else None)
             out[self.step] = gr.update(choices=[(str(x), x) for x in steps], value=target)
             if target is None:
-                out.update({self.picked: message_html("no rollouts written yet (rollouts/ is empty)", "note"),
+                sft = self.src.reader().info().get("kind") == "sft"
+                why = ("an SFT run samples no rollouts: its loss and evaluations are in the summary above, every "
+                       "logged metric in Curves" if sft else "no rollouts written yet (rollouts/ is empty)")
+                out.update({self.picked: message_html(why, "info" if sft else "note"),
                             **self.empty_view("no rollouts written yet")})
             elif force or target != step:
                 picked = self.on_pick(target, filt, scope, keep=key)
@@ -233,6 +242,7 @@ class RunView:
             if self.title not in out and alarm != seen.get("alarm", ""):
                 out[self.title] = self.title_md(steps)
             seen["alarm"], seen["alarm_key"] = alarm, mkey
+            out[self.summary] = self.summary_html()
         if seen.get("curves") and (force or mkey != seen.get("metrics")):
             out.update(self.curves())
             seen["metrics"] = mkey
@@ -319,6 +329,18 @@ class RunView:
             note += " Not logged by this run: " + "; ".join(empty) + "."
         out[self.curves_note] = message_html(note, "info")
         return out
+
+    def summary_html(self) -> str:
+        """The summary row: trends of the headline metrics and the latest held-out evaluation."""
+        folders = []
+        if not self.src.eval_metrics():  # no held-out evaluation in eval.jsonl: the run's evaluation folders
+            for _bench, step, folder in list_run_evals(self.src.run_dir):
+                try:
+                    folders.append((step, EvalReader(folder).metrics() or {}))
+                except (UserError, OSError, ValueError):
+                    continue
+        kind = self.src.reader().info().get("kind")
+        return summary_html(self.src.metrics(), self.src.eval_metrics(), folders, kind=kind)
 
     def title_md(self, steps: list[int]) -> str:
         info = self.src.reader().info()

@@ -58,6 +58,7 @@ def build_app(path: str | os.PathLike, refresh_s: float = REFRESH_S) -> gr.Block
         else:
             rv = RunView(RunSource(root), status, title, seen)
             ev = EvalView(lambda: run_evals(root), status)
+            rv.build_summary()
             with gr.Tabs():
                 rv.build()
                 ev.build()

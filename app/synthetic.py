@@ -103,6 +103,8 @@ def make_run(out: str | os.PathLike, steps: int = 1000, groups: int = 16, g: int
             "reward/mean": float(np.mean(overall)), "reward/std": float(np.std(overall)),
             "reward/iou": float(np.mean([r.rewards["iou"] for g_ in records for r in g_.responses])),
             "reward/format": float(np.mean([r.rewards["format"] for g_ in records for r in g_.responses])),
+            "reward/parsed": float(np.mean([r.rewards["parsed"] for g_ in records for r in g_.responses])),
+            "data/zero_adv_groups": float(np.mean([all(r.advantage == 0.0 for r in g_.responses) for g_ in records])),
             "response/length_mean": float(np.mean(lengths)), "response/length_max": float(max(lengths)),
             "actor/kl": 0.001 * progress + 1e-4 * float(rng.random()),
             "actor/clip_fraction": 0.02 + 0.01 * float(rng.random()), "actor/loss": float(rng.normal(0, 0.1)),
@@ -203,12 +205,35 @@ def make_small_run(out: str | os.PathLike, video_dir: str | os.PathLike | None =
             "reward/mean": float(np.mean([r.rewards["overall"] for r in rs])),
             "reward/format": float(np.mean([r.rewards["format"] for r in rs])),
             "reward/iou": float(np.mean([r.rewards["iou"] for r in rs])),
+            "reward/parsed": float(np.mean([r.parsed_span is not None for r in rs])),
+            "data/zero_adv_groups": float(np.mean([len({r.rewards["overall"] for r in g.responses}) == 1
+                                                   for g in groups])),
             "response/length_mean": float(np.mean([r.length for r in rs])), "actor/kl": 0.001 * step,
             "actor/clip_fraction": 0.01 * step, "timing_s/rollout": 1.0 + step, "timing_s/update": 0.5,
         })
         writer.log_eval(step, {"eval/miou": 0.1 * step, "eval/r1@0.5": 0.05 * step})
     writer.close()
     return out
+
+
+def make_small_sft_run(out: str | os.PathLike, steps: int = 40) -> Path:
+    """An SFT run: sft/loss falling from about 2.4 to 0.6 over `steps` steps, no rollouts, and a held-out evaluation
+    at step 0 (the starting point) and at the last step (SMALL_SFT_EVAL)."""
+    out = Path(out)
+    rng = np.random.default_rng(1)
+    writer = RunWriter(out, tensorboard=False)
+    writer.start("trainer:\n  run_name: small-sft\n", kind="sft", command=["python", "-m", "app.synthetic"])
+    for step in range(1, steps + 1):
+        loss = 0.6 + 1.8 * np.exp(-step / 10) + 0.05 * float(rng.normal())
+        writer.log_metrics(step, {"sft/loss": loss, "sft/target_tokens": 120.0, "actor/lr": 1e-5,
+                                  "actor/grad_norm": 1.0 / step, "timing_s/step": 0.4})
+    for step, metrics in SMALL_SFT_EVAL.items():
+        writer.log_eval(step, {f"eval/{k}": v for k, v in metrics.items()})
+    writer.close()
+    return out
+
+
+SMALL_SFT_EVAL = {0: {"miou": 0.12, "r1@0.5": 0.08, "r1@0.7": 0.02}, 40: {"miou": 0.586, "r1@0.5": 0.61, "r1@0.7": 0.3}}
 
 
 # (index, gt, pred or None, error) of the small evaluation folder; IoUs follow

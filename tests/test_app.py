@@ -21,7 +21,8 @@ from app.data import (
 )
 from app.evals import EvalSource, prediction_rows, worst_first
 from app.frames import decoded_items, frame_items, strip_html, thumbnail_items
-from app.synthetic import SMALL_EVAL, SMALL_GT, SMALL_SPANS, make_eval_folder, make_small_run
+from app.summary import ema, summary_html, trend
+from app.synthetic import SMALL_EVAL, SMALL_GT, SMALL_SPANS, make_eval_folder, make_small_run, make_small_sft_run
 from app.timeline import Bar, colour, nice_ticks, timeline_data, timeline_svg
 from mmpg.errors import UserError
 from mmpg.runs import GroupRecord, RunWriter, run_eval_dir
@@ -136,11 +137,36 @@ def test_timeline_unparsed_reversed_and_overlong_spans():
     assert nice_ticks(25.2) == [0, 5, 10, 15, 20, 25] and nice_ticks(0.0) == [0.0]
 
 
+# ----------------------------------------------------------------------------------------------- summary
+def test_summary_trend_by_hand():
+    records = [{"step": s, "reward/mean": float(s)} for s in range(1, 11)]
+    t = trend(records, "reward/mean", window=20)  # 10 points: window 5; last 5 mean 8, the 5 before mean 3
+    assert (t["window"], t["now"], t["change"]) == (5, 8.0, 5.0)
+    assert trend(records[:1], "reward/mean")["change"] is None and trend(records, "reward/iou") is None
+    assert ema([0.0, 1.0, 1.0], 0.5) == [0.0, 0.5, 0.75]
+
+
+def test_summary_of_a_grpo_and_an_sft_run(small, tmp_path):
+    src = RunSource(small["run"])
+    page = summary_html(src.metrics(), src.eval_metrics(), kind="grpo")
+    for name in ("reward", "tIoU", "parse rate", "zero-advantage groups", "evaluation"):
+        assert f'data-metric="{name}"' in page
+    # eval.jsonl: step 1 (mIoU 0.1) is the start, step 3 (0.3) the latest
+    assert re.search(r"<td>mIoU</td><td><b>0.300</b></td><td>0.100</td><td class='mmpg-up'>\+0.200", page)
+    sft = RunSource(make_small_sft_run(tmp_path / "sft"))
+    page = summary_html(sft.metrics(), sft.eval_metrics(), kind=sft.reader().info()["kind"])
+    assert "SFT run" in page and 'data-metric="loss"' in page and 'data-metric="reward"' not in page
+    assert "mmpg-change mmpg-up\">▼" in page  # the loss fell: good news, pointing down
+    assert "<td>R1@0.7</td><td><b>0.300</b></td><td>0.020</td>" in page
+    folder_only = summary_html([], [], [(3, {"miou": 0.4, "r1@0.5": 0.5})])  # no eval.jsonl: evaluation folders
+    assert "<td>mIoU</td><td><b>0.400</b></td>" in folder_only and "no training metrics logged yet" in folder_only
+
+
 # ------------------------------------------------------------------------------------------------ curves
 def test_curves_from_metrics_and_eval_lines(small):
     src = RunSource(small["run"])
     frames = curve_frames(src.metrics(), src.eval_metrics())
-    assert set(frames["reward"]["series"]) == {"reward/mean", "reward/format"}
+    assert set(frames["reward"]["series"]) == {"reward/mean", "reward/format", "reward/parsed"}
     assert list(frames["iou"]["step"]) == [1, 2, 3]
     assert list(frames["kl"]["value"]) == pytest.approx([0.001, 0.002, 0.003])
     assert set(frames["timing"]["series"]) == {"timing_s/rollout", "timing_s/update"}
@@ -264,6 +290,7 @@ def views():
             status, title, seen = gr.HTML(), gr.Markdown(), gr.State({})
             rv = RunView(RunSource(run), status, title, seen)
             ev = EvalView(lambda: run_evals(run), status)
+            rv.build_summary()
             with gr.Tabs():
                 rv.build()
                 ev.build()
@@ -286,13 +313,14 @@ def test_load_pick_and_refresh_handlers(small, tmp_path, views):
     out = rv.on_pick(3, FILTERS[2], "all steps")  # over the run: newest first, counted, the Step box follows
     assert out[rv.group]["value"] == "3:1" and out[rv.step] == 3 and "3 group(s) match of 6" in out[rv.picked]
     assert rv.on_group("1:1")[rv.step] == 1
-    seen = {"steps": [1, 2, 3], "curves": True, "metrics": rv.src.metrics_key()}
+    seen = {"steps": [1, 2, 3], "curves": True, "metrics": rv.src.metrics_key(), "alarm_key": rv.src.metrics_key()}
     assert set(rv.on_refresh(2, FILTERS[0], "this step", "2:0", seen, False)) == {rv.seen}  # nothing changed
     writer = RunWriter(run, tensorboard=False)
     writer.write_rollouts(4, RunSource(run).groups(1))
     writer.log_metrics(4, {"reward/mean": 0.5})
     out = rv.on_refresh(2, FILTERS[0], "this step", "2:0", seen, True)  # following: jumps to the new step
     assert out[rv.step]["value"] == 4 and out[rv.group]["value"] == "4:0" and rv.plots["reward"] in out
+    assert 'data-metric="reward"' in out[rv.summary]  # the summary follows the new metrics
     assert out[rv.seen]["steps"] == [1, 2, 3, 4]
     text = rv.response_text("2:0", 2)
     assert "mmpg-think" in text and "truncated" in text

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from app.synthetic import SMALL_EVAL, SMALL_SPANS, make_eval_folder, make_small_run
+from app.synthetic import SMALL_EVAL, SMALL_SPANS, make_eval_folder, make_small_run, make_small_sft_run
 from mmpg.runs import run_eval_dir
 
 pytestmark = [pytest.mark.slow,  # Gradio's own pandas 3 deprecation notices, not ours:
@@ -59,7 +59,7 @@ def folders(tmp_path_factory):
     empty = root / "empty"
     empty.mkdir()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    return {"run": run, "eval": ev, "empty": empty}
+    return {"run": run, "eval": ev, "empty": empty, "sft": make_small_sft_run(root / "sft")}
 
 
 @pytest.fixture(scope="module")
@@ -315,4 +315,35 @@ def test_each_failure_has_its_label_and_the_step_box_follows(browser, run_url):
     assert "hit max_new_tokens" in page.inner_text("#response-text .mmpg-verdict")
     no_error_page(page)
     page.screenshot(path=str(ARTIFACTS / "rollouts_failures.png"), full_page=True)
+    page.close()
+
+
+def test_the_summary_shows_the_reward_trend_and_the_latest_evaluation(browser, run_url):
+    page = browser.new_page()
+    page.goto(run_url)
+    wait_text(page, "summary", "GRPO run: is it learning?")
+    for name in ("reward", "tIoU", "parse rate", "zero-advantage groups"):
+        card = page.locator(f'#summary [data-metric="{name}"]')
+        assert card.locator("svg.spark polyline").count() == 2 and card.locator(".mmpg-change").count() == 1
+    assert "▲ +0.27" in page.inner_text('#summary [data-metric="reward"]')  # step 3 against step 2
+    evals = page.inner_text('#summary [data-metric="evaluation"]')
+    assert "step 3" in evals and "step 1" in evals and "0.300" in evals and "+0.200" in evals
+    assert page.locator("#summary").bounding_box()["y"] < page.locator("#timeline").bounding_box()["y"]  # on top
+    no_error_page(page)
+    page.screenshot(path=str(ARTIFACTS / "summary_grpo.png"))
+    page.close()
+
+
+def test_an_sft_run_opens_on_its_loss_and_evaluation(browser, serve, folders):
+    page = browser.new_page()
+    page.goto(serve(folders["sft"]))
+    wait_text(page, "summary", "SFT run: is the loss falling?")
+    loss = page.locator('#summary [data-metric="loss"]')
+    assert loss.locator("svg.spark").bounding_box()["height"] >= 120  # a readable curve, not a sparkline
+    assert "▼" in loss.inner_text()
+    evals = page.inner_text('#summary [data-metric="evaluation"]')
+    assert "R1@0.7" in evals and "0.300" in evals and "step 0" in evals and "step 40" in evals
+    wait_text(page, "picked", "an SFT run samples no rollouts")
+    no_error_page(page)
+    page.screenshot(path=str(ARTIFACTS / "summary_sft.png"))
     page.close()
