@@ -5,15 +5,16 @@
 #   docker run --gpus all --ipc=host -v "$PWD/data:/workspace/mmpg/data" mmpg scripts/train_grounding.sh ...
 #   docker run --gpus all --ipc=host -v "$PWD/data:/workspace/mmpg/data" mmpg scripts/bench.sh --preset gpu
 #   docker run -it --gpus all --ipc=host mmpg -i                          a shell
+#   docker run --gpus all --ipc=host mmpg -c "mmpg doctor --out /tmp/doctor"      check every GPU path, a report
 # The entrypoint is bash, so any launch script (or `-c "mmpg ..."`) is the command. The default prints what there is
 # to run and exits at once, on any host, with or without a GPU or mounted data (the demo is a CPU job of minutes:
-# scripts/demo.sh; scripts/gpu_check.sh is the project's GPU-lease harness and wants its wheels/ bundle).
+# scripts/demo.sh; `mmpg doctor` checks every GPU path of the container on tiny models and writes a report).
 #
 # CUDA versions must line up three ways:
 #   * the base image's nvcc has torch's CUDA major: torch 2.14.1 from PyPI is built for CUDA 13.0 (torch.version.cuda;
 #     its wheel depends on cuda-toolkit 13.0.x), and flash-attn's source build refuses an nvcc of another major;
 #   * the host driver runs that CUDA: CUDA 13.0 needs driver 580 or newer. On an older driver torch sees no GPU;
-#     scripts/gpu_check.sh then says so (driver's CUDA vs torch's) and exits 3. For such hosts build with
+#     `mmpg doctor` then says so (driver's CUDA vs torch's) in its CUDA row. For such hosts build with
 #     --build-arg CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04 and a torch for CUDA 12.8 via
 #     --build-arg MMPG_TORCH="torch==2.14.1 torchvision==0.29.1 --index-url <a cu128 wheel index>";
 #   * flash-attn compiles the architectures in FLASH_ATTN_CUDA_ARCHS (it ignores TORCH_CUDA_ARCH_LIST; unset, it

@@ -245,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     vllm_server.add_arguments(p)
     p.set_defaults(func=_cmd_vllm_serve)
 
+    from mmpg.doctor import cli as doctor_cli
+
+    p = sub.add_parser("doctor", help="check this machine: every path (grouped forward, cascade decoding, training, "
+                       "eval decoding) on tiny models against its exact reference, a speed table; a report",
+                       description=doctor_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    doctor_cli.add_arguments(p)
+    p.set_defaults(func=doctor_cli.run)
+
     p = sub.add_parser("demo", help="the default job: a tiny video model learns grounding on a CPU (SFT, then GRPO)",
                        description="Build a tiny Qwen2.5-VL and easy synthetic videos (once), evaluate the untrained "
                        "model, warm it up with SFT, train it with GRPO, evaluating after each stage, and print the "

@@ -1,7 +1,7 @@
 """GPU-path defects of issue 15 that can be checked on a CPU: dtype unification before the kernel (finding 6),
 FlexAttention's block mask compiled without the deprecated flag (8), layout tensors on each layer's device (10), the
 masked SDPA path with and without the GQA copy (7). Findings 1, 4 and 5 are in test_flash_loaded_models.py and
-test_flash_standin.py, the gpu_check summary (2) in test_gpu_check_report.py."""
+test_flash_standin.py; the GPU check's report (2) is `mmpg doctor`'s, in test_doctor.py."""
 
 from __future__ import annotations
 

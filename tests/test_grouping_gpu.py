@@ -1,9 +1,10 @@
 """GPU backends (`flash`, `flex`, sdpa's masked CUDA path) against the repeated forward, on CUDA. Skipped without a
-CUDA device; run by scripts/gpu_check.sh on a GPU machine, whose summary counts a skipped flash test as NOT RUN.
+CUDA device; run on a GPU machine with `pytest -m gpu tests/test_grouping_gpu.py` (`mmpg doctor` checks the same
+paths on tiny models and reports each one PASS / FAIL / NOT RUN).
 fp32: same bounds as the CPU tests (flash has no fp32 kernel, so no fp32 flash case); bf16: measured differences are
 printed and bounded loosely (bf16 rounds differently along the two paths). Tiny models (head_dim 16, GQA 2) and, at
 the attention level, the released head geometry (head_dim 128, GQA 7 and 4; tests/release_geometry.py, whose CPU side
-is tests/test_release_geometry.py). Figures go to `record_property` for scripts/gpu_check.sh's table. UNTESTED: none
+is tests/test_release_geometry.py). Figures go to `record_property` (pytest's JUnit report). UNTESTED: none
 of these has run on a GPU yet (2026-12-01); the CPU side of every flash call site is covered by
 tests/test_flash_standin.py."""
 
@@ -35,7 +36,7 @@ def _on_cuda(model, inputs, dtype):
 
 def _needs(backend):
     """Skip (with the probe's reason: version, FA4-only, GPU generation, no kernel for this GPU) when flash-attn
-    cannot run here; gpu_check.sh reports such a skip as the flash path NOT RUN."""
+    cannot run here: the skip names the flash path as not checked."""
     if backend == "flash":
         from mmpg.grouping.backends.probe import flash_status
 

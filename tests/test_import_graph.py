@@ -136,3 +136,15 @@ def test_eval_runs_and_app_do_not_import_the_trainer():
             chain.reverse()  # start -> ... -> target, each step "module (line of its import of the next)"
             bad.append(" -> ".join(f"{m} (line {graph[m][n]})" for m, n in zip(chain, chain[1:])) + f" -> {target}")
     assert not bad, "imports reaching the trainer:\n" + "\n".join(bad)
+
+
+def test_grouping_imports_nothing_of_mmpg_outside_itself():
+    # mmpg/grouping is the grouped forward any trainer can use on its own: no import (module level or inside a
+    # function) reaches another mmpg package, and importing `mmpg` alone is no edge (its __init__ imports nothing)
+    graph = import_graph()
+    grouping = [m for m in _modules() if m == "mmpg.grouping" or m.startswith("mmpg.grouping.")]
+    assert "mmpg.grouping.layout" in grouping  # the walk saw the package
+    bad = [f"{m} -> {target} (line {line})" for m in grouping for target, line in sorted(graph.get(m, {}).items())
+           if target != "mmpg" and not (target == "mmpg.grouping" or target.startswith("mmpg.grouping."))]
+    assert not bad, "mmpg/grouping imports mmpg outside itself (move the dependency into mmpg/grouping or invert " \
+                    "it):\n" + "\n".join(bad)

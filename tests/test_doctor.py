@@ -1,0 +1,114 @@
+"""`mmpg doctor` on the CPU, run as a user runs it (the installed console script): its report says NOT RUN with the
+reason for every CUDA row, PASS with a figure for every CPU row it ran, and a fault injected into one row makes it
+exit 1 naming that row. The training row and the speed table (about 45 s more) run in the slow test."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmpg.doctor import report, train_check
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _doctor(args: list[str], out: Path, fault: str = "", timeout: float = 300) -> tuple[subprocess.CompletedProcess,
+                                                                                        dict]:
+    exe = shutil.which("mmpg", path=str(Path(sys.executable).parent))
+    assert exe, "the mmpg console script is not installed beside this python (pip install -e .)"
+    env = {k: v for k, v in os.environ.items() if k != "MMPG_DOCTOR_FAULT"}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", FORCE_QWENVL_VIDEO_READER="decord")
+    if fault:
+        env["MMPG_DOCTOR_FAULT"] = fault
+    proc = subprocess.run([exe, "doctor", "--out", str(out), *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=timeout)
+    data = json.loads((out / "doctor.json").read_text()) if (out / "doctor.json").exists() else {}
+    return proc, data
+
+
+def _rows(data: dict) -> dict[str, dict]:
+    return {r["id"]: r for r in data["rows"]}
+
+
+def test_doctor_on_the_cpu_reports_every_row(tmp_path):
+    proc, data = _doctor(["--quick", "--device", "cpu"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _rows(data)
+    cpu = [i for i in rows if i.startswith(("grouped/sdpa", "grouped/lse_reference", "cascade/sdpa/float32",
+                                            "decode/"))]
+    assert len(cpu) >= 8, sorted(rows)
+    for row_id in cpu:
+        assert rows[row_id]["status"] == "PASS" and rows[row_id]["figure"], rows[row_id]
+    assert "max abs dlogp" in rows["grouped/sdpa/qwen2_5_vl"]["figure"]
+    cuda = ["grouped/flash/qwen2_5_vl", "grouped/flex/qwen2", "cascade/flash/bfloat16", "cascade/sdpa/bfloat16",
+            "sync/nccl"]
+    for row_id in cuda:
+        assert rows[row_id]["status"] == "NOT RUN" and "CUDA" in rows[row_id]["detail"], rows[row_id]
+    assert rows["train/bf16"]["status"] == "NOT RUN" and "--quick" in rows["train/bf16"]["detail"]
+    md = (tmp_path / "doctor.md").read_text()
+    assert md.count("**PASS**") == sum(r["status"] == "PASS" for r in rows.values())
+    assert data["exit"] == 0 and data["failed"] == []
+    assert "0 FAIL" in proc.stdout
+
+
+def test_a_faulty_path_fails_and_is_named(tmp_path):
+    proc, data = _doctor(["--quick", "--only", "grouped/sdpa,cascade"], tmp_path, fault="grouped/sdpa/qwen2")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _rows(data)
+    assert rows["grouped/sdpa/qwen2"]["status"] == "FAIL"
+    assert "logprobs differ by 0.1" in rows["grouped/sdpa/qwen2"]["detail"]
+    assert rows["grouped/sdpa/qwen2_5_vl"]["status"] == "PASS"  # the fault is in one row only
+    assert data["failed"] == ["grouped/sdpa/qwen2"]
+    assert "FAILED: grouped/sdpa/qwen2" in proc.stdout
+    assert not any(i.startswith("decode/") for i in rows)  # --only
+
+
+def test_a_raising_path_is_a_failed_row():
+    from mmpg.doctor.checks import guarded
+
+    def boom():
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    row = guarded(boom, "cascade", "cascade/flash/bfloat16", "cascade kernel flash")
+    assert row.status == "FAIL" and "no kernel image" in row.detail
+    assert report.exit_code([row]) == 1
+
+
+def test_train_judge():
+    ok = [{"step": s, "actor/logprob_gap_max": 0.002, "timing_s/step": 1.0} for s in (1, 2, 3)]
+    ok[0].update({"check/grouped_vs_repeated_max": 0.001, "check/bound": 0.0125})
+    assert train_check.judge(ok, 0, "")[0] == "PASS"
+    status, _, detail = train_check.judge(ok[:1], 0, "")
+    assert status == "FAIL" and "1 of 3 steps" in detail
+    bad = [dict(ok[0], **{"check/grouped_vs_repeated_max": 0.2}), *ok[1:]]
+    assert "above its bound" in train_check.judge(bad, 0, "")[2]
+    assert "drift alarm" in train_check.judge([*ok[:2], dict(ok[2], **{"alarm/logprob_drift": 1.0})], 0, "")[2]
+
+
+@pytest.mark.slow
+def test_doctor_full_run_on_the_cpu(tmp_path):
+    proc, data = _doctor(["--device", "cpu", "--only", "train,speed"], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _rows(data)
+    assert rows["train/bf16"]["status"] == "PASS" and "self-check max abs dlogp" in rows["train/bf16"]["figure"]
+    for row_id in ("speed/forward", "speed/decode"):
+        assert rows[row_id]["status"] == "PASS" and "x" in rows[row_id]["figure"], rows[row_id]
+
+
+def test_driver_too_old_for_torch_is_named(monkeypatch):
+    """torch built for CUDA 13.0 on a driver that supports 12.8: the CUDA row says what is wrong and what to do."""
+    import torch
+
+    from mmpg.doctor.environment import cuda_status
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda: 12080, raising=False)
+    usable, why = cuda_status()
+    assert not usable
+    assert "supports CUDA up to 12.8" in why and "needs CUDA >= 13.0" in why and "update the driver" in why
