@@ -11,9 +11,10 @@
 #   HOSTFILE   DeepSpeed hostfile ("host slots=8" per line); every node needs the repo, the data and passwordless ssh.
 #              One that names only this machine (localhost, 127.0.0.1 or its hostname) needs no ssh
 #   MASTER_PORT  the rendezvous port (default 29500); set it to run two jobs on one machine
-#   MMPG_EXTRAS  what scripts/env.sh installs first; default dev,gpu-auto: flash-attn only where it can work (else one
-#              line, and attention runs on sdpa). dev,gpu: flash-attn required (a failed build stops the launch);
-#              dev: never
+#   FLASH_ATTN 1: install flash-attn first where it can work (a wheel in wheels/, else a source build: minutes to an
+#              hour; scripts/flash_attn.sh), else one line and sdpa; must: required (a failed build stops the launch).
+#              Default: a launch never builds it (attention runs on sdpa without it; one line says so on a GPU)
+#   MMPG_EXTRAS  what scripts/env.sh installs first (default dev; dev,gpu-auto with FLASH_ATTN=1, dev,gpu with must)
 #   ZERO       1, 2 or 3: picks configs/deepspeed/zero$ZERO.json (default: what the config says); ZERO=3_offload for
 #              ZeRO-3 with CPU offload
 #   SP         ranks that share each packed row (parallel.sequence_parallel_size; long videos): divides the GPUs
@@ -24,13 +25,26 @@
 #              (rollout.vllm_wait_s), and stops it when training ends. One node only (the server binds 127.0.0.1).
 #   VLLM_GPUS  the server's own GPUs, e.g. VLLM_GPUS=7 with TRAIN_GPUS=0,1,2,3,4,5,6. Unset: colocated on the
 #              trainer's GPUs, the server taking VLLM_MEM of their memory (default 0.3; lower the training batch or
-#              use ZeRO-3 offload if the trainer runs short)
+#              use ZeRO-3 offload if the trainer runs short). Weights go to the server by file after each step;
+#              with VLLM_GPUS and VLLM_ARGS=--nccl by NCCL broadcast (colocated: by file, NCCL cannot share a GPU)
 #   TRAIN_GPUS the trainer's GPUs (deepspeed --include localhost:TRAIN_GPUS; instead of NUM_GPUS)
 #   VLLM_PORT  default 8000; VLLM_ARGS: more `mmpg vllm-serve` flags, e.g. "--max-model-len 16384"
 # Tested on a CPU only (gloo, 2 processes: tests/test_launch_real.py, with the real launcher and vLLM server;
 # tests/test_train_launch.py checks the flags with stand-ins). UNTESTED on GPUs so far (NCCL, the vLLM knobs).
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/env.sh" "${MMPG_EXTRAS:-dev,gpu-auto}"
+case "${FLASH_ATTN:-0}" in  # flash-attn is never compiled by a launch unless asked
+  0) extras="${MMPG_EXTRAS:-dev}" ;;
+  1) extras="${MMPG_EXTRAS:-dev,gpu-auto}" ;;
+  must) extras="${MMPG_EXTRAS:-dev,gpu}" ;;
+  *) echo "train_grounding.sh: FLASH_ATTN=$FLASH_ATTN: use 1 (install flash-attn where it can work) or must" >&2
+     exit 2 ;;
+esac
+source "${MMPG_ENV_SH:-$(dirname "${BASH_SOURCE[0]}")/env.sh}" "$extras"  # MMPG_ENV_SH: tests' stand-in
+if [ "${FLASH_ATTN:-0}" = 0 ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU' \
+    && ! python -c 'import importlib.metadata as m; m.version("flash_attn")' 2>/dev/null; then
+  echo "[mmpg] flash-attn is not installed: attention runs on sdpa (same results, slower on GPUs). To install it" \
+       "first: FLASH_ATTN=1 bash scripts/train_grounding.sh ... (a source build takes minutes to an hour)" >&2
+fi
 cd "$MMPG_ROOT"
 job="${MMPG_JOB:-train}"  # sft: scripts/sft_grounding.sh
 config="configs/grounding_qwen25vl_7b.yaml"

@@ -182,3 +182,40 @@ def test_a_bad_local_rank_is_one_usage_error(capsys):
             cli.main(argv)
         assert exc.value.code == 2
         assert "--local_rank" in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("flash, extras, hint", [(None, "dev", True), ("1", "dev,gpu-auto", False),
+                                                 ("must", "dev,gpu", False)])
+def test_a_launch_never_builds_flash_attn_unless_asked(tmp_path, flash, extras, hint):
+    """On a GPU machine without flash-attn the default launch installs the dev extras only (no flash-attn build,
+    which takes minutes to an hour) and says in one line how to ask for it; FLASH_ATTN=1 / must ask."""
+    env_sh = tmp_path / "env.sh"
+    env_sh.write_text(f'echo "$1" > {tmp_path}/extras\nMMPG_ROOT={ROOT}\n')
+    trainer = tmp_path / "deepspeed"
+    trainer.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/trainer.args\n')
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    for stand_in in (trainer, smi):
+        stand_in.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("MMPG_EXTRAS", "FLASH_ATTN")}
+    env.update(MMPG_ENV_SH=str(env_sh), MMPG_DEEPSPEED=str(trainer), PATH=f"{smi.parent}:{env['PATH']}",
+               **({"FLASH_ATTN": flash} if flash else {}))
+    res = subprocess.run(["bash", "scripts/train_grounding.sh", "configs/cpu_demo.yaml"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "extras").read_text().strip() == extras
+    lines = [ln for ln in res.stderr.splitlines() if "flash-attn" in ln]
+    if hint:
+        assert len(lines) == 1 and "FLASH_ATTN=1 bash scripts/train_grounding.sh" in lines[0], res.stderr
+        assert "minutes to an hour" in lines[0]
+    else:
+        assert lines == [], res.stderr
+    assert "train --config configs/cpu_demo.yaml" in (tmp_path / "trainer.args").read_text()
+
+
+def test_a_bad_flash_attn_knob_is_refused(tmp_path):
+    env = dict(os.environ, FLASH_ATTN="yes")
+    res = subprocess.run(["bash", "scripts/train_grounding.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert res.returncode == 2 and "FLASH_ATTN=yes: use 1" in res.stderr
