@@ -20,7 +20,7 @@ from mmpg.grouping.positions import use_qwen_positions
 # model_type -> adapter kind. Tested: tiny Qwen2.5-VL, Qwen3-VL, Qwen2, Qwen3 (tests/test_grouping_*.py).
 SUPPORTED_MODEL_TYPES = {"qwen2_5_vl": "vl", "qwen3_vl": "vl", "qwen2": "text", "qwen3": "text"}
 # [min, max): the oldest release the version matrix of `scripts/test.sh` runs the equivalence, positions, contract and
-# rollout tests on (5.17.0, the lent GPU image's), up to the next major. The version alone is not what mmpg relies
+# rollout tests on (5.17.0), up to the next major. The version alone is not what mmpg relies
 # on: `_check_features` checks what it calls, and the tripwire (`mmpg.grouping.attention`) catches at run time an
 # input that a release ignores (how 5.17 once trained without the video, before the visual inputs went in as pixels).
 TRANSFORMERS_RANGE = (Version("5.17.0"), Version("6.0.0"))
