@@ -221,11 +221,11 @@ def test_a_short_batch_chunks_when_another_rank_must(load_tiny, monkeypatch):
 
 def test_without_precomputed_features_a_long_prompt_is_prefilled_whole(load_tiny, monkeypatch, caplog):
     """transformers < 5.18 (no mm_encoder_outputs): one warning line, the one-forward prefill, the same tokens."""
-    import mmpg.rollout.hf as hf
+    import mmpg.rollout.prefill as prefill
 
     model, processor = load_tiny("qwen2_5_vl")
     inputs = vl_batch(processor, "qwen2_5_vl", VIDEOS)
-    monkeypatch.setattr(hf, "supports_encoder_outputs", lambda model: False)
+    monkeypatch.setattr(prefill, "supports_encoder_outputs", lambda model: False)
     monkeypatch.setattr(HFEngine, "_prefill_chunks", lambda *a: (_ for _ in ()).throw(AssertionError("chunked")))
     with caplog.at_level("WARNING", logger="mmpg.rollout"):
         out = HFEngine(model, processor, prefill_chunk=16).generate_groups(inputs, SIZES, GREEDY)
