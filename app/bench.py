@@ -48,6 +48,7 @@ def server_side(run: Path, seed: int = 0) -> dict[str, float]:
     def view() -> RunView:
         with gr.Blocks():
             rv = RunView(RunSource(run), gr.HTML(), gr.Markdown(), gr.State({}))
+            rv.build_summary()
             with gr.Tabs():
                 rv.build()
         return rv

@@ -17,7 +17,7 @@ import pandas as pd
 
 from app.data import _fmt
 from app.evals import EvalSource, metrics_rows, prediction_rows, sample_header, worst_first
-from app.frames import decoded_items, strip_html
+from app.frames import decoded_items, event_frames, frame_src, strip_html
 from app.guard import guarded
 from app.render import message_html, text_parts_html
 from app.run_view import as_int, picker
@@ -144,6 +144,14 @@ class EvalView:
             self._sources[folder] = EvalSource(folder)
         return self._sources[folder]
 
+    @staticmethod
+    def event(record) -> list:
+        """The frames inside and around the truth and the prediction, decoded when the video is there."""
+        if record.error:
+            return []
+        frames, _ = event_frames(None, None, record.video, record.gt_span, record.pred_span, record.duration)
+        return [(frame_src(x), t, kind) for x, t, kind in frames]
+
     def sample_out(self, src: EvalSource, index: int) -> dict:
         record = next((r for r in src.predictions() if r.index == index), None)
         if record is None:
@@ -157,6 +165,6 @@ class EvalView:
             self.gallery: strip_html(items),
             self.frames_note: message_html(note, "info" if items else "note"),
             self.timeline: timeline_svg(timeline_data(record.gt_span, record.duration, [bar], scale="IoU"),
-                                        uid="eval"),
+                                        uid="eval", frames=self.event(record)),
             self.text: text_parts_html(record.text) if record.text else message_html("no answer text", "info"),
         }

@@ -1,5 +1,13 @@
-"""The frame strip of a group or an evaluation sample: the run's stored thumbnails, else a few frames decoded on
-demand when the video file still exists, else a note saying why there is nothing to show.
+"""The frames of a group or an evaluation sample: the run's stored thumbnails, else frames decoded on demand when
+the video file still exists, else a note saying why there is nothing to show.
+
+Two views: a strip of evenly spaced frames (the whole video), and the frames that show the event (`event_frames`),
+drawn on the timeline's time axis: decoded at chosen times when the video is there,
+
+    truth [s, e]:  s - pad, s, (s + e) / 2, e, e + pad          pad = max(1 s, (e - s) / 2)
+    chosen span [ŝ, ê] (the response on show): ŝ, (ŝ + ê) / 2, ê   (dropped when within 2 % of the video of another)
+
+else the stored thumbnails nearest those times (the note says when none falls inside the truth).
 
 The strip is plain HTML. A thumbnail is an <img> whose URL is Gradio's file route for a path from
 `RunReader.thumbnails`, which resolves every path inside the run directory (a path or symlink leading out is
@@ -26,7 +34,7 @@ from mmpg.errors import UserError
 Item = tuple[object, str]  # (Path of a JPEG inside the run directory | HxWx3 uint8 array, caption)
 
 _DECODED: OrderedDict[tuple, list[Item]] = OrderedDict()  # (path, mtime, size, count) -> frames; a few videos
-_DECODED_MAX = 8
+_DECODED_MAX = 24
 _LOCK = threading.Lock()
 
 
@@ -90,6 +98,97 @@ def _decode(video: str, count: int, width: int) -> list[Item]:
             img = img.resize((width, max(1, round(img.height * width / img.width))))
         out.append((np.asarray(img), _time_caption(i / fps if fps > 0 else math.nan)))
     return out
+
+
+EventFrame = tuple[object, float, str]  # (Path | HxWx3 array, seconds, kind: "truth", "pred" or "around")
+
+
+def event_times(gt: list[float], pred: list[float] | None, duration: float) -> list[tuple[float, str]]:
+    """[(seconds, kind)] sorted by time: inside and around the truth, inside the chosen predicted span."""
+    end = duration if duration and math.isfinite(duration) and duration > 0 else max(gt[1], (pred or gt)[1])
+    s, e = min(gt), max(gt)
+    pad = max(1.0, (e - s) / 2)
+    wanted = [(s - pad, "around"), (s, "truth"), ((s + e) / 2, "truth"), (e, "truth"), (e + pad, "around")]
+    if pred is not None and all(math.isfinite(x) for x in pred):
+        a, b = min(pred), max(pred)
+        wanted += [(a, "pred"), ((a + b) / 2, "pred"), (b, "pred")]
+    out: list[tuple[float, str]] = []
+    for t, kind in sorted(((min(max(t, 0.0), end), k) for t, k in wanted), key=lambda x: x[0]):
+        near = [i for i, (u, _) in enumerate(out) if abs(u - t) < 0.02 * end]
+        if not near:
+            out.append((t, kind))
+        elif kind == "truth":  # a frame both in the truth and elsewhere is marked as the truth's
+            out[near[0]] = (out[near[0]][0], kind)
+    return out
+
+
+def event_frames(reader, media_key: str | None, video: str, gt: list[float], pred: list[float] | None,
+                 duration: float) -> tuple[list[EventFrame], str]:
+    """(frames, note) that show the event; see the module docstring."""
+    wanted = event_times(gt, pred, duration)
+    decoded, why = decoded_at(video, [t for t, _ in wanted])
+    if decoded:
+        return [(a, t, kind) for (a, t), (_, kind) in zip(decoded, wanted)], ""
+    items_times: list[tuple[Path, float]] = []
+    if reader is not None and media_key:
+        try:
+            paths, times = reader.thumbnails(media_key)
+            items_times = [(p, t) for p, t in zip(paths, times) if math.isfinite(t) and p.is_file()]
+        except (UserError, OSError, ValueError):
+            items_times = []
+    if not items_times:
+        return [], why
+    s, e = min(gt), max(gt)
+    chosen: dict[int, str] = {}
+    for t, kind in wanted:  # the nearest stored thumbnail to each wanted time
+        i = min(range(len(items_times)), key=lambda j: abs(items_times[j][1] - t))
+        chosen.setdefault(i, kind)
+    frames = [(items_times[i][0], items_times[i][1], "truth" if s <= items_times[i][1] <= e else
+               ("around" if kind == "truth" else kind)) for i, kind in sorted(chosen.items())]
+    note = "" if any(k == "truth" for _, _, k in frames) else (
+        f"none of the {len(items_times)} stored thumbnails falls inside the truth ({s:g}–{e:g} s) and the video "
+        f"file is not available ({video})")
+    return frames, note
+
+
+def decoded_at(video: str, times: list[float], width: int = 256) -> tuple[list[tuple[np.ndarray, float]], str]:
+    """([(frame, seconds)], note): the frames nearest `times`, decoded with decord; ([], why) when impossible."""
+    try:
+        st = os.stat(video)
+    except OSError:
+        return [], f"video file not available: {video}"
+    key = (video, st.st_mtime_ns, st.st_size, tuple(round(t, 3) for t in times), width)
+    with _LOCK:
+        if key in _DECODED:
+            _DECODED.move_to_end(key)
+            return _DECODED[key], ""
+    try:
+        import decord
+        from PIL import Image
+
+        vr = decord.VideoReader(video, num_threads=1)
+        n, fps = len(vr), float(vr.get_avg_fps() or 0.0)
+        if n == 0 or fps <= 0:
+            raise ValueError("no frames or no frame rate")
+        idx = [min(n - 1, max(0, round(t * fps))) for t in times]
+        out = []
+        for i, f in zip(idx, vr.get_batch(idx).asnumpy()):  # [T, H, W, 3] uint8
+            img = Image.fromarray(f)
+            if img.width > width:
+                img = img.resize((width, max(1, round(img.height * width / img.width))))
+            out.append((np.asarray(img), i / fps))
+    except Exception as e:  # a corrupt or unsupported file: say so, never fail the page
+        return [], f"video file could not be decoded ({type(e).__name__}: {str(e)[:200]})"
+    with _LOCK:
+        _DECODED[key] = out
+        while len(_DECODED) > _DECODED_MAX:
+            _DECODED.popitem(last=False)
+    return out, ""
+
+
+def frame_src(x) -> str:
+    """The URL of a frame: Gradio's file route for a stored thumbnail, a JPEG data URL for a decoded array."""
+    return _src(x)
 
 
 def frame_items(reader, media_key: str | None, video: str) -> tuple[list[Item], str]:

@@ -18,7 +18,7 @@ from app.data import (
     FILTERS, REWARD_HELP, SCOPES, RunSource, _fmt, count_matches, drift_note, filter_groups, group_header,
     parse_group_key, response_rows, span_iou, verdict,
 )
-from app.frames import frame_items, strip_html
+from app.frames import event_frames, frame_items, frame_src, strip_html
 from app.guard import guarded
 from app.render import message_html, response_html
 from app.summary import summary_html
@@ -91,14 +91,15 @@ class RunView:
                 self.group = picker("Group", "group", scale=3)
             self.picked = gr.HTML(elem_id="picked")
             self.header = gr.HTML(elem_id="group-header")
-            self.gallery = gr.HTML(elem_id="frames")
-            self.frames_note = gr.HTML(elem_id="frames-note")
             self.timeline = gr.HTML(elem_id="timeline")
+            self.frames_note = gr.HTML(elem_id="frames-note")
             gr.HTML(f'<div class="mmpg-info">{REWARD_HELP}</div>', elem_id="reward-help")
             self.table = gr.Dataframe(value=empty_table(), label="Responses: click a row to read it, a header to sort",
                                       interactive=False, elem_id="responses", max_height=420)
             self.response = picker("Response", "response")
             self.text = gr.HTML(elem_id="response-text")
+            gr.HTML('<div class="mmpg-info">The whole video, evenly spaced (hover a frame to enlarge it):</div>')
+            self.gallery = gr.HTML(elem_id="frames")
         with gr.Tab("Curves", id="curves") as self.curves_tab:
             self.plots = {}
             panels = [(pid, title) for pid, title, _ in PANELS] + [EVAL_PANEL]
@@ -132,8 +133,10 @@ class RunView:
         self.next.click(guarded(s)(self.on_next), picks, [self.step, *pick_out], show_progress="hidden")
         # quick reads straight from the cache: no queue round trip (queue=False)
         self.group.input(guarded(s)(self.on_group), [self.group], [s, self.step, *self.view], queue=False)
-        self.table.select(guarded(s)(self.on_select), [self.group], [s, self.response, self.text], queue=False)
-        self.response.input(guarded(s)(self.on_response), [self.group, self.response], [s, self.text], queue=False)
+        self.table.select(guarded(s)(self.on_select), [self.group], [s, self.response, self.text, self.timeline],
+                          queue=False)
+        self.response.input(guarded(s)(self.on_response), [self.group, self.response], [s, self.text, self.timeline],
+                            queue=False)
         self.any_key.input(guarded(s)(self.on_any), [self.any_key], [s, self.any_plot])
         self.curves_tab.select(guarded(s)(self.on_curves_tab), [self.seen], [s, *self.plots.values(), self.any_key,
                                                                         self.curves_note, self.seen])
@@ -180,10 +183,14 @@ class RunView:
     def on_select(self, key, evt: gr.SelectData) -> dict:
         row = evt.row_value or []
         index = as_int(row[0] if row else evt.index[0], "a response number")  # column "#": right even when sorted
-        return {self.response: index, self.text: self.response_text(key, index)}
+        return {self.response: index, **self.on_response(key, index)}
 
     def on_response(self, key, index) -> dict:
-        return {self.text: self.response_text(key, index)}
+        """The response's text, and the timeline's frames moved to its span."""
+        text = self.response_text(key, index)
+        step, position = parse_group_key(key)
+        svg, _ = self.timeline_html(self.src.groups(step)[position], as_int(index, "a response number"))
+        return {self.text: text, self.timeline: svg}
 
     def on_curves_tab(self, seen) -> dict:
         """Curves are drawn when their tab is first opened (keeps the first page load light), then kept current."""
@@ -281,25 +288,36 @@ class RunView:
         verdicts = [verdict(r, g.duration) for r in g.responses]
         failed = [i for i, v in enumerate(verdicts) if v.failed]
         first = failed[0] if failed else 0  # open the offending answer first
-        bars = [Bar(f"#{i}", r.parsed_span, span_iou(r, g.gt_span),
-                    f"#{i}: " + (f"{r.parsed_span[0]:.2f}–{r.parsed_span[1]:.2f} s" if r.parsed_span else v.label)
-                    + f", tIoU {_fmt(span_iou(r, g.gt_span))}, reward {_fmt(r.rewards.get('overall'))}, advantage "
-                    f"{_fmt(r.advantage)}" + (f" ({v.why})" if v.why else ""), "" if v.label == "ok" else v.text())
-                for i, (r, v) in enumerate(zip(g.responses, verdicts))]
-        svg = timeline_svg(timeline_data(g.gt_span, g.duration, bars), uid="run")
+        svg, frames_note = self.timeline_html(g, first, verdicts)
         choices = [(f"#{i} · reward {_fmt(r.rewards.get('overall'))} · {r.finish_reason}", i)
                    for i, r in enumerate(g.responses)]
         return {
             self.step: step,  # in sync when the group came from a filter over all steps
             self.header: group_header(g, summary),
             self.gallery: strip_html(items),
-            self.frames_note: message_html(note, "note" if not items or "missing" in note else "info"),
+            self.frames_note: (message_html(frames_note, "note") if frames_note else "")
+            + message_html(note, "note" if not items or "missing" in note else "info"),
             self.timeline: svg,
             self.table: highlighted(pd.DataFrame(rows, columns=headers), failed),
             self.response: gr.update(choices=choices, value=first if choices else None),
             self.text: (response_html(first, g.responses[first], verdicts[first]) if g.responses
                         else message_html("no responses", "note")),
         }
+
+    def timeline_html(self, g, chosen: int | None, verdicts=None) -> tuple[str, str]:
+        """(svg, note): the group's spans coloured by tIoU, with the frames that show the truth and the span of
+        response `chosen` on the same time axis."""
+        verdicts = verdicts or [verdict(r, g.duration) for r in g.responses]
+        bars = [Bar(f"#{i}", r.parsed_span, span_iou(r, g.gt_span),
+                    f"#{i}: " + (f"{r.parsed_span[0]:.2f}–{r.parsed_span[1]:.2f} s" if r.parsed_span else v.label)
+                    + f", tIoU {_fmt(span_iou(r, g.gt_span))}, reward {_fmt(r.rewards.get('overall'))}, advantage "
+                    f"{_fmt(r.advantage)}" + (f" ({v.why})" if v.why else ""), "" if v.label == "ok" else v.text())
+                for i, (r, v) in enumerate(zip(g.responses, verdicts))]
+        pred = g.responses[chosen].parsed_span if chosen is not None and chosen < len(g.responses) else None
+        frames, note = event_frames(self.src.reader(), g.media_key, g.video, g.gt_span, pred, g.duration)
+        svg = timeline_svg(timeline_data(g.gt_span, g.duration, bars), uid="run",
+                           frames=[(frame_src(x), t, kind) for x, t, kind in frames])
+        return svg, note
 
     def empty_view(self, why: str) -> dict:
         return {self.header: message_html(why, "info"), self.gallery: "",

@@ -189,7 +189,8 @@ def make_small_run(out: str | os.PathLike, video_dir: str | os.PathLike | None =
     writer = RunWriter(out, tensorboard=False)
     writer.start("trainer:\n  run_name: small\n", kind="grpo", command=["python", "-m", "app.synthetic"])
     videos = {0: "/data/videos/kitchen.mp4",
-              1: str(write_video(Path(video_dir) / "garden.mp4")) if video_dir else "/data/videos/garden.mp4"}
+              1: str(write_video(Path(video_dir) / "garden.mp4", seconds=SMALL_DURATION[1], fps=4)) if video_dir
+              else "/data/videos/garden.mp4"}
     keys = {0: writer.write_thumbnails(videos[0], _frames(rng, 4), [1.5, 4.5, 7.5, 10.5]), 1: None}
     for step in (1, 2, 3):
         groups = []

@@ -77,12 +77,52 @@ def timeline_data(gt_span: list[float], duration: float, bars: list[Bar], scale:
             "scale": scale, "rows": rows}
 
 
-def timeline_svg(data: dict, uid: str = "t", width: int = 900, label_w: int = 70, row_h: int = 20) -> str:
+_FRAME_W, _FRAME_H, _FRAME_GAP = 116, 68, 6  # viewBox units (the SVG is drawn at the page's width, ~1.3 px each)
+_KIND_COLOUR = {"truth": _GT_COLOUR, "pred": "#e08a00", "around": "#777777"}
+
+
+def frame_slots(centres: list[float], width: float, w: float = _FRAME_W, gap: float = _FRAME_GAP) -> list[float]:
+    """Left edges of frames of width w, each as near its centre as it can be without overlapping another or leaving
+    [0, width] (centres sorted): pushed right where they crowd, then back from the right edge."""
+    left = []
+    for c in centres:
+        p = max(c - w / 2, 0.0, left[-1] + w + gap if left else 0.0)
+        left.append(p)
+    for i in range(len(left) - 1, -1, -1):
+        limit = width - w if i == len(left) - 1 else left[i + 1] - w - gap
+        left[i] = min(left[i], limit)
+    return left
+
+
+def _frames_band(frames: list, x, width: int, top: int) -> str:
+    """The event frames above the rows: each at its time (a leader line to the axis position), time written under."""
+    frames = sorted(frames, key=lambda f: f[1])
+    slots = frame_slots([x(t) for _, t, _ in frames], width)
+    parts = []
+    for (src, t, kind), left in zip(frames, slots):
+        c = _KIND_COLOUR.get(kind, "#777777")
+        parts.append(
+            f'<g class="frame" data-t="{t:.3f}" data-kind="{html.escape(kind)}">'
+            f'<image href="{html.escape(src)}" x="{left:.1f}" y="{top}" width="{_FRAME_W}" height="{_FRAME_H}" '
+            f'preserveAspectRatio="xMidYMid meet"><title>{kind} frame at {t:.1f} s</title></image>'
+            f'<rect x="{left:.1f}" y="{top}" width="{_FRAME_W}" height="{_FRAME_H}" fill="none" stroke="{c}" '
+            f'stroke-width="2.5"/>'
+            f'<text x="{left + _FRAME_W / 2:.1f}" y="{top + _FRAME_H + 13}" text-anchor="middle" fill="#222" '
+            f'font-size="12" font-weight="600">{t:.1f} s</text>'
+            f'<line class="frame-leader" x1="{left + _FRAME_W / 2:.1f}" y1="{top + _FRAME_H + 16}" '
+            f'x2="{x(t):.1f}" y2="{top + _FRAME_H + 30}" stroke="{c}" stroke-width="1.2"/></g>')
+    return "".join(parts)
+
+
+def timeline_svg(data: dict, uid: str = "t", width: int = 900, label_w: int = 70, row_h: int = 20,
+                 frames: list | None = None) -> str:
     """The timeline as an <svg> element (scales to its container's width); `uid` keeps element ids unique when
-    several timelines are on one page."""
+    several timelines are on one page. frames: [(image URL, seconds, kind)] drawn above the rows at their times,
+    kind "truth" (blue border), "pred" (orange: the chosen response's span) or "around" (grey)."""
     rows = data["rows"]
     plot_w = width - label_w - 20
-    top, axis_h, legend_h = 6, 26, 26
+    band = _FRAME_H + 32 if frames else 0
+    top, axis_h, legend_h = 6 + band, 26, 26
     height = top + row_h * (len(rows) + 1) + axis_h + legend_h
 
     def x(t: float) -> float:
@@ -91,6 +131,8 @@ def timeline_svg(data: dict, uid: str = "t", width: int = 900, label_w: int = 70
     out = [f'<svg class="mmpg-timeline" viewBox="0 0 {width} {height}" width="100%" '
            f'xmlns="http://www.w3.org/2000/svg" font-family="sans-serif" font-size="11" role="img" '
            f'aria-label="timeline of ground truth and predicted spans">']
+    if frames:
+        out.append(_frames_band(frames, x, width, 4))
     body_bottom = top + row_h * (len(rows) + 1)
     gs, ge = data["gt"]
     gx0 = gx1 = None

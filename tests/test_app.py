@@ -20,10 +20,10 @@ from app.data import (
     FILTERS, RunSource, count_matches, filter_groups, parse_group_key, response_rows, split_response, verdict,
 )
 from app.evals import EvalSource, prediction_rows, worst_first
-from app.frames import decoded_items, frame_items, strip_html, thumbnail_items
+from app.frames import decoded_items, event_frames, event_times, frame_items, strip_html, thumbnail_items
 from app.summary import ema, summary_html, trend
 from app.synthetic import SMALL_EVAL, SMALL_GT, SMALL_SPANS, make_eval_folder, make_small_run, make_small_sft_run
-from app.timeline import Bar, colour, nice_ticks, timeline_data, timeline_svg
+from app.timeline import Bar, colour, frame_slots, nice_ticks, timeline_data, timeline_svg
 from mmpg.errors import UserError
 from mmpg.runs import GroupRecord, RunWriter, run_eval_dir
 
@@ -160,6 +160,34 @@ def test_summary_of_a_grpo_and_an_sft_run(small, tmp_path):
     assert "<td>R1@0.7</td><td><b>0.300</b></td><td>0.020</td>" in page
     folder_only = summary_html([], [], [(3, {"miou": 0.4, "r1@0.5": 0.5})])  # no eval.jsonl: evaluation folders
     assert "<td>mIoU</td><td><b>0.400</b></td>" in folder_only and "no training metrics logged yet" in folder_only
+
+
+# ------------------------------------------------------------------------------------------- event frames
+def test_event_times_by_hand():
+    # truth [10, 16] in 20 s: pad 3 -> 7, 10, 13, 16, 19; the span [16, 20]: 16 (the truth's), 18, 20
+    assert event_times([10.0, 16.0], [16.0, 20.0], 20.0) == [
+        (7.0, "around"), (10.0, "truth"), (13.0, "truth"), (16.0, "truth"), (18.0, "pred"), (19.0, "around"),
+        (20.0, "pred")]
+    assert event_times([0.0, 1.0], None, 4.0) == [(0.0, "truth"), (0.5, "truth"), (1.0, "truth"), (2.0, "around")]
+    left = frame_slots([100.0, 105.0, 110.0, 890.0], 900.0, w=100.0, gap=4.0)  # crowded, and one at the edge
+    assert left == [50.0, 154.0, 258.0, 800.0]
+    assert all(b - a >= 104.0 for a, b in zip(left, left[1:]))
+
+
+def test_every_group_of_the_first_step_has_a_frame_inside_the_truth(small):
+    src = RunSource(small["run"])
+    for g in src.groups(1):  # position 0: stored thumbnails only; position 1: decoded from the video file
+        frames, note = event_frames(src.reader(), g.media_key, g.video, g.gt_span, g.responses[0].parsed_span,
+                                    g.duration)
+        inside = [t for _, t, kind in frames if kind == "truth"]
+        assert inside and all(g.gt_span[0] <= t <= g.gt_span[1] for t in inside), (g.video, frames, note)
+    g = src.groups(1)[1]
+    frames, _ = event_frames(src.reader(), g.media_key, g.video, g.gt_span, [9.0, 15.0], g.duration)
+    assert [round(t, 2) for _, t, _ in frames] == [7.0, 9.0, 10.0, 12.0, 13.0, 15.0, 16.0, 19.0]
+    svg = timeline_svg(timeline_data(g.gt_span, g.duration, []), frames=[("x.jpg", 13.0, "truth")])
+    assert 'x2="475.0"' in svg  # the leader line ends at 13 s on the axis: 70 + 810 * 13 / 20
+    thumbs, _ = event_frames(src.reader(), None, "/no/such/video.mp4", [2.0, 6.0], None, 12.0)
+    assert thumbs == []
 
 
 # ------------------------------------------------------------------------------------------------ curves

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from app.synthetic import SMALL_EVAL, SMALL_SPANS, make_eval_folder, make_small_run, make_small_sft_run
+from app.synthetic import (
+    SMALL_DURATION, SMALL_EVAL, SMALL_GT, SMALL_SPANS, make_eval_folder, make_small_run, make_small_sft_run,
+)
 from mmpg.runs import run_eval_dir
 
 pytestmark = [pytest.mark.slow,  # Gradio's own pandas 3 deprecation notices, not ours:
@@ -346,4 +348,31 @@ def test_an_sft_run_opens_on_its_loss_and_evaluation(browser, serve, folders):
     wait_text(page, "picked", "an SFT run samples no rollouts")
     no_error_page(page)
     page.screenshot(path=str(ARTIFACTS / "summary_sft.png"))
+    page.close()
+
+
+def test_frames_inside_the_truth_on_the_time_axis(browser, run_url):
+    """For every group of the first step a frame inside the true span, drawn at its time on the timeline's axis and
+    large enough to read (a stored thumbnail for video 0, frames decoded from the file for video 1)."""
+    page = browser.new_page()
+    page.goto(run_url)
+    wait_rows(page, "responses", count=4)
+    pick(page, "step", "1")
+    wait_text(page, "picked", "at step 1")
+    for position, label in ((0, "group 0"), (1, "group 1")):
+        page.locator("#group input").click()
+        page.get_by_role("option").filter(has_text=label).click()
+        wait_text(page, "group-header", f"sample-{position}")
+        page.wait_for_function("n => document.querySelectorAll('#timeline g.frame').length >= n", arg=3)
+        gt = SMALL_GT[position]
+        times = [float(t) for t in page.locator("#timeline g.frame[data-kind=truth]").evaluate_all(
+            "gs => gs.map(g => g.getAttribute('data-t'))")]
+        assert times and all(gt[0] <= t <= gt[1] for t in times), (position, times)
+        frame = page.locator("#timeline g.frame[data-kind=truth] image").first
+        assert frame.bounding_box()["width"] >= 120  # px on a 1400 px wide page
+        leader = page.locator("#timeline g.frame[data-kind=truth] line.frame-leader").first
+        x2 = float(leader.get_attribute("x2"))
+        assert abs(x2 - (70 + 810 * times[0] / SMALL_DURATION[position])) < 0.1  # on the axis of the spans
+    no_error_page(page)
+    page.screenshot(path=str(ARTIFACTS / "event_frames.png"), full_page=True)
     page.close()
