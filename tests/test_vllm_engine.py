@@ -135,6 +135,18 @@ def test_sampled_logprobs_match_grouped_recompute_unequal_groups_and_stops(serve
     assert again.completion_ids.tolist() == r.completion_ids.tolist(), "same seeds, same samples"
 
 
+def test_health_reports_what_the_weight_sync_needs(server):
+    """The worker count, GPUs and NCCL version come from vLLM's own workers (`collective_rpc`): here one CPU worker."""
+    from mmpg.rollout.vllm_nccl import plan_weight_sync
+    from mmpg.serve.wire import call
+
+    health = call(server.url, "/health", timeout=30)
+    assert (health["workers"], health["worker_gpus"], health["nccl_version"], health["nccl"]) == (1, [None], None,
+                                                                                                  False)
+    assert plan_weight_sync(health, server.url, on_cuda=False).kind == "file"
+    assert plan_weight_sync(dict(health, nccl=True), server.url, True, "GPU-x", "2.21.5").workers == 1
+
+
 def test_clear_errors(server, policy):
     from mmpg.rollout.vllm import PromptTooLongError
 
