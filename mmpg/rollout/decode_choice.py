@@ -35,6 +35,7 @@ import logging
 import torch
 
 from mmpg import choices
+from mmpg.grouping.inputs import prompt_attention_mask
 from mmpg.grouping.selfcheck import Envelope, bound_for, versions
 from mmpg.rollout.cascade_kernels import BACKENDS
 
@@ -114,7 +115,7 @@ class DecodeChoice:
             choices.record("decode_kernel", self.current, self.why or self._unchecked(device))
         if not check_enabled(self.check, device) or self.decode == COPY:
             return self.current
-        lengths = [int(x) for x in prompt_inputs["attention_mask"].sum(dim=1)]
+        lengths = prompt_attention_mask(prompt_inputs).sum(dim=1).tolist()  # [B] tokens of each prompt
         dims = (max(lengths), max(sizes), 0)
         need = not self.envelope.covers(dims) and self.current != COPY
         if engine.all_done is not None:
@@ -155,8 +156,8 @@ class DecodeChoice:
         self.chain.pop(0)
         self.envelope = Envelope()
         self.why = f"{kernel} dropped: {reason}; {versions()}"
-        log.warning("cascade decoding: kernel %s disagrees with copy decoding (%s; %s); next: %s", kernel, reason,
-                    versions(), self.current)
+        log.warning("cascade decoding: kernel %s failed its check against copy decoding (%s; %s); next: %s", kernel,
+                    reason, versions(), self.current)
         choices.record("decode_kernel", self.current, self.why)
         return False
 
