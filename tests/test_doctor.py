@@ -112,3 +112,17 @@ def test_driver_too_old_for_torch_is_named(monkeypatch):
     usable, why = cuda_status()
     assert not usable
     assert "supports CUDA up to 12.8" in why and "needs CUDA >= 13.0" in why and "update the driver" in why
+
+
+def test_gpu_check_script_is_mmpg_doctor_under_a_time_limit(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MMPG_DOCTOR_FAULT"}
+    env.update(OUT=str(tmp_path / "a"), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    run = lambda **extra: subprocess.run(  # noqa: E731
+        ["bash", "scripts/gpu_check.sh", "--quick", "--only", "cascade/sdpa/float32"], cwd=ROOT,
+        env={**env, **extra}, capture_output=True, text=True, timeout=300)
+    proc = run()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = _rows(json.loads((tmp_path / "a" / "doctor.json").read_text()))
+    assert rows["cascade/sdpa/float32"]["status"] == "PASS"
+    proc = run(OUT=str(tmp_path / "b"), MMPG_DOCTOR_LIMIT_S="1")
+    assert proc.returncode == 124 and "stopped at the 1 s limit" in proc.stderr
