@@ -215,6 +215,9 @@ def test_colocated_server_gets_the_file_sync_with_one_warning(nccl, caplog):
     with caplog.at_level(logging.WARNING, logger="mmpg.rollout.vllm"):
         plan = engine._sync_plan(torch.device("cuda", 0))
     assert plan.kind == "file" and "one GPU" in plan.why
+    same = plan_weight_sync(dict(health, worker_gpus=[TRAINER_GPU.upper().removeprefix("GPU-")]), "u", True,
+                            TRAINER_GPU, "2.21.5")
+    assert same.kind == "file"  # one GPU however its UUID is written
     assert [r.getMessage() for r in caplog.records if "by file" in r.getMessage()]
     assert choices.current()["weight_sync"]["value"] == "file"
     health["worker_gpus"] = [SERVER_GPU]

@@ -81,8 +81,8 @@ def plan_weight_sync(health: dict, url: str, on_cuda: bool, local_gpu: str | Non
         raise ServerError(f"the vLLM server at {url} was started with --nccl but does not report its workers (an "
                           "older mmpg vllm-serve): restart it from this checkout (scripts/vllm_serve.sh)")
     workers = int(health["workers"])
-    gpus = [g for g in health.get("worker_gpus") or [] if g]
-    if local_gpu and local_gpu in gpus:
+    gpus = {_gpu_id(g) for g in health.get("worker_gpus") or [] if g}
+    if local_gpu and _gpu_id(local_gpu) in gpus:
         return SyncPlan("file", workers, why=f"the vLLM server runs on this process's GPU ({local_gpu}) and NCCL "
                                              "refuses two ranks on one GPU: weights go by file")
     theirs, ours = nccl_version(health.get("nccl_version")), nccl_version(local_nccl)
@@ -94,6 +94,11 @@ def plan_weight_sync(health: dict, url: str, on_cuda: bool, local_gpu: str | Non
         log.warning("the NCCL version of %s is unknown (here %s, server %s): trying the NCCL weight sync anyway, for "
                     "at most rollout.vllm_sync_timeout_s", url, ours or "unknown", theirs or "unknown")
     return SyncPlan("nccl", workers)
+
+
+def _gpu_id(uuid) -> str:
+    """A GPU UUID as torch prints it, with or without nvidia-smi's "GPU-" prefix, in one form."""
+    return str(uuid).strip().lower().removeprefix("gpu-")
 
 
 def local_gpu_facts(device: torch.device) -> tuple[str | None, str | None]:
