@@ -1,7 +1,7 @@
 """The path checks of `mmpg doctor`, each on a tiny random-weight model or random tensors built here, each against the
 exact path it must equal:
 
-    grouped/<backend>/<family>   grouped_logprobs(backend) vs repeated_logprobs: max |dlogp| over the masked entries
+    grouped/<backend>/<family>/<dtype>  grouped_logprobs(backend) vs repeated_logprobs: max |dlogp| over the masked entries
                                  and the worst parameter's ||g_grouped - g_repeated|| / ||g_repeated|| after the
                                  backward of a weighted sum. Bounds: float32 1e-5 / 1e-4 (the equivalence tests');
                                  bf16 (flash) the self-check's bound for the model (`selfcheck.bound_for`) / 5e-2.
@@ -9,9 +9,12 @@ exact path it must equal:
                                  |dout| and |dlse|. Bounds: float32 1e-5, bf16 2e-2 (out) / 1e-2 (lse).
     decode/<kernel>/<family>     HFEngine greedy decoding, cascade with the kernel vs the copy path: the same tokens.
 
+    decode/auto/<family>         what the engine's own choice (`rollout.decode=auto`, its check on) takes here, and why
+                                 (`mmpg.choices`: "decode_kernel").
+
 The model is built from a config (no download): 2 layers, hidden 64, 4 query / 2 KV heads (GQA), two prompts of
-different lengths (left padded), one video each for the VL families, unequal group sizes 3 and 2, unequal response
-lengths. MMPG_DOCTOR_FAULT=<row id> (or a prefix of one) shifts that row's fast-path result by 0.1 before the
+different lengths (left padded), one video each for the VL families (Qwen3-VL: one temporal patch, since the bench's
+builder writes no per-frame timestamps), unequal group sizes 3 and 2, unequal response lengths. MMPG_DOCTOR_FAULT=<row id> (or a prefix of one) shifts that row's fast-path result by 0.1 before the
 comparison: how a test proves a faulty path FAILS and is named.
 """
 
@@ -49,7 +52,12 @@ def padded_prompts(model, ids: dict, device, lengths=(40, 52)) -> dict:
     VL model (`mmpg.bench.batch.make_inputs`)."""
     from mmpg.bench.batch import make_inputs
 
-    parts = [make_inputs(model, {"P": P, "S": 1, "G": 1}, ids, device, seed=1 + b)[0] for b, P in enumerate(lengths)]
+    case = {"S": 1, "G": 1}
+    if model.config.model_type == "qwen3_vl":  # one temporal patch: the bench's builder writes no per-frame timestamps
+        vc = model.config.vision_config
+        side = 2 * vc.patch_size * vc.spatial_merge_size
+        case["video"] = (vc.temporal_patch_size, side, side)
+    parts = [make_inputs(model, {**case, "P": P}, ids, device, seed=1 + b)[0] for b, P in enumerate(lengths)]
     width = max(p["input_ids"].shape[1] for p in parts)
     out: dict = {}
     for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
@@ -85,7 +93,7 @@ def grouped_row(family: str, backend: str, device: torch.device, dtype: torch.dt
     from mmpg.grouping import grouped_logprobs, repeated_logprobs
     from mmpg.grouping.selfcheck import bound_for
 
-    row_id = f"grouped/{backend}/{family}"
+    row_id = f"grouped/{backend}/{family}/{str(dtype).split('.')[-1]}"
     what = f"grouped forward, backend {backend}, {family} ({str(dtype).split('.')[-1]}, {device.type})"
     t0 = time.perf_counter()
     model, ids = tiny_model(family, device, dtype)
@@ -154,7 +162,9 @@ def decode_row(kernel: str, family: str, device: torch.device, dtype: torch.dtyp
     sampling = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(1,))
     runs = {}
     for decode in ("copy", "cascade"):
-        engine = HFEngine(model, ids["tokenizer"], decode=decode, cascade_backend=kernel)
+        # decode_check off: the kernel as given (with the check on, a faulty kernel would step down to copy and
+        # this row would compare copy with copy)
+        engine = HFEngine(model, ids["tokenizer"], decode=decode, cascade_backend=kernel, decode_check="off")
         runs[decode] = engine.generate_groups(prompts, [3, 2], sampling)
     a, b = runs["copy"], runs["cascade"]
     b_ids = b.completion_ids + (1 if faulty(row_id) else 0)
@@ -165,6 +175,23 @@ def decode_row(kernel: str, family: str, device: torch.device, dtype: torch.dtyp
     return Row("decode", row_id, f"greedy decoding, cascade ({kernel}) vs copy, {family} "
                f"({str(dtype).split('.')[-1]}, {device.type})", "PASS" if same else "FAIL", figure,
                "" if same else "cascade decoding gave other tokens than the copy path", time.perf_counter() - t0)
+
+
+def auto_row(family: str, device: torch.device, dtype: torch.dtype) -> Row:
+    """The decode kernel `rollout.decode=auto` takes on this machine with its check on, from `mmpg.choices`."""
+    from mmpg import choices
+    from mmpg.rollout.engine import SamplingParams
+    from mmpg.rollout.hf import HFEngine
+
+    t0 = time.perf_counter()
+    model, ids = tiny_model(family, device, dtype)
+    engine = HFEngine(model, ids["tokenizer"], decode="auto", cascade_backend="auto", decode_check="on")
+    engine.generate_groups(padded_prompts(model, ids, device), [3, 2],
+                           SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(1,)))
+    chosen = choices.current().get("decode_kernel", {"value": "(not recorded)", "why": ""})
+    return Row("decode", f"decode/auto/{family}", f"the decode kernel rollout.decode=auto takes here, {family} "
+               f"({str(dtype).split('.')[-1]}, {device.type})", "PASS", f"chose {chosen['value']}",
+               chosen["why"], time.perf_counter() - t0)
 
 
 def guarded(fn, section: str, row_id: str, what: str, *args) -> Row:

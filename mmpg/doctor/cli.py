@@ -1,10 +1,11 @@
 """`mmpg doctor`: check this machine before a run. What it runs, in order, one report row each:
 
     environment  Python, torch and its CUDA, the driver, the GPUs, transformers, DeepSpeed, peft, flash-attn, vLLM
-    grouped      each grouped backend against the repeated forward (logprobs and every gradient) on tiny models:
-                 CPU sdpa and lse_reference (float32); CUDA also flash (bf16) and flex
+    grouped      each grouped backend against the repeated forward (logprobs and every gradient) on tiny Qwen2.5-VL,
+                 Qwen3-VL and Qwen2: CPU sdpa and lse_reference (float32); CUDA also sdpa, flash and flex in bf16
     cascade      each cascade decoding kernel against the math kernel (CPU sdpa; CUDA sdpa and flash, bf16)
-    decode       greedy decoding (what `mmpg eval` runs): cascade with each kernel vs the copy path, same tokens
+    decode       greedy decoding (what `mmpg eval` runs): cascade with each kernel vs the copy path, same tokens;
+                 and which kernel rollout.decode=auto takes here (its own check on) and why
     train        three bf16 GRPO steps of `mmpg train` with the grouped forward's self-check
     sync         the vLLM engine's NCCL weight sync: only with a vLLM environment and two GPUs
     speed        grouped vs repeated forward + backward at one P and G; cascade vs copy decoding
@@ -49,20 +50,26 @@ def _wanted(only: str):
     return lambda row_id: not prefixes or any(row_id.startswith(w) for w in prefixes)
 
 
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2")
+F32, BF16 = torch.float32, torch.bfloat16
+# (backend, dtype): where each runs. CPU: float32 (the equivalence tests' bounds); CUDA: also bf16, what runs train
+GROUPED = {"cpu": [("sdpa", F32), ("lse_reference", F32)],
+           "cuda": [("sdpa", F32), ("sdpa", BF16), ("lse_reference", F32), ("flash", BF16), ("flex", BF16)]}
+
+
 def _grouped(device: torch.device, cuda_why: str) -> list:
-    """(row id, what, function, args) for each grouped backend check; CUDA-only ones as NOT RUN rows."""
+    """(row id, function, args...) for each grouped backend check; those this machine cannot run as NOT RUN rows."""
     plans = []
-    for family in ("qwen2_5_vl", "qwen2"):
-        for backend in ("sdpa", "lse_reference"):
-            plans.append((f"grouped/{backend}/{family}", checks.grouped_row, family, backend, device, torch.float32))
-        for backend, dtype in (("flash", torch.bfloat16), ("flex", torch.float32)):
-            row_id = f"grouped/{backend}/{family}"
-            if device.type != "cuda":
-                plans.append(not_run("grouped", row_id, f"grouped forward, backend {backend}, {family}",
-                                     NO_CUDA + cuda_why))
+    for family in FAMILIES:
+        for backend, dtype in GROUPED["cuda"]:
+            name = str(dtype).split(".")[-1]
+            row_id, what = f"grouped/{backend}/{family}/{name}", f"grouped forward, backend {backend}, {family} ({name})"
+            if (backend, dtype) in GROUPED[device.type]:
+                plans.append((row_id, checks.grouped_row, family, backend, device, dtype))
+            elif device.type != "cuda":
+                plans.append(not_run("grouped", row_id, what, NO_CUDA + cuda_why))
             elif backend == "flash" and not _flash_usable(device)[0]:
-                plans.append(not_run("grouped", row_id, f"grouped forward, backend flash, {family}",
-                                     "flash-attn: " + _flash_usable(device)[1]))
+                plans.append(not_run("grouped", row_id, what, "flash-attn: " + _flash_usable(device)[1]))
             else:
                 plans.append((row_id, checks.grouped_row, family, backend, device, dtype))
     return plans
@@ -86,11 +93,16 @@ def _cascade_and_decode(device: torch.device, cuda_why: str) -> list:
                                  "flash-attn: " + _flash_usable(device)[1]))
         else:
             plans.append((row_id, checks.cascade_row, kernel, device, torch.bfloat16))
-    kernels = ["sdpa", "math"] + (["flash"] if device.type == "cuda" and _flash_usable(device)[0] else [])
-    for kernel in kernels:
-        for family in ("qwen2_5_vl", "qwen2"):
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            plans.append((f"decode/{kernel}/{family}", checks.decode_row, kernel, family, device, dtype))
+    dtype = BF16 if device.type == "cuda" else F32
+    for family in FAMILIES:
+        for kernel in ("sdpa", "math", "flash"):
+            row_id = f"decode/{kernel}/{family}"
+            if kernel != "flash" or (device.type == "cuda" and _flash_usable(device)[0]):
+                plans.append((row_id, checks.decode_row, kernel, family, device, dtype))
+            else:
+                why = NO_CUDA + cuda_why if device.type != "cuda" else "flash-attn: " + _flash_usable(device)[1]
+                plans.append(not_run("decode", row_id, f"greedy decoding, cascade (flash) vs copy, {family}", why))
+        plans.append((f"decode/auto/{family}", checks.auto_row, family, device, dtype))
     return plans
 
 
