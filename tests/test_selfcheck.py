@@ -1,5 +1,5 @@
-"""The self-check (`mmpg.grouping.selfcheck`): its bounds, its envelope, a passing check on the real forward, a wrong
-forward caught with the one-line error (mode on) or a warning (mode warn), and the engine check used by evaluation."""
+"""The self-check (`mmpg.grouping.selfcheck`): a 0.04 nat fault caught at 28 layers in bf16, the fallback to sdpa,
+its envelope, a passing check on the real forward, a wrong forward caught with the one-line error (mode on) or a warning (mode warn), and the engine check used by evaluation."""
 
 from __future__ import annotations
 
@@ -27,17 +27,114 @@ def group(loaded):
     return model, inputs, ids, mask
 
 
-def test_bounds_per_dtype(group):
-    model = group[0]
-    assert bound_for(model, torch.float32) == 1e-4
-    layers = model.config.text_config.num_hidden_layers  # 2
-    assert bound_for(model, torch.bfloat16) == pytest.approx(1.6 * 2 ** -8 * layers)  # 0.0125 for 2 layers
-    assert bound_for(model, torch.float16) == pytest.approx(2.0 * 2 ** -11 * layers)
-    model.config.text_config.num_hidden_layers = 28
-    try:
-        assert bound_for(model, torch.bfloat16) == pytest.approx(0.175)  # 1.6 * 28 / 256
-    finally:
-        model.config.text_config.num_hidden_layers = layers
+def _faulty_backends(monkeypatch, fault):
+    """The grouped attention's backends with `fault(name, out, layout) -> out` applied to their output; `flex` runs
+    sdpa's kernel underneath (no compile here), so a fault-free flex is exact."""
+    import mmpg.grouping.attention as attention
+    from mmpg.grouping.backends import get_backend
+
+    def faulty(name):
+        real = get_backend("sdpa" if name == "flex" else name)
+        return lambda q, k, v, layout, scale: fault(name, real(q, k, v, layout, scale), layout)
+
+    monkeypatch.setattr(attention, "get_backend", faulty)
+
+
+def _scaled_responses(eps, only=None):
+    """A fault in the grouped attention: the response tokens' attention output scaled by 1 + eps (backend `only`)."""
+    def fault(name, out, layout):
+        if only is not None and name != only:
+            return out
+        out = out.clone()
+        out[0, layout.response_index] *= 1 + eps
+        return out
+    return fault
+
+
+@pytest.fixture(scope="module")
+def deep_bf16():
+    """A tiny Qwen2.5-VL with 28 decoder layers (Qwen2.5-VL-7B's depth) in bf16, and one group of 4 responses."""
+    from mmpg.models.tiny import TinySpec, build_tiny_model, build_tiny_processor
+
+    spec = TinySpec(num_layers=28)
+    processor = build_tiny_processor("qwen2_5_vl", spec)
+    model = build_tiny_model("qwen2_5_vl", spec, tokenizer=processor.tokenizer).to(torch.bfloat16)
+    inputs = vl_batch(processor, "qwen2_5_vl", VIDEOS)
+    inputs["pixel_values_videos"] = inputs["pixel_values_videos"].to(torch.bfloat16)
+    ids, mask = completions(GROUPS, LENGTHS, model.config.text_config.vocab_size)
+    return model, inputs, ids, mask
+
+
+@pytest.mark.slow
+def test_a_004_nat_fault_at_28_layers_is_caught_in_bf16(deep_bf16, monkeypatch):
+    """The check of a bf16 run computes in float32 on the run's weights: a correct grouped forward passes far under
+    the bound, and a fault of 0.04 nat (sized in float32) stops the run. The bf16 comparison's depth bound (0.175
+    at 28 layers) would have let it through."""
+    from mmpg.grouping import grouped_logprobs, repeated_logprobs
+    from mmpg.grouping.precise import float32_compute
+
+    model, inputs, ids, mask = deep_bf16
+    m = SelfCheck("on").run(model, inputs, ids, mask, GROUPS)
+    assert m["check/bound"] == 1e-4 and m["check/grouped_vs_repeated_max"] <= 1e-5  # sdpa: float32 throughout
+    _faulty_backends(monkeypatch, _scaled_responses(1.5))
+    with torch.no_grad(), float32_compute(model):
+        fault = float((grouped_logprobs(model, inputs, ids, mask, GROUPS) -
+                       repeated_logprobs(model, inputs, ids, mask, GROUPS)).abs().max())
+    assert 0.02 <= fault <= 0.06, fault  # a 0.04 nat fault
+    assert fault < bound_for(model, torch.bfloat16) == pytest.approx(0.175)  # the bf16 comparison's bound
+    old = SelfCheck("on", precise=False).run(model, inputs, ids, mask, GROUPS)  # the check as it was: passes
+    assert old["check/grouped_vs_repeated_max"] <= old["check/bound"]
+    with pytest.raises(SelfCheckError, match="bound 0.0001 for bfloat16"):
+        SelfCheck("on").run(model, inputs, ids, mask, GROUPS)
+
+
+def test_a_16_bit_kernel_is_checked_within_its_bound(deep_bf16, monkeypatch):
+    """flash / flex keep their kernel in bf16 inside the float32 check (bound 0.25 u L = 0.027 at 28 layers): the
+    correct kernel (sdpa's, standing in) passes, the 0.04 nat fault does not."""
+    import mmpg.grouping.selfcheck as selfcheck
+
+    model, inputs, ids, mask = deep_bf16
+    bound, kernel = selfcheck.precise_bound(model, "flex", torch.bfloat16)
+    assert kernel == torch.bfloat16 and bound == pytest.approx(0.25 * 28 / 256)
+    monkeypatch.setattr(selfcheck, "FLOAT32_KERNELS", ("lse_reference",))  # sdpa's kernel kept in bf16 here
+    m = SelfCheck("on").run(model, inputs, ids, mask, GROUPS)
+    assert m["check/bound"] == pytest.approx(bound) and 0 < m["check/grouped_vs_repeated_max"] < bound / 10
+    _faulty_backends(monkeypatch, _scaled_responses(1.5))
+    with pytest.raises(SelfCheckError, match="bound 0.0273 for bfloat16"):
+        SelfCheck("on").run(model, inputs, ids, mask, GROUPS)
+
+
+def test_a_failing_backend_falls_back_to_sdpa_with_one_line(group, monkeypatch, caplog):
+    """A flex backend whose output is shifted, or that raises: one warning line, the model keeps sdpa, the check
+    passes there and `choice` says why. When sdpa fails too the run stops."""
+    from mmpg.grouping import set_grouping_options
+
+    model, inputs, ids, mask = group
+
+    def raises(name, out, layout):
+        if name == "flex":
+            raise RuntimeError("no kernel image is available for execution on the device")
+        return out
+
+    for fault, words in ((_scaled_responses(0.5, only="flex"), "flex differs by "),
+                         (raises, "flex raised RuntimeError: no kernel image")):
+        set_grouping_options(model, backend="flex")
+        _faulty_backends(monkeypatch, fault)
+        check = SelfCheck("on")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mmpg.grouping"):
+            m = check.run(model, inputs, ids, mask, GROUPS)
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("mmpg")]
+        assert len(lines) == 1 and lines[0].startswith(f"self-check: grouped backend {words}"), lines
+        assert lines[0].endswith("falling back to sdpa") and "flash-attn " in lines[0]
+        assert m["check/grouped_vs_repeated_max"] <= 1e-4 and model._mmpg_backend == "sdpa"
+        assert check.choice[0] == "sdpa" and check.choice[1].startswith(words)
+        assert not check.needed(model, batch_dims(inputs, mask, GROUPS))  # the envelope is sdpa's now
+    set_grouping_options(model, backend="flex")
+    _faulty_backends(monkeypatch, _scaled_responses(0.5))  # every backend wrong
+    with pytest.raises(SelfCheckError, match="backend sdpa"):
+        SelfCheck("on").run(model, inputs, ids, mask, GROUPS)
+    set_grouping_options(model, backend="auto")
 
 
 def test_passes_on_the_real_forward_and_grows_the_envelope(group):
@@ -131,3 +228,21 @@ def test_drift_alarm_after_several_steps_in_a_row():
             assert line.startswith(f"logprob drift at step {step}: actor/logprob_gap_max")
     assert flagged == [7, 8]  # steps 5, 6 (NaN), 7 are the first three in a row
     assert alarm.update(9, {}) is None  # a step without the metric (skipped update) changes nothing
+
+
+def test_run_json_fast_paths_are_replaced_whole_and_the_rest_kept(tmp_path):
+    import json
+
+    from mmpg.runs import RunWriter
+
+    writer = RunWriter(tmp_path / "run", tensorboard=False)
+    writer.start("a: 1\n", kind="grpo", command=["mmpg", "train"], extra={"parameters": {"text": "x"}})
+    writer.set_fast_paths({"grouped_backend": {"value": "flash", "why": ""}})
+    writer.set_fast_paths({"grouped_backend": {"value": "sdpa", "why": "flash differs by 0.3"},
+                           "decode_kernel": {"value": "copy", "why": ""}})
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert info["fast_paths"] == {"grouped_backend": {"value": "sdpa", "why": "flash differs by 0.3"},
+                                  "decode_kernel": {"value": "copy", "why": ""}}
+    assert info["parameters"] == {"text": "x"} and info["kind"] == "grpo"
+    RunWriter(tmp_path / "other", rank=1).set_fast_paths({"x": {}})  # not rank 0: nothing written
+    assert not (tmp_path / "other").exists()

@@ -106,7 +106,7 @@ def _make_attention(base: str):
         if kwargs.get("sliding_window") is not None:
             raise ValueError("grouped attention does not support sliding-window layers (use_sliding_window=False)")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        dtype = attention_dtype(module, query, key, value)
+        dtype = layout.kernel_dtype or attention_dtype(module, query, key, value)
         query, key, value = (x.to(dtype) for x in (query, key, value))
         layout = layout.for_device(query.device)
         if layout.sequence is not None:  # this rank holds a shard of the row: Ulysses around the same backend

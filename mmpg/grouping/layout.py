@@ -42,6 +42,8 @@ class GroupLayout:
     # deterministic attention backward where the backend has a choice (flash-attn's `deterministic=`; the model's
     # `_mmpg_deterministic`, set by `apply_grouped_attention`)
     deterministic: bool = False
+    # the dtype the attention kernel runs in when the rest computes in float32 (`mmpg.grouping.precise`); None: q/k/v's
+    kernel_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         self.device = torch.device(self.device)

@@ -121,7 +121,8 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     packed_ids, packed_pos, row_lens, row_skip = pack(prefixes, completions, shares, device)
     layout = GroupLayout(prefix_lens=[s.length for s in shares], response_lens=row_lens, device=device,
                          backend=backend, row_skip=row_skip if any(any(k) for k in row_skip) else None,
-                         deterministic=bool(getattr(model, "_mmpg_deterministic", False)))
+                         deterministic=bool(getattr(model, "_mmpg_deterministic", False)),
+                         kernel_dtype=getattr(model, "_mmpg_kernel_dtype", None))
     visual_inputs = leaders_visuals(prompt_inputs, visuals, shares)
     if group_size(sequence_group) > 1:  # the row cut over the sp ranks (mmpg.grouping.sequence)
         layout.sequence = SequenceShard(sequence_group, group_size(sequence_group), dist.get_rank(sequence_group),
