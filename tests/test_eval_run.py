@@ -81,6 +81,7 @@ def test_end_to_end_on_the_synthetic_test_split(grpo_data, tmp_path, capsys):
                  "When does", "| scoring | last_span |", "plots/recall_vs_threshold.png", "time_r1",
                  "## Coverage", "queries in the annotation file: **2**", "evaluated: **2**; scored: **2**"):
         assert text in report, text
+    assert "## Fast paths" in report and "| grouped_backend | sdpa |" in report  # mmpg.choices, as decided here
     assert report.index("tIoU > m (Time-R1) |") < report.index("tIoU >= m (VideoChat-R1) |")
 
 

@@ -104,6 +104,9 @@ def test_run_directory_contents(grpo_data, tmp_path):
 
     reader = RunReader(tmp_path / "r")
     assert reader.info()["kind"] == "grpo"
+    # what the fast paths chose (mmpg.choices), kept current by the trainer; the run header says it too
+    assert reader.info()["fast_paths"]["grouped_backend"]["value"] == "sdpa"
+    assert "fast paths: grouped_backend=sdpa" in (tmp_path / "r" / "train.log").read_text()
     assert reader.config()["rollout"]["n"] == 4
     lines = reader.metrics()
     assert [m["step"] for m in lines] == [1, 2]

@@ -145,6 +145,14 @@ def _settings_rows(info: dict) -> list[str]:
     return rows
 
 
+def _fast_paths(fast: dict) -> list[str]:
+    """What each fast path of the evaluating process chose (`mmpg.choices`): same answers, other speed."""
+    if not fast:
+        return []
+    rows = ["", "## Fast paths", "", "| path | chosen | why |", "|---|---|---|"]
+    return rows + [f"| {k} | {v.get('value')} | {v.get('why') or ''} |" for k, v in fast.items()]
+
+
 def eval_report(info: dict, metrics: dict, records, protocol_summary: str = "") -> str:
     """report.md: what was evaluated, the metrics under both conventions (the protocol's first), unparseable and
     failed samples, every setting that changes the numbers, the plots."""
@@ -170,6 +178,7 @@ def eval_report(info: dict, metrics: dict, records, protocol_summary: str = "") 
         lines += ["", f"Annotation records left out when loading (not evaluated): **{count}**"]
         lines += [f"- {where}: {why}" for where, why in left_out[:5]]
     lines += ["", "## Settings that change the numbers", ""] + _settings_rows(info)
+    lines += _fast_paths(info.get("fast_paths") or {})
     lines += ["", "## Plots", ""] + [f"![{title}](plots/{name})" for name, title in PLOTS]
     return "\n".join(lines) + "\n"
 

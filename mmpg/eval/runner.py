@@ -147,8 +147,21 @@ def load_model(checkpoint, settings: EvalSettings, device: str):
     from mmpg.grouping import set_grouping_options
 
     set_grouping_options(model, backend=settings.grouping_backend)  # the shared prefill's backend
+    _record_grouped_backend(model, settings.grouping_backend, device)
     model.eval()
     return model, processor, family, dtype
+
+
+def _record_grouped_backend(model, name: str, device: str) -> None:
+    """`mmpg.choices` "grouped_backend": the shared prefill's backend as resolved for this device and dtype."""
+    import torch
+
+    from mmpg import choices
+    from mmpg.grouping.backends import compute_dtype, resolve_backend
+
+    dev = torch.device(device)
+    chosen = resolve_backend(name, dev, compute_dtype(model, dev))
+    choices.record("grouped_backend", chosen, "" if chosen == name else f"grouping_backend={name} on {dev.type}")
 
 
 def _first_line(e: BaseException) -> str:
@@ -282,5 +295,8 @@ def finish(folder, n: int, settings: EvalSettings, counts: DecodeCounts | None =
     plots.start_end_plot(writer.plot_path("start_end.png"),
                          [(tuple(r.pred_span), tuple(r.gt_span)) for r in records if r.pred_span is not None])
     protocol = PROTOCOLS.get(info.get("protocol"))
+    from mmpg import choices
+
+    info = dict(info, fast_paths=choices.current())  # what this process's fast paths chose (decode kernel, ...)
     writer.write_text("report.md", eval_report(info, metrics, records, protocol.summary if protocol else ""))
     return reader.metrics()  # as written: NaN as null, with the layout version

@@ -36,7 +36,7 @@ from mmpg.rl.batch import PromptGroup, collate_groups, micro_batches, split_grou
 from mmpg.train.data import packed_shares
 from mmpg.rl.split import generate_split
 from mmpg.rollout import HFEngine, SamplingParams
-from mmpg import dist
+from mmpg import choices, dist
 from mmpg.train.engine import stage0_grad_norm
 
 MAX_EMPTY_ROUNDS = 50  # rounds in a row in which some rank had no usable sample at all -> the data is unusable
@@ -313,9 +313,26 @@ class GRPOStep:
                                    share=self.cfg.algorithm.share_videos)
         except SelfCheckError as e:
             raise UserError(str(e)) from None
+        self._record_backend()
         prompts, parts = getattr(self.policy, "_mmpg_shared", (1, 1))  # what the checked grouped forward shared
         out["check/shared_prompts"] = dist.all_max([prompts - parts], self._coll_device)[0]
         return out
+
+    def _record_backend(self) -> None:
+        """The self-check's backend choice into `mmpg.choices`; after a fallback the reference's grouped forward
+        (a loaded one, or the policy with adapters off) takes the same backend."""
+        if self.checker.choice is None:
+            return
+        backend, why = self.checker.choice
+        now = choices.current().get("grouped_backend")
+        if not why and now is not None and now["value"] == backend:
+            return  # as set up (`mmpg.train.setup.record_grouped_backend`)
+        if why and self.ref is not None:
+            from mmpg.grouping import set_grouping_options
+
+            with reference_model(self.policy, self.ref) as ref_model:
+                set_grouping_options(ref_model, backend=backend)
+        choices.record("grouped_backend", backend, why)
 
     def update(self, groups: list[PromptGroup], timer: Timer) -> dict:
         cfg, alg, engine = self.cfg, self.cfg.algorithm, self.engine

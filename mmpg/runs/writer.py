@@ -174,6 +174,18 @@ class RunWriter:
         if missing:
             atomic_write_json(run_json, {**info, **missing})
 
+    def set_fast_paths(self, fast_paths: Mapping[str, object]) -> None:
+        """run.json's "fast_paths" := `fast_paths` ({path: {"value", "why"}}, `mmpg.choices.current()`: what each
+        fast path chose and why), the rest of run.json kept; written atomically (rank 0; others do nothing)."""
+        if not self.active:
+            return
+        run_json = self.run_dir / RUN_JSON
+        try:
+            info = json.loads(run_json.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return  # a missing or damaged run.json is the reader's error to report, not the writer's to hide
+        atomic_write_json(run_json, {**info, "fast_paths": jsonable(dict(fast_paths))})
+
     def _truncate_after(self, resume_step: int) -> None:
         dropped = sum(_truncate_jsonl(self.run_dir / name, resume_step) for name in (METRICS_JSONL, EVAL_JSONL))
         removed = 0

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from mmpg.runs import MEDIA_DIR, video_key
 from mmpg.runs.layout import MEDIA_META
-from mmpg import dist
+from mmpg import choices, dist
 from mmpg.train.checkpoint import save_checkpoint
 
 log = logging.getLogger("mmpg.train")
@@ -70,10 +70,15 @@ def run_loop(job, session) -> None:
                  "go on, or choose another trainer.run_name for a new run)", start, total)
     bar = tqdm(total=total, initial=start, desc=f"{job.kind}", unit="step", disable=session.rank != 0,
                dynamic_ncols=True)
+    recorded = None  # the choices' version last written to run.json
     try:
         for step in range(start + 1, total + 1):
             out = job.train_step(step)
             if session.rank == 0:
+                if choices.version() != recorded:  # a fast path chose (or stepped down) during the step
+                    recorded = choices.version()
+                    writer.set_fast_paths(choices.current())
+                    log.info("fast paths: %s", choices.summary())
                 media = {}
                 for video, frames, times in out.thumbnails or []:
                     media[video] = writer.write_thumbnails(video, frames, times)

@@ -15,7 +15,7 @@ from mmpg.errors import UserError
 from mmpg.models.loading import attention_summary
 from mmpg.models.lora import trainable_summary
 from mmpg.runs import METRICS_JSONL, RUN_JSON, TRAIN_LOG, RunWriter
-from mmpg import dist
+from mmpg import choices, dist
 from mmpg.train.checkpoint import find_resume, load_checkpoint
 from mmpg.train.engine import build_engine, prepare_deepspeed_env, resolve_device, resolve_dtype_name
 
@@ -98,6 +98,22 @@ def grouping_options(model, cfg):
     return set_grouping_options(model, backend=cfg.model.grouping_backend, deterministic=cfg.model.deterministic)
 
 
+def record_grouped_backend(model, device: str) -> str:
+    """`mmpg.choices` "grouped_backend": model.grouping_backend resolved for this device and dtype (the self-check
+    records a fallback later)."""
+    import torch
+
+    from mmpg.grouping.backends import compute_dtype, resolve_backend
+
+    dev = torch.device(device)
+    name = getattr(model, "_mmpg_backend", "auto")
+    dtype = compute_dtype(model, dev)
+    chosen = resolve_backend(name, dev, dtype)
+    why = "" if name == chosen else f"model.grouping_backend={name} on {dev.type} in {str(dtype).removeprefix('torch.')}"
+    choices.record("grouped_backend", chosen, why)
+    return chosen
+
+
 def load_models(cfg, device: str, dtype: str):
     from mmpg.models.loading import load_policy, load_processor
 
@@ -135,6 +151,7 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     family = model_family(model)
     params = trainable_summary(model)  # before DeepSpeed partitions anything
     grouping_options(model, cfg)
+    record_grouped_backend(model, device)
     if sp > 1:  # every grouped forward of this policy spreads its packed row over the sequence-parallel group
         from mmpg.grouping import apply_grouped_attention
 
@@ -156,6 +173,7 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
                  f" = {world // sp} data-parallel x {sp} sequence-parallel" if sp > 1 else "",
                  engine.zero_optimization_stage(), f"; resumed from {resume} (step {start})" if resume else "")
         log.info("attention: %s", attention_summary(model, device))
+        log.info("fast paths: %s", choices.summary() or "none chosen yet")
     return Session(cfg=cfg, device=device, dtype=dtype, rank=rank, world=world, run_dir=run_dir,
                    model=engine.module.policy, processor=processor, engine=engine, family=family, writer=writer,
                    sp=sp, start_step=start, state=state)
