@@ -182,3 +182,21 @@ def test_settings_reach_the_engine(load_tiny, monkeypatch):
     with pytest.raises(Built):
         grpo.GRPOStep(cfg, engine, None, processor, iter(()), None, "cpu")
     assert seen["cascade_backend"] == "math" and seen["decode_check"] == "on"
+
+
+def test_mmpg_eval_takes_the_same_decision(grpo_data, tmp_path, monkeypatch):
+    """`mmpg eval` decodes through the same engine decision: with decode_check=on and a faulty sdpa kernel it steps
+    down to math, and its report's fast paths name the choice and why."""
+    from mmpg.eval.runner import evaluate_checkpoint
+    from mmpg.eval.settings import load_settings
+
+    monkeypatch.setitem(cascade_kernels.KERNELS, "sdpa", _shifted)
+    synth = grpo_data["synth"]
+    fast = ["fps=1", "max_frames=4", "min_pixels=3136", "max_pixels=3136", "max_new_tokens=8", "num_workers=0",
+            "decode_check=on"]
+    result = evaluate_checkpoint(grpo_data["model"], synth / "test.json", synth / "videos", tmp_path / "out",
+                                 load_settings("default", fast))
+    assert result.decoded == 2
+    assert choices.current()["decode_kernel"]["value"] == "math"
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| decode_kernel | math |" in report and "sdpa dropped" in report
