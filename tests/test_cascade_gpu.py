@@ -94,7 +94,7 @@ def _on_cuda(model, inputs, dtype):
     return model, moved
 
 
-@pytest.mark.parametrize("backend", ["math", "sdpa"])  # math: what "auto" picks on CUDA until these have passed
+@pytest.mark.parametrize("backend", ["math", "sdpa"])  # sdpa: what "auto" takes on CUDA without flash-attn
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_cuda_cascade_equals_copy_fp32(family, backend, load_tiny):
     model, processor = load_tiny(family)

@@ -302,7 +302,7 @@ def test_three_level_attention_equals_dense(backend):
     assert float((got.double() - ref[keep]).abs().max()) < 1e-5
 
 
-# ---- CUDA (skipped without a GPU; NEVER RUN YET: written on a CPU-only machine) --------------------------------------
+# ---- CUDA (skipped without a GPU; UNTESTED on a GPU so far) ----------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["math", "sdpa"])  # math: what "auto" picks on CUDA
 @pytest.mark.parametrize("family", VL)

@@ -2,10 +2,10 @@
 
 `register_cascade_attention(base)` registers `mmpg_cascade_<base>` (see `cascade_name`), and under that name the mask
 function of the implementation its ordinary calls run (`mmpg.grouping.attention._ordinary`: sdpa for a flash-loaded
-model, whose ordinary and prefill calls run sdpa and need sdpa's 4-D mask, not flash's 2-D one). It behaves exactly like `base` — the implementation the text model uses now, possibly mmpg's grouped
-one — unless the layer call carries `mmpg_cascade=<CascadeCall>` in its kwargs, which only `HFEngine`'s cascade decode
-step passes; then `key`/`value` are the row's own K/V that `SharedPrefixCache` returned and the prefix comes from the
-cache:
+model, whose ordinary and prefill calls run sdpa and need sdpa's 4-D mask, not flash's 2-D one). It behaves exactly like
+`base` — the implementation the text model uses now, possibly mmpg's grouped one — unless the layer call carries
+`mmpg_cascade=<CascadeCall>` in its kwargs, which only `HFEngine`'s cascade decode step passes; then `key`/`value` are
+the row's own K/V that `SharedPrefixCache` returned and the prefix comes from the cache:
 
     query [n, Hq, 1, D] --view--> [n, Hkv, rep, D]                     (rep = Hq / Hkv: GQA heads folded into Lq)
       prefix part: rows of prompt b stacked  [B', Hkv, G_max·rep, D] x prefix K/V [B', Hkv, L, D]   one call

@@ -68,8 +68,8 @@ def key_bias(key_mask: torch.Tensor, dtype: torch.dtype, heads: int, lq: int) ->
     per batch row, its last dim padded to a multiple of 16 in storage and sliced back (the kernel wants aligned row
     strides), then expanded over heads and queries with stride 0 (the kernel reads the bias through its strides).
 
-    Memory: B·ceil16(Lk)·s bytes per call instead of the B·H·Lq·ceil16(Lk)·s of a materialised bias, i.e. H·Lq times
-    less. At the released 7B geometry (H = 4 key-value heads, Lq = G·rep = 8·7 = 56 rows of a prompt folded into the
+    Memory: B·ceil16(Lk)·s bytes per call instead of the B·H·Lq·ceil16(Lk)·s of a materialised bias (H·Lq times
+    less). At the released 7B geometry (H = 4 key-value heads, Lq = G·rep = 8·7 = 56 rows of a prompt folded into the
     query length, bf16) and P = 16k: 32 KB instead of 7.3 MB per prompt, per layer and decode step."""
     b, lk = key_mask.shape
     padded = (lk + 15) // 16 * 16

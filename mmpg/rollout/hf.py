@@ -32,10 +32,10 @@ Qwen2.5-VL video in transformers 5.x, and mmpg follows the forward so rollout an
 are passed to every forward explicitly, so the model's stateful `rope_deltas` is neither used nor changed, and unequal
 group sizes work (the model's own rope-delta path assumes every prompt was expanded the same number of times).
 
-Long prompts (`prefill_chunk` > 0, `mmpg.rollout.chunks`; the prefill forms live in `mmpg.rollout.prefill`): a batch longer than one chunk is prefilled chunk by chunk
-behind the cache (both decode modes; under a tree its shared parts in chunks, then the tails behind them), its videos
-encoded in frame chunks; the same K/V and logits as the one forward up to float rounding (tested within 1e-5). A
-batch no longer than one chunk takes the one forward above, bit for bit.
+Long prompts (`prefill_chunk` > 0, `mmpg.rollout.chunks`; the prefill forms live in `mmpg.rollout.prefill`): a batch
+longer than one chunk is prefilled chunk by chunk behind the cache (both decode modes; under a tree its shared parts in
+chunks, then the tails behind them), its videos encoded in frame chunks; the same K/V and logits as the one forward up
+to float rounding (tested within 1e-5). A batch no longer than one chunk takes the one forward above, bit for bit.
 
 Where this departs from `generate`: sampling settings come only from `SamplingParams` (the checkpoint's
 generation_config contributes its eos and pad ids, nothing else: no repetition penalty, no default top-k).
