@@ -6,7 +6,8 @@ while a run is writing. Modules:
     evals.py     EvalSource, predictions worst first
     timeline.py  ground truth and predicted spans as SVG, coloured by tIoU on one 0-1 scale
     summary.py   the run summary on top: headline trends (smoothed, change over the last steps), latest evaluation
-    curves.py    training curves as long tables for line plots
+    curves.py    training curves as long tables for line plots (units, merging, smoothing, log scale)
+    curves_view.py  the Curves tab
     frames.py    frames: the event (inside and around the truth and the chosen span) and the whole-video strip
     render.py    HTML pieces and CSS;  guard.py  handlers never raise into the page
     run_view.py, eval_view.py, server.py   the Gradio page and its server

@@ -16,11 +16,11 @@ import gradio as gr
 import pandas as pd
 
 from app.data import _fmt
-from app.evals import EvalSource, metrics_rows, prediction_rows, sample_header, worst_first
+from app.evals import EvalSource, headline_html, metrics_rows, prediction_rows, sample_header, worst_first
 from app.frames import decoded_items, event_frames, frame_src, strip_html
 from app.guard import guarded
 from app.render import message_html, text_parts_html
-from app.run_view import as_int, picker
+from app.run_view import SORT_HINT, as_int, picker
 from app.timeline import Bar, timeline_data, timeline_svg
 from mmpg.errors import UserError
 
@@ -44,13 +44,15 @@ class EvalView:
     def build(self) -> None:
         with gr.Tab("Evaluation", id="evals") as self.tab:
             self.pick = picker("Evaluation folder", "eval-pick")
+            self.headline = gr.HTML(elem_id="eval-headline")
             self.info = gr.HTML(elem_id="eval-info")
             with gr.Column(visible=False) as self.body:
                 with gr.Row():
                     self.metrics = gr.Dataframe(headers=["metric", "value"], label="metrics.json", interactive=False,
                                                 elem_id="eval-metrics", max_height=300, scale=1)
                     self.plots = gr.HTML(elem_id="eval-plots")
-                self.table = gr.Dataframe(label="Samples, worst first: click a row to see it", interactive=False,
+                self.table = gr.Dataframe(label=SORT_HINT.format(what="Samples, worst first: click a row to see it"),
+                                          interactive=False,
                                           elem_id="eval-samples", max_height=360)
                 self.sample = picker("Sample", "eval-sample")
                 self.header = gr.HTML(elem_id="eval-header")
@@ -61,7 +63,7 @@ class EvalView:
         self.sample_view = [self.header, self.gallery, self.frames_note, self.timeline, self.text]
 
     def outputs(self) -> list:
-        return [self.status, self.pick, self.info, self.body, self.metrics, self.plots, self.table, self.sample,
+        return [self.status, self.pick, self.headline, self.info, self.body, self.metrics, self.plots, self.table, self.sample,
                 *self.sample_view]
 
     def wire(self, lazy: bool) -> None:
@@ -88,7 +90,7 @@ class EvalView:
     def on_load(self) -> dict:
         labels = list(self.folders())
         if not labels:
-            return {self.pick: gr.update(choices=[], value=None), self.body: gr.update(visible=False),
+            return {self.pick: gr.update(choices=[], value=None), self.body: gr.update(visible=False), self.headline: "",
                     self.info: message_html("No evaluation folders in this run yet (RUN_DIR/evals/<benchmark>/"
                                             "step_*; mmpg eval writes them).", "info")}
         out = self.on_pick(labels[-1])
@@ -106,6 +108,7 @@ class EvalView:
         metrics = src.reader.metrics()
         plots = src.plots()
         out = {
+            self.headline: headline_html(metrics),
             self.info: f'<div class="mmpg-facts">{" · ".join(facts)}</div>'
                        + ("" if metrics else message_html("metrics.json not written yet: the evaluation has not "
                                                           "finished", "note")),

@@ -78,12 +78,34 @@ def prediction_rows(records: list[PredictionRecord], limit: int = 2000) -> tuple
     return headers, rows
 
 
+def headline_keys(metrics: dict) -> list[str]:
+    """R1@m by threshold, then mIoU: the figures papers report, in metrics.json."""
+    def threshold(k: str) -> float:
+        try:
+            return float(k[3:])
+        except ValueError:
+            return math.inf
+    r1 = sorted((k for k in metrics if k.lower().startswith("r1@")), key=threshold)
+    return r1 + [k for k in metrics if k.lower() == "miou"]
+
+
 def metrics_rows(metrics: dict | None) -> list[list]:
-    """[[name, value]] of metrics.json (without the version), numbers rounded."""
+    """[[name, value]] of metrics.json (without the version), numbers rounded; R1@m and mIoU first."""
     if not metrics:
         return []
-    return [[k, _round(v, 4) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)]
-            for k, v in metrics.items() if k != "v"]
+    keys = headline_keys(metrics)
+    keys += [k for k in metrics if k not in keys and k != "v"]
+    return [[k, _round(metrics[k], 4) if isinstance(metrics[k], (int, float)) and not isinstance(metrics[k], bool)
+             else str(metrics[k])] for k in keys]
+
+
+def headline_html(metrics: dict | None) -> str:
+    """R1@0.3 / 0.5 / 0.7 and mIoU as large figures at the top of the tab."""
+    keys = headline_keys(metrics or {})
+    cards = "".join(f'<div class="mmpg-card" data-metric="{html.escape(k)}"><div class="mmpg-card-name">'
+                    f'{html.escape(k.replace("r1@", "R1@").replace("miou", "mIoU"))}</div><div class="mmpg-card-now">'
+                    f"{_fmt(metrics[k], 3)}</div></div>" for k in keys if isinstance(metrics[k], (int, float)))
+    return f'<div class="mmpg-cards">{cards}</div>' if cards else ""
 
 
 def sample_header(r: PredictionRecord) -> str:

@@ -1,5 +1,5 @@
 """The run tabs of the inspector: Rollouts (step and group pickers, filters, frames, timeline, response table and
-text) and Curves (training metrics over steps). Every handler returns {component: value} and goes through
+text) and Curves (training metrics over steps, app/curves_view.py), and the run summary above them. Every handler returns {component: value} and goes through
 `guarded`, so a problem shows as a message, never as an error page.
 
 New steps appear while a run writes: a timer (and the Refresh button) re-lists the steps and re-reads the metrics,
@@ -13,7 +13,7 @@ import datetime
 import gradio as gr
 import pandas as pd
 
-from app.curves import EVAL_PANEL, PANELS, curve_frames, long_frame, metric_keys
+from app.curves_view import CurvesView
 from app.data import (
     FILTERS, REWARD_HELP, SCOPES, RunSource, _fmt, count_matches, drift_note, filter_groups, group_header,
     parse_group_key, response_rows, span_iou, verdict,
@@ -45,6 +45,9 @@ def as_int(value, what: str = "a step number") -> int | None:
 
 
 as_step = as_int
+
+
+SORT_HINT = "{what}; to sort or filter, open a column's ⋮ menu (on its header)"
 
 
 def empty_table() -> pd.DataFrame:
@@ -94,30 +97,21 @@ class RunView:
             self.timeline = gr.HTML(elem_id="timeline")
             self.frames_note = gr.HTML(elem_id="frames-note")
             gr.HTML(f'<div class="mmpg-info">{REWARD_HELP}</div>', elem_id="reward-help")
-            self.table = gr.Dataframe(value=empty_table(), label="Responses: click a row to read it, a header to sort",
+            self.table = gr.Dataframe(value=empty_table(), label=SORT_HINT.format(what="Responses: click a row to read it"),
                                       interactive=False, elem_id="responses", max_height=420)
             self.response = picker("Response", "response")
             self.text = gr.HTML(elem_id="response-text")
             gr.HTML('<div class="mmpg-info">The whole video, evenly spaced (hover a frame to enlarge it):</div>')
             self.gallery = gr.HTML(elem_id="frames")
-        with gr.Tab("Curves", id="curves") as self.curves_tab:
-            self.plots = {}
-            panels = [(pid, title) for pid, title, _ in PANELS] + [EVAL_PANEL]
-            for i in range(0, len(panels), 2):
-                with gr.Row():
-                    for pid, title in panels[i:i + 2]:
-                        self.plots[pid] = gr.LinePlot(x="step", y="value", color="series", title=title, height=260,
-                                                      elem_id=f"curve-{pid}", label=title, show_label=False)
-            self.any_key = picker("Any logged metric", "any-metric")
-            self.any_plot = gr.LinePlot(x="step", y="value", color="series", height=260, elem_id="curve-any",
-                                        show_label=False, visible=False)
-            self.curves_note = gr.HTML(elem_id="curves-note")
+        self.cv = CurvesView(self.src, self.status, self.seen)
+        self.cv.build()
+        self.plots = self.cv.plots
         self.view = [self.header, self.gallery, self.frames_note, self.timeline, self.table, self.response, self.text]
 
     def outputs(self) -> list:
         """Everything `on_refresh` may update (the page's load event uses the same list)."""
         return [self.status, self.title, self.summary, self.step, self.group, self.picked, *self.view,
-                *self.plots.values(), self.any_key, self.curves_note, self.seen]
+                *self.cv.outputs(), self.seen]
 
     def inputs(self) -> list:
         return [self.step, self.filter, self.scope, self.group, self.seen]
@@ -137,9 +131,7 @@ class RunView:
                           queue=False)
         self.response.input(guarded(s)(self.on_response), [self.group, self.response], [s, self.text, self.timeline],
                             queue=False)
-        self.any_key.input(guarded(s)(self.on_any), [self.any_key], [s, self.any_plot])
-        self.curves_tab.select(guarded(s)(self.on_curves_tab), [self.seen], [s, *self.plots.values(), self.any_key,
-                                                                        self.curves_note, self.seen])
+        self.cv.wire()
         ins = [*self.inputs(), follow]
         refresh.click(guarded(s)(self.on_refresh_forced), ins, self.outputs())
         timer.tick(guarded(s, clear=False)(self.on_refresh), ins, self.outputs(), show_progress="hidden")
@@ -192,18 +184,6 @@ class RunView:
         svg, _ = self.timeline_html(self.src.groups(step)[position], as_int(index, "a response number"))
         return {self.text: text, self.timeline: svg}
 
-    def on_curves_tab(self, seen) -> dict:
-        """Curves are drawn when their tab is first opened (keeps the first page load light), then kept current."""
-        seen = dict(seen or {})
-        if self.src.problem():
-            return {self.curves_note: message_html("nothing logged yet", "note")}
-        seen["curves"], seen["metrics"] = True, self.src.metrics_key()
-        return {**self.curves(), self.seen: seen}
-
-    def on_any(self, key) -> dict:
-        return {self.any_plot: gr.update(value=long_frame(self.src.metrics(), [key] if key else []),
-                                         visible=bool(key))}
-
     def on_load(self, follow: bool = True) -> dict:
         return self.on_refresh(None, FILTERS[0], SCOPES[0], None, {}, follow, force=True)
 
@@ -251,7 +231,7 @@ class RunView:
             seen["alarm"], seen["alarm_key"] = alarm, mkey
             out[self.summary] = self.summary_html()
         if seen.get("curves") and (force or mkey != seen.get("metrics")):
-            out.update(self.curves())
+            out.update(self.cv.curves(seen.get("smoothing", 0.0), seen.get("log", False)))
             seen["metrics"] = mkey
         out[self.seen] = seen
         return out
@@ -335,18 +315,8 @@ class RunView:
             raise UserError(f"this group has {len(responses)} responses; there is no #{i}")
         return response_html(i, responses[i], verdict(responses[i], groups[position].duration))
 
-    def curves(self) -> dict:
-        metrics, evals = self.src.metrics(), self.src.eval_metrics()
-        frames = curve_frames(metrics, evals)
-        out = {self.plots[pid]: frame for pid, frame in frames.items()}
-        empty = [t for pid, t, _ in PANELS if frames[pid].empty] + ([EVAL_PANEL[1]] if frames["eval"].empty else [])
-        keys = metric_keys(metrics)
-        out[self.any_key] = gr.update(choices=keys)
-        note = f"{len(metrics)} step(s) in metrics.jsonl, {len(evals)} evaluation(s) in eval.jsonl."
-        if empty:
-            note += " Not logged by this run: " + "; ".join(empty) + "."
-        out[self.curves_note] = message_html(note, "info")
-        return out
+    def curves(self, smoothing: float = 0.0, log: bool = False) -> dict:
+        return self.cv.curves(smoothing, log)
 
     def summary_html(self) -> str:
         """The summary row: trends of the headline metrics and the latest held-out evaluation."""

@@ -15,11 +15,11 @@ from urllib.parse import unquote
 
 import pytest
 
-from app.curves import curve_frames, long_frame
+from app.curves import curve_frames, folded, long_frame
 from app.data import (
     FILTERS, RunSource, count_matches, filter_groups, parse_group_key, response_rows, split_response, verdict,
 )
-from app.evals import EvalSource, prediction_rows, worst_first
+from app.evals import EvalSource, headline_html, metrics_rows, prediction_rows, worst_first
 from app.frames import decoded_items, event_frames, event_times, frame_items, strip_html, thumbnail_items
 from app.summary import ema, summary_html, trend
 from app.synthetic import SMALL_EVAL, SMALL_GT, SMALL_SPANS, make_eval_folder, make_small_run, make_small_sft_run
@@ -194,17 +194,34 @@ def test_every_group_of_the_first_step_has_a_frame_inside_the_truth(small):
 def test_curves_from_metrics_and_eval_lines(small):
     src = RunSource(small["run"])
     frames = curve_frames(src.metrics(), src.eval_metrics())
-    assert set(frames["reward"]["series"]) == {"reward/mean", "reward/format", "reward/parsed"}
+    assert set(frames["reward"]["series"]) == {"mean", "format", "parsed"}  # the legend without the prefix
     assert list(frames["iou"]["step"]) == [1, 2, 3]
     assert list(frames["kl"]["value"]) == pytest.approx([0.001, 0.002, 0.003])
-    assert set(frames["timing"]["series"]) == {"timing_s/rollout", "timing_s/update"}
+    assert set(frames["timing"]["series"]) == {"rollout", "update"}
     assert set(frames["eval"]["series"]) == {"miou", "r1@0.5"}
+    # identical series drawn once; smoothing (EMA w = 0.5: 1, 2, 4 -> 1, 1.5, 2.75); log10 leaves out values <= 0
+    recs = [{"step": i, "reward/accuracy": v, "reward/iou_v2": v, "actor/kl": 0.0, "actor/clip_fraction": 0.0}
+            for i, v in ((1, 1.0), (2, 2.0), (3, 4.0))]
+    frames = curve_frames(recs, [], smoothing=0.5)
+    assert set(frames["reward"]["series"]) == {"accuracy = iou_v2"}
+    assert list(frames["reward"]["value"]) == [1.0, 1.5, 2.75]
+    assert list(long_frame(recs + [{"step": 4, "x": 0.0}, {"step": 5, "x": 100.0}], ["x"], log=True)["value"]) == [2.0]
+    empty, zero = folded(recs, [])
+    assert zero == [("KL to the reference", ["actor/kl"]), ("Clip fraction", ["actor/clip_fraction"])]
+    assert "tIoU" in empty and "Held-out evaluation during training" in empty and "Reward" not in empty
     records = [{"step": i, "x": float(i)} for i in range(10_001)]
     thin = long_frame(records, ["x"], max_points=1000)
     assert len(thin) <= 1001 and thin["step"].iloc[-1] == 10_000 and thin["step"].iloc[0] == 0
 
 
 # ----------------------------------------------------------------------------------------------- evaluations
+def test_eval_headline_puts_r1_first():
+    metrics = {"v": 1, "count": 10, "failed": 0, "miou": 0.41, "r1@0.7": 0.2, "r1@0.3": 0.7, "r1@0.5": 0.5}
+    assert [k for k, _ in metrics_rows(metrics)] == ["r1@0.3", "r1@0.5", "r1@0.7", "miou", "count", "failed"]
+    assert re.findall(r'data-metric="([^"]+)"', headline_html(metrics)) == ["r1@0.3", "r1@0.5", "r1@0.7", "miou"]
+    assert headline_html({}) == ""
+
+
 def test_eval_rows_worst_first(small):
     src = EvalSource(small["eval"])
     records = src.predictions()

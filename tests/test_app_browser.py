@@ -188,9 +188,17 @@ def test_curves_render(browser, run_url):
     page.goto(run_url)
     wait_rows(page, "responses", count=4)
     page.get_by_role("tab", name="Curves").click()
-    for pid in ("reward", "iou", "length", "kl", "clip", "timing", "eval"):
+    for pid in ("reward", "iou", "signal", "length", "kl", "clip", "timing", "eval"):
         page.locator(f"#curve-{pid} canvas, #curve-{pid} svg").first.wait_for()
-    assert "3 step(s) in metrics.jsonl, 3 evaluation(s)" in page.inner_text("#curves-note")
+    note = page.inner_text("#curves-note")
+    assert "3 step(s) in metrics.jsonl, 3 evaluation(s)" in note
+    assert "Not logged by this run: Loss; Policy entropy (GRPO health); Gradient norm" in note
+    for pid in ("loss", "entropy", "grad", "gap"):  # folded into the note, not drawn empty
+        assert not page.locator(f"#curve-{pid}").is_visible()
+    assert "mean tIoU of the sampled spans" in page.inner_text("#curve-iou")  # the panel's one-line description
+    page.get_by_label("log scale (log10 of the values)").check()
+    page.get_by_label("0.9", exact=True).check()
+    page.wait_for_timeout(1500)
     no_error_page(page)
     page.screenshot(path=str(ARTIFACTS / "curves.png"), full_page=True)
     page.close()
@@ -212,6 +220,9 @@ def test_evaluation_views(browser, serve, folders, run_url):
         assert page.locator("#eval-timeline rect.span-bar").count() == 1
         assert "video file not available" in page.inner_text("#eval-frames-note")
         assert page.locator("#eval-metrics").inner_text().find("miou") >= 0
+        headline = page.locator("#eval-headline")  # R1@m at the top of the tab, above the metrics table
+        assert headline.inner_text().split()[:2] == ["R1@0.5", "0.500"]  # 2 of 4 samples at tIoU >= 0.5
+        assert headline.bounding_box()["y"] < page.locator("#eval-metrics").bounding_box()["y"]
         page.wait_for_function("() => { const i = document.querySelector('#eval-plots img');"
                                " return i && i.complete && i.naturalWidth > 0; }")  # served from inside the folder
         no_error_page(page)
@@ -375,4 +386,25 @@ def test_frames_inside_the_truth_on_the_time_axis(browser, run_url):
         assert abs(x2 - (70 + 810 * times[0] / SMALL_DURATION[position])) < 0.1  # on the axis of the spans
     no_error_page(page)
     page.screenshot(path=str(ARTIFACTS / "event_frames.png"), full_page=True)
+    page.close()
+
+
+def test_the_sort_hint_says_what_sorts(browser, run_url):
+    """The table's label names the ⋮ menu, and that menu does sort (a click on a header does not)."""
+    page = browser.new_page()
+    page.goto(run_url)
+    wait_rows(page, "responses", count=4)
+    assert "open a column's ⋮ menu" in page.inner_text("#responses")
+    overall = lambda: [float(r[4]) for r in table_rows(page, "responses")]  # noqa: E731
+    before = overall()
+    header = page.locator("#responses [role=columnheader]").nth(4)
+    assert header.inner_text().startswith("overall")
+    header.hover()
+    header.get_by_role("button", name="Open cell menu").click()
+    page.get_by_role("menuitem", name="Sort descending").click()
+    page.wait_for_function("() => true")
+    wait_rows(page, "responses", count=4)
+    page.wait_for_timeout(500)
+    assert overall() == sorted(before, reverse=True) != before
+    no_error_page(page)
     page.close()
