@@ -198,5 +198,9 @@ def test_mmpg_eval_takes_the_same_decision(grpo_data, tmp_path, monkeypatch):
                                  load_settings("default", fast))
     assert result.decoded == 2
     assert choices.current()["decode_kernel"]["value"] == "math"
+    monkeypatch.undo()  # torch's kernel again, unchecked
+    unchecked = evaluate_checkpoint(grpo_data["model"], synth / "test.json", synth / "videos", tmp_path / "off",
+                                    load_settings("default", fast[:-1] + ["decode_check=off"]))
+    assert result.metrics["perf/vision_calls"] == unchecked.metrics["perf/vision_calls"] > 0  # the check uncounted
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| decode_kernel | math |" in report and "sdpa dropped" in report

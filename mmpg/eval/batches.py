@@ -239,6 +239,7 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
     done, start = 0, time.time()
     counts = {"prefix_tokens": 0, "videos": set()}
     with VisionCalls(model) as vision:
+        engine.check_scope = vision.paused  # the decode check's forwards go uncounted
         for r in range(rounds):
             batch = next(batches, None)
             records = _answer(engine, batch, sampling, settings, checker, counts, vision, stand_in)

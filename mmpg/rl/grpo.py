@@ -111,6 +111,8 @@ class GRPOStep:
         self.shared_prompts = 0  # per step: see `_logprobs`
         self.row_tokens = 0  # per step: the longest packed row (or sequence-parallel shard) this rank held
         self.vision = VisionCalls(self.policy, ref_model)  # videos the vision towers encode (perf/vision_calls)
+        if not self.vllm:
+            self.rollout_engine.check_scope = self.vision.paused  # the decode check's forwards go uncounted
 
     def _vllm_engine(self, cfg, processor):
         """Connect to the vLLM server (waiting up to rollout.vllm_wait_s) and give it this policy's weights (a resumed

@@ -43,6 +43,7 @@ generation_config contributes its eos and pad ids, nothing else: no repetition p
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 
@@ -97,6 +98,8 @@ class HFEngine(Prefill, RolloutEngine):
         self.cascade_backend = cascade_backend  # auto, sdpa, flash or math (`mmpg.rollout.cascade_kernels`)
         # decode_check: auto (on for CUDA), on, off: the chosen cascade kernel against copy decoding
         self._path: str | None = None
+        # () -> a context manager around the decode check's forwards (a caller pauses its counters there)
+        self.check_scope = contextlib.nullcontext
         self.choice = DecodeChoice(resolve_decode(decode, torch.device("cpu")), cascade_backend, decode_check)
         self.last_kv_bytes: int | None = None  # K/V bytes the cache held after the last call's final decode step
         # the last call's prefill, for the trainer and eval (`mmpg.rollout.shares.prefill_stats`): prompts, prefixes
@@ -190,7 +193,8 @@ class HFEngine(Prefill, RolloutEngine):
         part = select_prompts(self.model, prompt_inputs, picks, self._pad_id())
         greedy = SamplingParams(max_new_tokens=steps, temperature=0, stop_token_ids=(), logprobs=True)
         sizes = [g_max] * len(picks)
-        return self._generate(part, sizes, greedy, path="copy"), self._generate(part, sizes, greedy, path=kernel)
+        with self.check_scope():
+            return self._generate(part, sizes, greedy, path="copy"), self._generate(part, sizes, greedy, path=kernel)
 
     def _decode(self, cache, logits, attn, start, rows, sizes, sampling: SamplingParams, prompt_seeds) -> Rollout:
         """Sample token 0 from the prefill logits, then decode the live rows; `cache` is the copied DynamicCache
