@@ -2,12 +2,12 @@
 this process on a text-only Qwen2 built from a config, with the bench's batch builder (`mmpg.bench.batch`):
 
     speed/forward   grouped vs repeated forward + backward of one prompt of P tokens and G responses of S tokens;
-                    the FLOPs model's ceiling for that shape beside it (`mmpg.bench.flops.rho_forward`)
+                    the FLOPs model's ceiling for that shape beside it (`mmpg.bench.flops.rho_flops`)
     speed/decode    greedy decoding of G responses behind one prompt of P tokens: cascade (each prompt's K/V read
                     once for its G rows) vs copy (the prefill's cache copied G ways)
 
-CPU: P 512, S 32, G 8 on the tiny model (seconds); CUDA: P 8192, S 128, G 16, bf16, a larger LM (hidden 1024, 8
-layers). Each timing is the median of 3 after one warm-up. For real sizes run `mmpg bench` (see its presets).
+CPU: P 1024, S 32, G 8 on the tiny model (seconds); CUDA: P 8192, S 128, G 16, bf16, a larger LM (hidden 1024, 8
+layers). Each timing is the median of 2 after one warm-up. For real sizes run `mmpg bench` (see its presets).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from mmpg.doctor.report import Row
 
-CPU_SHAPE = {"P": 512, "S": 32, "G": 8, "dtype": torch.float32,
+CPU_SHAPE = {"P": 1024, "S": 32, "G": 8, "dtype": torch.float32,
              "spec": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                       "intermediate_size": 256}}
 CUDA_SHAPE = {"P": 8192, "S": 128, "G": 16, "dtype": torch.bfloat16,
@@ -27,7 +27,7 @@ CUDA_SHAPE = {"P": 8192, "S": 128, "G": 16, "dtype": torch.bfloat16,
                        "intermediate_size": 2816}}
 
 
-def _time(fn, device: torch.device, repeats: int = 3) -> float:
+def _time(fn, device: torch.device, repeats: int = 2) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -47,7 +47,7 @@ def _shape(device: torch.device) -> dict:
 
 def forward_row(device: torch.device) -> Row:
     from mmpg.bench.batch import make_inputs
-    from mmpg.bench.flops import dims_from_config, rho_forward
+    from mmpg.bench.flops import dims_from_config, rho_flops
     from mmpg.doctor.checks import tiny_model
     from mmpg.grouping import grouped_logprobs, repeated_logprobs
 
@@ -63,9 +63,9 @@ def forward_row(device: torch.device) -> Row:
         return run
 
     grouped, repeated = _time(step(grouped_logprobs), device), _time(step(repeated_logprobs), device)
-    ceiling = rho_forward(dims_from_config(model.config), info["P"], s["S"], s["G"])
+    ceiling = rho_flops(dims_from_config(model.config), info["P"], s["S"], s["G"])
     figure = (f"grouped {grouped * 1e3:.0f} ms vs repeated {repeated * 1e3:.0f} ms: {repeated / grouped:.2f}x "
-              f"(forward FLOPs ceiling {ceiling:.2f}x)" if ceiling else "")
+              f"(FLOPs ceiling {ceiling:.2f}x)" if ceiling else "")
     return Row("speed", "speed/forward", f"forward + backward, P {info['P']}, S {s['S']}, G {s['G']} "
                f"({str(s['dtype']).split('.')[-1]}, {device.type})", "PASS", figure, "", time.perf_counter() - t0)
 

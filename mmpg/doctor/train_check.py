@@ -5,7 +5,8 @@ forward's, within the bf16 bound of `mmpg.grouping.selfcheck`).
 
 PASS: the run exits 0, logs every step, its self-check figure is within its bound and no drift alarm fired
 (`alarm/logprob_drift`: the rollout's logprobs against the training forward's). The figure gives the self-check's
-max |dlogp| and bound, the largest rollout-vs-training gap and the mean seconds per step.
+max |dlogp| and bound, the largest rollout-vs-training gap, the mean seconds per step and what the run's fast paths
+chose (run.json "fast_paths": the grouped backend, the decode kernel).
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def _metrics(run: Path) -> list[dict]:
     return out
 
 
+def fast_paths(run: Path) -> str:
+    """"; grouped_backend sdpa, decode_kernel sdpa": what the run's fast paths chose (run.json "fast_paths")."""
+    try:
+        fast = json.loads((run / "run.json").read_text()).get("fast_paths") or {}
+    except (OSError, ValueError):
+        return ""
+    return "".join(f"; {key} {entry.get('value')}" for key, entry in sorted(fast.items()) if isinstance(entry, dict))
+
+
 def judge(metrics: list[dict], rc: int, log_tail: str) -> tuple[str, str, str]:
     """(status, figure, detail) of a finished run from its metrics.jsonl records and exit status."""
     checked = [m for m in metrics if "check/grouped_vs_repeated_max" in m]
@@ -101,4 +111,5 @@ def train_row(work: Path, device: str, timeout_s: float = 600) -> Row:
         rc, tail = 124, f"stopped after {timeout_s:.0f} s"
     (work / "train.log").write_text(f"$ {' '.join(cmd)}\nexit {rc}\n{tail}\n")
     status, figure, detail = judge(_metrics(out / "bf16"), rc, tail)
+    figure += fast_paths(out / "bf16")
     return Row("train", row_id, what, status, figure, detail, time.perf_counter() - t0)
