@@ -139,3 +139,19 @@ def test_gpu_check_script_is_mmpg_doctor_under_a_time_limit(tmp_path):
     assert rows["cascade/sdpa/float32"]["status"] == "PASS"
     proc = run(OUT=str(tmp_path / "b"), MMPG_DOCTOR_LIMIT_S="1")
     assert proc.returncode == 124 and "stopped at the 1 s limit" in proc.stderr
+
+
+def test_asking_for_cuda_without_one_is_one_error(tmp_path):
+    import argparse
+
+    import torch
+
+    from mmpg.doctor import cli
+    from mmpg.errors import UserError
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(UserError, match="--device cuda, but .*--device auto or cpu"):
+        cli.run(parser.parse_args(["--device", "cuda", "--out", str(tmp_path)]))

@@ -146,7 +146,9 @@ def plan_rows(device: torch.device, cuda_why: str, quick: bool, work: Path) -> l
 
 def _device(choice: str, cuda: bool, cuda_why: str) -> torch.device:
     if choice == "cuda" and not cuda:
-        raise SystemExit(f"mmpg doctor: error: --device cuda, but {cuda_why}")
+        from mmpg.errors import UserError
+
+        raise UserError(f"--device cuda, but {cuda_why}; run with --device auto or cpu to check the rest")
     return torch.device("cuda", 0) if choice == "cuda" or (choice == "auto" and cuda) else torch.device("cpu")
 
 
