@@ -1,4 +1,5 @@
-"""The rollout inspector: a Gradio page over a run directory or an evaluation folder (`mmpg inspect PATH`).
+"""The rollout inspector: a Gradio page over a run directory or an evaluation folder (`mmpg inspect PATH`), or
+over several runs to compare (`mmpg inspect RUN_A RUN_B`, or a folder holding runs).
 
 It reads only through `mmpg.runs` (never imports the trainer, `mmpg.rl` or `mmpg.train`) and picks up new steps
 while a run is writing. Modules:
@@ -10,6 +11,7 @@ while a run is writing. Modules:
     curves_view.py  the Curves tab
     frames.py    frames: the event (inside and around the truth and the chosen span) and the whole-video strip
     render.py    HTML pieces and CSS;  guard.py  handlers never raise into the page
+    compare.py, compare_view.py   several runs side by side (curves and evaluations overlaid)
     run_view.py, eval_view.py, server.py   the Gradio page and its server
     synthetic.py, bench.py   a large synthetic run and the timing script
 """

@@ -7,7 +7,7 @@ once, named "a = b". Options: smoothing, an exponential moving average as Tensor
 
     s_0 = v_0,   s_t = w s_{t-1} + (1 - w) v_t        (w in [0, 1); 0: the raw values)
 
-applied before thinning, and a log scale (log10 of the values; values <= 0 are left out and counted).
+applied before thinning (not to the held-out evaluations: a few points, each a measurement), and a log scale (log10 of the values; values <= 0 are left out and counted).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def curve_frames(metrics: list[dict], eval_metrics: list[dict], smoothing: float
     for p in PANELS:
         out[p.id] = long_frame(metrics, panel_keys(p, present), p.strip, smoothing=smoothing, log=log)
     out[EVAL_PANEL.id] = long_frame(eval_metrics, panel_keys(EVAL_PANEL, present, eval_metrics), EVAL_PANEL.strip,
-                                    smoothing=smoothing, log=log)
+                                    log=log)  # a few evaluations: points in their own right, never smoothed
     return out
 
 

@@ -15,7 +15,7 @@ from app.render import message_html
 from mmpg.errors import UserError
 
 
-def _weight(smoothing) -> float:
+def smoothing_weight(smoothing) -> float:
     """The EMA weight of a Smoothing choice ('off' or a number in [0, 1))."""
     if smoothing in (None, "", SMOOTHING[0]):
         return 0.0
@@ -77,12 +77,13 @@ class CurvesView:
         return {**self.curves(seen.get("smoothing", 0.0), seen.get("log", False)), self.seen: seen}
 
     def on_any(self, key, smoothing=SMOOTHING[0], log=False) -> dict:
-        frame = long_frame(self.src.metrics(), [key] if key else [], smoothing=_weight(smoothing), log=bool(log))
+        frame = long_frame(self.src.metrics(), [key] if key else [], smoothing=smoothing_weight(smoothing),
+                           log=bool(log))
         return {self.any_plot: gr.update(value=frame, visible=bool(key))}
 
     def on_options(self, smoothing, log, seen) -> dict:
         """Smoothing or log scale changed: redraw the curves with them (kept for later refreshes)."""
-        seen = {**(seen or {}), "smoothing": _weight(smoothing), "log": bool(log)}
+        seen = {**(seen or {}), "smoothing": smoothing_weight(smoothing), "log": bool(log)}
         if self.src.problem():
             return {self.seen: seen}
         return {**self.curves(seen["smoothing"], seen["log"]), self.seen: seen}

@@ -1,8 +1,10 @@
 """Build and serve the inspector page for one folder: a run directory (Rollouts, Curves, Evaluation tabs) or an
-evaluation folder (Evaluation tab only).
+evaluation folder (Evaluation tab only); or the compare page for several run directories, or a folder holding
+several (app/compare_view.py).
 
 Security: the server binds 127.0.0.1 unless told otherwise, and Gradio may serve files only from inside the
-folder (`allowed_paths` is that folder alone; Gradio resolves symlinks before checking). Every file path the app
+folder (`allowed_paths` is that folder alone, or the compared run directories; Gradio resolves symlinks before
+checking; the compare page serves no file at all). Every file path the app
 hands to Gradio comes from `RunReader.resolve` / `EvalReader.resolve`, which refuse '..', absolute paths and
 symlinks leading out; decoded video frames are handed over as arrays. Nothing is uploaded, nothing is written
 into the folder.
@@ -18,6 +20,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import gradio as gr  # noqa: E402
 
+from app.compare import find_runs, is_run_dir  # noqa: E402
+from app.compare_view import CompareView  # noqa: E402
 from app.data import RunSource  # noqa: E402
 from app.eval_view import EvalView  # noqa: E402
 from app.evals import run_evals  # noqa: E402
@@ -33,9 +37,39 @@ def is_eval_folder(path: Path) -> bool:
     return (path / "eval.json").is_file()
 
 
-def build_app(path: str | os.PathLike, refresh_s: float = REFRESH_S) -> gr.Blocks:
-    """The page for `path` (an existing folder; it need not be a run directory yet)."""
-    root = Path(path)
+def compare_paths(paths) -> list[Path] | None:
+    """The folders to compare, or None for the one-folder page: several paths, or one folder that is neither a run
+    directory nor an evaluation folder but holds run directories."""
+    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
+    if len(paths) > 1:
+        return paths
+    root = paths[0]
+    if root.is_dir() and not is_eval_folder(root) and not is_run_dir(root) and any(
+            c.is_dir() and is_run_dir(c) for c in root.iterdir()):
+        return paths
+    return None
+
+
+def build_compare(paths: list[Path]) -> gr.Blocks:
+    runs = find_runs(paths)
+    with gr.Blocks(title=f"mmpg inspect · {len(runs)} runs", analytics_enabled=False) as page:
+        with gr.Row(equal_height=True):
+            gr.Markdown(f"**Comparing {len(runs)} runs** · " + " · ".join(f"`{n}`" for n in runs), elem_id="title")
+            refresh = gr.Button("Refresh", elem_id="refresh", scale=0, min_width=100)
+        status = gr.HTML(elem_id="status")
+        cv = CompareView(runs, status)
+        cv.build()
+        cv.wire(page, refresh)
+    return page
+
+
+def build_app(path, refresh_s: float = REFRESH_S) -> gr.Blocks:
+    """The page for `path` (an existing folder; it need not be a run directory yet), or the compare page for a list
+    of run directories or a folder holding several."""
+    several = compare_paths(path)
+    if several is not None:
+        return build_compare(several)
+    root = Path(path if isinstance(path, (str, os.PathLike)) else path[0])
     if not root.is_dir():
         raise UserError(f"{root}: no such folder; pass a run directory or an evaluation folder")
     eval_mode = is_eval_folder(root)
@@ -69,15 +103,21 @@ def build_app(path: str | os.PathLike, refresh_s: float = REFRESH_S) -> gr.Block
     return page
 
 
-def launch(path: str | os.PathLike, host: str = "127.0.0.1", port: int | None = None, block: bool = True,
+def launch(path, host: str = "127.0.0.1", port: int | None = None, block: bool = True,
            quiet: bool = False, refresh_s: float = REFRESH_S) -> tuple[gr.Blocks, str]:
     """Serve the page; returns (blocks, local URL). With block=False the server runs in a thread (tests, scripts);
     stop it with `blocks.close()`."""
-    root = Path(path).resolve()
-    page = build_app(root, refresh_s=refresh_s)
+    several = compare_paths(path)
+    if several is not None:  # only the compared run directories, never the folder around them
+        allowed = [str(src.run_dir.resolve()) for src in find_runs(several).values()]
+        page = build_app(several, refresh_s=refresh_s)
+    else:
+        root = Path(path if isinstance(path, (str, os.PathLike)) else path[0]).resolve()
+        allowed = [str(root)]
+        page = build_app(root, refresh_s=refresh_s)
     _, url, _ = page.launch(
         server_name=host, server_port=port, prevent_thread_lock=not block, quiet=quiet, share=False,
         inbrowser=False, show_error=False, ssr_mode=False, mcp_server=False, enable_monitoring=False,
-        allowed_paths=[str(root)], footer_links=[], theme=gr.themes.Default(), css=CSS,
+        allowed_paths=allowed, footer_links=[], theme=gr.themes.Default(), css=CSS,
     )
     return page, url

@@ -139,9 +139,9 @@ def _cmd_inspect(args) -> int:
     from app.server import launch
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"mmpg inspect: serving on {args.host}: anyone who can reach this machine can read {args.path}",
+        print(f"mmpg inspect: serving on {args.host}: anyone who can reach this machine can read {' '.join(args.path)}",
               file=sys.stderr)
-    launch(args.path, host=args.host, port=args.port)
+    launch(args.path[0] if len(args.path) == 1 else args.path, host=args.host, port=args.port)
     return 0
 
 
@@ -220,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="browse a run's rollouts, rewards and curves (or an evaluation folder) "
                        "in a local web page")
-    p.add_argument("path", metavar="RUN_DIR", help="a run directory (it may still be written) or an evaluation folder")
+    p.add_argument("path", metavar="RUN_DIR", nargs="+",
+                   help="a run directory (it may still be written) or an evaluation folder; several run directories, "
+                   "or a folder holding several, open the compare page (their curves and evaluations overlaid)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_positive_int, default=None, help="port (default: 7860 or the next free one)")
     p.set_defaults(func=_cmd_inspect)

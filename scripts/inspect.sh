@@ -3,6 +3,7 @@
 #   bash scripts/inspect.sh runs/my_run                 http://127.0.0.1:7860 (this machine only)
 #   bash scripts/inspect.sh runs/my_run --port 8080     from another machine: ssh -L 8080:127.0.0.1:8080 THIS_HOST
 #   bash scripts/inspect.sh --example                   a synthetic 1,000-step run (written once, about a minute)
+#   bash scripts/inspect.sh runs/sft runs/grpo          compare runs (or a folder holding them): curves and evals overlaid
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
 cd "$MMPG_ROOT"

@@ -214,6 +214,30 @@ def test_curves_from_metrics_and_eval_lines(small):
     assert len(thin) <= 1001 and thin["step"].iloc[-1] == 10_000 and thin["step"].iloc[0] == 0
 
 
+# ----------------------------------------------------------------------------------------------- compare
+def test_compare_finds_runs_and_overlays_them(small, tmp_path):
+    from app.compare import compare_rows, find_runs, overlay
+
+    parent = tmp_path / "runs"
+    shutil.copytree(small["run"], parent / "grpo", symlinks=True)
+    make_small_sft_run(parent / "sft")
+    (parent / "notes").mkdir()  # not a run: left out
+    runs = find_runs([parent])
+    assert list(runs) == ["grpo", "sft"]
+    assert list(find_runs([parent / "sft", parent / "grpo"])) == ["sft", "grpo"]  # in the order given
+    headers, rows = compare_rows(runs)
+    row = {r[0]: dict(zip(headers, r)) for r in rows}
+    assert row["grpo"]["kind"] == "grpo" and row["grpo"]["eval step"] == 3 and row["grpo"]["mIoU"] == 0.3
+    assert row["sft"]["loss"] is not None and row["sft"]["reward"] is None and row["sft"]["R1@0.7"] == 0.3
+    frame = overlay(runs, "eval/miou")
+    assert sorted(set(frame["series"])) == ["grpo", "sft"]
+    assert list(frame[frame["series"] == "sft"]["value"]) == [0.12, 0.586]
+    assert list(overlay(runs, "eval/miou", smoothing=0.9)["value"]) == list(frame["value"])  # evaluations unsmoothed
+    assert set(overlay(runs, "reward/mean")["series"]) == {"grpo"}
+    with pytest.raises(UserError, match="neither a run directory nor a folder holding any"):
+        find_runs([parent / "notes"])
+
+
 # ----------------------------------------------------------------------------------------------- evaluations
 def test_eval_headline_puts_r1_first():
     metrics = {"v": 1, "count": 10, "failed": 0, "miou": 0.41, "r1@0.7": 0.2, "r1@0.3": 0.7, "r1@0.5": 0.5}

@@ -408,3 +408,22 @@ def test_the_sort_hint_says_what_sorts(browser, run_url):
     assert overall() == sorted(before, reverse=True) != before
     no_error_page(page)
     page.close()
+
+
+def test_two_runs_overlay(browser, serve, folders):
+    """The compare page on an SFT and a GRPO run: one table row each, their held-out mIoU on one chart."""
+    page = browser.new_page()
+    page.goto(serve([folders["sft"], folders["run"]]))
+    wait_rows(page, "compare-table", count=2)
+    rows = table_rows(page, "compare-table")
+    assert [r[0] for r in rows] == ["sft", "run"] and [r[1] for r in rows] == ["sft", "grpo"]
+    chart = page.locator("#compare-eval-miou")
+    chart.locator("canvas, svg").first.wait_for()
+    legend = chart.inner_text()
+    assert "sft" in legend and "run" in legend and "Held-out mIoU" in legend
+    assert page.locator("#compare-reward-mean").is_visible()  # the GRPO run's reward alone
+    page.get_by_label("0.6", exact=True).check()
+    page.wait_for_timeout(1000)
+    no_error_page(page)
+    page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=True)
+    page.close()

@@ -63,3 +63,22 @@ def test_files_inside_the_run_are_served(served):
 def test_files_outside_are_refused(served, path):
     path = path.format(root=served["root"], run=served["run"], key=served["key"])
     assert get(served, path) == 403, path
+
+
+def test_the_compare_page_serves_only_the_compared_runs(tmp_path):
+    """Opened on a folder holding runs, the page may serve files inside each run, never the folder around them."""
+    from app.server import launch
+
+    a, b = make_small_run(tmp_path / "a"), make_small_run(tmp_path / "b")
+    (tmp_path / "secret.txt").write_text("beside the runs")
+    page, url = launch(tmp_path, port=free_port(), block=False, quiet=True)
+    try:
+        served = {"page": page}
+        assert page.server_name == "127.0.0.1" and "2 runs" in page.title
+        key = RunReader(a).rollouts(1)[0].media_key
+        for run in (a, b):
+            assert get(served, f"/gradio_api/file={run.resolve()}/media/{key}/frame_00.jpg") == 200
+        assert get(served, f"/gradio_api/file={tmp_path.resolve()}/secret.txt") == 403
+        assert get(served, f"/gradio_api/file={a.resolve()}/../secret.txt") == 403
+    finally:
+        page.close()
