@@ -60,11 +60,13 @@ def _check_cpu_report(proc, data: dict, out: Path, cpu_rows: int) -> dict:
 def test_doctor_on_the_cpu_reports_every_row(tmp_path):
     """A few rows of each kind (the whole run is the slow test below): CPU rows PASS with a figure, CUDA rows NOT RUN
     with the reason."""
-    only = "grouped/sdpa/qwen2_5_vl,grouped/flash,grouped/flex/qwen2,cascade,decode/sdpa/qwen2,decode/flash/qwen2,sync"
+    only = ("grouped/auto,grouped/sdpa/qwen2_5_vl,grouped/flash,grouped/flex/qwen2,cascade,decode/sdpa/qwen2,"
+            "decode/flash/qwen2,sync")
     proc, data = _doctor(["--quick", "--device", "cpu", "--only", only], tmp_path)
     rows = _check_cpu_report(proc, data, tmp_path, 4)
     assert "max abs dlogp" in rows["grouped/sdpa/qwen2_5_vl/float32"]["figure"]
     assert "identical" in rows["decode/sdpa/qwen2"]["figure"]
+    assert rows["grouped/auto"]["figure"] == "resolves to sdpa"
 
 
 def test_a_faulty_path_fails_and_is_named(tmp_path):

@@ -177,6 +177,17 @@ def decode_row(kernel: str, family: str, device: torch.device, dtype: torch.dtyp
                "" if same else "cascade decoding gave other tokens than the copy path", time.perf_counter() - t0)
 
 
+def grouped_auto_row(device: torch.device) -> Row:
+    """What `model.grouping_backend=auto` resolves to here for a bf16 model (`mmpg.grouping.backends.resolve_backend`:
+    flash where usable, else sdpa); a run then checks it on its first batch (the self-check) and steps down."""
+    from mmpg.grouping.backends import get_backend, resolve_backend
+
+    name = resolve_backend("auto", device, torch.bfloat16)
+    get_backend(name)  # imports: a backend that cannot load raises here
+    return Row("grouped", "grouped/auto", f"the grouped backend model.grouping_backend=auto takes here (bfloat16, "
+               f"{device.type})", "PASS", f"resolves to {name}", "")
+
+
 def auto_row(family: str, device: torch.device, dtype: torch.dtype) -> Row:
     """The decode kernel `rollout.decode=auto` takes on this machine with its check on, from `mmpg.choices`."""
     from mmpg import choices

@@ -59,7 +59,7 @@ GROUPED = {"cpu": [("sdpa", F32), ("lse_reference", F32)],
 
 def _grouped(device: torch.device, cuda_why: str) -> list:
     """(row id, function, args...) for each grouped backend check; those this machine cannot run as NOT RUN rows."""
-    plans = []
+    plans = [("grouped/auto", checks.grouped_auto_row, device)]
     for family in FAMILIES:
         for backend, dtype in GROUPED["cuda"]:
             name = str(dtype).split(".")[-1]
