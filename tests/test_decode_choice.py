@@ -204,3 +204,19 @@ def test_mmpg_eval_takes_the_same_decision(grpo_data, tmp_path, monkeypatch):
     assert result.metrics["perf/vision_calls"] == unchecked.metrics["perf/vision_calls"] > 0  # the check uncounted
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| decode_kernel | math |" in report and "sdpa dropped" in report
+
+
+@pytest.mark.slow
+def test_grpo_run_records_the_checked_kernel(grpo_data, tmp_path):
+    """`mmpg train` with rollout.decode_check=on: the rollout engine checks its kernel on the first batch and the run
+    records it (run.json fast_paths, the train log's fast-paths line)."""
+    from train_utils import overrides, run_cli
+
+    from mmpg.runs import RunReader
+
+    args = overrides(grpo_data, tmp_path, "r", **{"trainer.total_steps": 1, "rollout.decode_check": "on",
+                                                   "reward.function": ""})
+    proc = run_cli(["train"] + args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert RunReader(tmp_path / "r").info()["fast_paths"]["decode_kernel"] == {"value": "sdpa", "why": ""}
+    assert "decode kernel sdpa passed its check" in (tmp_path / "r" / "train.log").read_text()
