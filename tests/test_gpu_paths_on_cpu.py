@@ -155,7 +155,7 @@ def test_block_mask_is_built_without_the_deprecated_compile_flag(monkeypatch):
     finally:
         flex._compiled_create_block_mask.cache_clear()
     assert seen == [flex_attention.create_block_mask]
-    assert mask.shape[-2:] == (sum(LAYOUT[0]) + sum(map(sum, LAYOUT[1])),) * 2
+    assert mask.shape[-2:] == (flex.bucket_length(sum(LAYOUT[0]) + sum(map(sum, LAYOUT[1]))),) * 2  # padded
 
 
 @pytest.mark.slow
@@ -168,10 +168,15 @@ def test_compiled_block_mask_matches_the_rule():
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         mask = block_mask(layout)
-    size = mask.BLOCK_SIZE[0]
-    pad = -layout.total % size
-    dense = torch.nn.functional.pad(layout.dense_mask(), (0, pad, 0, pad))
-    n = dense.shape[0] // size
+    from mmpg.grouping.backends.flex import _labels, bucket_length
+
+    size, padded = mask.BLOCK_SIZE[0], bucket_length(layout.total)
+    group, resp = _labels(layout, padded)  # the layout's rule, the padding a causal group of its own
+    i = torch.arange(padded)
+    dense = (group[None, :] == group[:, None]) & (i[None, :] <= i[:, None]) & \
+        ((resp[None, :] == -1) | (resp[None, :] == resp[:, None]))
+    assert torch.equal(dense[:layout.total, :layout.total], layout.dense_mask())
+    n = padded // size
     expected = dense.view(n, size, n, size).any(dim=(1, 3))
     assert torch.equal(mask.to_dense()[0, 0].bool(), expected)
 

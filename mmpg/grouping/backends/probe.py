@@ -79,10 +79,11 @@ def flash_status(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
+_ON_RESET: list = []  # caches built on the probe's answers (`varlen.flash_kernel`), cleared with them
+
+
 def reset() -> None:
     """Forget the probe's answers and the flash kernels built on them (a test swapped the installed package)."""
     flash_status.cache_clear()
-    from mmpg.grouping.backends import varlen
-
-    varlen.flash_kernel.cache_clear()
-    varlen._parameters.cache_clear()
+    for clear in _ON_RESET:
+        clear()

@@ -23,6 +23,7 @@ import inspect
 
 import torch
 
+from mmpg.grouping.backends import probe
 from mmpg.grouping.backends.probe import flash_interface
 
 
@@ -209,6 +210,9 @@ def varlen_grouped_attention(query, key, value, layout, scaling, kernel) -> torc
 def flash_kernel(deterministic: bool = False) -> FlashVarlenKernel:
     """The process's flash kernel for this `deterministic` flag (`probe.reset` clears it with the probe's cache)."""
     return FlashVarlenKernel(deterministic)
+
+
+probe._ON_RESET.extend([flash_kernel.cache_clear, _parameters.cache_clear])
 
 
 def flash_grouped_attention(query, key, value, layout, scaling):
