@@ -18,10 +18,11 @@ softmax vs parts merged by log-sum-exp), the same kind of rounding the grouped f
 that differs counts only if the two chosen tokens' logprobs differ by more than the bound (otherwise it is a tie the
 two roundings broke differently, and the rows are compared up to it). A kernel that raises fails too.
 
-Cost: 2 prefills of at most 2 prompts and 2 · STEPS decode forwards of at most 2 · G_max rows, on the first batch and
-again only when a batch's longest prompt or largest group goes past what was checked (the envelope, as the grouped
-forward's self-check keeps one). A kernel that fails is dropped with one warning line (kernel, figure, versions) and
-the next is checked at once; every choice is recorded (`mmpg.choices.record("decode_kernel", ...)`).
+Cost: 2 prefills of at most 2 prompts and 2 · (STEPS - 1) decode forwards of at most 2 · G_max rows (token 0 comes from
+the prefill), on the first batch and again only when a batch's longest prompt or largest group goes past what was
+checked (the envelope, as the grouped forward's self-check keeps one). A kernel that fails is dropped with one warning
+line (kernel, figure, versions) and the next is checked at once; every choice is recorded
+(`mmpg.choices.record("decode_kernel", ...)`).
 
 rollout.decode_check: auto (on for CUDA, off on the CPU, where the kernels are tested), on, off. Synced decoding
 (ZeRO-3: every rank must run the same forwards) decides by vote: a rank checks when any rank needs to, and the chain
