@@ -1,4 +1,5 @@
-"""The short speed table of `mmpg doctor` (a figure, never a pass mark: a row FAILS only when it raises), measured in
+"""The short speed table of `mmpg doctor` (a figure, never a pass mark: a row FAILS only when it raises; out of
+memory is NOT RUN), measured in
 this process on a text-only Qwen2 built from a config, with the bench's batch builder (`mmpg.bench.batch`):
 
     speed/forward   grouped vs repeated forward + backward of one prompt of P tokens and G responses of S tokens;
@@ -45,6 +46,19 @@ def _shape(device: torch.device) -> dict:
     return CUDA_SHAPE if device.type == "cuda" else CPU_SHAPE
 
 
+def out_of_memory(fn):
+    """A speed row that runs out of device memory is NOT RUN (the shape does not fit this GPU), not a failed path."""
+    def row(device: torch.device) -> Row:
+        try:
+            return fn(device)
+        except torch.OutOfMemoryError as err:
+            torch.cuda.empty_cache()
+            return Row("speed", f"speed/{fn.__name__.removesuffix('_row')}", f"speed: {fn.__name__}", "NOT RUN", "",
+                       f"out of memory at {_shape(device)['P']} tokens: {str(err).splitlines()[0][:120]}")
+    return row
+
+
+@out_of_memory
 def forward_row(device: torch.device) -> Row:
     from mmpg.bench.batch import make_inputs
     from mmpg.bench.flops import dims_from_config, rho_flops
@@ -70,6 +84,7 @@ def forward_row(device: torch.device) -> Row:
                f"({str(s['dtype']).split('.')[-1]}, {device.type})", "PASS", figure, "", time.perf_counter() - t0)
 
 
+@out_of_memory
 def decode_row(device: torch.device) -> Row:
     from mmpg.bench.batch import make_inputs
     from mmpg.doctor.checks import tiny_model
