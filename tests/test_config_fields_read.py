@@ -20,6 +20,7 @@ CONFIG_MODULES = {"mmpg/config.py", "mmpg/config_checks.py"}
 ALLOWED = {
     # the section is handed to a function as an argument, which reads the field under its own parameter name
     "model.lora.alpha": "mmpg/models/lora.py apply_lora: lora_cfg.alpha",
+    "reward.function": "mmpg/rl/rewards.py make_scorer: reward_cfg.function",
     "reward.accuracy": "mmpg/rl/rewards.py make_scorer: reward_cfg.accuracy",
     "reward.format_weight": "mmpg/rl/rewards.py make_scorer: reward_cfg.format_weight",
     "reward.accuracy_weight": "mmpg/rl/rewards.py make_scorer: reward_cfg.accuracy_weight",
