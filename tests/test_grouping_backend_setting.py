@@ -69,3 +69,30 @@ def test_eval_loads_the_model_with_its_setting(tiny_dirs):
     assert model._mmpg_backend == "flex"
     with pytest.raises(Exception, match="grouping_backend"):
         load_settings("default", ["grouping_backend=fast"])
+
+
+def test_grpo_records_the_checks_choice_and_moves_the_reference_along(load_tiny):
+    """After the self-check fell back (`SelfCheck.choice` with a reason), the GRPO step records it in mmpg.choices
+    and gives a loaded reference the same backend; a check that keeps the set-up choice changes nothing."""
+    import types
+
+    from mmpg import choices
+    from mmpg.grouping import set_grouping_options
+    from mmpg.rl.grpo import GRPOStep
+
+    policy, _ = load_tiny("qwen3")
+    ref, _ = load_tiny("qwen3")
+    set_grouping_options(ref, backend="flash")
+    choices.reset()
+    try:
+        choices.record("grouped_backend", "sdpa", "model.grouping_backend=auto on cpu in float32")
+        step = types.SimpleNamespace(checker=types.SimpleNamespace(choice=("sdpa", "")), ref=ref, policy=policy)
+        before = choices.version()
+        GRPOStep._record_backend(step)
+        assert choices.version() == before and ref._mmpg_backend == "flash"
+        step.checker.choice = ("sdpa", "flash differs by 0.31 > bound 0.027 in the self-check (bfloat16, ...)")
+        GRPOStep._record_backend(step)
+        assert choices.current()["grouped_backend"] == {"value": "sdpa", "why": step.checker.choice[1]}
+        assert ref._mmpg_backend == "sdpa"
+    finally:
+        choices.reset()
