@@ -10,7 +10,7 @@ Server side (cold caches, a fresh RunSource each time the "open" is measured):
     curves        the Curves tab's first draw (every panel's table)
     all steps     the "all steps" filter: every step file parsed once, then from the cache
 Browser (--browser, Debian's chromium through Playwright): page load until the response table shows (first: the
-browser fetches Gradio's scripts; then: cached), a step picked in the dropdown until its first group is on screen,
+browser fetches Gradio's scripts; then: cached) with the run summary, a step picked in the dropdown until its first group is on screen,
 another group of it picked, the Curves tab until every plot is drawn, and the same page load for a one-component
 Gradio page (the floor no Gradio app goes below).
 """
@@ -124,6 +124,7 @@ def browser_side(run: Path, chromium: str) -> dict[str, float]:
                 t = time.perf_counter()
                 page.goto(url)
                 page.locator("#responses [role=row].virtual-row").first.wait_for()
+                page.locator("#summary .mmpg-card").first.wait_for()  # the run summary on top, too
                 opens.append(time.perf_counter() - t)
                 if len(opens) < 3:
                     page.close()

@@ -190,7 +190,8 @@ def summarize(step: int, position: int, group: GroupRecord) -> GroupSummary:
         all_equal=len(finite) == len(overall) and (max(finite, default=0.0) - min(finite, default=0.0)) <= 1e-9,
         unparsed=sum(r.parsed_span is None for r in group.responses),
         truncated=sum(r.finish_reason == "length" for r in group.responses),
-        out_of_range=sum(verdict(r, group.duration).label in ("out of range", "clamped") for r in group.responses),
+        out_of_range=sum(_may_be_outside(r, group.duration) and verdict(r, group.duration).label in (
+            "out of range", "clamped") for r in group.responses),
     )
 
 
@@ -267,6 +268,14 @@ def verdict(r: ResponseRecord, duration: float) -> Verdict:
     if raw.ok and any(abs(a - b) > 1e-6 for a, b in zip(raw.span, r.parsed_span)):
         return Verdict("clamped", short, f"{short!r} was cut to the {_fmt(duration, 1)} s video")
     return Verdict("ok")
+
+
+def _may_be_outside(r: ResponseRecord, duration: float) -> bool:
+    """False when the answer cannot have been outside the video (saves parsing every answer of a long run again):
+    a clamped span ends at 0 or at the duration; a rejected one has no span."""
+    if r.finish_reason == "length":
+        return False
+    return r.parsed_span is None or r.parsed_span[0] <= 0.0 or r.parsed_span[1] >= duration
 
 
 def span_iou(r: ResponseRecord, gt: list[float]) -> float | None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import html
 import math
 
-from mmpg.runs import metric_series
+from mmpg.errors import UserError
+from mmpg.runs import EvalReader, list_run_evals, metric_series
 
 WINDOW = 20
 # (metric, name, what it is, +1 when higher is better / -1 when lower is)
@@ -32,6 +33,7 @@ GRPO_HEADLINES = [
 ]
 SFT_HEADLINES = [("sft/loss", "loss", "supervised cross-entropy per target token", -1)]
 EVAL_KEYS = [("miou", "mIoU"), ("r1@0.5", "R1@0.5"), ("r1@0.7", "R1@0.7")]
+SPARK_POINTS = 150
 
 
 def ema(values: list[float], alpha: float) -> list[float]:
@@ -69,6 +71,18 @@ def eval_points(eval_lines: list[dict], folder_metrics: list[tuple[int, dict]]) 
     if not out:
         out = [(step, {k: m.get(k) for k, _ in EVAL_KEYS}) for step, m in folder_metrics]
     return sorted(out, key=lambda t: t[0])
+
+
+def run_eval_points(src) -> list[tuple[int, dict]]:
+    """eval_points of a RunSource: its eval.jsonl, else the metrics.json of its evaluation folders."""
+    folders = []
+    if not src.eval_metrics():
+        for _bench, step, folder in list_run_evals(src.run_dir):
+            try:
+                folders.append((step, EvalReader(folder).metrics() or {}))
+            except (UserError, OSError, ValueError):
+                continue
+    return eval_points(src.eval_metrics(), folders)
 
 
 def spark_svg(steps: list[int], values: list[float], raw: list[float] | None = None, width: int = 180,
@@ -111,7 +125,8 @@ def _card(name: str, what: str, t: dict, better: int, big: bool = False) -> str:
         arrow = "→" if flat else ("▲" if t["change"] > 0 else "▼")
         change = (f'<span class="mmpg-change mmpg-{kind}">{arrow} {t["change"]:+.3g}</span> '
                   f'<span class="mmpg-sub">vs the {t["window"]} step(s) before</span>')
-    spark = spark_svg(t["steps"], t["smooth"], t["raw"], 460 if big else 180, 130 if big else 48)
+    k = max(1, -(-len(t["steps"]) // SPARK_POINTS))  # every k-th point: a few hundred pixels need no more
+    spark = spark_svg(t["steps"][::k], t["smooth"][::k], t["raw"][::k], 460 if big else 180, 130 if big else 48)
     return (f'<div class="mmpg-card" data-metric="{html.escape(name)}" title="{html.escape(what)}">'
             f'<div class="mmpg-card-name">{html.escape(name)}</div>'
             f'<div class="mmpg-card-now">{_num(t["now"])} <span class="mmpg-sub">mean of the last {t["window"]}'
@@ -142,7 +157,8 @@ def _eval_card(points: list[tuple[int, dict]]) -> str:
 
 def summary_html(metrics: list[dict], eval_lines: list[dict], folder_metrics: list[tuple[int, dict]] | None = None,
                  kind: str | None = None, window: int = WINDOW) -> str:
-    """The summary row: one card per headline metric the run logged, and the evaluation card."""
+    """The summary row: one card per headline metric the run logged, and the evaluation card (eval_lines: eval.jsonl;
+    folder_metrics: [(step, metrics.json)] of the evaluation folders, used when eval_lines has none)."""
     sft = kind == "sft" or (kind is None and trend(metrics, "sft/loss") is not None
                             and trend(metrics, "reward/mean") is None)
     heads = SFT_HEADLINES if sft else GRPO_HEADLINES
