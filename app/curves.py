@@ -68,7 +68,7 @@ EVAL_PANEL = Panel("eval", "Held-out evaluation during training", "share (0-1)",
                    "R1@m and mIoU of the policy on data.val (eval.jsonl)", [], "eval/")
 SMOOTHING = ("off", "0.6", "0.9", "0.99")  # the EMA weight w
 _NOT_METRICS = {"v", "step", "time"}
-MAX_POINTS = 300  # per series: the browser draws every point (1,000 steps x 7 panels at 1,500 took 7.9 s)
+MAX_POINTS = 200  # per series: the browser draws every point (1,000 steps x 7 panels at 1,500 took 7.9 s)
 
 
 def metric_keys(records: list[dict]) -> list[str]:
