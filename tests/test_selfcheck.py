@@ -76,11 +76,13 @@ def test_a_004_nat_fault_at_28_layers_is_caught_in_bf16(deep_bf16, monkeypatch):
     model, inputs, ids, mask = deep_bf16
     m = SelfCheck("on").run(model, inputs, ids, mask, GROUPS)
     assert m["check/bound"] == 1e-4 and m["check/grouped_vs_repeated_max"] <= 1e-5  # sdpa: float32 throughout
-    _faulty_backends(monkeypatch, _scaled_responses(1.5))
+    _faulty_backends(monkeypatch, _scaled_responses(5.0))
     with torch.no_grad(), float32_compute(model):
         fault = float((grouped_logprobs(model, inputs, ids, mask, GROUPS) -
                        repeated_logprobs(model, inputs, ids, mask, GROUPS)).abs().max())
-    assert 0.02 <= fault <= 0.06, fault  # a 0.04 nat fault
+    assert 0.03 <= fault <= 0.05, fault  # a 0.04 nat fault (0.037 measured)
+    print(f"28 layers, bf16: correct grouped forward {m['check/grouped_vs_repeated_max']:.2g} (float32 check), "
+          f"injected fault {fault:.3g} nat")
     assert fault < bound_for(model, torch.bfloat16) == pytest.approx(0.175)  # the bf16 comparison's bound
     old = SelfCheck("on", precise=False).run(model, inputs, ids, mask, GROUPS)  # the check as it was: passes
     assert old["check/grouped_vs_repeated_max"] <= old["check/bound"]
@@ -99,7 +101,7 @@ def test_a_16_bit_kernel_is_checked_within_its_bound(deep_bf16, monkeypatch):
     monkeypatch.setattr(selfcheck, "FLOAT32_KERNELS", ("lse_reference",))  # sdpa's kernel kept in bf16 here
     m = SelfCheck("on").run(model, inputs, ids, mask, GROUPS)
     assert m["check/bound"] == pytest.approx(bound) and 0 < m["check/grouped_vs_repeated_max"] < bound / 10
-    _faulty_backends(monkeypatch, _scaled_responses(1.5))
+    _faulty_backends(monkeypatch, _scaled_responses(5.0))
     with pytest.raises(SelfCheckError, match="bound 0.0273 for bfloat16"):
         SelfCheck("on").run(model, inputs, ids, mask, GROUPS)
 
