@@ -65,7 +65,6 @@ def deep_bf16():
     return model, inputs, ids, mask
 
 
-@pytest.mark.slow
 def test_a_004_nat_fault_at_28_layers_is_caught_in_bf16(deep_bf16, monkeypatch):
     """The check of a bf16 run computes in float32 on the run's weights: a correct grouped forward passes far under
     the bound, and a fault of 0.04 nat (sized in float32) stops the run. The bf16 comparison's depth bound (0.175
