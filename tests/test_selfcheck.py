@@ -1,5 +1,6 @@
 """The self-check (`mmpg.grouping.selfcheck`): a 0.04 nat fault caught at 28 layers in bf16, the fallback to sdpa,
-its envelope, a passing check on the real forward, a wrong forward caught with the one-line error (mode on) or a warning (mode warn), and the engine check used by evaluation."""
+its envelope, a passing check on the real forward, a wrong forward caught with the one-line error (mode on) or a
+warning (mode warn), and the engine check used by evaluation."""
 
 from __future__ import annotations
 
@@ -131,6 +132,9 @@ def test_a_failing_backend_falls_back_to_sdpa_with_one_line(group, monkeypatch, 
         assert m["check/grouped_vs_repeated_max"] <= 1e-4 and model._mmpg_backend == "sdpa"
         assert check.choice[0] == "sdpa" and check.choice[1].startswith(words)
         assert not check.needed(model, batch_dims(inputs, mask, GROUPS))  # the envelope is sdpa's now
+    _faulty_backends(monkeypatch, _scaled_responses(0.5, only="flex"))
+    with pytest.raises(SelfCheckError, match="backend flex"):  # a backend asked for by name is checked as it is
+        SelfCheck("on").run(model, inputs, ids, mask, GROUPS, backend="flex")
     set_grouping_options(model, backend="flex")
     _faulty_backends(monkeypatch, _scaled_responses(0.5))  # every backend wrong
     with pytest.raises(SelfCheckError, match="backend sdpa"):

@@ -138,9 +138,10 @@ class SelfCheck:
         env = self.envelopes.get(self.key(model, backend))
         return env is None or not env.covers(dims)
 
-    def _measure(self, model, key, args, kwargs, candidate, reduce_max) -> tuple[float, float, str]:
-        """(max |difference| over ranks, bound, error): an exception in a forward counts as an infinite difference
-        (every rank still joins `reduce_max`), its first line is returned."""
+    def _measure(self, model, key, args, kwargs, candidate, reduce_max, named: bool) -> tuple[float, float, str]:
+        """(max |difference| over ranks, bound, error): an exception in a grouped forward that may fall back (not
+        `named`, not sdpa) counts as an infinite difference (every rank still joins `reduce_max`), its first line is
+        returned."""
         error = ""
         try:
             with torch.no_grad():
@@ -160,7 +161,7 @@ class SelfCheck:
             mask = args[3].to(reference.device).bool()
             diff = float((candidate.to(reference.device) - reference).abs().masked_fill(~mask, 0).max())
         except Exception as err:  # noqa: BLE001 - a kernel that raises is a failed check (and maybe a fallback)
-            if candidate is not None or key[0] == FALLBACK:
+            if candidate is not None or named or key[0] == FALLBACK:
                 raise
             bound, diff = precise_bound(model, key[0], key[1])[0], float("inf")
             error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
@@ -174,20 +175,21 @@ class SelfCheck:
         """Compare on one real group (or a few), no gradient; grow the envelope. `candidate` [N, S]: logprobs to
         check instead of the grouped forward's (an engine's). `reduce_max(float) -> float`: the max over ranks (all
         ranks call `run` together under ZeRO-3). `share`: as `grouped_logprobs` (the path the caller's forward takes).
-        A flash / flex backend that fails falls back to sdpa (module docstring). Returns the check/* metrics; raises
+        The model's own flash / flex backend (`backend` None) that fails falls back to sdpa (module docstring); one
+        asked for by name is checked as it is. Returns the check/* metrics; raises
         `SelfCheckError` in mode "on"."""
         key = self.key(model, backend)
         args = (model, prompt_inputs, completion_ids, completion_mask, group_sizes)
         kwargs = {"temperature": temperature, "chunk_size": chunk_size, "share": share}
-        diff, bound, error = self._measure(model, key, args, kwargs, candidate, reduce_max)
+        diff, bound, error = self._measure(model, key, args, kwargs, candidate, reduce_max, backend is not None)
         why = ""
-        if candidate is None and key[0] != FALLBACK and not diff <= bound:
+        if candidate is None and backend is None and key[0] != FALLBACK and not diff <= bound:
             why = (f"{key[0]} {'raised ' + error if error else f'differs by {diff:.3g} > bound {bound:.3g}'} in the "
                    f"self-check ({str(key[1]).removeprefix('torch.')}, {versions()})")
             log.warning("self-check: grouped backend %s; falling back to %s", why, FALLBACK)
             set_grouping_options(model, backend=FALLBACK)
             key = self.key(model, FALLBACK)
-            diff, bound, error = self._measure(model, key, args, kwargs, candidate, reduce_max)
+            diff, bound, error = self._measure(model, key, args, kwargs, candidate, reduce_max, backend is not None)
         if candidate is None:
             self.choice = (key[0], why or (self.choice[1] if self.choice and self.choice[0] == key[0] else ""))
         return self._verdict(key, diff, bound, prompt_inputs, completion_mask, group_sizes)

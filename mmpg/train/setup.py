@@ -109,7 +109,8 @@ def record_grouped_backend(model, device: str) -> str:
     name = getattr(model, "_mmpg_backend", "auto")
     dtype = compute_dtype(model, dev)
     chosen = resolve_backend(name, dev, dtype)
-    why = "" if name == chosen else f"model.grouping_backend={name} on {dev.type} in {str(dtype).removeprefix('torch.')}"
+    where = f"{dev.type} in {str(dtype).removeprefix('torch.')}"
+    why = "" if name == chosen else f"model.grouping_backend={name} on {where}"
     choices.record("grouped_backend", chosen, why)
     return chosen
 
