@@ -21,10 +21,9 @@ from app.data import (
 from app.frames import event_frames, frame_items, frame_src, strip_html
 from app.guard import guarded
 from app.render import message_html, response_html
-from app.summary import summary_html
+from app.summary import run_eval_points, summary_html
 from app.timeline import Bar, timeline_data, timeline_svg
 from mmpg.errors import UserError
-from mmpg.runs import EvalReader, list_run_evals
 
 
 def picker(label: str, elem_id: str, **kwargs) -> gr.Dropdown:
@@ -76,6 +75,7 @@ class RunView:
 
     def __init__(self, source: RunSource, status: gr.HTML, title: gr.Markdown, seen: gr.State):
         self.src, self.status, self.title, self.seen = source, status, title, seen
+        self.tabs: gr.Tabs | None = None  # the page's tabs, when the page lets the view switch them
 
     # ------------------------------------------------------------------------------------------------- layout
     def build_summary(self) -> None:
@@ -111,7 +111,7 @@ class RunView:
     def outputs(self) -> list:
         """Everything `on_refresh` may update (the page's load event uses the same list)."""
         return [self.status, self.title, self.summary, self.step, self.group, self.picked, *self.view,
-                *self.cv.outputs(), self.seen]
+                *self.cv.outputs(), *([self.tabs] if self.tabs is not None else []), self.seen]
 
     def inputs(self) -> list:
         return [self.step, self.filter, self.scope, self.group, self.seen]
@@ -217,12 +217,16 @@ class RunView:
                        "logged metric in Curves" if sft else "no rollouts written yet (rollouts/ is empty)")
                 out.update({self.picked: message_html(why, "info" if sft else "note"),
                             **self.empty_view("no rollouts written yet")})
+                if sft and self.tabs is not None and not seen.get("opened"):  # open where there is something
+                    out[self.tabs] = gr.Tabs(selected="curves")              # to see: its loss curve
+                    out.update(self.cv.curves(seen.get("smoothing", 0.0), seen.get("log", False)))
+                    seen["curves"], seen["metrics"] = True, self.src.metrics_key()
             elif force or target != step:
                 picked = self.on_pick(target, filt, scope, keep=key)
                 picked.pop(self.step, None)  # keep the new list of steps set above
                 out.update(picked)
             out[self.title] = self.title_md(steps)
-            seen["steps"] = steps
+            seen["steps"], seen["opened"] = steps, True
         mkey = self.src.metrics_key()
         if force or mkey != seen.get("alarm_key"):  # the drift alarm goes in the title: the status line is the
             alarm = drift_note(self.src.metrics())   # handlers' own and any pick clears it
@@ -320,15 +324,9 @@ class RunView:
 
     def summary_html(self) -> str:
         """The summary row: trends of the headline metrics and the latest held-out evaluation."""
-        folders = []
-        if not self.src.eval_metrics():  # no held-out evaluation in eval.jsonl: the run's evaluation folders
-            for _bench, step, folder in list_run_evals(self.src.run_dir):
-                try:
-                    folders.append((step, EvalReader(folder).metrics() or {}))
-                except (UserError, OSError, ValueError):
-                    continue
+        points = run_eval_points(self.src)
         kind = self.src.reader().info().get("kind")
-        return summary_html(self.src.metrics(), self.src.eval_metrics(), folders, kind=kind)
+        return summary_html(self.src.metrics(), [], points, kind=kind)
 
     def title_md(self, steps: list[int]) -> str:
         info = self.src.reader().info()

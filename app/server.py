@@ -93,7 +93,7 @@ def build_app(path, refresh_s: float = REFRESH_S) -> gr.Blocks:
             rv = RunView(RunSource(root), status, title, seen)
             ev = EvalView(lambda: run_evals(root), status)
             rv.build_summary()
-            with gr.Tabs():
+            with gr.Tabs() as rv.tabs:
                 rv.build()
                 ev.build()
             rv.wire(refresh, follow, timer)

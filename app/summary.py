@@ -123,14 +123,16 @@ def _card(name: str, what: str, t: dict, better: int, big: bool = False) -> str:
         flat = abs(t["change"]) < 1e-9
         kind = "flat" if flat else ("up" if good else "down")
         arrow = "→" if flat else ("▲" if t["change"] > 0 else "▼")
-        change = (f'<span class="mmpg-change mmpg-{kind}">{arrow} {t["change"]:+.3g}</span> '
-                  f'<span class="mmpg-sub">vs the {t["window"]} step(s) before</span>')
-    k = max(1, -(-len(t["steps"]) // SPARK_POINTS))  # every k-th point: a few hundred pixels need no more
-    spark = spark_svg(t["steps"][::k], t["smooth"][::k], t["raw"][::k], 460 if big else 180, 130 if big else 48)
+        change = (f'<span class="mmpg-change mmpg-{kind}" title="mean of the last {t["window"]} step(s) against '
+                  f'the {t["window"]} before">{arrow} {t["change"]:+.3g}</span>')
+    k = max(1, -(-len(t["steps"]) // SPARK_POINTS))  # every k-th point and the last: a few hundred pixels need
+    keep = list(range(0, len(t["steps"]), k))         # no more
+    keep += [len(t["steps"]) - 1] if keep[-1] != len(t["steps"]) - 1 else []
+    spark = spark_svg(*([t[x][i] for i in keep] for x in ("steps", "smooth", "raw")), 460 if big else 180,
+                      130 if big else 48)
     return (f'<div class="mmpg-card" data-metric="{html.escape(name)}" title="{html.escape(what)}">'
             f'<div class="mmpg-card-name">{html.escape(name)}</div>'
-            f'<div class="mmpg-card-now">{_num(t["now"])} <span class="mmpg-sub">mean of the last {t["window"]}'
-            f"</span></div><div>{change}</div>{spark}</div>")
+            f'<div class="mmpg-card-now">{_num(t["now"])}</div><div>{change}</div>{spark}</div>')
 
 
 def _eval_card(points: list[tuple[int, dict]]) -> str:
@@ -169,5 +171,6 @@ def summary_html(metrics: list[dict], eval_lines: list[dict], folder_metrics: li
     cards.append(_eval_card(eval_points(eval_lines, folder_metrics or [])))
     title = "SFT run: is the loss falling?" if sft else "GRPO run: is it learning?"
     return (f'<div class="mmpg-summary"><div class="mmpg-summary-title">{title} '
-            f'<span class="mmpg-sub">(smoothed over {window} steps; every curve in Curves)</span></div>'
+            f'<span class="mmpg-sub">(each figure: the mean of the last {window} steps; ▲▼ its change against the '
+            f'{window} before, green when good; the line: smoothed; every curve in Curves)</span></div>'
             f'<div class="mmpg-cards">{"".join(cards)}</div></div>')

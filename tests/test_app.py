@@ -156,7 +156,7 @@ def test_summary_of_a_grpo_and_an_sft_run(small, tmp_path):
     sft = RunSource(make_small_sft_run(tmp_path / "sft"))
     page = summary_html(sft.metrics(), sft.eval_metrics(), kind=sft.reader().info()["kind"])
     assert "SFT run" in page and 'data-metric="loss"' in page and 'data-metric="reward"' not in page
-    assert "mmpg-change mmpg-up\">▼" in page  # the loss fell: good news, pointing down
+    assert re.search(r'mmpg-change mmpg-up"[^>]*>▼', page)  # the loss fell: good news, pointing down
     assert "<td>R1@0.7</td><td><b>0.300</b></td><td>0.020</td>" in page
     folder_only = summary_html([], [], [(3, {"miou": 0.4, "r1@0.5": 0.5})])  # no eval.jsonl: evaluation folders
     assert "<td>mIoU</td><td><b>0.400</b></td>" in folder_only and "no training metrics logged yet" in folder_only

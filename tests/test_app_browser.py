@@ -356,6 +356,10 @@ def test_an_sft_run_opens_on_its_loss_and_evaluation(browser, serve, folders):
     assert "▼" in loss.inner_text()
     evals = page.inner_text('#summary [data-metric="evaluation"]')
     assert "R1@0.7" in evals and "0.300" in evals and "step 0" in evals and "step 40" in evals
+    page.locator("#curve-loss canvas, #curve-loss svg").first.wait_for()  # it opens on Curves: the loss
+    assert page.get_by_role("tab", name="Curves").get_attribute("aria-selected") == "true"
+    assert not page.locator("#curve-reward").is_visible()  # nothing an SFT run does not log
+    page.get_by_role("tab", name="Rollouts").click()
     wait_text(page, "picked", "an SFT run samples no rollouts")
     no_error_page(page)
     page.screenshot(path=str(ARTIFACTS / "summary_sft.png"))
