@@ -7,6 +7,8 @@ view's refresh (which calls `curves` with the options kept in the page's state).
 
 from __future__ import annotations
 
+import html
+
 import gradio as gr
 
 from app.curves import EVAL_PANEL, PANELS, SMOOTHING, curve_frames, folded, long_frame, metric_keys
@@ -42,31 +44,32 @@ class CurvesView:
                 self.log = gr.Checkbox(label="log scale (log10 of the values)", value=False, elem_id="log-scale",
                                        scale=1)
             self.curves_note = gr.HTML(elem_id="curves-note")
-            self.plots = {}
+            self.plots, self.boxes = {}, {}
             panels = [*PANELS, EVAL_PANEL]
             for i in range(0, len(panels), 2):
                 with gr.Row():
                     for p in panels[i:i + 2]:
-                        self.plots[p.id] = gr.LinePlot(
-                            x="step", y="value", color="series", title=p.title, height=260, elem_id=f"curve-{p.id}",
-                            label=p.title, show_label=False, y_title=p.unit, x_title="step", caption=p.what,
-                            color_title="series")
+                        with gr.Column(visible=False) as self.boxes[p.id]:  # shown once it has something
+                            gr.HTML(f'<div class="mmpg-caption"><b>{html.escape(p.title)}</b>: '
+                                    f"{html.escape(p.what)}</div>", elem_id=f"caption-{p.id}")
+                            self.plots[p.id] = gr.LinePlot(
+                                x="step", y="value", color="series", title=p.title, height=260,
+                                elem_id=f"curve-{p.id}", label=p.title, show_label=False, y_title=p.unit,
+                                x_title="step", color_title="series")
             self.any_key = gr.Dropdown(label="Any logged metric", choices=[], elem_id="any-metric",
                                        allow_custom_value=True)  # choices change under it (see run_view.picker)
             self.any_plot = gr.LinePlot(x="step", y="value", color="series", height=260, elem_id="curve-any",
                                         show_label=False, visible=False)
 
     def outputs(self) -> list:
-        return [*self.plots.values(), self.any_key, self.curves_note]
+        return [*self.plots.values(), *self.boxes.values(), self.any_key, self.curves_note]
 
     def wire(self) -> None:
         s = self.status
         self.any_key.input(guarded(s)(self.on_any), [self.any_key, self.smoothing, self.log], [s, self.any_plot])
         for c in (self.smoothing, self.log):
-            c.input(guarded(s)(self.on_options), [self.smoothing, self.log, self.seen],
-                    [s, *self.plots.values(), self.any_key, self.curves_note, self.seen])
-        self.tab.select(guarded(s)(self.on_tab), [self.seen], [s, *self.plots.values(), self.any_key,
-                                                                        self.curves_note, self.seen])
+            c.input(guarded(s)(self.on_options), [self.smoothing, self.log, self.seen], [s, *self.outputs(), self.seen])
+        self.tab.select(guarded(s)(self.on_tab), [self.seen], [s, *self.outputs(), self.seen])
 
     def on_tab(self, seen) -> dict:
         """Curves are drawn when their tab is first opened (keeps the first page load light), then kept current."""
@@ -94,9 +97,10 @@ class CurvesView:
         frames = curve_frames(metrics, evals, smoothing, log)
         empty, zero = folded(metrics, evals)
         hidden = set(empty) | {title for title, _ in zero}
-        out = {self.plots[p.id]: gr.update(value=frames[p.id], visible=p.title not in hidden,
-                                           y_title=f"log10 {p.unit}" if log else p.unit)
-               for p in [*PANELS, EVAL_PANEL]}
+        out = {}
+        for p in [*PANELS, EVAL_PANEL]:
+            out[self.plots[p.id]] = gr.update(value=frames[p.id], y_title=f"log10 {p.unit}" if log else p.unit)
+            out[self.boxes[p.id]] = gr.update(visible=p.title not in hidden)
         out[self.any_key] = gr.update(choices=metric_keys(metrics))
         note = f"{len(metrics)} step(s) in metrics.jsonl, {len(evals)} evaluation(s) in eval.jsonl."
         if zero:

@@ -195,7 +195,7 @@ def test_curves_render(browser, run_url):
     assert "Not logged by this run: Loss; Policy entropy (GRPO health); Gradient norm" in note
     for pid in ("loss", "entropy", "grad", "gap"):  # folded into the note, not drawn empty
         assert not page.locator(f"#curve-{pid}").is_visible()
-    assert "mean tIoU of the sampled spans" in page.inner_text("#curve-iou")  # the panel's one-line description
+    assert "mean tIoU of the sampled spans" in page.inner_text("#caption-iou")  # the panel's one-line description
     page.get_by_label("log scale (log10 of the values)").check()
     page.get_by_label("0.9", exact=True).check()
     page.wait_for_timeout(1500)
