@@ -49,7 +49,7 @@ class CurvesView:
             for i in range(0, len(panels), 2):
                 with gr.Row():
                     for p in panels[i:i + 2]:
-                        with gr.Column(visible=False) as self.boxes[p.id]:  # shown once it has something
+                        with gr.Column() as self.boxes[p.id]:  # hidden when it has nothing to draw
                             gr.HTML(f'<div class="mmpg-caption"><b>{html.escape(p.title)}</b>: '
                                     f"{html.escape(p.what)}</div>", elem_id=f"caption-{p.id}")
                             self.plots[p.id] = gr.LinePlot(
