@@ -256,16 +256,22 @@ class Verdict:
 
 def verdict(r: ResponseRecord, duration: float) -> Verdict:
     """Name the failure of one response by reading its answer again without the video's bounds."""
-    if r.finish_reason == "length":
+    return answer_verdict(r.text, r.parsed_span, r.finish_reason, duration)
+
+
+def answer_verdict(text: str, span: list[float] | None, finish: str, duration: float) -> Verdict:
+    """`verdict` of an answer `text` whose scored span is `span` (None: no span) in a video of `duration` s."""
+    if finish == "length":
         return Verdict("truncated", why="hit max_new_tokens before the answer closed")
-    raw = parse_answer(r.text, None)  # the span as written, before it is checked against [0, duration]
+    raw = parse_answer(text, None)  # the span as written, before it is checked against [0, duration]
     short = raw.answer[:60] if raw.answer else None
     outside = raw.reason is not None and "outside the video" in raw.reason  # ends at or before 0
-    if r.parsed_span is None:
-        if outside or (raw.ok and math.isfinite(duration) and raw.span[0] >= duration):
+    known = math.isfinite(duration)
+    if span is None:
+        if outside or (raw.ok and known and raw.span[0] >= duration):
             return Verdict("out of range", short, f"{short!r} lies outside the {_fmt(duration, 1)} s video")
         return Verdict("unparsed", short, raw.reason or "no span was read")
-    if raw.ok and any(abs(a - b) > 1e-6 for a, b in zip(raw.span, r.parsed_span)):
+    if raw.ok and (raw.span[0] < 0 or (known and raw.span[1] > duration)):
         return Verdict("clamped", short, f"{short!r} was cut to the {_fmt(duration, 1)} s video")
     return Verdict("ok")
 

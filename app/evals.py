@@ -12,7 +12,7 @@ import os
 import threading
 from pathlib import Path
 
-from app.data import _fmt, _stat
+from app.data import _fmt, _stat, answer_verdict
 from mmpg.errors import UserError
 from mmpg.runs import EvalReader, PredictionRecord, list_run_evals
 from mmpg.runs.evals import PREDICTIONS_JSONL
@@ -61,9 +61,10 @@ def worst_first(records: list[PredictionRecord]) -> list[PredictionRecord]:
 
 
 def status(r: PredictionRecord) -> str:
+    """failed: why; or what became of the answer: ok, unparsed, out of range: RAW, clamped from RAW."""
     if r.error:
         return f"failed: {r.error}"
-    return "unparsed" if r.pred_span is None else "ok"
+    return answer_verdict(r.text, r.pred_span, "stop", r.duration).text()
 
 
 def prediction_rows(records: list[PredictionRecord], limit: int = 2000) -> tuple[list[str], list[list]]:

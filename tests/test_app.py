@@ -239,6 +239,19 @@ def test_compare_finds_runs_and_overlays_them(small, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- evaluations
+def test_eval_status_names_the_failure():
+    from app.evals import status
+    from mmpg.runs import PredictionRecord
+
+    def rec(text, pred):
+        return PredictionRecord(index=0, sample_id="s", video="v.mp4", duration=10.0, query="q", gt_span=[1.0, 2.0],
+                                pred_span=pred, text=text, iou=0.0)
+    assert status(rec("<answer>12 to 16</answer>", None)) == "out of range: 12 to 16"
+    assert status(rec("<answer>4 to 12</answer>", [4.0, 10.0])) == "clamped from 4 to 12"
+    assert status(rec("<answer>no idea</answer>", None)) == "unparsed"
+    assert status(rec("<answer>4 to 6</answer>", [4.0, 6.0])) == "ok"
+
+
 def test_eval_headline_puts_r1_first():
     metrics = {"v": 1, "count": 10, "failed": 0, "miou": 0.41, "r1@0.7": 0.2, "r1@0.3": 0.7, "r1@0.5": 0.5}
     assert [k for k, _ in metrics_rows(metrics)] == ["r1@0.3", "r1@0.5", "r1@0.7", "miou", "count", "failed"]
