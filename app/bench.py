@@ -9,10 +9,10 @@ Server side (cold caches, a fresh RunSource each time the "open" is measured):
     group         one group's view from a step not read yet (parses that step file), and again from the cache
     curves        the Curves tab's first draw (every panel's table)
     all steps     the "all steps" filter: every step file parsed once, then from the cache
-Browser (--browser, Debian's chromium through Playwright): page load until the response table shows (first: the
-browser fetches Gradio's scripts; then: cached) with the run summary, a step picked in the dropdown until its first group is on screen,
-another group of it picked, the Curves tab until every plot is drawn, and the same page load for a one-component
-Gradio page (the floor no Gradio app goes below).
+Browser (--browser, Debian's chromium through Playwright): page load until the response table and the run summary
+show (first: the browser fetches Gradio's scripts; then: cached), a step picked in the dropdown until its first group
+is on screen, another group of it picked, the Curves tab until every plot is drawn, and the same page load for a
+one-component Gradio page (the floor no Gradio app goes below).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ once, named "a = b". Options: smoothing, an exponential moving average as Tensor
 
     s_0 = v_0,   s_t = w s_{t-1} + (1 - w) v_t        (w in [0, 1); 0: the raw values)
 
-applied before thinning (not to the held-out evaluations: a few points, each a measurement), and a log scale (log10 of the values; values <= 0 are left out and counted).
+applied before thinning (not to the held-out evaluations: a few points, each a measurement), and a log scale
+(log10 of the values; values <= 0 are left out).
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ class EvalView:
         self.sample_view = [self.header, self.gallery, self.frames_note, self.timeline, self.text]
 
     def outputs(self) -> list:
-        return [self.status, self.pick, self.headline, self.info, self.body, self.metrics, self.plots, self.table, self.sample,
+        return [self.status, self.pick, self.headline, self.info, self.body, self.metrics, self.plots, self.table,
+                self.sample,
                 *self.sample_view]
 
     def wire(self, lazy: bool) -> None:
@@ -90,7 +91,8 @@ class EvalView:
     def on_load(self) -> dict:
         labels = list(self.folders())
         if not labels:
-            return {self.pick: gr.update(choices=[], value=None), self.body: gr.update(visible=False), self.headline: "",
+            return {self.pick: gr.update(choices=[], value=None), self.body: gr.update(visible=False),
+                    self.headline: "",
                     self.info: message_html("No evaluation folders in this run yet (RUN_DIR/evals/<benchmark>/"
                                             "step_*; mmpg eval writes them).", "info")}
         out = self.on_pick(labels[-1])

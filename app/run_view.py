@@ -1,6 +1,6 @@
 """The run tabs of the inspector: Rollouts (step and group pickers, filters, frames, timeline, response table and
-text) and Curves (training metrics over steps, app/curves_view.py), and the run summary above them. Every handler returns {component: value} and goes through
-`guarded`, so a problem shows as a message, never as an error page.
+text) and Curves (training metrics over steps, app/curves_view.py), and the run summary above them. Every handler
+returns {component: value} and goes through `guarded`, so a problem shows as a message, never as an error page.
 
 New steps appear while a run writes: a timer (and the Refresh button) re-lists the steps and re-reads the metrics,
 re-rendering only what changed; "follow the newest step" jumps to each new step as it lands.
@@ -97,7 +97,8 @@ class RunView:
             self.timeline = gr.HTML(elem_id="timeline")
             self.frames_note = gr.HTML(elem_id="frames-note")
             gr.HTML(f'<div class="mmpg-info">{REWARD_HELP}</div>', elem_id="reward-help")
-            self.table = gr.Dataframe(value=empty_table(), label=SORT_HINT.format(what="Responses: click a row to read it"),
+            self.table = gr.Dataframe(value=empty_table(),
+                                      label=SORT_HINT.format(what="Responses: click a row to read it"),
                                       interactive=False, elem_id="responses", max_height=420)
             self.response = picker("Response", "response")
             self.text = gr.HTML(elem_id="response-text")
