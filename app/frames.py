@@ -151,6 +151,33 @@ def event_frames(reader, media_key: str | None, video: str, gt: list[float], pre
     return frames, note
 
 
+def event_strip(reader, media_key: str | None, video: str, gt: list[float], duration: float,
+                count: int = 12) -> tuple[list[Item], str]:
+    """(items, note): `count` frames evenly over [s - pad, e + pad] (the truth and around it, as event_times), decoded
+    from the video; else the stored thumbnails in that window; else ([], why)."""
+    s, e = min(gt), max(gt)
+    pad = max(1.0, (e - s) / 2)
+    end = duration if duration and math.isfinite(duration) and duration > 0 else e + pad
+    lo, hi = max(0.0, s - pad), min(end, e + pad)
+    times = [lo + (hi - lo) * i / max(1, count - 1) for i in range(count)]
+    decoded, why = decoded_at(video, times)
+    if decoded:
+        return [(a, _time_caption(t) + (" · truth" if s <= t <= e else "")) for a, t in decoded], ""
+    items, note = thumbnail_items(reader, media_key) if reader is not None else ([], "")
+    inside = [(p, c) for (p, c), t in zip(items, _thumb_times(reader, media_key)) if lo <= t <= hi]
+    if inside:
+        return inside, f"{why}; the stored thumbnails between {lo:.1f} and {hi:.1f} s instead"
+    return [], "; ".join(x for x in (why, note, f"no stored thumbnail between {lo:.1f} and {hi:.1f} s") if x)
+
+
+def _thumb_times(reader, media_key: str | None) -> list[float]:
+    try:
+        paths, times = reader.thumbnails(media_key) if reader is not None and media_key else ([], [])
+    except (UserError, OSError, ValueError):
+        return []
+    return [t for p, t in zip(paths, times) if p.is_file()]
+
+
 def decoded_at(video: str, times: list[float], width: int = 256) -> tuple[list[tuple[np.ndarray, float]], str]:
     """([(frame, seconds)], note): the frames nearest `times`, decoded with decord; ([], why) when impossible."""
     try:

@@ -18,7 +18,7 @@ from app.data import (
     FILTERS, REWARD_HELP, SCOPES, RunSource, _fmt, count_matches, drift_note, filter_groups, group_header,
     parse_group_key, response_rows, span_iou, verdict,
 )
-from app.frames import event_frames, frame_items, frame_src, strip_html
+from app.frames import event_frames, event_strip, frame_items, frame_src, strip_html
 from app.guard import guarded
 from app.render import message_html, response_html
 from app.summary import run_eval_points, summary_html
@@ -95,7 +95,11 @@ class RunView:
             self.picked = gr.HTML(elem_id="picked")
             self.header = gr.HTML(elem_id="group-header")
             self.timeline = gr.HTML(elem_id="timeline")
-            self.frames_note = gr.HTML(elem_id="frames-note")
+            with gr.Row(equal_height=True):
+                self.frames_note = gr.HTML(elem_id="frames-note")
+                self.more = gr.Button("More frames of the event", elem_id="more-frames", size="sm", scale=0,
+                                      min_width=200)
+            self.event_strip = gr.HTML(elem_id="event-strip")
             gr.HTML(f'<div class="mmpg-info">{REWARD_HELP}</div>', elem_id="reward-help")
             self.table = gr.Dataframe(value=empty_table(),
                                       label=SORT_HINT.format(what="Responses: click a row to read it"),
@@ -107,7 +111,8 @@ class RunView:
         self.cv = CurvesView(self.src, self.status, self.seen)
         self.cv.build()
         self.plots = self.cv.plots
-        self.view = [self.header, self.gallery, self.frames_note, self.timeline, self.table, self.response, self.text]
+        self.view = [self.header, self.gallery, self.frames_note, self.timeline, self.event_strip, self.table,
+                     self.response, self.text]
 
     def outputs(self) -> list:
         """Everything `on_refresh` may update (the page's load event uses the same list)."""
@@ -130,6 +135,7 @@ class RunView:
         self.group.input(guarded(s)(self.on_group), [self.group], [s, self.step, *self.view], queue=False)
         self.table.select(guarded(s)(self.on_select), [self.group], [s, self.response, self.text, self.timeline],
                           queue=False)
+        self.more.click(guarded(s)(self.on_more), [self.group], [s, self.event_strip])
         self.response.input(guarded(s)(self.on_response), [self.group, self.response], [s, self.text, self.timeline],
                             queue=False)
         self.cv.wire()
@@ -177,6 +183,13 @@ class RunView:
         row = evt.row_value or []
         index = as_int(row[0] if row else evt.index[0], "a response number")  # column "#": right even when sorted
         return {self.response: index, **self.on_response(key, index)}
+
+    def on_more(self, key) -> dict:
+        """A strip of 12 frames over the truth and around it, on demand."""
+        step, position = parse_group_key(key)
+        g = self.src.groups(step)[position]
+        items, note = event_strip(self.src.reader(), g.media_key, g.video, g.gt_span, g.duration)
+        return {self.event_strip: strip_html(items) + (message_html(note, "note") if note else "")}
 
     def on_response(self, key, index) -> dict:
         """The response's text, and the timeline's frames moved to its span."""
@@ -283,6 +296,7 @@ class RunView:
             self.frames_note: (message_html(frames_note, "note") if frames_note else "")
             + message_html(note, "note" if not items or "missing" in note else "info"),
             self.timeline: svg,
+            self.event_strip: "",
             self.table: highlighted(pd.DataFrame(rows, columns=headers), failed),
             self.response: gr.update(choices=choices, value=first if choices else None),
             self.text: (response_html(first, g.responses[first], verdicts[first]) if g.responses
@@ -306,7 +320,7 @@ class RunView:
 
     def empty_view(self, why: str) -> dict:
         return {self.header: message_html(why, "info"), self.gallery: "",
-                self.frames_note: "", self.timeline: "",
+                self.frames_note: "", self.timeline: "", self.event_strip: "",
                 self.table: empty_table(), self.response: gr.update(choices=[], value=None), self.text: ""}
 
     def response_text(self, key, index) -> str:

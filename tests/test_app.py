@@ -20,7 +20,9 @@ from app.data import (
     FILTERS, RunSource, count_matches, filter_groups, parse_group_key, response_rows, split_response, verdict,
 )
 from app.evals import EvalSource, headline_html, metrics_rows, prediction_rows, worst_first
-from app.frames import decoded_items, event_frames, event_times, frame_items, strip_html, thumbnail_items
+from app.frames import (
+    decoded_items, event_frames, event_strip, event_times, frame_items, strip_html, thumbnail_items,
+)
 from app.summary import ema, summary_html, trend
 from app.synthetic import SMALL_EVAL, SMALL_GT, SMALL_SPANS, make_eval_folder, make_small_run, make_small_sft_run
 from app.timeline import Bar, colour, frame_slots, nice_ticks, timeline_data, timeline_svg
@@ -188,6 +190,11 @@ def test_every_group_of_the_first_step_has_a_frame_inside_the_truth(small):
     assert 'x2="475.0"' in svg  # the leader line ends at 13 s on the axis: 70 + 810 * 13 / 20
     thumbs, _ = event_frames(src.reader(), None, "/no/such/video.mp4", [2.0, 6.0], None, 12.0)
     assert thumbs == []
+    g0 = src.groups(1)[0]  # no video file: the stored thumbnails between 0 and 8 s (truth 2-6 s, pad 2 s)
+    items, note = event_strip(src.reader(), g0.media_key, g0.video, g0.gt_span, g0.duration)
+    assert [c for _, c in items] == ["1.5 s", "4.5 s", "7.5 s"] and "instead" in note
+    items, note = event_strip(src.reader(), g.media_key, g.video, g.gt_span, g.duration, count=4)
+    assert [c for _, c in items] == ["7.0 s", "11.0 s · truth", "15.0 s · truth", "19.0 s"] and note == ""
 
 
 # ------------------------------------------------------------------------------------------------ curves

@@ -431,3 +431,20 @@ def test_two_runs_overlay(browser, serve, folders):
     no_error_page(page)
     page.screenshot(path=str(ARTIFACTS / "compare.png"), full_page=True)
     page.close()
+
+
+def test_more_frames_of_the_event_on_demand(browser, run_url):
+    page = browser.new_page()
+    page.goto(run_url)
+    wait_rows(page, "responses", count=4)
+    page.locator("#group input").click()
+    page.get_by_role("option").filter(has_text="group 1").click()  # step 3, video 1: decoded from its file
+    wait_text(page, "group-header", "sample-1")
+    page.locator("#more-frames").click()
+    page.wait_for_function("() => document.querySelectorAll('#event-strip img').length === 12")
+    captions = page.locator("#event-strip figcaption").all_inner_texts()
+    times = [float(c.split(" s")[0]) for c in captions]
+    assert times[0] == 7.0 and times[-1] == 19.0 and times == sorted(times)  # truth 10-16 s and 3 s either side
+    assert sum("truth" in c for c in captions) >= 5
+    no_error_page(page)
+    page.close()
