@@ -139,7 +139,7 @@ class PhaseClock:
 
 def step_config(case: dict, grouping: bool, share: bool = True):
     """The trainer's config for the case: G = rollout.n responses of S tokens, one prompt (Q: the case's queries of
-    one video) per step, one micro-batch of all the step's groups, ZeRO 0, the KL term at `beta` (case, default
+    one video) per step, one micro-batch of all the step's groups, ZeRO stage the case's `zero` (default 0), the KL term at `beta` (case, default
     0.04); `share`: algorithm.share_videos; parallel.sequence_parallel_size = the case's `sp` (default 1);
     algorithm.self_check = the case's `self_check` (default on, as the trainer runs); model.grouping_backend = the
     variant's backend (`mmpg:flash`; default auto)."""
@@ -150,7 +150,7 @@ def step_config(case: dict, grouping: bool, share: bool = True):
                  "trainer.micro_batch_size": Q * G, "data.batch_size": Q,
                  "algorithm.share_videos": str(share).lower(), "algorithm.grouping": str(grouping).lower(),
                  "algorithm.beta": case.get("beta", 0.04), "model.dtype": case.get("dtype", "float32"),
-                 "deepspeed.zero_stage": 0, "parallel.sequence_parallel_size": case.get("sp", 1),
+                 "deepspeed.zero_stage": case.get("zero", 0), "parallel.sequence_parallel_size": case.get("sp", 1),
                  "algorithm.self_check": case.get("self_check", "on"),
                  "model.grouping_backend": case.get("backend") or "auto"}
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])

@@ -1,0 +1,144 @@
+"""`mmpg plan`: the per-device peak memory (by part) and the step time (by phase) of a recipe on N GPUs, whether it
+fits, and the cheapest changes that make it fit — before a GPU is rented.
+
+    mmpg plan --config configs/grounding_qwen25vl_7b.yaml --gpus 8 --gpu a100-80
+    mmpg plan --config configs/cpu_demo.yaml --device cpu          # this machine's CPU, float32
+    mmpg plan --published                                          # the plan beside what users reported
+The memory model is `mmpg.plan.memory` (validated on CPU runs: `python -m mmpg.plan.validate`), the time model
+`mmpg.plan.timing` (estimates at a stated utilisation). A device is taken to hold 90 % of its memory for tensors
+(the rest: CUDA context, NCCL buffers, allocator fragmentation).
+"""
+
+from __future__ import annotations
+
+import json
+
+
+from mmpg.errors import UserError
+
+USABLE = 0.9
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", default=None, help="YAML config (configs/*.yaml), as mmpg train takes it")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.n=16 model.lora.r=64")
+    p.add_argument("--gpus", type=int, default=1, help="devices of the run (data x sequence parallel; default 1)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--gpu", default="a100-80", help="GPU preset: a100-40, a100-80, h100, h200, a40, l40s, 4090")
+    where.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="memory of an unlisted GPU "
+                       "(its time uses the a100-80 preset's rates)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: this machine's CPU (float32 "
+                   "unless model.dtype says otherwise; the process's own peak)")
+    p.add_argument("--video-tokens", type=int, default=None, help="the video's LM tokens (default: the data "
+                   "budget's worst case)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="the whole prompt's tokens (default: video + 120)")
+    p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation of the compute phases")
+    p.add_argument("--bw-util", type=float, default=0.6, help="assumed fraction of memory bandwidth in decoding")
+    p.add_argument("--json", action="store_true", help="print JSON (peak_bytes, parts, step_seconds, fits, ...)")
+    p.add_argument("--published", action="store_true", help="print the plan beside published users' reports")
+
+
+def _hardware(args):
+    from mmpg.plan.geometry import GPUS, gpu
+    from mmpg.plan.timing import Throughput
+
+    if not 0 < args.mfu <= 1 or not 0 < args.bw_util <= 1:
+        raise UserError(f"--mfu {args.mfu} / --bw-util {args.bw_util}: give fractions in (0, 1]")
+    if args.device == "cpu":
+        from mmpg.plan.probe import cpu_throughput, cpu_memory
+
+        tflops, bw = cpu_throughput()
+        return "this CPU", cpu_memory(), Throughput("cpu", tflops, bw, 1.0, 1.0)
+    if args.gpu_memory is not None:
+        if args.gpu_memory <= 0:
+            raise UserError(f"--gpu-memory {args.gpu_memory}: give the GPU's memory in GB, > 0")
+        ref = GPUS["a100-80"]
+        return f"{args.gpu_memory:g} GB GPU", args.gpu_memory * 2 ** 30, Throughput(
+            ref.name, ref.bf16_tflops, ref.bandwidth_tbs, args.mfu, args.bw_util)
+    g = gpu(args.gpu)
+    return g.name, g.memory_gb * 2 ** 30, Throughput(g.name, g.bf16_tflops, g.bandwidth_tbs, args.mfu, args.bw_util)
+
+
+def plan(cfg, gpus: int, device: str, memory: float, hw, video=None, prompt=None, mu=None) -> dict:
+    """The whole plan as a dict (what --json prints)."""
+    from mmpg.plan.fit import what_fits
+    from mmpg.plan.memory import predict
+    from mmpg.plan.recipe import recipe_from_config
+    from mmpg.plan.timing import step_seconds
+
+    r = recipe_from_config(cfg, gpus, device, video, prompt)
+    mem = predict(r)
+    budget = memory * (USABLE if device == "cuda" else 1.0)
+    naive = predict(_flip(r))
+    out = {"model": r.geometry.name, "params": r.geometry.params(), "trainable_params": r.trainable(),
+           "device": device, "devices": gpus, "memory_bytes": int(memory), "budget_bytes": int(budget),
+           "P": r.P, "video_tokens": r.video_tokens, "S": r.S, "G": r.G, "zero": r.zero, "offload": r.offload,
+           "sp": r.sp, "layout": "grouped" if r.grouped else "naive", "peak_bytes": mem["peak_bytes"],
+           "peak_phase": mem["peak_phase"], "parts": mem["parts"], "phases": mem["phases"],
+           "cpu_offload_bytes": mem["cpu_offload"], "fits": mem["peak_bytes"] <= budget,
+           "other_layout_peak_bytes": naive["peak_bytes"],
+           "step_seconds": step_seconds(r, hw, mu or cfg.algorithm.num_iterations),
+           "other_layout_step_seconds": step_seconds(_flip(r), hw, mu or cfg.algorithm.num_iterations)["total"],
+           "assumed": {"mfu": hw.mfu, "bw_util": hw.bw_util, "tflops": hw.tflops, "bandwidth_tbs": hw.bandwidth_tbs,
+                       "usable_fraction": USABLE if device == "cuda" else 1.0},
+           "what_fits": [] if mem["peak_bytes"] <= budget else what_fits(r, budget)}
+    if cfg.rollout.engine == "vllm":
+        out["note"] = ("rollout.engine=vllm: the rollout's K/V lives in the vLLM server's own memory "
+                       "(its gpu_memory_utilization), not counted here")
+    return out
+
+
+def _flip(r):
+    import dataclasses
+
+    return dataclasses.replace(r, grouped=not r.grouped, decode="copy" if r.grouped else "cascade")
+
+
+def _gb(x: float) -> str:
+    return f"{x / 2 ** 30:7.2f} GB"
+
+
+def render(p: dict, where: str) -> str:
+    other = "naive" if p["layout"] == "grouped" else "grouped"
+    lines = [f"{p['model']} ({p['params'] / 1e9:.2f} B params, {p['trainable_params'] / 1e9:.3f} B trained) on "
+             f"{p['devices']} x {where}: P {p['P']} ({p['video_tokens']} video tokens), G {p['G']}, S {p['S']}, "
+             f"ZeRO {p['zero']}{' + offload' if p['offload'] else ''}, sp {p['sp']}, {p['layout']} layout",
+             f"per-device peak {_gb(p['peak_bytes'])} ({p['peak_phase']}) of {_gb(p['budget_bytes'])} usable: "
+             f"{'FITS' if p['fits'] else 'DOES NOT FIT'}   ({other} layout: {_gb(p['other_layout_peak_bytes'])})",
+             "  part                 bytes at the peak"]
+    lines += [f"  {k:<20} {_gb(v)}" for k, v in p["parts"].items() if v]
+    if p["cpu_offload_bytes"]:
+        lines.append(f"  (host memory: offloaded states {_gb(p['cpu_offload_bytes'])} per device)")
+    a = p["assumed"]
+    lines.append(f"step time per device (ESTIMATE at {a['mfu']:.0%} of {a['tflops']:g} TFLOP/s, decode at "
+                 f"{a['bw_util']:.0%} of {a['bandwidth_tbs']:g} TB/s):")
+    lines += [f"  {k:<20} {v:9.2f} s" for k, v in p["step_seconds"].items()]
+    lines.append(f"  ({other} layout: {p['other_layout_step_seconds']:.2f} s)")
+    for row in p["what_fits"]:
+        lines.append(f"  {'fits' if row['fits'] else 'no  '}  {_gb(row['peak_bytes'])}  {row['change']}")
+    if p["what_fits"]:
+        lines.insert(-len(p["what_fits"]), "what would make it fit (each change alone, cheapest first):")
+    if p.get("note"):
+        lines.append(p["note"])
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    if args.published:
+        from mmpg.plan.published import render_published
+
+        print(render_published(as_json=args.json))
+        return 0
+    from mmpg.config import load_config
+
+    where, memory, hw = _hardware(args)
+    cfg = load_config(args.config, list(args.overrides))
+    for flag in ("video_tokens", "prompt_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 0:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a count >= 0")
+    p = plan(cfg, args.gpus, args.device, memory, hw, args.video_tokens, args.prompt_tokens)
+    print(json.dumps(p, indent=1) if args.json else render(p, where))
+    return 0
+
+
+

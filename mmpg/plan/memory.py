@@ -1,0 +1,237 @@
+"""The per-device memory of one GRPO step by part, from the recipe's sizes alone (no model is built).
+
+Notation: h hidden, L layers, Hq/Hkv heads of d, I MLP width, V vocabulary, b bytes per value of the compute dtype;
+N parameters (N_t trainable), W data-parallel ranks that shard ZeRO states, P prompt tokens, G responses of S tokens,
+k groups per micro-batch, B prompts rolled out at once per rank.
+
+Model states (mixed precision on a GPU: 16-bit weights and gradients, fp32 master copy + AdamW m and v, as
+DeepSpeed keeps them; float32 on a CPU: the weights are the master copy):
+    weights     b·N            / W under ZeRO-3 (offloaded: 0 on the GPU)
+    gradients   b·N_t          / W under ZeRO-2/3
+    optimizer   (4 + 8)·N_t    mixed; 8·N_t (+ 4·N_t: DeepSpeed's flat fp32 partition) float32; / W from ZeRO-1;
+                               offloaded: 0 on the GPU, counted under `cpu_offload`
+    reference   b·N            a frozen copy when the KL term is on (algorithm.beta > 0) and the reference is not
+                               the policy with its LoRA adapters off
+The update's activations (autograd saves, per token and layer, b bytes each; the rows hold T tokens, grouped
+T = k (P + G S), naive T = k G (P + S)):
+    no checkpointing   a = 4h (two RMSNorms: input, output) + 3 Hq d (rotated q, attention output, o_proj input)
+                           + 2 Hkv d (rotated k, v) + 4 I (gate, its SiLU, up, their product) per layer
+    checkpointing      h per layer (each layer's input) + one layer's a recomputed in backward
+    both               + the running layer's unsaved intermediates (forward) or their gradients (backward), taken
+                       as a no-grad layer's live set (`layer_transient`); the grouped row's prefix K/V expanded to
+                       the query heads once per group (the CPU sdpa backend), kept for backward
+    LM head            grouped: chunks of 2048 response positions (logits b, fp32 log-softmax and its gradient:
+                       b + 8 per value), recomputed in backward; naive: logits_to_keep = S + 1 for all k G rows at once
+Vision (frozen: no grad, only the block being run is alive; trained: every block's saves): the video's patches
+(4 per LM token at merge 2) as input, C·t·p² values each, held once per prompt grouped and G times by the naive
+layout, which repeats the prompt (its pixels too) for each response.
+Rollout: the K/V cache (2 L Hkv d b per token) of B prompts: cascade P + G S tokens each, copy / generate G (P + S);
+plus the prefill's transient, one layer's worth on min(P, prefill_chunk) tokens (G P for generate, which expands
+the text before its prefill).
+Sequence parallelism divides the update's row (activations; the vision tower's frames) by sp; the rollout is not
+split (the ranks of a sequence-parallel group each roll out whole prompts, B = data.batch_size / devices).
+The peak is the persistent part (states, reference, inputs) plus the largest phase (rollout, reference logprobs,
+update); the update's gradients and a cold step's optimizer states live only from the update on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from mmpg.plan.geometry import Geometry
+
+LOGITS_CHUNK = 2048  # mmpg.grouping.logprobs.head_logprobs' chunk_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What one device runs. Token counts are per prompt; `prompts` the rollout batch per rank."""
+
+    geometry: Geometry
+    P: int
+    S: int
+    G: int
+    video_tokens: int = 0
+    b: int = 2  # bytes per value of the compute dtype
+    mixed: bool = True  # 16-bit weights with an fp32 master copy (False: everything in float32)
+    zero: int = 0
+    offload: bool = False
+    world: int = 1  # ranks ZeRO shards over
+    sp: int = 1
+    lora_r: int = 0
+    freeze_vision: bool = True
+    reference: str = "none"  # none | copy | adapters_off
+    micro_groups: int = 1  # k: groups per micro-batch
+    prompts: int = 1  # B: prompts rolled out at once per rank
+    ckpt: bool = False
+    grouped: bool = True
+    decode: str = "cascade"  # cascade | copy (the naive layout rolls out with generate: copy)
+    prefill_chunk: int = 8192
+    cold: bool = False  # the first step: AdamW's state is allocated at the optimizer step (a CPU measurement's)
+    full_logits: bool = False  # logits at every position of every row, kept with their log-softmax (R1-V-derived
+    #                            trainers: Video-R1, VideoChat-R1), instead of response positions only
+
+    @property
+    def patches(self) -> int:
+        v = self.geometry.vision
+        return self.video_tokens * v.merge ** 2 if v else 0
+
+    def trainable(self) -> int:
+        g = self.geometry
+        if self.lora_r:
+            return g.lora_params(self.lora_r)
+        return g.params() - (g.vision.params() if g.vision and self.freeze_vision else 0)
+
+    def update_tokens(self) -> int:
+        k = self.micro_groups
+        return k * (self.P + self.G * self.S) if self.grouped else k * self.G * (self.P + self.S)
+
+
+def states(r: Recipe) -> dict:
+    """Model states per rank (bytes): weights, gradients, optimizer, reference, cpu_offload (host memory)."""
+    n, nt, w, b = r.geometry.params(), r.trainable(), r.world, r.b
+    if r.lora_r:  # adapters are small and unsharded in practice; the frozen base is sharded only by ZeRO-3
+        pass
+    weights = b * n / (w if r.zero >= 3 else 1)
+    grads = b * nt / (w if r.zero >= 2 else 1)
+    opt_per = (4 + 8) if r.mixed else (8 + (4 if r.zero >= 1 else 0))
+    opt = opt_per * nt / (w if r.zero >= 1 else 1)
+    host = 0.0
+    if r.offload:
+        host, opt = host + opt, 0.0
+        if r.zero >= 3:
+            host, weights = host + weights, b * r.geometry.layer_params()  # one gathered layer at a time
+    ref = b * n / (w if r.zero >= 3 else 1) if r.reference == "copy" else 0.0
+    return {"weights": weights, "gradients": grads, "optimizer": opt, "reference": ref, "cpu_offload": host}
+
+
+def per_token_layer(g: Geometry) -> int:
+    """Values autograd saves per token and decoder layer without checkpointing (the module docstring's a)."""
+    return 4 * g.hidden + 3 * g.heads * g.d + 2 * g.kv_heads * g.d + 4 * g.intermediate
+
+
+def layer_transient(g: Geometry, tokens: float, b: int) -> float:
+    """A no-grad decoder layer's largest live set on `tokens` tokens: the residual stream and the normed input
+    (2h) beside the larger of the MLP's (gate, up, their product: 3I) and attention's (q, attention output and its
+    reshaped copy: 3 Hq d; k, v and their rotated copies: 4 Hkv d)."""
+    return tokens * b * (2 * g.hidden + max(3 * g.intermediate, 3 * g.heads * g.d + 4 * g.kv_heads * g.d))
+
+
+def mask_bytes(queries: float, keys: float) -> float:
+    """The bool attention mask transformers builds for a prefill through sdpa, one byte per (query, key) pair
+    (inferred from the measured CPU rollouts: their peak grows as P² at P 1k and 8k; the grouped forward builds
+    none on the CPU)."""
+    return queries * keys
+
+
+def head_bytes(r: Recipe, rows: int) -> float:
+    """The LM head's logits for the update / reference: chunked (grouped) or logits_to_keep (naive)."""
+    V = r.geometry.vocab
+    if r.full_logits:  # logits, their log-softmax and, in backward, its gradient: all in the compute dtype
+        return r.update_tokens() / r.sp * V * 3 * r.b
+    if r.grouped:
+        return min(LOGITS_CHUNK, rows) * V * (r.b + 8)
+    return rows * V * (r.b + 8)
+
+
+def vision_bytes(r: Recipe, pixel_copies: int, tower_copies: int, train: bool) -> float:
+    """Extra copies of the video's pixels (the naive layout repeats the prompt) and the tower's activations on
+    `tower_copies` videos (one block alive when frozen, every block's saves when trained)."""
+    v = r.geometry.vision
+    if v is None or not r.video_tokens:
+        return 0.0
+    n = r.patches / r.sp
+    # a frozen block's live set per patch, the larger of attention's (the residual, its normed copy, the fused qkv
+    # output, the rotated q and k, the per-window q, k, v slices, their concatenated output and the projection: 12 hv)
+    # and the MLP's (residual, normed input, output: 3 hv, and the activation, up and product: mats·Iv); a trained
+    # block keeps about that many for backward
+    per_block = tower_copies * n * r.b * max(12 * v.hidden, 3 * v.hidden + v.mlp_mats * v.intermediate)
+    return pixel_copies * n * v.patch_dim * r.b + (v.depth * per_block if train else per_block)
+
+
+def _peak(*moments: dict) -> dict:
+    """The moment (parts -> bytes) with the largest sum."""
+    return max(moments, key=lambda m: sum(m.values()))
+
+
+def _pixel_copies(r: Recipe) -> float:
+    """The naive layout's G copies of each micro-batch video's pixels (the prompt repeated per response)."""
+    return 0.0 if r.grouped else vision_bytes(r, r.micro_groups * r.G, 0, False)
+
+
+def _encode(r: Recipe, train: bool) -> float:
+    """The vision tower's activations on the forward's videos: each prompt's once grouped, G times naive."""
+    k = r.micro_groups
+    return vision_bytes(r, 0, k if r.grouped else k * r.G, train)
+
+
+def update_bytes(r: Recipe, st: dict) -> dict:
+    """The update phase at its peak: encoding the video, the start of backward (activations, logits, gradients),
+    or the optimizer step (a cold step: AdamW's state allocated there, after the activations are freed)."""
+    g = r.geometry
+    T = r.update_tokens() / r.sp
+    a = per_token_layer(g)
+    acts = T * r.b * ((g.layers * g.hidden + a) if r.ckpt else g.layers * a)
+    acts += T * r.b * 3 * g.hidden  # embeddings, final norm in and out
+    acts += layer_transient(g, T, r.b)  # the layer being run: its unsaved intermediates, in backward their gradients
+    if r.grouped:  # the sdpa backend copies each group's prefix K/V once to expand GQA heads, kept for backward
+        acts += r.micro_groups * r.P / r.sp * r.b * 2 * (g.heads - g.kv_heads) * g.d * (1 if r.ckpt else g.layers)
+    rows = r.micro_groups * r.G * (r.S if r.grouped else r.S + 1)
+    opt = {"optimizer": st["optimizer"]} if not r.cold else {}
+    train_vision = not r.freeze_vision
+    saved_vision = _encode(r, True) if train_vision else 0.0
+    if r.ckpt and not train_vision and g.vision:  # checkpointed vision blocks keep their inputs even when frozen
+        copies = r.micro_groups * (1 if r.grouped else r.G)
+        saved_vision = copies * r.patches / r.sp * g.vision.depth * g.vision.hidden * r.b
+    return _peak(dict(opt, pixel_copies=_pixel_copies(r), vision=_encode(r, train_vision)),
+                 dict(opt, pixel_copies=_pixel_copies(r), vision=saved_vision, activations=acts,
+                      logits=head_bytes(r, rows), gradients=st["gradients"]),
+                 {"optimizer": st["optimizer"], "gradients": st["gradients"]})
+
+
+def reference_bytes(r: Recipe, st: dict) -> dict:
+    """The reference (or old-policy) logprobs, no grad: encoding the video, or one layer's transient on the row
+    (+ the naive forward's prefill mask) with its logits."""
+    g = r.geometry
+    T = r.update_tokens() / r.sp
+    rows = r.micro_groups * r.G * (r.S if r.grouped else r.S + 1)
+    opt = {"optimizer": st["optimizer"]} if not r.cold else {}
+    mask = 0.0 if r.grouped else mask_bytes(r.P + r.S, r.P + r.S)
+    lm = layer_transient(g, T, r.b) + 2 * T * r.b * g.hidden + mask
+    return _peak(dict(opt, pixel_copies=_pixel_copies(r), vision=_encode(r, False)),
+                 dict(opt, pixel_copies=_pixel_copies(r), activations=lm,
+                      logits=min(rows, LOGITS_CHUNK if r.grouped else rows) * g.vocab * (r.b + 4)))
+
+
+def rollout_bytes(r: Recipe, st: dict) -> dict:
+    """The rollout at its peak: encoding the video, the prefill (one layer's transient on a chunk and its mask
+    against the prompt; generate prefills G copies of the text), or the K/V cache at the last decode step."""
+    g = r.geometry
+    kv_token = 2 * g.layers * g.kv_heads * g.d * r.b
+    shared = r.grouped and r.decode == "cascade"
+    tokens = r.P + r.G * r.S if shared else r.G * (r.P + r.S)
+    chunk = min(r.P, r.prefill_chunk or r.P)
+    prefill = layer_transient(g, chunk if r.grouped else r.G * r.P, r.b) + mask_bytes(chunk, r.P)
+    whole = dataclasses.replace(r, sp=1)  # each rank of a sequence-parallel group rolls out whole prompts
+    opt = {"optimizer": st["optimizer"]} if not r.cold else {}
+    prompt_kv = r.prompts * r.P * kv_token * (1 if r.grouped else r.G)
+    return _peak(dict(opt, vision=vision_bytes(whole, 0, r.prompts, False)),
+                 dict(opt, kv_cache=prompt_kv, prefill=prefill),
+                 dict(opt, kv_cache=r.prompts * tokens * kv_token))
+
+
+def predict(r: Recipe) -> dict:
+    """{"parts": bytes by part at the peak, "phases": {phase: bytes at its peak}, "peak_bytes", "peak_phase"}."""
+    st = states(r)
+    pixels = r.prompts * r.patches * (r.geometry.vision.patch_dim if r.geometry.vision else 0) * r.b / r.sp
+    persistent = {"weights": st["weights"], "reference": st["reference"], "inputs": pixels}
+    phases = {"rollout": rollout_bytes(r, st), "reference_logprobs": reference_bytes(r, st),
+              "update": update_bytes(r, st)}
+    if r.reference == "none":
+        phases.pop("reference_logprobs")
+    totals = {k: sum(persistent.values()) + sum(v.values()) for k, v in phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    parts = dict(persistent, **phases[peak_phase])
+    return {"parts": {k: int(math.ceil(v)) for k, v in parts.items()}, "phases": {k: int(v) for k, v in totals.items()},
+            "peak_bytes": int(max(totals.values())), "peak_phase": peak_phase, "cpu_offload": int(st["cpu_offload"])}
