@@ -198,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_arguments(p)
     p.set_defaults(func=bench_cli.run)
 
+    from mmpg.plan import cli as plan_cli
+
+    p = sub.add_parser("plan", help="per-GPU peak memory by part and step time by phase of a config on N GPUs, "
+                       "whether it fits, what would make it fit", description=plan_cli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan_cli.add_arguments(p)
+    p.set_defaults(func=plan_cli.run)
+
     for name, text in (("train", "GRPO training on DeepSpeed (one process, torchrun or the deepspeed launcher)"),
                        ("sft", "supervised warm start on grounding annotations (same config tree and run directory)")):
         p = sub.add_parser(name, help=text, epilog=_train_epilog())
