@@ -95,7 +95,7 @@ def spark_svg(steps: list[int], values: list[float], raw: list[float] | None = N
     lo, hi = min(every), max(every)
     span_s = (steps[-1] - steps[0]) or 1
     span_v = (hi - lo) or 1.0
-    left = 34
+    left = 42  # room for a label such as 0.0625
 
     def line(vals: list[float], style: str) -> str:
         pts = " ".join(f"{left + (width - left - 2) * (s - steps[0]) / span_s:.1f},"
