@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import torch
 
-GEOMETRIES = {"gqa7": (28, 4, 128), "gqa4": (32, 8, 128)}  # name -> (query heads, key-value heads, head_dim)
+from mmpg.plan.geometry import MODELS
+
+# name -> (query heads, key-value heads, head_dim), from the released configs' presets (mmpg.plan.geometry)
+GEOMETRIES = {name: (MODELS[m].heads, MODELS[m].kv_heads, MODELS[m].d)
+              for name, m in (("gqa7", "qwen2.5-vl-7b"), ("gqa4", "qwen3-vl-8b"))}
+assert GEOMETRIES == {"gqa7": (28, 4, 128), "gqa4": (32, 8, 128)}
 # a long and a short prompt; unequal responses, one of length 1 (flash's max_seqlen_q = 1 branch)
 LAYOUT = ([300, 77], [[40, 1, 129, 60], [5, 33]])
 SHORT_LAYOUT = ([96, 23], [[12, 1, 40, 9], [5, 17]])  # the same structure, a tenth of the work: for the CPU

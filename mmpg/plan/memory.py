@@ -204,13 +204,20 @@ def reference_bytes(r: Recipe, st: dict) -> dict:
                       logits=min(rows, LOGITS_CHUNK if r.grouped else rows) * g.vocab * (r.b + 4)))
 
 
+def kv_cache_bytes(r: Recipe) -> float:
+    """The rollout's K/V cache of the rank's prompts after the last decode step: cascade P + G S tokens a prompt,
+    copy / generate G (P + S)."""
+    g = r.geometry
+    shared = r.grouped and r.decode == "cascade"
+    tokens = r.P + r.G * r.S if shared else r.G * (r.P + r.S)
+    return r.prompts * tokens * 2 * g.layers * g.kv_heads * g.d * r.b
+
+
 def rollout_bytes(r: Recipe, st: dict) -> dict:
     """The rollout at its peak: encoding the video, the prefill (one layer's transient on a chunk and its mask
     against the prompt; generate prefills G copies of the text), or the K/V cache at the last decode step."""
     g = r.geometry
     kv_token = 2 * g.layers * g.kv_heads * g.d * r.b
-    shared = r.grouped and r.decode == "cascade"
-    tokens = r.P + r.G * r.S if shared else r.G * (r.P + r.S)
     chunk = min(r.P, r.prefill_chunk or r.P)
     prefill = layer_transient(g, chunk if r.grouped else r.G * r.P, r.b) + mask_bytes(chunk, r.P)
     whole = dataclasses.replace(r, sp=1)  # each rank of a sequence-parallel group rolls out whole prompts
@@ -218,7 +225,7 @@ def rollout_bytes(r: Recipe, st: dict) -> dict:
     prompt_kv = r.prompts * r.P * kv_token * (1 if r.grouped else r.G)
     return _peak(dict(opt, vision=vision_bytes(whole, 0, r.prompts, False)),
                  dict(opt, kv_cache=prompt_kv, prefill=prefill),
-                 dict(opt, kv_cache=r.prompts * tokens * kv_token))
+                 dict(opt, kv_cache=kv_cache_bytes(r)))
 
 
 def predict(r: Recipe) -> dict:

@@ -22,14 +22,15 @@ TEXT_TOKENS = 120
 
 def geometry_of(path: str) -> Geometry:
     """A folder with config.json, a hub id whose config.json is in the local HF cache, or a preset name."""
-    if path and not (Path(path).expanduser() / "config.json").is_file() and "/" in path:
+    hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if hub_id and not (Path(path).expanduser() / "config.json").is_file():
         try:
             from huggingface_hub import try_to_load_from_cache
 
             cached = try_to_load_from_cache(path, "config.json")
             if isinstance(cached, str):
                 return resolve(str(Path(cached).parent))
-        except ImportError:
+        except Exception:  # noqa: BLE001 - no cache, no hub package, a name it refuses: the presets decide
             pass
     if not path:
         raise UserError("model.path is empty: give model.path=FOLDER or a preset (mmpg plan --models lists them)")

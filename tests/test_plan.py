@@ -1,0 +1,166 @@
+"""`mmpg plan`: the memory model's arithmetic on hand-computed cases, the parameter count against models built on the
+meta device, the CLI's JSON and its one-line errors, the published points, and one measured CPU point."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mmpg.plan.geometry import MODELS, Geometry, Vision, from_config_dict
+from mmpg.plan.memory import Recipe, layer_transient, per_token_layer, predict, states
+
+TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
+# h 8, 1 layer, 2/1 heads of 4, I 16, V 10, untied, Qwen2 biases
+SMALL = Geometry("hand", hidden=8, layers=1, heads=2, kv_heads=1, intermediate=16, vocab=10)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_param_count_matches_the_model(family):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from mmpg.bench.model import model_config
+
+    config, _ = model_config({"family": family, "spec": TINY})
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    g = from_config_dict(config.to_dict(), family)
+    vision = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
+    assert g.vision.params() == vision
+    assert g.params() == sum(p.numel() for p in model.parameters())
+
+
+def test_hand_counted_parameters_and_states():
+    # layer: q 8*8 + k 8*4 + v 8*4 + o 8*8 = 192, biases 8+4+4 = 16, MLP 3*8*16 = 384, norms 16 -> 608
+    assert SMALL.layer_params() == 608
+    # + embedding 80 + head 80 + final norm 8
+    assert SMALL.params() == 776
+    r = Recipe(SMALL, P=4, S=2, G=2, zero=0, world=4)
+    assert states(r) == {"weights": 2 * 776, "gradients": 2 * 776, "optimizer": 12 * 776, "reference": 0.0,
+                         "cpu_offload": 0.0}
+    z2 = states(dataclasses.replace(r, zero=2))
+    assert (z2["weights"], z2["gradients"], z2["optimizer"]) == (2 * 776, 2 * 776 / 4, 12 * 776 / 4)
+    z3 = states(dataclasses.replace(r, zero=3, reference="copy"))
+    assert (z3["weights"], z3["reference"]) == (2 * 776 / 4, 2 * 776 / 4)
+    off = states(dataclasses.replace(r, zero=3, offload=True))
+    assert off["optimizer"] == 0 and off["cpu_offload"] == 12 * 776 / 4 + 2 * 776 / 4
+    assert off["weights"] == 2 * 608  # one gathered layer
+    # float32 on a CPU: AdamW's m, v (8) and DeepSpeed's flat fp32 partition from ZeRO-1 (4)
+    assert states(dataclasses.replace(r, b=4, mixed=False))["optimizer"] == 8 * 776
+    assert states(dataclasses.replace(r, b=4, mixed=False, zero=2))["optimizer"] == 12 * 776 / 4
+    # LoRA r 2 on q,k,v,o,gate,up,down: 2 * ((8+8) + (8+4) + (8+4) + (8+8) + (8+16) + (8+16) + (16+8)) = 256
+    assert SMALL.lora_params(2) == 256
+    assert states(dataclasses.replace(r, lora_r=2))["optimizer"] == 12 * 256
+
+
+def test_activation_terms_by_hand():
+    # a = 4h + 3 Hq d + 2 Hkv d + 4 I = 32 + 24 + 8 + 64 = 128 values per token and layer
+    assert per_token_layer(SMALL) == 128
+    # no-grad live set: 2h + max(3I = 48, 3 Hq d + 4 Hkv d = 24 + 16) = 64 values per token
+    assert layer_transient(SMALL, 10, 2) == 10 * 2 * 64
+
+
+def test_grouped_rows_and_kv_shrink_as_the_token_ratio():
+    g = MODELS["qwen2.5-vl-7b"]
+    r = Recipe(g, P=8192, S=256, G=8, video_tokens=8000, world=8, zero=2, ckpt=True)
+    grouped, naive = predict(r), predict(dataclasses.replace(r, grouped=False, decode="copy"))
+    assert naive["peak_bytes"] > grouped["peak_bytes"]
+    from mmpg.plan.memory import kv_cache_bytes
+
+    kv_c = kv_cache_bytes(r)
+    assert kv_c == (8192 + 8 * 256) * 2 * 28 * 4 * 128 * 2  # tokens x (K and V) x layers x kv heads x d x bf16
+    kv_n = kv_cache_bytes(dataclasses.replace(r, grouped=False, decode="copy"))
+    assert kv_n / kv_c == pytest.approx(8 * (8192 + 256) / (8192 + 8 * 256))
+    # checkpointing keeps one h per token and layer instead of a
+    nockpt = predict(dataclasses.replace(r, ckpt=False))
+    assert nockpt["parts"]["activations"] > 5 * grouped["parts"]["activations"]
+
+
+def _plan_json(*args, capsys):
+    from mmpg.cli import main
+
+    rc = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_json_for_the_shipped_config(capsys):
+    rc, out, _ = _plan_json("--config", "configs/grounding_qwen25vl_7b.yaml", "--gpus", "8", "--gpu", "a100-80",
+                            "--json", capsys=capsys)
+    assert rc == 0
+    p = json.loads(out)
+    assert {"peak_bytes", "parts", "step_seconds", "fits"} <= set(p)
+    assert p["fits"] is True and p["zero"] == 2 and p["video_tokens"] == 8192
+    assert p["peak_bytes"] == max(p["phases"].values())
+    assert p["step_seconds"]["total"] > 0 and p["other_layout_step_seconds"] > p["step_seconds"]["total"]
+
+
+def test_cli_what_fits_lists_changes_with_their_peaks(capsys):
+    rc, out, _ = _plan_json("--config", "configs/grounding_qwen25vl_7b.yaml", "model.gradient_checkpointing=false",
+                            "--gpus", "8", "--gpu", "a40", "--json", capsys=capsys)
+    p = json.loads(out)
+    assert rc == 0 and p["fits"] is False
+    rows = {row["change"]: row for row in p["what_fits"]}
+    assert rows["model.gradient_checkpointing=true"]["fits"]
+    assert all(row["peak_bytes"] < p["peak_bytes"] for row in p["what_fits"] if "rollout.n" not in row["change"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--config", "configs/grounding_qwen25vl_7b.yaml", "--gpu", "b200x"], "unknown GPU 'b200x'"),
+    (["--config", "configs/cpu_demo.yaml", "model.path=/nonexistent/model"], "no config.json"),
+    (["--config", "configs/grounding_qwen25vl_7b.yaml", "--gpus", "3", "parallel.sequence_parallel_size=2"],
+     "must divide --gpus 3"),
+    (["--config", "configs/grounding_qwen25vl_7b.yaml", "--gpu-memory", "0"], "--gpu-memory 0"),
+])
+def test_cli_bad_input_is_one_line_exit_2(args, words, capsys):
+    rc, out, err = _plan_json(*args, capsys=capsys)
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and words in err, err
+
+
+def test_published_points():
+    from mmpg.plan.published import published
+
+    rows = {r["name"].split(",")[0].split(" ")[0]: r for r in published()}
+    assert len(rows) == 4 and all(r["difference"] for r in rows.values())
+    assert rows["Time-R1"]["fits"]  # reported: trains on one GPU
+    alst = rows["8B"]
+    assert not alst["fits"] and alst["fits_at_32k"]  # reported: out of memory past 32K tokens
+    vc = rows["VideoChat-R1"]
+    assert vc["planned_peak_bytes"] > 46 * 0.9 * 2 ** 30  # reported: fails on 46 GB
+
+
+def test_time_model_grouped_vs_naive():
+    from mmpg.plan.timing import Throughput, step_seconds
+
+    hw = Throughput("x", 312, 2.0)
+    r = Recipe(MODELS["qwen2.5-vl-3b"], P=4096, S=256, G=8, video_tokens=4000)
+    g, n = step_seconds(r, hw), step_seconds(dataclasses.replace(r, grouped=False, decode="copy"), hw)
+    assert n["update"] / g["update"] == pytest.approx(
+        __import__("mmpg.bench.flops", fromlist=["x"]).rho_flops(r.geometry.flops_dims(), 4096, 256, 8,
+                                                                    video_patches=16000, frame_patches=1024,
+                                                                    train_vision=False), rel=1e-6)
+    assert n["rollout_decode"] > g["rollout_decode"] and g["total"] == pytest.approx(
+        sum(v for k, v in g.items() if k != "total"))
+
+
+@pytest.mark.slow  # ~30 s on 2 busy cores: DeepSpeed's import and a warm-up step in a fresh process
+def test_one_measured_cpu_point():
+    """The smallest validation case, measured in its own process as `mmpg.plan.validate` does: within 25 %."""
+    from mmpg.plan.cpu import predict_case
+    from mmpg.plan.validate import case
+
+    c = case("tiny", 0, 0, 4, 1024, False, "mmpg")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 * 1024), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "mmpg.plan.measure", json.dumps(c)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    measured = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])["peak_bytes"]
+    predicted = predict_case(c)
+    print(f"measured {measured / 2 ** 20:.1f} MB, predicted {predicted / 2 ** 20:.1f} MB")
+    assert abs(predicted / measured - 1) < 0.25
