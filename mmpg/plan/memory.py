@@ -63,6 +63,7 @@ class Recipe:
     freeze_vision: bool = True
     reference: str = "none"  # none | copy | adapters_off
     micro_groups: int = 1  # k: groups per micro-batch
+    queries: int = 1  # Q: adjacent queries of one video sharing it (the tree; data.queries_per_video, grouped only)
     prompts: int = 1  # B: prompts rolled out at once per rank
     ckpt: bool = False
     grouped: bool = True
@@ -83,8 +84,15 @@ class Recipe:
             return g.lora_params(self.lora_r)
         return g.params() - (g.vision.params() if g.vision and self.freeze_vision else 0)
 
+    def videos(self, groups: int) -> int:
+        """Videos among `groups` prompts: one per prompt, or one per Q queries in the tree."""
+        return -(-groups // self.queries) if self.grouped else groups
+
     def update_tokens(self) -> int:
         k = self.micro_groups
+        if self.grouped and self.queries > 1:  # [shared video part | tail + response, ...]: mmpg.grouping.tree
+            tail = self.P - self.video_tokens
+            return self.videos(k) * (self.P - tail) + k * self.G * (tail + self.S)
         return k * (self.P + self.G * self.S) if self.grouped else k * self.G * (self.P + self.S)
 
 
@@ -163,7 +171,7 @@ def _pixel_copies(r: Recipe) -> float:
 def _encode(r: Recipe, train: bool) -> float:
     """The vision tower's activations on the forward's videos: each prompt's once grouped, G times naive."""
     k = r.micro_groups
-    return vision_bytes(r, 0, k if r.grouped else k * r.G, train)
+    return vision_bytes(r, 0, r.videos(k) if r.grouped else k * r.G, train)
 
 
 def update_bytes(r: Recipe, st: dict) -> dict:
@@ -176,13 +184,13 @@ def update_bytes(r: Recipe, st: dict) -> dict:
     acts += T * r.b * 3 * g.hidden  # embeddings, final norm in and out
     acts += layer_transient(g, T, r.b)  # the layer being run: its unsaved intermediates, in backward their gradients
     if r.grouped:  # the sdpa backend copies each group's prefix K/V once to expand GQA heads, kept for backward
-        acts += r.micro_groups * r.P / r.sp * r.b * 2 * (g.heads - g.kv_heads) * g.d * (1 if r.ckpt else g.layers)
+        acts += r.videos(r.micro_groups) * r.P / r.sp * r.b * 2 * (g.heads - g.kv_heads) * g.d * (1 if r.ckpt else g.layers)
     rows = r.micro_groups * r.G * (r.S if r.grouped else r.S + 1)
     opt = {"optimizer": st["optimizer"]} if not r.cold else {}
     train_vision = not r.freeze_vision
     saved_vision = _encode(r, True) if train_vision else 0.0
     if r.ckpt and not train_vision and g.vision:  # checkpointed vision blocks keep their inputs even when frozen
-        copies = r.micro_groups * (1 if r.grouped else r.G)
+        copies = r.videos(r.micro_groups) if r.grouped else r.micro_groups * r.G
         saved_vision = copies * r.patches / r.sp * g.vision.depth * g.vision.hidden * r.b
     return _peak(dict(opt, pixel_copies=_pixel_copies(r), vision=_encode(r, train_vision)),
                  dict(opt, pixel_copies=_pixel_copies(r), vision=saved_vision, activations=acts,
@@ -209,8 +217,12 @@ def kv_cache_bytes(r: Recipe) -> float:
     copy / generate G (P + S)."""
     g = r.geometry
     shared = r.grouped and r.decode == "cascade"
-    tokens = r.P + r.G * r.S if shared else r.G * (r.P + r.S)
-    return r.prompts * tokens * 2 * g.layers * g.kv_heads * g.d * r.b
+    if shared and r.queries > 1:  # the video's part once for its Q queries, each tail once (mmpg.rollout.shares)
+        tail = r.P - r.video_tokens
+        tokens = r.videos(r.prompts) * r.video_tokens + r.prompts * (tail + r.G * r.S)
+    else:
+        tokens = r.prompts * (r.P + r.G * r.S if shared else r.G * (r.P + r.S))
+    return tokens * 2 * g.layers * g.kv_heads * g.d * r.b
 
 
 def rollout_bytes(r: Recipe, st: dict) -> dict:
@@ -223,7 +235,7 @@ def rollout_bytes(r: Recipe, st: dict) -> dict:
     whole = dataclasses.replace(r, sp=1)  # each rank of a sequence-parallel group rolls out whole prompts
     opt = {"optimizer": st["optimizer"]} if not r.cold else {}
     prompt_kv = r.prompts * r.P * kv_token * (1 if r.grouped else r.G)
-    return _peak(dict(opt, vision=vision_bytes(whole, 0, r.prompts, False)),
+    return _peak(dict(opt, vision=vision_bytes(whole, 0, r.videos(r.prompts), False)),
                  dict(opt, kv_cache=prompt_kv, prefill=prefill),
                  dict(opt, kv_cache=kv_cache_bytes(r)))
 
@@ -231,7 +243,7 @@ def rollout_bytes(r: Recipe, st: dict) -> dict:
 def predict(r: Recipe) -> dict:
     """{"parts": bytes by part at the peak, "phases": {phase: bytes at its peak}, "peak_bytes", "peak_phase"}."""
     st = states(r)
-    pixels = r.prompts * r.patches * (r.geometry.vision.patch_dim if r.geometry.vision else 0) * r.b / r.sp
+    pixels = r.videos(r.prompts) * r.patches * (r.geometry.vision.patch_dim if r.geometry.vision else 0) * r.b / r.sp
     persistent = {"weights": st["weights"], "reference": st["reference"], "inputs": pixels}
     phases = {"rollout": rollout_bytes(r, st), "reference_logprobs": reference_bytes(r, st),
               "update": update_bytes(r, st)}

@@ -93,6 +93,7 @@ def recipe_from_config(cfg, gpus: int, device: str = "cuda", video: int | None =
     decode = "copy" if cfg.rollout.decode == "copy" else "cascade"
     return Recipe(g, P=P, S=cfg.rollout.max_new_tokens, G=G, video_tokens=vt, b=b, mixed=b == 2, zero=zero,
                   offload=offload, world=gpus, sp=sp, lora_r=lora, freeze_vision=cfg.model.freeze_vision,
-                  reference=ref, micro_groups=mb // G, prompts=math.ceil(cfg.data.batch_size / gpus),
+                  reference=ref, micro_groups=mb // G,
+                  queries=cfg.data.queries_per_video if cfg.algorithm.share_videos else 1, prompts=math.ceil(cfg.data.batch_size / gpus),
                   ckpt=cfg.model.gradient_checkpointing, grouped=cfg.algorithm.grouping, decode=decode,
                   prefill_chunk=cfg.rollout.prefill_chunk)

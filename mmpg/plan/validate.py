@@ -1,6 +1,7 @@
 """Validate `mmpg plan --device cpu` against measured CPU peaks: predicted vs measured, median and worst error.
 
     python -m mmpg.plan.validate --measure results/plan_cpu.jsonl     # one process per case (minutes each)
+    python -m mmpg.plan.validate --measure results/plan_cpu.jsonl --time   # the naive / mmpg step-time pair
     python -m mmpg.plan.validate --report results/plan_cpu.jsonl [--json results/plan_cpu.json]
 
 The grid is a fractional design over the factors the plan's memory model has terms for: two model sizes (the bench's
@@ -50,10 +51,19 @@ def case(model: str, zero: int, lora: int, G: int, P: int, ckpt: bool, variant: 
             "ref": "adapters_off" if lora else "copy", "grad_ckpt": ckpt, "threads": 1}
 
 
-def measure_all(path: Path, only: str = "") -> None:
+def time_cases() -> list[dict]:
+    """The step-time pair: the bench's CPU step preset (small model, P ~2k, S 128, G 8, ZeRO 0), naive and mmpg."""
+    out = []
+    for variant in ("naive", "mmpg"):
+        c = case("small", 0, 0, 8, 2048, False, variant)
+        out.append(dict(c, S=128, name=c["name"].replace("-G8-", "-G8-S128-") + "-time"))
+    return out
+
+
+def measure_all(path: Path, only: str = "", cases: list | None = None) -> None:
     done = {json.loads(line)["name"] for line in path.read_text().splitlines() if line.strip()} if path.exists() else set()
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 * 1024), OMP_NUM_THREADS="1")
-    for c in grid():
+    for c in grid() if cases is None else cases:
         if c["name"] in done or (only and only not in c["name"]):
             continue
         proc = subprocess.run([sys.executable, "-m", "mmpg.plan.measure", json.dumps(c)], env=env,
@@ -66,13 +76,13 @@ def measure_all(path: Path, only: str = "") -> None:
         print(c["name"], row.get("peak_bytes", row.get("error")), flush=True)
 
 
-def report(path: Path, out_json: Path | None = None) -> dict:
+def report(path: Path) -> dict:
     from mmpg.plan.cpu import predict_case
 
     rows = []
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        if "peak_bytes" not in r:
+        if "peak_bytes" not in r or r["name"].endswith("-time"):
             continue
         pred = predict_case(r)
         rows.append({"name": r["name"], "measured_mb": r["peak_bytes"] / 2 ** 20, "predicted_mb": pred / 2 ** 20,
@@ -85,22 +95,52 @@ def report(path: Path, out_json: Path | None = None) -> dict:
         print(f"{r['name']:<44} {r['measured_mb']:>12.1f} {r['predicted_mb']:>13.1f} {r['error']:>+8.1%}")
     if errs:
         print(f"{len(rows)} cases: median |error| {summary['median_abs_error']:.1%}, worst {summary['worst_abs_error']:.1%}")
-    if out_json:
-        out_json.write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def time_report(path: Path) -> dict | None:
+    """Predicted naive/grouped step-time ratio (`mmpg.plan.timing` at this CPU's probed rates, utilisation 1) against
+    the measured pair's; None until both are measured."""
+    import dataclasses
+
+    from mmpg.plan.cpu import case_recipe
+    from mmpg.plan.probe import cpu_throughput
+    from mmpg.plan.timing import Throughput, step_seconds
+
+    rows = {json.loads(ln)["variant"]: json.loads(ln) for ln in path.read_text().splitlines()
+            if ln.strip() and json.loads(ln)["name"].endswith("-time") and "seconds" in json.loads(ln)}
+    if set(rows) != {"naive", "mmpg"}:
+        return None
+    tflops, bw = cpu_throughput()
+    hw = Throughput("cpu", tflops, bw, 1.0, 1.0)
+    pred = {v: step_seconds(dataclasses.replace(case_recipe(rows[v]), cold=False), hw) for v in rows}
+    phases = (("rollout", ("vision", "rollout_prefill", "rollout_decode")), ("logprob", ("reference",)),
+              ("update", ("update",)), ("total", ("total",)))
+    out = {"tflops": tflops, "bandwidth_tbs": bw, "phases": {}}
+    print(f"{'phase':<10} {'measured naive/mmpg':>20} {'predicted':>10} {'error':>8}")
+    for name, keys in phases:
+        m = rows["naive"]["seconds"][name] / rows["mmpg"]["seconds"][name]
+        p = sum(pred["naive"][k] for k in keys) / sum(pred["mmpg"][k] for k in keys)
+        out["phases"][name] = {"measured": m, "predicted": p, "error": p / m - 1}
+        print(f"{name:<10} {m:>20.2f} {p:>10.2f} {p / m - 1:>+8.1%}")
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--measure", type=Path, help="JSON-lines file to append measurements to")
+    p.add_argument("--time", action="store_true", help="with --measure: the step-time pair (naive, mmpg) instead")
     p.add_argument("--only", default="", help="measure only cases whose name contains this")
     p.add_argument("--report", type=Path, help="JSON-lines file of measurements to compare with the plan")
     p.add_argument("--json", type=Path, default=None, help="write the comparison here")
     args = p.parse_args(argv)
     if args.measure:
-        measure_all(args.measure, args.only)
+        measure_all(args.measure, args.only, time_cases() if args.time else None)
     if args.report:
-        report(args.report, args.json)
+        summary = report(args.report)
+        summary["time"] = time_report(args.report)
+        if args.json:
+            args.json.write_text(json.dumps(summary, indent=1))
     return 0
 
 
