@@ -164,3 +164,16 @@ def test_one_measured_cpu_point():
     predicted = predict_case(c)
     print(f"measured {measured / 2 ** 20:.1f} MB, predicted {predicted / 2 ** 20:.1f} MB")
     assert abs(predicted / measured - 1) < 0.25
+
+
+def test_tree_holds_a_video_once_for_its_queries():
+    # P 10 = 6 video tokens + a 4-token tail; 4 queries of one video x G 2 x S 2 in one micro-batch:
+    # update row 6 + 4*2*(4+2) = 54 tokens (per-query grouping: 4 * (10 + 2*2) = 56); K/V 6 + 4*(4 + 2*2) = 38 tokens
+    from mmpg.plan.memory import kv_cache_bytes
+
+    r = Recipe(SMALL, P=10, S=2, G=2, video_tokens=6, micro_groups=4, queries=4, prompts=4)
+    assert r.update_tokens() == 54
+    assert dataclasses.replace(r, queries=1).update_tokens() == 56
+    per_token = 2 * SMALL.layers * SMALL.kv_heads * SMALL.d * r.b
+    assert kv_cache_bytes(r) == 38 * per_token
+    assert kv_cache_bytes(dataclasses.replace(r, queries=1)) == 4 * (10 + 4) * per_token
