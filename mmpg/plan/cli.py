@@ -95,12 +95,16 @@ def _flip(r):
 
 
 def _gb(x: float) -> str:
-    return f"{x / 2 ** 30:7.2f} GB"
+    return f"{x / 2 ** 30:7.2f} GB" if x >= 2 ** 30 else f"{x / 2 ** 20:7.1f} MB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
 
 
 def render(p: dict, where: str) -> str:
     other = "naive" if p["layout"] == "grouped" else "grouped"
-    lines = [f"{p['model']} ({p['params'] / 1e9:.2f} B params, {p['trainable_params'] / 1e9:.3f} B trained) on "
+    lines = [f"{p['model']} ({_count(p['params'])} params, {_count(p['trainable_params'])} trained) on "
              f"{p['devices']} x {where}: P {p['P']} ({p['video_tokens']} video tokens), G {p['G']}, S {p['S']}, "
              f"ZeRO {p['zero']}{' + offload' if p['offload'] else ''}, sp {p['sp']}, {p['layout']} layout",
              f"per-device peak {_gb(p['peak_bytes'])} ({p['peak_phase']}) of {_gb(p['budget_bytes'])} usable: "

@@ -50,14 +50,14 @@ def _points() -> list[dict]:
     ]
 
 
-def _why(i: int, peak: float, budget: float, other: float) -> str:
+def _why(i: int, peak: float, budget: float, other: float, logits: float) -> str:
     """One sentence on how the plan and the report compare, with the plan's own numbers."""
     gb = 2 ** 30
     if i == 0:
         return (f"Planned {peak / gb:.0f} GB counts live tensors, above the 46 GB card's {46 * 0.9:.0f} GB usable (the "
                 f"reported failure) and below the ~80 GB reported, which is what nvidia-smi shows: the caching "
-                f"allocator's reserve and fragmentation come on top; the logits of every position (about half the "
-                f"peak) are what mmpg's chunked head and grouped layout ({other / gb:.0f} GB) remove.")
+                f"allocator's reserve and fragmentation come on top; the logits of every position ("
+                f"{logits / peak:.0%} of the peak) are what mmpg's chunked head and grouped layout ({other / gb:.0f} GB) remove.")
     if i == 1:
         return (f"On 8 A40s at ZeRO-3 the plan leaves {(budget - peak) / gb:.0f} GB of the {budget / gb:.0f} usable, "
                 f"too thin a margin to rule out the reported OOM (a longer video, or fewer GPUs: ZeRO-3 shards "
@@ -84,7 +84,7 @@ def published() -> list[dict]:
         other = grouped["peak_bytes"]
         if i == 1:  # the same recipe on 4 GPUs
             other = predict(dataclasses.replace(pt["recipe"], world=4))["peak_bytes"]
-        row["difference"] = _why(i, naive["peak_bytes"], budget, other)
+        row["difference"] = _why(i, naive["peak_bytes"], budget, other, naive["parts"].get("logits", 0))
         if i == 3:
             half = predict(dataclasses.replace(pt["recipe"], S=32768))
             row["peak_at_32k_bytes"] = half["peak_bytes"]
