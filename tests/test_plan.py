@@ -41,21 +41,25 @@ def test_hand_counted_parameters_and_states():
     # + embedding 80 + head 80 + final norm 8
     assert SMALL.params() == 776
     r = Recipe(SMALL, P=4, S=2, G=2, zero=0, world=4)
-    assert states(r) == {"weights": 2 * 776, "gradients": 2 * 776, "optimizer": 12 * 776, "reference": 0.0,
-                         "cpu_offload": 0.0}
+    # bf16 + fp32 master (4) + AdamW m, v (8): DeepSpeed's 16 bytes a trained parameter
+    assert states(r) == {"weights": 2 * 776, "gradients": 2 * 776, "master": 4 * 776, "optimizer": 8 * 776,
+                         "reference": 0.0, "cpu_offload": 0.0}
     z2 = states(dataclasses.replace(r, zero=2))
-    assert (z2["weights"], z2["gradients"], z2["optimizer"]) == (2 * 776, 2 * 776 / 4, 12 * 776 / 4)
+    assert (z2["weights"], z2["gradients"], z2["master"], z2["optimizer"]) == (2 * 776, 2 * 776 / 4, 776, 2 * 776)
     z3 = states(dataclasses.replace(r, zero=3, reference="copy"))
     assert (z3["weights"], z3["reference"]) == (2 * 776 / 4, 2 * 776 / 4)
+    assert z3["master"] == (4 + 8) * 776 / 4  # + ZeRO-3's two flat fp32 gradient buffers
     off = states(dataclasses.replace(r, zero=3, offload=True))
-    assert off["optimizer"] == 0 and off["cpu_offload"] == 12 * 776 / 4 + 2 * 776 / 4
+    assert off["optimizer"] == off["master"] == 0 and off["cpu_offload"] == (8 + 12 + 2) * 776 / 4
     assert off["weights"] == 2 * 608  # one gathered layer
-    # float32 on a CPU: AdamW's m, v (8) and DeepSpeed's flat fp32 partition from ZeRO-1 (4)
-    assert states(dataclasses.replace(r, b=4, mixed=False))["optimizer"] == 8 * 776
-    assert states(dataclasses.replace(r, b=4, mixed=False, zero=2))["optimizer"] == 12 * 776 / 4
+    # float32 on a CPU: no separate master at ZeRO 0 or 3 (the weights are it), a cloned partition at ZeRO-1/2
+    f32 = dataclasses.replace(r, b=4, mixed=False)
+    assert states(f32)["master"] == 0 and states(f32)["optimizer"] == 8 * 776
+    assert states(dataclasses.replace(f32, zero=2))["master"] == 4 * 776 / 4
+    assert states(dataclasses.replace(f32, zero=3))["master"] == 8 * 776 / 4
     # LoRA r 2 on q,k,v,o,gate,up,down: 2 * ((8+8) + (8+4) + (8+4) + (8+8) + (8+16) + (8+16) + (16+8)) = 256
     assert SMALL.lora_params(2) == 256
-    assert states(dataclasses.replace(r, lora_r=2))["optimizer"] == 12 * 256
+    assert states(dataclasses.replace(r, lora_r=2))["optimizer"] == 8 * 256
 
 
 def test_activation_terms_by_hand():

@@ -5,11 +5,14 @@ N parameters (N_t trainable), W data-parallel ranks that shard ZeRO states, P pr
 k groups per micro-batch, B prompts rolled out at once per rank.
 
 Model states (mixed precision on a GPU: 16-bit weights and gradients, fp32 master copy + AdamW m and v, as
-DeepSpeed keeps them; float32 on a CPU: the weights are the master copy):
+DeepSpeed keeps them; float32 on a CPU: the weights are the master copy), as DeepSpeed 0.19 allocates them:
     weights     b·N            / W under ZeRO-3 (offloaded: 0 on the GPU)
     gradients   b·N_t          / W under ZeRO-2/3
-    optimizer   (4 + 8)·N_t    mixed; 8·N_t (+ 4·N_t: DeepSpeed's flat fp32 partition) float32; / W from ZeRO-1;
-                               offloaded: 0 on the GPU, counted under `cpu_offload`
+    master      4·N_t / W      the fp32 master partition (mixed; float32 ZeRO-1/2 clone the flat partition too),
+                + 8·N_t / W    ZeRO-3: its flat gradient partition and the master partition's gradient buffer;
+                               allocated at set-up (stage_1_and_2.py, stage3.py)
+    optimizer   8·N_t          AdamW's m and v, / W from ZeRO-1, allocated at the first step; offloaded (with the
+                               master): 0 on the GPU, counted under `cpu_offload`
     reference   b·N            a frozen copy when the KL term is on (algorithm.beta > 0) and the reference is not
                                the policy with its LoRA adapters off
 The update's activations (autograd saves, per token and layer, b bytes each; the rows hold T tokens, grouped
@@ -97,21 +100,25 @@ class Recipe:
 
 
 def states(r: Recipe) -> dict:
-    """Model states per rank (bytes): weights, gradients, optimizer, reference, cpu_offload (host memory)."""
+    """Model states per rank (bytes): weights, gradients, master (what DeepSpeed allocates at set-up: the fp32
+    master partition, ZeRO-3's flat gradient buffers), optimizer (AdamW's m and v, allocated at the first step),
+    reference, cpu_offload (host memory)."""
     n, nt, w, b = r.geometry.params(), r.trainable(), r.world, r.b
-    if r.lora_r:  # adapters are small and unsharded in practice; the frozen base is sharded only by ZeRO-3
-        pass
     weights = b * n / (w if r.zero >= 3 else 1)
     grads = b * nt / (w if r.zero >= 2 else 1)
-    opt_per = (4 + 8) if r.mixed else (8 + (4 if r.zero >= 1 else 0))
-    opt = opt_per * nt / (w if r.zero >= 1 else 1)
+    shard = w if r.zero >= 1 else 1
+    master = 4 * nt / shard if (r.mixed or r.zero in (1, 2)) else 0.0  # ZeRO-3 float32 shares the partition
+    if r.zero >= 3:  # grad_partitions_flat_buffer and the fp32 partition's gradient buffer (stage3.py)
+        master += 8 * nt / w
+    opt = 8 * nt / shard
     host = 0.0
     if r.offload:
-        host, opt = host + opt, 0.0
+        host, opt, master = host + opt + master, 0.0, 0.0
         if r.zero >= 3:
             host, weights = host + weights, b * r.geometry.layer_params()  # one gathered layer at a time
     ref = b * n / (w if r.zero >= 3 else 1) if r.reference == "copy" else 0.0
-    return {"weights": weights, "gradients": grads, "optimizer": opt, "reference": ref, "cpu_offload": host}
+    return {"weights": weights, "gradients": grads, "master": master, "optimizer": opt, "reference": ref,
+            "cpu_offload": host}
 
 
 def per_token_layer(g: Geometry) -> int:
@@ -180,11 +187,12 @@ def update_bytes(r: Recipe, st: dict) -> dict:
     g = r.geometry
     T = r.update_tokens() / r.sp
     a = per_token_layer(g)
-    acts = T * r.b * ((g.layers * g.hidden + a) if r.ckpt else g.layers * a)
-    acts += T * r.b * 3 * g.hidden  # embeddings, final norm in and out
-    acts += layer_transient(g, T, r.b)  # the layer being run: its unsaved intermediates, in backward their gradients
+    saved = T * r.b * (g.layers * (g.hidden if r.ckpt else a) + 3 * g.hidden)  # + embeddings, final norm
     if r.grouped:  # the sdpa backend copies each group's prefix K/V once to expand GQA heads, kept for backward
-        acts += r.videos(r.micro_groups) * r.P / r.sp * r.b * 2 * (g.heads - g.kv_heads) * g.d * (1 if r.ckpt else g.layers)
+        saved += r.videos(r.micro_groups) * r.P / r.sp * r.b * 2 * (g.heads - g.kv_heads) * g.d * (
+            1 if r.ckpt else g.layers)
+    # backward: a checkpointed layer's recomputed saves, and the running layer's intermediates' gradients
+    backward = saved + T * r.b * (a if r.ckpt else 0) + layer_transient(g, T, r.b)
     rows = r.micro_groups * r.G * (r.S if r.grouped else r.S + 1)
     opt = {"optimizer": st["optimizer"]} if not r.cold else {}
     train_vision = not r.freeze_vision
@@ -192,9 +200,11 @@ def update_bytes(r: Recipe, st: dict) -> dict:
     if r.ckpt and not train_vision and g.vision:  # checkpointed vision blocks keep their inputs even when frozen
         copies = r.videos(r.micro_groups) if r.grouped else r.micro_groups * r.G
         saved_vision = copies * r.patches / r.sp * g.vision.depth * g.vision.hidden * r.b
+    logits = head_bytes(r, rows)
+    # the naive forward's repeated pixels live until it returns, before backward
     return _peak(dict(opt, pixel_copies=_pixel_copies(r), vision=_encode(r, train_vision)),
-                 dict(opt, pixel_copies=_pixel_copies(r), vision=saved_vision, activations=acts,
-                      logits=head_bytes(r, rows), gradients=st["gradients"]),
+                 dict(opt, pixel_copies=_pixel_copies(r), vision=saved_vision, activations=saved, logits=logits),
+                 dict(opt, vision=saved_vision, activations=backward, logits=logits, gradients=st["gradients"]),
                  {"optimizer": st["optimizer"], "gradients": st["gradients"]})
 
 
@@ -244,7 +254,7 @@ def predict(r: Recipe) -> dict:
     """{"parts": bytes by part at the peak, "phases": {phase: bytes at its peak}, "peak_bytes", "peak_phase"}."""
     st = states(r)
     pixels = r.videos(r.prompts) * r.patches * (r.geometry.vision.patch_dim if r.geometry.vision else 0) * r.b / r.sp
-    persistent = {"weights": st["weights"], "reference": st["reference"], "inputs": pixels}
+    persistent = {"weights": st["weights"], "master": st["master"], "reference": st["reference"], "inputs": pixels}
     phases = {"rollout": rollout_bytes(r, st), "reference_logprobs": reference_bytes(r, st),
               "update": update_bytes(r, st)}
     if r.reference == "none":

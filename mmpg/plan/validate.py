@@ -51,6 +51,20 @@ def case(model: str, zero: int, lora: int, G: int, P: int, ckpt: bool, variant: 
             "ref": "adapters_off" if lora else "copy", "grad_ckpt": ckpt, "threads": 1}
 
 
+def holdout() -> list[dict]:
+    """Cases at levels the grid does not use (G 8, P ~2k/4k, S 32/128, LoRA r 16), measured after the model was
+    last changed: its out-of-sample check."""
+    spec = [("tiny", 0, 16, 8, 2048, True, "naive", 32), ("tiny", 2, 0, 8, 4096, False, "mmpg", 128),
+            ("tiny", 3, 16, 8, 4096, True, "mmpg", 32), ("small", 0, 0, 8, 2048, True, "mmpg", 128),
+            ("small", 2, 16, 8, 4096, False, "mmpg", 32), ("small", 3, 0, 8, 2048, False, "naive", 32),
+            ("small", 0, 16, 4, 4096, True, "naive", 32), ("tiny", 0, 0, 8, 2048, False, "naive", 128)]
+    out = []
+    for model, zero, lora, G, P, ckpt, variant, S in spec:
+        c = case(model, zero, lora, G, P, ckpt, variant)
+        out.append(dict(c, S=S, name=c["name"].replace(f"-G{G}-", f"-G{G}-S{S}-") + "-holdout"))
+    return out
+
+
 def time_cases() -> list[dict]:
     """The step-time pair: the bench's CPU step preset (small model, P ~2k, S 128, G 8, ZeRO 0), naive and mmpg."""
     out = []
@@ -77,24 +91,28 @@ def measure_all(path: Path, only: str = "", cases: list | None = None) -> None:
 
 
 def report(path: Path) -> dict:
+    """Predicted vs measured peaks: the grid, then the holdout cases, each with its median and worst |error|."""
     from mmpg.plan.cpu import predict_case
 
-    rows = []
+    sets: dict[str, list] = {"grid": [], "holdout": []}
     for line in path.read_text().splitlines():
         r = json.loads(line)
         if "peak_bytes" not in r or r["name"].endswith("-time"):
             continue
         pred = predict_case(r)
-        rows.append({"name": r["name"], "measured_mb": r["peak_bytes"] / 2 ** 20, "predicted_mb": pred / 2 ** 20,
-                     "error": pred / r["peak_bytes"] - 1})
-    errs = [abs(r["error"]) for r in rows]
-    summary = {"cases": len(rows), "median_abs_error": statistics.median(errs) if errs else None,
-               "worst_abs_error": max(errs) if errs else None, "rows": rows}
-    print(f"{'case':<44} {'measured MB':>12} {'predicted MB':>13} {'error':>8}")
-    for r in rows:
-        print(f"{r['name']:<44} {r['measured_mb']:>12.1f} {r['predicted_mb']:>13.1f} {r['error']:>+8.1%}")
-    if errs:
-        print(f"{len(rows)} cases: median |error| {summary['median_abs_error']:.1%}, worst {summary['worst_abs_error']:.1%}")
+        sets["holdout" if r["name"].endswith("-holdout") else "grid"].append(
+            {"name": r["name"], "measured_mb": r["peak_bytes"] / 2 ** 20, "predicted_mb": pred / 2 ** 20,
+             "error": pred / r["peak_bytes"] - 1})
+    summary = {}
+    for key, rows in sets.items():
+        errs = [abs(r["error"]) for r in rows]
+        summary[key] = {"cases": len(rows), "median_abs_error": statistics.median(errs) if errs else None,
+                        "worst_abs_error": max(errs) if errs else None, "rows": rows}
+        print(f"{key:<44} {'measured MB':>12} {'predicted MB':>13} {'error':>8}")
+        for r in rows:
+            print(f"{r['name']:<44} {r['measured_mb']:>12.1f} {r['predicted_mb']:>13.1f} {r['error']:>+8.1%}")
+        if errs:
+            print(f"{len(rows)} cases: median |error| {statistics.median(errs):.1%}, worst {max(errs):.1%}")
     return summary
 
 
@@ -130,12 +148,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--measure", type=Path, help="JSON-lines file to append measurements to")
     p.add_argument("--time", action="store_true", help="with --measure: the step-time pair (naive, mmpg) instead")
+    p.add_argument("--holdout", action="store_true", help="with --measure: the out-of-sample cases instead")
     p.add_argument("--only", default="", help="measure only cases whose name contains this")
     p.add_argument("--report", type=Path, help="JSON-lines file of measurements to compare with the plan")
     p.add_argument("--json", type=Path, default=None, help="write the comparison here")
     args = p.parse_args(argv)
     if args.measure:
-        measure_all(args.measure, args.only, time_cases() if args.time else None)
+        measure_all(args.measure, args.only, time_cases() if args.time else holdout() if args.holdout else None)
     if args.report:
         summary = report(args.report)
         summary["time"] = time_report(args.report)
