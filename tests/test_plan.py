@@ -137,6 +137,7 @@ def test_published_points():
     assert not alst["fits"] and alst["fits_at_32k"]  # reported: out of memory past 32K tokens
     vc = rows["VideoChat-R1"]
     assert vc["planned_peak_bytes"] > 46 * 0.9 * 2 ** 30  # reported: fails on 46 GB
+    assert not rows["Video-R1"]["fits"] and "more than" in rows["Video-R1"]["difference"]  # reported: OOM
 
 
 def test_time_model_grouped_vs_naive():

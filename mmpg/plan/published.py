@@ -51,24 +51,31 @@ def _points() -> list[dict]:
 
 
 def _why(i: int, peak: float, budget: float, other: float, logits: float) -> str:
-    """One sentence on how the plan and the report compare, with the plan's own numbers."""
-    gb = 2 ** 30
+    """One sentence on how the plan and the report compare, with the plan's own numbers (worded by what they say)."""
+    gb, fits = 2 ** 30, peak <= budget
     if i == 0:
-        return (f"Planned {peak / gb:.0f} GB counts live tensors, above the 46 GB card's {46 * 0.9:.0f} GB usable (the "
-                f"reported failure) and below the ~80 GB reported, which is what nvidia-smi shows: the caching "
-                f"allocator's reserve and fragmentation come on top; the logits of every position ("
-                f"{logits / peak:.0%} of the peak) are what mmpg's chunked head and grouped layout ({other / gb:.0f} GB) remove.")
+        small = 46 * 0.9 * gb
+        return (f"Planned {peak / gb:.0f} GB counts live tensors: {'above' if peak > small else 'below'} a 46 GB card's "
+                f"{small / gb:.0f} GB usable ({'as' if peak > small else 'unlike'} the reported failure there), and "
+                f"{'below' if peak < 80 * gb else 'above'} the ~80 GB reported, which is what nvidia-smi shows (the "
+                f"caching allocator's reserve and fragmentation on top of live tensors); the logits of every position "
+                f"({logits / peak:.0%} of the peak) are what mmpg's chunked head and grouped layout ({other / gb:.0f} GB) "
+                f"remove.")
     if i == 1:
-        return (f"On 8 A40s at ZeRO-3 the plan leaves {(budget - peak) / gb:.0f} GB of the {budget / gb:.0f} usable, "
-                f"too thin a margin to rule out the reported OOM (a longer video, or fewer GPUs: ZeRO-3 shards "
-                f"grow as GPUs are removed, 4 GPUs plan {other / gb:.0f} GB, which does not fit); LoRA, the reply's "
-                f"advice, removes the gradients and optimizer states.")
+        verdict = (f"the plan needs {(peak - budget) / gb:.1f} GB more than the {budget / gb:.0f} GB usable, as the "
+                   f"reported OOM" if not fits else f"the plan leaves {(budget - peak) / gb:.1f} GB of the "
+                   f"{budget / gb:.0f} usable, so the reported OOM needs more than this recipe (a longer video, "
+                   f"fewer GPUs)")
+        return (f"On 8 A40s at ZeRO-3 {verdict}; the logits of every position take {logits / gb:.0f} GB; with 4 GPUs "
+                f"the ZeRO-3 shards double ({other / gb:.0f} GB planned); LoRA, the reply's advice, removes the "
+                f"gradients and optimizer states.")
     if i == 2:
-        return (f"One 80 GB GPU holds the 3B model's states (16 bytes a trained parameter, the frozen vision tower "
-                f"untrained) and the step: {peak / gb:.0f} GB of {budget / gb:.0f} usable, as reported.")
-    return (f"At 64K tokens the float32 logits of a 128K vocabulary alone pass the GPU ({peak / gb:.0f} GB planned), "
-            f"as ALST found (their fix: tiled logits, then Ulysses sequence parallelism); at 32K it fits, and with "
-            f"mmpg's chunked head 64K would plan {other / gb:.0f} GB.")
+        return (f"The 3B model's states (16 bytes a trained parameter, the frozen vision tower untrained) and the step "
+                f"plan {peak / gb:.0f} GB of {budget / gb:.0f} usable: "
+                + ("it fits on one GPU, as reported." if fits else "the plan says it does not fit, unlike the report."))
+    return (f"At 64K tokens the float32 logits of a 128K vocabulary alone {'pass' if not fits else 'nearly fill'} the "
+            f"GPU ({peak / gb:.0f} GB planned), as ALST found (their fix: tiled logits, then Ulysses sequence "
+            f"parallelism); with mmpg's chunked head 64K would plan {other / gb:.0f} GB.")
 
 
 def published() -> list[dict]:
