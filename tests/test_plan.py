@@ -182,3 +182,23 @@ def test_tree_holds_a_video_once_for_its_queries():
     per_token = 2 * SMALL.layers * SMALL.kv_heads * SMALL.d * r.b
     assert kv_cache_bytes(r) == 38 * per_token
     assert kv_cache_bytes(dataclasses.replace(r, queries=1)) == 4 * (10 + 4) * per_token
+
+
+def test_run_plan_beside_its_measured_peak(tmp_path, capsys):
+    """`mmpg plan --run`: the run's config.yaml planned, its largest perf/peak_memory_mb beside it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("model:\n  path: qwen2.5-vl-3b\n  gradient_checkpointing: true\n"
+                                     "trainer:\n  device: cuda\n  micro_batch_size: 8\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"v": 1, "step": s, "time": 0.0,
+                                                           "perf/peak_memory_mb": mb}) + "\n"
+                                               for s, mb in ((1, 30000.0), (2, 31000.5))))
+    rc, out, _ = _plan_json("--run", str(run), "--gpus", "8", "--gpu", "h100", "--json", capsys=capsys)
+    p = json.loads(out)
+    assert rc == 0 and p["measured_peak_mb"] == 31000.5 and p["steps"] == 2
+    assert p["plan"]["model"] == "Qwen2.5-VL-3B" and p["plan"]["devices"] == 8
+    rc, _, err = _plan_json("--run", str(tmp_path), capsys=capsys)
+    assert rc == 2 and "is not a run directory" in err and len(err.strip().splitlines()) == 1
+    (run / "config.yaml").unlink()
+    rc, _, err = _plan_json("--run", str(run), capsys=capsys)
+    assert rc == 2 and "no config.yaml" in err and len(err.strip().splitlines()) == 1

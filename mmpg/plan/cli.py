@@ -4,6 +4,7 @@ fits, and the cheapest changes that make it fit — before a GPU is rented.
     mmpg plan --config configs/grounding_qwen25vl_7b.yaml --gpus 8 --gpu a100-80
     mmpg plan --config configs/cpu_demo.yaml --device cpu          # this machine's CPU, float32
     mmpg plan --published                                          # the plan beside what users reported
+    mmpg plan --run runs/NAME --gpus 8                             # a run's plan beside its measured peak
 The memory model is `mmpg.plan.memory` (validated on CPU runs: `python -m mmpg.plan.validate`), the time model
 `mmpg.plan.timing` (estimates at a stated utilisation). A device is taken to hold 90 % of its memory for tensors
 (the rest: CUDA context, NCCL buffers, allocator fragmentation).
@@ -36,6 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--bw-util", type=float, default=0.6, help="assumed fraction of memory bandwidth in decoding")
     p.add_argument("--json", action="store_true", help="print JSON (peak_bytes, parts, step_seconds, fits, ...)")
     p.add_argument("--published", action="store_true", help="print the plan beside published users' reports")
+    p.add_argument("--run", default=None, metavar="RUN_DIR", help="plan a run from its config.yaml and print it "
+                   "beside the run's measured perf/peak_memory_mb")
 
 
 def _hardware(args):
@@ -135,6 +138,18 @@ def run(args) -> int:
         return 0
     from mmpg.config import load_config
 
+    if args.run:
+        from mmpg.plan.run import render_run, run_plan
+
+        if args.config:
+            raise UserError("--run plans the run's own config.yaml: give --run or --config, not both")
+        from mmpg.runs.reader import RunReader
+
+        if RunReader(args.run).config().get("trainer", {}).get("device") == "cpu":
+            args.device = "cpu"  # a CPU run is planned on this machine's CPU
+        out = run_plan(args.run, args.gpus, *_hardware(args)[1:], device=args.device)
+        print(json.dumps(out, indent=1) if args.json else render(out["plan"], "device") + "\n" + render_run(out))
+        return 0
     where, memory, hw = _hardware(args)
     cfg = load_config(args.config, list(args.overrides))
     for flag in ("video_tokens", "prompt_tokens"):
