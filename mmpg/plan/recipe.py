@@ -33,7 +33,10 @@ def geometry_of(path: str) -> Geometry:
         except Exception:  # noqa: BLE001 - no cache, no hub package, a name it refuses: the presets decide
             pass
     if not path:
-        raise UserError("model.path is empty: give model.path=FOLDER or a preset (mmpg plan --models lists them)")
+        from mmpg.plan.geometry import MODELS
+
+        raise UserError(f"model.path is empty: give model.path=FOLDER (with config.json) or a preset: "
+                        f"{', '.join(MODELS)}")
     return resolve(path)
 
 
