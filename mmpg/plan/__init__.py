@@ -7,4 +7,6 @@
     recipe     a resolved config + device count -> what one device runs
     cpu, measure, validate   the model checked against measured CPU peaks (`python -m mmpg.plan.validate`)
     published  the plan beside what users of other video-RL trainers reported
+    whole      the whole plan of a config as one dict (`mmpg plan --json`)
+    run        a run's plan beside its measured perf/peak_memory_mb (`mmpg plan --run`, the inspector's memory card)
 """

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 
-
 from mmpg.errors import UserError
-
-USABLE = 0.9
+from mmpg.plan.whole import USABLE, plan  # noqa: F401 - the plan's dict, as --json prints it
 
 
 def add_arguments(p) -> None:
@@ -60,41 +58,6 @@ def _hardware(args):
             ref.name, ref.bf16_tflops, ref.bandwidth_tbs, args.mfu, args.bw_util)
     g = gpu(args.gpu)
     return g.name, g.memory_gb * 2 ** 30, Throughput(g.name, g.bf16_tflops, g.bandwidth_tbs, args.mfu, args.bw_util)
-
-
-def plan(cfg, gpus: int, device: str, memory: float, hw, video=None, prompt=None, mu=None) -> dict:
-    """The whole plan as a dict (what --json prints)."""
-    from mmpg.plan.fit import what_fits
-    from mmpg.plan.memory import predict
-    from mmpg.plan.recipe import recipe_from_config
-    from mmpg.plan.timing import step_seconds
-
-    r = recipe_from_config(cfg, gpus, device, video, prompt)
-    mem = predict(r)
-    budget = memory * (USABLE if device == "cuda" else 1.0)
-    naive = predict(_flip(r))
-    out = {"model": r.geometry.name, "params": r.geometry.params(), "trainable_params": r.trainable(),
-           "device": device, "devices": gpus, "memory_bytes": int(memory), "budget_bytes": int(budget),
-           "P": r.P, "video_tokens": r.video_tokens, "S": r.S, "G": r.G, "zero": r.zero, "offload": r.offload,
-           "sp": r.sp, "layout": "grouped" if r.grouped else "naive", "peak_bytes": mem["peak_bytes"],
-           "peak_phase": mem["peak_phase"], "parts": mem["parts"], "phases": mem["phases"],
-           "cpu_offload_bytes": mem["cpu_offload"], "fits": mem["peak_bytes"] <= budget,
-           "other_layout_peak_bytes": naive["peak_bytes"],
-           "step_seconds": step_seconds(r, hw, mu or cfg.algorithm.num_iterations),
-           "other_layout_step_seconds": step_seconds(_flip(r), hw, mu or cfg.algorithm.num_iterations)["total"],
-           "assumed": {"mfu": hw.mfu, "bw_util": hw.bw_util, "tflops": hw.tflops, "bandwidth_tbs": hw.bandwidth_tbs,
-                       "usable_fraction": USABLE if device == "cuda" else 1.0},
-           "what_fits": [] if mem["peak_bytes"] <= budget else what_fits(r, budget)}
-    if cfg.rollout.engine == "vllm":
-        out["note"] = ("rollout.engine=vllm: the rollout's K/V lives in the vLLM server's own memory "
-                       "(its gpu_memory_utilization), not counted here")
-    return out
-
-
-def _flip(r):
-    import dataclasses
-
-    return dataclasses.replace(r, grouped=not r.grouped, decode="copy" if r.grouped else "cascade")
 
 
 def _gb(x: float) -> str:

@@ -250,8 +250,9 @@ def rollout_bytes(r: Recipe, st: dict) -> dict:
                  dict(opt, kv_cache=kv_cache_bytes(r)))
 
 
-def predict(r: Recipe) -> dict:
-    """{"parts": bytes by part at the peak, "phases": {phase: bytes at its peak}, "peak_bytes", "peak_phase"}."""
+def predict(r: Recipe, rollout: bool = True) -> dict:
+    """{"parts": bytes by part at the peak, "phases": {phase: bytes at its peak}, "peak_bytes", "peak_phase"}.
+    rollout=False: a step without sampling (a supervised step)."""
     st = states(r)
     pixels = r.videos(r.prompts) * r.patches * (r.geometry.vision.patch_dim if r.geometry.vision else 0) * r.b / r.sp
     persistent = {"weights": st["weights"], "master": st["master"], "reference": st["reference"], "inputs": pixels}
@@ -259,6 +260,8 @@ def predict(r: Recipe) -> dict:
               "update": update_bytes(r, st)}
     if r.reference == "none":
         phases.pop("reference_logprobs")
+    if not rollout:
+        phases.pop("rollout")
     totals = {k: sum(persistent.values()) + sum(v.values()) for k, v in phases.items()}
     peak_phase = max(totals, key=totals.get)
     parts = dict(persistent, **phases[peak_phase])
