@@ -41,6 +41,7 @@ CSS = """
 .mmpg-down { color: #c0392b; font-weight: 600; }
 .mmpg-flat { color: var(--body-text-color-subdued); }
 .mmpg-evals { border: none !important; margin: 0; }
+.mmpg-plan { max-width: 560px; }
 .mmpg-evals td, .mmpg-evals th { padding: 1px 8px !important; text-align: right; border: none !important; }
 .mmpg-caption { font-size: 0.85em; color: var(--body-text-color-subdued); margin: 0 4px -6px; }
 .mmpg-plots img { max-height: 300px; margin: 4px; border: 1px solid #ddd; border-radius: 4px; }

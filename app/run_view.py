@@ -1,6 +1,7 @@
 """The run tabs of the inspector: Rollouts (step and group pickers, filters, frames, timeline, response table and
-text) and Curves (training metrics over steps, app/curves_view.py), and the run summary above them. Every handler
-returns {component: value} and goes through `guarded`, so a problem shows as a message, never as an error page.
+text) and Curves (training metrics over steps, app/curves_view.py), and the run summary above them (with the
+run's memory plan beside its measured peak, app/plan_card.py). Every handler returns {component: value} and goes
+through `guarded`, so a problem shows as a message, never as an error page.
 
 New steps appear while a run writes: a timer (and the Refresh button) re-lists the steps and re-reads the metrics,
 re-rendering only what changed; "follow the newest step" jumps to each new step as it lands.
@@ -20,6 +21,7 @@ from app.data import (
 )
 from app.frames import event_frames, event_strip, frame_items, frame_src, strip_html
 from app.guard import guarded
+from app.plan_card import plan_card_html
 from app.render import message_html, response_html
 from app.summary import run_eval_points, summary_html
 from app.timeline import Bar, timeline_data, timeline_svg
@@ -340,8 +342,10 @@ class RunView:
     def summary_html(self) -> str:
         """The summary row: trends of the headline metrics and the latest held-out evaluation."""
         points = run_eval_points(self.src)
-        kind = self.src.reader().info().get("kind")
-        return summary_html(self.src.metrics(), [], points, kind=kind)
+        info = self.src.reader().info()
+        metrics = self.src.metrics()
+        return summary_html(metrics, [], points, kind=info.get("kind"),
+                            more=plan_card_html(self.src.run_dir, info, metrics))
 
     def title_md(self, steps: list[int]) -> str:
         info = self.src.reader().info()

@@ -77,7 +77,8 @@ def make_run(out: str | os.PathLike, steps: int = 1000, groups: int = 16, g: int
         raise FileExistsError(f"{out} exists and is not empty")
     rng = np.random.default_rng(seed)
     writer = RunWriter(out, tensorboard=False)
-    writer.start("trainer:\n  run_name: synthetic\n", kind="grpo", command=["python", "-m", "app.synthetic"])
+    writer.start(SMALL_CONFIG.replace("run_name: small", "run_name: synthetic"), kind="grpo",
+                 command=["python", "-m", "app.synthetic"], extra={"device": "cpu", "devices": 1})
     catalogue = []
     for v in range(videos):
         duration = float(rng.uniform(20, 120))
@@ -110,6 +111,7 @@ def make_run(out: str | os.PathLike, steps: int = 1000, groups: int = 16, g: int
             "actor/clip_fraction": 0.02 + 0.01 * float(rng.random()), "actor/loss": float(rng.normal(0, 0.1)),
             "timing_s/rollout": 10 + float(rng.random()), "timing_s/reward": 0.1, "timing_s/logprob": 2.0,
             "timing_s/update": 4 + float(rng.random()), "timing_s/step": 17.0,
+            "perf/peak_memory_mb": 32600.0 + 400 * float(rng.random()),
         })
         if eval_every and step % eval_every == 0:
             m = 0.2 + 0.3 * progress + 0.02 * float(rng.random())
@@ -140,6 +142,12 @@ SMALL_SPANS = {
     (3, 1): [([0.0, 2.0], "stop"), ([1.0, 3.0], "stop"), ([15.0, 19.0], "stop"), (None, "stop")],
 }
 SMALL_RAW = {(2, 1, 3): "16.0 to 24.0", (3, 1, 3): "24.0 to 30.0"}
+# a config `mmpg plan` can plan (a preset model on this machine's CPU) and the peaks the run "measured"; the SFT run's
+# model is a checkpoint that no longer exists, so its plan is one line saying why
+SMALL_CONFIG = ("trainer:\n  run_name: small\n  device: cpu\n  micro_batch_size: 4\nmodel:\n  path: qwen3-vl-2b\n"
+                "data:\n  batch_size: 2\n  max_frames: 4\nrollout:\n  n: 4\n  max_new_tokens: 64\n")
+SMALL_PEAK_MB = {1: 32600.0, 2: 32950.0, 3: 32800.0}
+SMALL_SFT_CONFIG = "trainer:\n  run_name: small-sft\nmodel:\n  path: /checkpoints/gone\n"
 
 
 def _small_response(span, finish: str, gt: list[float], raw: str | None = None) -> ResponseRecord:
@@ -187,7 +195,8 @@ def make_small_run(out: str | os.PathLike, video_dir: str | os.PathLike | None =
     out = Path(out)
     rng = np.random.default_rng(0)
     writer = RunWriter(out, tensorboard=False)
-    writer.start("trainer:\n  run_name: small\n", kind="grpo", command=["python", "-m", "app.synthetic"])
+    writer.start(SMALL_CONFIG, kind="grpo", command=["python", "-m", "app.synthetic"],
+                 extra={"device": "cpu", "devices": 1})
     videos = {0: "/data/videos/kitchen.mp4",
               1: str(write_video(Path(video_dir) / "garden.mp4", seconds=SMALL_DURATION[1], fps=4)) if video_dir
               else "/data/videos/garden.mp4"}
@@ -211,6 +220,7 @@ def make_small_run(out: str | os.PathLike, video_dir: str | os.PathLike | None =
                                                    for g in groups])),
             "response/length_mean": float(np.mean([r.length for r in rs])), "actor/kl": 0.001 * step,
             "actor/clip_fraction": 0.01 * step, "timing_s/rollout": 1.0 + step, "timing_s/update": 0.5,
+            "perf/peak_memory_mb": SMALL_PEAK_MB[step],
         })
         writer.log_eval(step, {"eval/miou": 0.1 * step, "eval/r1@0.5": 0.05 * step})
     writer.close()
@@ -223,7 +233,7 @@ def make_small_sft_run(out: str | os.PathLike, steps: int = 40) -> Path:
     out = Path(out)
     rng = np.random.default_rng(1)
     writer = RunWriter(out, tensorboard=False)
-    writer.start("trainer:\n  run_name: small-sft\n", kind="sft", command=["python", "-m", "app.synthetic"])
+    writer.start(SMALL_SFT_CONFIG, kind="sft", command=["python", "-m", "app.synthetic"])
     for step in range(1, steps + 1):
         loss = 0.6 + 1.8 * np.exp(-step / 10) + 0.05 * float(rng.normal())
         writer.log_metrics(step, {"sft/loss": loss, "sft/target_tokens": 120.0, "actor/lr": 1e-5,

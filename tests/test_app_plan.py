@@ -1,0 +1,101 @@
+"""The run summary's memory card (app/plan_card.py): the run's own plan beside its measured perf/peak_memory_mb,
+what that figure means on the run's device, one line when the config cannot be planned, and the plan made once per
+version of config.yaml / run.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import app.plan_card as plan_card
+from app.data import RunSource
+from app.plan_card import plan_card_html
+from app.summary import summary_html
+from app.synthetic import SMALL_PEAK_MB, make_small_run, make_small_sft_run
+from mmpg.config import load_config
+from mmpg.plan.geometry import MODELS
+from mmpg.plan.memory import predict
+from mmpg.plan.recipe import recipe_from_config
+from mmpg.plan.run import run_device
+
+
+def card(run) -> str:
+    src = RunSource(run)
+    return plan_card_html(src.run_dir, src.reader().info(), src.metrics())
+
+
+def test_the_card_sets_the_plan_beside_the_measured_peak(tmp_path):
+    run = make_small_run(tmp_path / "run")
+    html = card(run)
+    cfg = load_config(str(run / "config.yaml"), [])
+    mem = predict(recipe_from_config(cfg, 1, "cpu"))
+    # a CPU run in float32: the weights part is 4 bytes per parameter of the preset, nothing sharded
+    assert mem["parts"]["weights"] == 4 * MODELS["qwen3-vl-2b"].params()
+    planned_mb = mem["peak_bytes"] / 2 ** 20
+    measured_mb = max(SMALL_PEAK_MB.values())  # 32950 MB at step 2: the largest, not the last
+    assert f'mmpg-planned">{planned_mb / 1024:.2f} GB' in html
+    assert f'mmpg-measured">{measured_mb / 1024:.2f} GB' in html and "largest of 3 step(s)" in html
+    assert f"×{measured_mb / planned_mb:.2f} of the plan" in html
+    top = sorted(((v, k) for k, v in mem["parts"].items() if v), reverse=True)[:3]
+    for v, k in top:  # the largest parts, by name and size
+        assert f"{k} {v / 2 ** 30:.2f} GB" in html
+    assert "1 × CPU" in html and "ru_maxrss" in html and "whole process" in html
+    page = summary_html(RunSource(run).metrics(), [], kind="grpo", more=html)
+    assert page.index('data-metric="evaluation"') < page.index('data-metric="memory"')  # in the summary row
+
+
+def test_a_gpu_run_is_planned_on_its_recorded_devices(tmp_path):
+    run = make_small_run(tmp_path / "run")
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "device": "cuda", "devices": 2}))
+    html = card(run)
+    cfg = load_config(str(run / "config.yaml"), [])
+    planned = predict(recipe_from_config(cfg, 2, "cuda"))["peak_bytes"] / 2 ** 30
+    assert f'mmpg-planned">{planned:.2f} GB' in html and "2 × GPU" in html and "max_memory_allocated" in html
+    # a run that did not record them: trainer.device (auto taken as a GPU) on one device, and the card says so
+    device, devices, note = run_device({}, load_config(None, ["trainer.device=auto"]))
+    assert (device, devices) == ("cuda", 1) and "did not record its device" in note and "count" in note
+
+
+def test_a_run_that_cannot_be_planned_shows_one_line_why(tmp_path):
+    sft = make_small_sft_run(tmp_path / "sft")  # its model is a checkpoint that no longer exists
+    html = card(sft)
+    assert "no plan: model &#x27;/checkpoints/gone&#x27;: no config.json there and not a preset" in html
+    assert "mmpg-planned" not in html and "\n" not in html
+    run = make_small_run(tmp_path / "run")
+    (run / "config.yaml").write_text("model: [unclosed\n")
+    assert "no plan:" in card(run) and "not a valid YAML config" in card(run)
+    (run / "config.yaml").unlink()
+    assert "no plan: no config.yaml in the run directory" in card(run)
+
+
+def test_an_sft_run_is_planned_without_a_rollout(tmp_path):
+    sft = make_small_sft_run(tmp_path / "sft")
+    (sft / "config.yaml").write_text("model:\n  path: qwen3-vl-2b\ntrainer:\n  device: cpu\n  micro_batch_size: 2\n"
+                                     "data:\n  max_frames: 4\n")
+    html = card(sft)
+    assert "mmpg-planned" in html and "SFT planned as an update" in html and "no perf/peak_memory_mb logged" in html
+    assert "(update)" in html and "kv_cache" not in html
+
+
+def test_the_plan_is_made_once_per_config_and_the_measured_peak_stays_current(tmp_path, monkeypatch):
+    run = make_small_run(tmp_path / "run")
+    calls = []
+    real = plan_card.inspect_plan
+    monkeypatch.setattr(plan_card, "inspect_plan", lambda *a: calls.append(a) or real(*a))
+    first = card(run)
+    assert card(run) == first and len(calls) == 1  # a refresh: no new plan
+    with open(run / "metrics.jsonl", "a") as f:  # a new step with a higher peak: shown without planning again
+        f.write(json.dumps({"v": 1, "step": 4, "time": 0, "perf/peak_memory_mb": 40960.0}) + "\n")
+    assert 'mmpg-measured">40.00 GB' in card(run) and "largest of 4 step(s)" in card(run) and len(calls) == 1
+    (run / "config.yaml").write_text((run / "config.yaml").read_text() + "algorithm:\n  beta: 0.04\n")
+    assert card(run) != first and len(calls) == 2  # the config changed (a resumed run): planned again
+
+
+@pytest.mark.parametrize("bad", ["trainer:\n  device: cpu\n  micro_batch_size: 3\nmodel:\n  path: qwen3-vl-2b\n"])
+def test_impossible_settings_are_one_line_too(tmp_path, bad):
+    run = make_small_run(tmp_path / "run")
+    (run / "config.yaml").write_text(bad)
+    html = card(run)
+    assert "no plan: trainer.micro_batch_size=3 must be a multiple of rollout.n" in html
