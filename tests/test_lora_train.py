@@ -155,7 +155,9 @@ def test_lora_two_ranks_match_one_process(grpo_data, tmp_path, lora_single, stag
           f"{max(abs(a['actor/grad_norm'] / b['actor/grad_norm'] - 1) for a, b in zip(two, one)):.2e}, "
           f"adapters {diff:.2e}")
     assert diff <= WEIGHT_RTOL, f"final adapters differ by {diff:.2e} (relative norm)"
-    assert json.loads((tmp_path / "two" / "run.json").read_text())["parameters"]["trainable"] == 8192
+    info = json.loads((tmp_path / "two" / "run.json").read_text())
+    assert info["parameters"]["trainable"] == 8192
+    assert (info["device"], info["devices"]) == ("cpu", 2)  # what the inspector plans the run on
 
 
 @pytest.mark.slow

@@ -7,8 +7,9 @@ and record); a reader refuses a version newer than its own and says to upgrade m
       run.json                      {"layout_version": 1, "created": iso time, "mmpg_version": "0.1.0",
                                      "command": [argv...], "kind": "grpo" | "sft" | "eval",
                                      "parameters": {"trainable": n, "total": n, "text": "trainable parameters: ...",
-                                                    "lora": {"r", "alpha", "dropout", "modules"} | null}
-                                     (training runs)}                       written once, atomically
+                                                    "lora": {"r", "alpha", "dropout", "modules"} | null},
+                                     "device": "cuda" | "cpu", "devices": world size (training runs)}
+                                                                            written once, atomically
       config.yaml                   the resolved config, as YAML text (rewritten atomically at every start)
       metrics.jsonl                 one line per training step:
                                       {"v": 1, "step": int, "time": unix seconds,

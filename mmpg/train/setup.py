@@ -165,7 +165,8 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     writer = RunWriter(run_dir, rank=rank, tensorboard=cfg.logging.tensorboard)
     config_yaml = f"{to_yaml(cfg)}# {params['text']}\n"  # the count as a comment: YAML readers skip it
     writer.start(config_yaml, kind=kind, command=command, resume_step=start if resume is not None else None,
-                 extra={"parameters": params, "sequence_parallel_size": sp})
+                 extra={"parameters": params, "sequence_parallel_size": sp, "device": device,
+                        "devices": world})
     _setup_logging(run_dir, rank)
     if rank == 0:
         print(f"[mmpg] resolved config ({kind}):\n{config_yaml}", flush=True)
