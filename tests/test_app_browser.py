@@ -16,8 +16,12 @@ from pathlib import Path
 import pytest
 
 from app.synthetic import (
-    SMALL_DURATION, SMALL_EVAL, SMALL_GT, SMALL_SPANS, make_eval_folder, make_small_run, make_small_sft_run,
+    SMALL_DURATION, SMALL_EVAL, SMALL_GT, SMALL_PEAK_MB, SMALL_SPANS, make_eval_folder, make_small_run,
+    make_small_sft_run,
 )
+from mmpg.config import load_config
+from mmpg.plan.memory import predict
+from mmpg.plan.recipe import recipe_from_config
 from mmpg.runs import run_eval_dir
 
 pytestmark = [pytest.mark.slow,  # Gradio's own pandas 3 deprecation notices, not ours:
@@ -331,7 +335,7 @@ def test_each_failure_has_its_label_and_the_step_box_follows(browser, run_url):
     page.close()
 
 
-def test_the_summary_shows_the_reward_trend_and_the_latest_evaluation(browser, run_url):
+def test_the_summary_shows_the_reward_trend_and_the_latest_evaluation(browser, run_url, folders):
     page = browser.new_page()
     page.goto(run_url)
     wait_text(page, "summary", "GRPO run: is it learning?")
@@ -342,6 +346,11 @@ def test_the_summary_shows_the_reward_trend_and_the_latest_evaluation(browser, r
     evals = page.inner_text('#summary [data-metric="evaluation"]')
     assert "step 3" in evals and "step 1" in evals and "0.300" in evals and "+0.200" in evals
     assert page.locator("#summary").bounding_box()["y"] < page.locator("#timeline").bounding_box()["y"]  # on top
+    memory = page.locator('#summary [data-metric="memory"]')  # the run's plan beside its measured peak
+    planned = predict(recipe_from_config(load_config(str(folders["run"] / "config.yaml"), []), 1, "cpu"))
+    assert memory.locator(".mmpg-planned").inner_text() == f"{planned['peak_bytes'] / 2 ** 30:.2f} GB"
+    assert memory.locator(".mmpg-measured").inner_text() == f"{max(SMALL_PEAK_MB.values()) / 1024:.2f} GB"
+    assert "ru_maxrss" in memory.inner_text() and memory.is_visible()
     no_error_page(page)
     page.screenshot(path=str(ARTIFACTS / "summary_grpo.png"))
     page.close()
@@ -356,6 +365,7 @@ def test_an_sft_run_opens_on_its_loss_and_evaluation(browser, serve, folders):
     assert "▼" in loss.inner_text()
     evals = page.inner_text('#summary [data-metric="evaluation"]')
     assert "R1@0.7" in evals and "0.300" in evals and "step 0" in evals and "step 40" in evals
+    assert "no plan: model '/checkpoints/gone'" in page.inner_text('#summary [data-metric="memory"]')
     page.locator("#curve-loss canvas, #curve-loss svg").first.wait_for()  # it opens on Curves: the loss
     assert page.get_by_role("tab", name="Curves").get_attribute("aria-selected") == "true"
     assert not page.locator("#curve-reward").is_visible()  # nothing an SFT run does not log
