@@ -68,7 +68,7 @@ def plan_card_html(run_dir: Path, info: dict, metrics: list[dict]) -> str:
     else:
         rows.append(f'<tr><td>measured</td><td><b class="mmpg-measured">{_mb(measured)}</b></td>'
                     f'<td class="mmpg-sub">×{measured / planned:.2f} of the plan; largest of {steps} step(s)</td></tr>')
-    notes = [f"measured: {p['measured_means']}"] + ([p["note"]] if p["note"] else [])
+    notes = [f"measured is {p['measured_means']}"] + ([p["note"]] if p["note"] else [])
     if p["kind"] == "sft":
         notes.append("SFT planned as an update of one target per prompt (an estimate)")
     return (head + f'<div class="mmpg-sub">mmpg plan on {where}</div><table class="mmpg-evals">{"".join(rows)}'
