@@ -4,7 +4,8 @@ and device count) beside its measured `perf/peak_memory_mb`, and what that measu
 
 The plan depends only on config.yaml and run.json, so it is made once per version of those two files (their size
 and modification time) and kept; a refresh re-reads only the measured figure from the metrics already in memory.
-Planning takes about a tenth of a second and imports no model code. A run whose config cannot be planned (a model
+Planning takes 0.1-0.3 s the first time (most of it importing omegaconf for the config) and imports no model code;
+`prefetch` starts it in a thread when the page is built, so the page's first open does not wait for it. A run whose config cannot be planned (a model
 path that no longer exists and is no preset, a config of an older mmpg) gets one line saying why.
 
     html = plan_card_html(run_dir, info, metrics)
@@ -13,13 +14,16 @@ path that no longer exists and is no preset, a config of an older mmpg) gets one
 from __future__ import annotations
 
 import html
+import threading
 from pathlib import Path
 
 from mmpg.plan.run import inspect_plan, measured_peak
+from mmpg.runs import RunReader
 from mmpg.runs.layout import CONFIG_YAML, RUN_JSON
 
 TOP_PARTS = 3  # the largest parts named on the card; every part in its tooltip
 _CACHE: dict[tuple, dict | str] = {}
+_LOCK = threading.Lock()  # one planning at a time: the page's first open waits for a prefetch in flight
 
 
 def _mb(x: float) -> str:
@@ -41,12 +45,25 @@ def run_plan_cached(run_dir: Path, info: dict, metrics: list[dict]) -> dict | st
     """inspect_plan's dict, or the one line why the run cannot be planned; once per version of config.yaml and
     run.json (an SFT plan also reads the target length from the metrics of its first planning)."""
     key = _version(run_dir)
-    if key not in _CACHE:
+    with _LOCK:
+        if key not in _CACHE:
+            try:
+                _CACHE[key] = inspect_plan(str(run_dir), info, metrics)
+            except Exception as e:  # noqa: BLE001 - any config problem is one line on the card, never an error page
+                _CACHE[key] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return _CACHE[key]
+
+
+def prefetch(run_dir: Path) -> None:
+    """Plan the run in a background thread (its own reader: the page's RunSource is not shared across threads)."""
+    def work() -> None:
         try:
-            _CACHE[key] = inspect_plan(str(run_dir), info, metrics)
-        except Exception as e:  # noqa: BLE001 - any config problem is one line on the card, never an error page
-            _CACHE[key] = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return _CACHE[key]
+            reader = RunReader(run_dir)
+            run_plan_cached(Path(run_dir), reader.info(), reader.metrics())
+        except Exception:  # noqa: BLE001 - a run not written yet or damaged: the page's own read reports it
+            pass
+
+    threading.Thread(target=work, name="mmpg-plan-prefetch", daemon=True).start()
 
 
 def plan_card_html(run_dir: Path, info: dict, metrics: list[dict]) -> str:

@@ -21,7 +21,7 @@ from app.data import (
 )
 from app.frames import event_frames, event_strip, frame_items, frame_src, strip_html
 from app.guard import guarded
-from app.plan_card import plan_card_html
+from app.plan_card import plan_card_html, prefetch
 from app.render import message_html, response_html
 from app.summary import run_eval_points, summary_html
 from app.timeline import Bar, timeline_data, timeline_svg
@@ -81,8 +81,9 @@ class RunView:
 
     # ------------------------------------------------------------------------------------------------- layout
     def build_summary(self) -> None:
-        """The run summary (goes above the tabs)."""
+        """The run summary (goes above the tabs); its memory plan starts in the background."""
         self.summary = gr.HTML(elem_id="summary")
+        prefetch(self.src.run_dir)
 
     def build(self) -> None:
         with gr.Tab("Rollouts", id="rollouts"):

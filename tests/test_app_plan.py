@@ -5,6 +5,7 @@ version of config.yaml / run.json."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -99,3 +100,15 @@ def test_impossible_settings_are_one_line_too(tmp_path, bad):
     (run / "config.yaml").write_text(bad)
     html = card(run)
     assert "no plan: trainer.micro_batch_size=3 must be a multiple of rollout.n" in html
+
+
+def test_prefetch_plans_in_the_background_and_the_page_reuses_it(tmp_path, monkeypatch):
+    run = make_small_run(tmp_path / "run")
+    calls = []
+    real = plan_card.inspect_plan
+    monkeypatch.setattr(plan_card, "inspect_plan", lambda *a: calls.append(a) or real(*a))
+    plan_card.prefetch(run)
+    deadline = time.monotonic() + 30
+    while plan_card._version(run) not in plan_card._CACHE and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(calls) == 1 and "mmpg-planned" in card(run) and len(calls) == 1
