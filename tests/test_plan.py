@@ -197,6 +197,9 @@ def test_run_plan_beside_its_measured_peak(tmp_path, capsys):
     p = json.loads(out)
     assert rc == 0 and p["measured_peak_mb"] == 31000.5 and p["steps"] == 2
     assert p["plan"]["model"] == "Qwen2.5-VL-3B" and p["plan"]["devices"] == 8
+    (run / "run.json").write_text(json.dumps({"layout_version": 1, "kind": "grpo", "device": "cuda", "devices": 4}))
+    rc, out, _ = _plan_json("--run", str(run), "--json", capsys=capsys)  # the device count the run recorded
+    assert rc == 0 and json.loads(out)["plan"]["devices"] == 4
     rc, _, err = _plan_json("--run", str(tmp_path), capsys=capsys)
     assert rc == 2 and "is not a run directory" in err and len(err.strip().splitlines()) == 1
     (run / "config.yaml").unlink()

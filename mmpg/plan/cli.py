@@ -21,7 +21,8 @@ from mmpg.plan.whole import USABLE, plan  # noqa: F401 - the plan's dict, as --j
 def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="YAML config (configs/*.yaml), as mmpg train takes it")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.n=16 model.lora.r=64")
-    p.add_argument("--gpus", type=int, default=1, help="devices of the run (data x sequence parallel; default 1)")
+    p.add_argument("--gpus", type=int, default=None, help="devices of the run (data x sequence parallel; default 1, "
+                   "with --run the device count the run recorded)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--gpu", default="a100-80", help="GPU preset: a100-40, a100-80, h100, h200, a40, l40s, 4090")
     where.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="memory of an unlisted GPU "
@@ -108,9 +109,13 @@ def run(args) -> int:
             raise UserError("--run plans the run's own config.yaml: give --run or --config, not both")
         from mmpg.runs.reader import RunReader
 
-        if RunReader(args.run).config().get("trainer", {}).get("device") == "cpu":
+        reader = RunReader(args.run)
+        info = reader.info()
+        if info.get("device", reader.config().get("trainer", {}).get("device")) == "cpu":
             args.device = "cpu"  # a CPU run is planned on this machine's CPU
-        out = run_plan(args.run, args.gpus, *_hardware(args)[1:], device=args.device)
+        devices = info.get("devices") if isinstance(info.get("devices"), int) else 1
+        out = run_plan(args.run, devices if args.gpus is None else args.gpus, *_hardware(args)[1:],
+                       device=args.device)
         print(json.dumps(out, indent=1) if args.json else render(out["plan"], "device") + "\n" + render_run(out))
         return 0
     where, memory, hw = _hardware(args)
@@ -118,7 +123,8 @@ def run(args) -> int:
     for flag in ("video_tokens", "prompt_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 0:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a count >= 0")
-    p = plan(cfg, args.gpus, args.device, memory, hw, args.video_tokens, args.prompt_tokens)
+    p = plan(cfg, 1 if args.gpus is None else args.gpus, args.device, memory, hw, args.video_tokens,
+             args.prompt_tokens)
     print(json.dumps(p, indent=1) if args.json else render(p, where))
     return 0
 
