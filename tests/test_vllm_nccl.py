@@ -279,16 +279,15 @@ def _rank_main(rank: int, init_file: str, results, leave):
 
 
 def test_a_refusal_on_rank_0_reaches_every_rank(tmp_path):
-    import mmpg.rl.grpo  # noqa: F401 - imported once here, inherited by the forked ranks
-
-    ctx = mp.get_context("fork")
+    # fresh processes: a forked one would inherit whatever process group an earlier test of this process left
+    ctx = mp.get_context("spawn")
     results, leave = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "init"), results, leave)) for r in (0, 1)]
     for p in procs:
         p.start()
     got = {}
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a spawned rank imports torch and the trainer first
         while len(got) < 2 and time.monotonic() < deadline:
             try:
                 rank, text = results.get(timeout=1)
