@@ -33,7 +33,7 @@ from mmpg.errors import UserError
 
 Item = tuple[object, str]  # (Path of a JPEG inside the run directory | HxWx3 uint8 array, caption)
 
-_DECODED: OrderedDict[tuple, list[Item]] = OrderedDict()  # (path, mtime, size, count) -> frames; a few videos
+_DECODED: OrderedDict[tuple, list] = OrderedDict()  # (path, mtime, size, what, width) -> [(frame, s)]; a few
 _DECODED_MAX = 24
 _LOCK = threading.Lock()
 
@@ -61,43 +61,51 @@ def thumbnail_items(reader, media_key: str | None) -> tuple[list[Item], str]:
 def decoded_items(video: str, count: int = 8, width: int = 256) -> tuple[list[Item], str]:
     """(items, note): `count` frames spread over the video, decoded with decord and shrunk to `width` pixels.
     ([], why) when the file is gone or cannot be decoded."""
+
+    def spread(n: int, fps: float) -> list[int]:
+        return sorted({min(n - 1, int((i + 0.5) * n / count)) for i in range(count)})
+
+    frames, why = _decoded(video, ("spread", count), spread, width)
+    if why:
+        return [], why
+    return [(f, _time_caption(t)) for f, t in frames], "frames decoded from the video file"
+
+
+def _decoded(video: str, what: tuple, pick, width: int) -> tuple[list[tuple[np.ndarray, float]], str]:
+    """([(frame, seconds)], "") for the frames `pick(n_frames, fps) -> [index]` chooses, decoded with decord, shrunk
+    to `width` pixels and cached by (file, mtime, size, `what`, width); ([], why) when the file is gone or cannot be
+    decoded (seconds are NaN without a frame rate)."""
     try:
         st = os.stat(video)
     except OSError:
         return [], f"video file not available: {video}"
-    key = (video, st.st_mtime_ns, st.st_size, count, width)
+    key = (video, st.st_mtime_ns, st.st_size, what, width)
     with _LOCK:
         if key in _DECODED:
             _DECODED.move_to_end(key)
-            return _DECODED[key], "frames decoded from the video file"
+            return _DECODED[key], ""
     try:
-        items = _decode(video, count, width)
+        import decord  # only when a video is decoded; the rest of the app never needs it
+        from PIL import Image
+
+        vr = decord.VideoReader(video, num_threads=1)
+        n, fps = len(vr), float(vr.get_avg_fps() or 0.0)
+        if n == 0:
+            raise ValueError("no frames")
+        idx = pick(n, fps)
+        out = []
+        for i, f in zip(idx, vr.get_batch(idx).asnumpy()):  # [T, H, W, 3] uint8
+            img = Image.fromarray(f)
+            if img.width > width:
+                img = img.resize((width, max(1, round(img.height * width / img.width))))
+            out.append((np.asarray(img), i / fps if fps > 0 else math.nan))
     except Exception as e:  # a corrupt or unsupported file: say so, never fail the page
         return [], f"video file could not be decoded ({type(e).__name__}: {str(e)[:200]})"
     with _LOCK:
-        _DECODED[key] = items
+        _DECODED[key] = out
         while len(_DECODED) > _DECODED_MAX:
             _DECODED.popitem(last=False)
-    return items, "frames decoded from the video file"
-
-
-def _decode(video: str, count: int, width: int) -> list[Item]:
-    import decord  # only when a video is decoded; the rest of the app never needs it
-    from PIL import Image
-
-    vr = decord.VideoReader(video, num_threads=1)
-    n, fps = len(vr), float(vr.get_avg_fps() or 0.0)
-    if n == 0:
-        raise ValueError("no frames")
-    idx = sorted({min(n - 1, int((i + 0.5) * n / count)) for i in range(count)})
-    frames = vr.get_batch(idx).asnumpy()  # [T, H, W, 3] uint8
-    out = []
-    for i, f in zip(idx, frames):
-        img = Image.fromarray(f)
-        if img.width > width:
-            img = img.resize((width, max(1, round(img.height * width / img.width))))
-        out.append((np.asarray(img), _time_caption(i / fps if fps > 0 else math.nan)))
-    return out
+    return out, ""
 
 
 EventFrame = tuple[object, float, str]  # (Path | HxWx3 array, seconds, kind: "truth", "pred" or "around")
@@ -180,37 +188,13 @@ def _thumb_times(reader, media_key: str | None) -> list[float]:
 
 def decoded_at(video: str, times: list[float], width: int = 256) -> tuple[list[tuple[np.ndarray, float]], str]:
     """([(frame, seconds)], note): the frames nearest `times`, decoded with decord; ([], why) when impossible."""
-    try:
-        st = os.stat(video)
-    except OSError:
-        return [], f"video file not available: {video}"
-    key = (video, st.st_mtime_ns, st.st_size, tuple(round(t, 3) for t in times), width)
-    with _LOCK:
-        if key in _DECODED:
-            _DECODED.move_to_end(key)
-            return _DECODED[key], ""
-    try:
-        import decord
-        from PIL import Image
 
-        vr = decord.VideoReader(video, num_threads=1)
-        n, fps = len(vr), float(vr.get_avg_fps() or 0.0)
-        if n == 0 or fps <= 0:
+    def nearest(n: int, fps: float) -> list[int]:
+        if fps <= 0:
             raise ValueError("no frames or no frame rate")
-        idx = [min(n - 1, max(0, round(t * fps))) for t in times]
-        out = []
-        for i, f in zip(idx, vr.get_batch(idx).asnumpy()):  # [T, H, W, 3] uint8
-            img = Image.fromarray(f)
-            if img.width > width:
-                img = img.resize((width, max(1, round(img.height * width / img.width))))
-            out.append((np.asarray(img), i / fps))
-    except Exception as e:  # a corrupt or unsupported file: say so, never fail the page
-        return [], f"video file could not be decoded ({type(e).__name__}: {str(e)[:200]})"
-    with _LOCK:
-        _DECODED[key] = out
-        while len(_DECODED) > _DECODED_MAX:
-            _DECODED.popitem(last=False)
-    return out, ""
+        return [min(n - 1, max(0, round(t * fps))) for t in times]
+
+    return _decoded(video, ("at", tuple(round(t, 3) for t in times)), nearest, width)
 
 
 def frame_src(x) -> str:
