@@ -30,6 +30,7 @@ import torch
 
 from mmpg.doctor import checks, environment, report, speed, train_check
 from mmpg.doctor.report import Row, not_run
+from mmpg.grouping.backends.probe import flash_status
 
 NO_CUDA = "needs a CUDA device: "
 
@@ -69,17 +70,11 @@ def _grouped(device: torch.device, cuda_why: str) -> list:
                 plans.append((row_id, checks.grouped_row, family, backend, device, dtype))
             elif device.type != "cuda":
                 plans.append(not_run("grouped", row_id, what, NO_CUDA + cuda_why))
-            elif backend == "flash" and not _flash_usable(device)[0]:
-                plans.append(not_run("grouped", row_id, what, "flash-attn: " + _flash_usable(device)[1]))
+            elif backend == "flash" and not flash_status(device)[0]:
+                plans.append(not_run("grouped", row_id, what, "flash-attn: " + flash_status(device)[1]))
             else:
                 plans.append((row_id, checks.grouped_row, family, backend, device, dtype))
     return plans
-
-
-def _flash_usable(device: torch.device) -> tuple[bool, str]:
-    from mmpg.grouping.backends.probe import flash_status
-
-    return flash_status(device)
 
 
 def _cascade_and_decode(device: torch.device, cuda_why: str) -> list:
@@ -89,19 +84,19 @@ def _cascade_and_decode(device: torch.device, cuda_why: str) -> list:
         if device.type != "cuda":
             plans.append(not_run("cascade", row_id, f"cascade kernel {kernel} vs math (bfloat16, cuda)",
                                  NO_CUDA + cuda_why))
-        elif kernel == "flash" and not _flash_usable(device)[0]:
+        elif kernel == "flash" and not flash_status(device)[0]:
             plans.append(not_run("cascade", row_id, "cascade kernel flash vs math (bfloat16, cuda)",
-                                 "flash-attn: " + _flash_usable(device)[1]))
+                                 "flash-attn: " + flash_status(device)[1]))
         else:
             plans.append((row_id, checks.cascade_row, kernel, device, torch.bfloat16))
     dtype = BF16 if device.type == "cuda" else F32
     for family in FAMILIES:
         for kernel in ("sdpa", "math", "flash"):
             row_id = f"decode/{kernel}/{family}"
-            if kernel != "flash" or (device.type == "cuda" and _flash_usable(device)[0]):
+            if kernel != "flash" or (device.type == "cuda" and flash_status(device)[0]):
                 plans.append((row_id, checks.decode_row, kernel, family, device, dtype))
             else:
-                why = NO_CUDA + cuda_why if device.type != "cuda" else "flash-attn: " + _flash_usable(device)[1]
+                why = NO_CUDA + cuda_why if device.type != "cuda" else "flash-attn: " + flash_status(device)[1]
                 plans.append(not_run("decode", row_id, f"greedy decoding, cascade (flash) vs copy, {family}", why))
         plans.append((f"decode/auto/{family}", checks.auto_row, family, device, dtype))
     return plans
@@ -137,7 +132,7 @@ def plan_rows(device: torch.device, cuda_why: str, quick: bool, work: Path) -> l
                              "left out by --quick"))
     else:
         plans.append(("train/bf16", train_check.train_row, work, device.type))
-    plans.append(sync_row(device, cuda_why))
+    plans.append(("sync/nccl", sync_row, device, cuda_why))  # run (and filtered, guarded) like the others
     if quick:
         plans += [not_run("speed", f"speed/{k}", f"speed: {k}", "left out by --quick") for k in ("forward", "decode")]
     else:
