@@ -329,11 +329,10 @@ class GRPOStep:
         now = choices.current().get("grouped_backend")
         if not why and now is not None and now["value"] == backend:
             return  # as set up (`mmpg.train.setup.record_grouped_backend`)
-        if why and self.ref is not None:
+        if why and self.ref is not None:  # a frozen reference model; adapters-off LoRA shares the policy's setting
             from mmpg.grouping import set_grouping_options
 
-            with reference_model(self.policy, self.ref) as ref_model:
-                set_grouping_options(ref_model, backend=backend)
+            set_grouping_options(self.ref, backend=backend)
         choices.record("grouped_backend", backend, why)
 
     def update(self, groups: list[PromptGroup], timer: Timer) -> dict:

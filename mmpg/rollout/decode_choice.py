@@ -102,7 +102,6 @@ class DecodeChoice:
         self.decode, self.backend, self.check = decode, backend, check
         self.chain: list[str] | None = None  # candidates left, the current one first
         self.envelope = Envelope()  # (longest prompt, G_max, 0) checked for the current kernel
-        self.why = ""
 
     @property
     def current(self) -> str:
@@ -112,8 +111,8 @@ class DecodeChoice:
         """The path for this batch: a kernel name (cascade decoding) or "copy". Checks it first when needed."""
         if self.chain is None:
             self.chain = kernel_chain(self.decode, self.backend, device, _dtype(engine.model))
-            self.why = "rollout.decode=copy" if self.decode == COPY else ""
-            choices.record("decode_kernel", self.current, self.why or self._unchecked(device))
+            why = "rollout.decode=copy" if self.decode == COPY else self._unchecked(device)
+            choices.record("decode_kernel", self.current, why)
         if not check_enabled(self.check, device) or self.decode == COPY:
             return self.current
         lengths = prompt_attention_mask(prompt_inputs).sum(dim=1).tolist()  # [B] tokens of each prompt
@@ -156,10 +155,9 @@ class DecodeChoice:
             return True
         self.chain.pop(0)
         self.envelope = Envelope()
-        self.why = f"{kernel} dropped: {reason}; {versions()}"
         log.warning("cascade decoding: kernel %s failed its check against copy decoding (%s; %s); next: %s", kernel,
                     reason, versions(), self.current)
-        choices.record("decode_kernel", self.current, self.why)
+        choices.record("decode_kernel", self.current, f"{kernel} dropped: {reason}; {versions()}")
         return False
 
 
