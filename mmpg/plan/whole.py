@@ -8,7 +8,7 @@ from __future__ import annotations
 USABLE = 0.9
 
 
-def plan(cfg, gpus: int, device: str, memory: float, hw, video=None, prompt=None, mu=None) -> dict:
+def plan(cfg, gpus: int, device: str, memory: float, hw, video=None, prompt=None) -> dict:
     """The whole plan as a dict (what --json prints)."""
     from mmpg.plan.fit import what_fits
     from mmpg.plan.memory import predict
@@ -18,7 +18,8 @@ def plan(cfg, gpus: int, device: str, memory: float, hw, video=None, prompt=None
     r = recipe_from_config(cfg, gpus, device, video, prompt)
     mem = predict(r)
     budget = memory * (USABLE if device == "cuda" else 1.0)
-    naive = predict(_flip(r))
+    flipped, mu = _flip(r), cfg.algorithm.num_iterations
+    naive = predict(flipped)
     out = {"model": r.geometry.name, "params": r.geometry.params(), "trainable_params": r.trainable(),
            "device": device, "devices": gpus, "memory_bytes": int(memory), "budget_bytes": int(budget),
            "P": r.P, "video_tokens": r.video_tokens, "S": r.S, "G": r.G, "zero": r.zero, "offload": r.offload,
@@ -26,8 +27,8 @@ def plan(cfg, gpus: int, device: str, memory: float, hw, video=None, prompt=None
            "peak_phase": mem["peak_phase"], "parts": mem["parts"], "phases": mem["phases"],
            "cpu_offload_bytes": mem["cpu_offload"], "fits": mem["peak_bytes"] <= budget,
            "other_layout_peak_bytes": naive["peak_bytes"],
-           "step_seconds": step_seconds(r, hw, mu or cfg.algorithm.num_iterations),
-           "other_layout_step_seconds": step_seconds(_flip(r), hw, mu or cfg.algorithm.num_iterations)["total"],
+           "step_seconds": step_seconds(r, hw, mu),
+           "other_layout_step_seconds": step_seconds(flipped, hw, mu)["total"],
            "assumed": {"mfu": hw.mfu, "bw_util": hw.bw_util, "tflops": hw.tflops, "bandwidth_tbs": hw.bandwidth_tbs,
                        "usable_fraction": USABLE if device == "cuda" else 1.0},
            "what_fits": [] if mem["peak_bytes"] <= budget else what_fits(r, budget)}
