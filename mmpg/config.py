@@ -142,6 +142,11 @@ class RolloutConfig:
     tis_cap: float = _f(0.0, "Truncated importance sampling for the rollout/training mismatch: each token's loss is "
                         "weighted by min(pi_train_old / pi_rollout, tis_cap) (useful with rollout.engine=vllm); "
                         "0: off.")
+    max_staleness: int = _f(0, "Rollout/training overlap (rollout.engine=vllm): 0 samples each step's groups after "
+                            "the previous update (synchronous); k >= 1 lets the server sample the next steps' groups "
+                            "while the trainer updates, each with weights at most k steps old (needs "
+                            "rollout.tis_cap > 0: the loss weighs each token by the capped ratio of the current "
+                            "policy to the one that sampled it).")
 
 
 @dataclass

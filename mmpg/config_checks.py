@@ -39,6 +39,7 @@ def validate(cfg) -> None:
         ("rollout.max_new_tokens", cfg.rollout.max_new_tokens >= 1, "must be >= 1"),
         ("rollout.temperature", cfg.rollout.temperature > 0, "must be > 0 for GRPO sampling"),
         ("rollout.tis_cap", cfg.rollout.tis_cap == 0 or cfg.rollout.tis_cap >= 1, "must be 0 (off) or >= 1"),
+        ("rollout.max_staleness", cfg.rollout.max_staleness >= 0, "must be >= 0"),
         ("rollout.vllm_timeout_s", cfg.rollout.vllm_timeout_s > 0, "must be > 0"),
         ("rollout.vllm_sync_timeout_s", cfg.rollout.vllm_sync_timeout_s > 0, "must be > 0"),
         ("rollout.prefill_chunk", cfg.rollout.prefill_chunk >= 0, "must be >= 0 (0: no chunking)"),

@@ -38,6 +38,7 @@ class PromptGroup:
     rewards: list[dict] = dataclasses.field(default_factory=list)  # [G] reward components, "overall" included
     advantages: torch.Tensor | None = None  # [G] float32
     seed: int = 0  # the prompt seed its responses were drawn with
+    policy_version: int | None = None  # the weights that sampled it: those after step policy_version (0: initial)
     dummy: bool = False  # a copy rolled out only to keep a rank without a group of its own in lockstep: weight 0,
     # left out of the advantages' batch statistics, the metrics and the rollout records
 

@@ -146,7 +146,8 @@ def group_records(step: int, groups, first_index: int, media_keys: dict, swap_re
         out.append(GroupRecord(step=step, group_index=first_index + j, sample_id=s.sample_id, video=s.video,
                                duration=float(s.duration), query=s.query, gt_span=[float(s.span[0]),
                                                                                     float(s.span[1])],
-                               media_key=media_keys.get(s.video), responses=responses))
+                               media_key=media_keys.get(s.video), policy_version=g.policy_version,
+                               responses=responses))
     return out
 
 

@@ -84,15 +84,25 @@ class GroupRecord:
     query: str  # the natural-language query to ground
     gt_span: list[float]  # [start_s, end_s] ground-truth moment in seconds
     media_key: str | None = None  # folder under media/ with thumbnails of the video; None if none were written
+    # the weights that sampled the responses: those after training step policy_version (0: the initial weights);
+    # staleness = step - 1 - policy_version, the updates between them and the weights trained (rollout.max_staleness).
+    # None in records written before this field existed (read as synchronous).
+    policy_version: int | None = None
     responses: list[ResponseRecord] = dataclasses.field(default_factory=list)  # [G]
 
     def __post_init__(self):
         self.step, self.group_index, self.duration = int(self.step), int(self.group_index), _float(self.duration)
         self.sample_id, self.video = str(self.sample_id), str(self.video)
+        self.policy_version = None if self.policy_version is None else int(self.policy_version)
         self.gt_span = _span(self.gt_span, "GroupRecord.gt_span")
         if self.gt_span is None:
             raise ValueError("GroupRecord.gt_span must be [start_s, end_s], got None")
         self.responses = [r if isinstance(r, ResponseRecord) else ResponseRecord.from_json(r) for r in self.responses]
+
+    @property
+    def staleness(self) -> int:
+        """Updates between the weights that sampled this group and those it trained (0: synchronous)."""
+        return 0 if self.policy_version is None else self.step - 1 - self.policy_version
 
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "responses"}
@@ -103,7 +113,7 @@ class GroupRecord:
     def from_json(cls, d: dict) -> GroupRecord:
         check_version(d, f"rollout record of step {d.get('step')}")
         keys = tuple(f.name for f in dataclasses.fields(cls))
-        _need(d, tuple(k for k in keys if k not in ("v", "media_key", "responses")), "group")
+        _need(d, tuple(k for k in keys if k not in ("v", "media_key", "policy_version", "responses")), "group")
         kwargs = {k: d[k] for k in keys if k in d}
         kwargs["responses"] = [ResponseRecord.from_json(r) for r in d.get("responses") or []]
         return cls(**kwargs)
