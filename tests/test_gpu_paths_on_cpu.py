@@ -15,7 +15,7 @@ from batches import completions, vl_batch
 from flash_standin import standin_flash_attn
 from mmpg.grouping import GroupLayout, grouped_logprobs, repeated_logprobs
 from mmpg.grouping.attention import LAYOUT_KWARG, register_grouped_attention
-from mmpg.grouping.backends import compute_dtype, get_backend
+from mmpg.grouping.backends import BACKENDS, compute_dtype, get_backend
 
 
 @pytest.fixture
@@ -74,6 +74,8 @@ def test_mixed_qkv_without_autocast_take_the_projection_dtype():
     fn = ALL_ATTENTION_FUNCTIONS[register_grouped_attention("sdpa")]
     out, _ = fn(_Layer(torch.bfloat16), q, k, v.to(torch.bfloat16), None, scaling=0.3, **{LAYOUT_KWARG: layout})
     assert out.dtype == torch.bfloat16
+    ref = _dense_reference(q.bfloat16(), k.bfloat16(), v.bfloat16(), layout)
+    torch.testing.assert_close(out.double(), ref, atol=0.02, rtol=0.02)  # bf16 rounding, as above
 
 
 def test_fp32_model_under_bf16_autocast(load_tiny, fake_flash):
@@ -181,6 +183,30 @@ def test_compiled_block_mask_matches_the_rule():
     assert torch.equal(mask.to_dense()[0, 0].bool(), expected)
 
 
-def test_backend_names_are_all_known():
-    for name in ("sdpa", "flash", "flex", "lse_reference"):
-        assert callable(get_backend(name))
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # on purpose, below
+@pytest.mark.parametrize("name", [b for b in BACKENDS if b != "auto"])
+def test_every_backend_name_computes_the_layouts_rule(name, fake_flash, monkeypatch):
+    """Each name the `grouping.backend` setting accepts maps to a backend whose output is the dense rule's (float32,
+    within 1e-5: float32 roundoff over rows of at most 16 keys at values about 1); flash on the stand-in kernel,
+    allowed float32 here; flex uncompiled (its compiled kernel: tests/test_grouping_flex.py). An unknown name is
+    refused naming the choices."""
+    from mmpg.grouping.backends import flex
+
+    fake_flash.ALLOW_FP32 = True
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    caches = (flex._compiled_flex, flex._compiled_create_block_mask)
+    layout = GroupLayout(*LAYOUT, torch.device("cpu"), backend=name)
+    q, k, v = _qkv(layout.total, torch.float32)
+    for cached in caches:
+        cached.cache_clear()
+    try:
+        with torch.no_grad():
+            out = get_backend(name)(q, k, v, layout, 0.3)
+    finally:
+        for cached in caches:
+            cached.cache_clear()  # no uncompiled function left for later tests
+    diff = float((out.double() - _dense_reference(q, k, v, layout)).abs().max())
+    assert diff <= 1e-5, f"{name} differs from the dense rule by {diff:.3g}"
+    with pytest.raises(ValueError, match="unknown grouped attention backend 'flash2'; choose sdpa, flash, flex or "
+                                         "lse_reference"):
+        get_backend("flash2")
