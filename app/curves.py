@@ -56,6 +56,10 @@ PANELS: list[Panel] = [
     Panel("gap", "Logprob gap, rollout vs training (GRPO health)", "nats per token",
           "|rollout logprob - training logprob| per token; a max above the dtype's bound for several steps raises "
           "the drift alarm", ["actor/logprob_gap_mean", "actor/logprob_gap_max"], "actor/"),
+    Panel("staleness", "Rollout staleness (overlap)", "steps",
+          "updates between the weights that sampled the step's groups and those it trained, mean and max over its "
+          "groups (0: synchronous; at most rollout.max_staleness)", ["rollout/staleness_mean",
+                                                                     "rollout/staleness_max"], "rollout/"),
     Panel("length", "Response length", "tokens", "mean and longest response of the step; truncation share in "
           "response/truncated", ["response/length_mean", "response/length_max", "response/truncated"], "response/"),
     Panel("kl", "KL to the reference", "nats per token", "k3 estimate per token (0 when algorithm.beta = 0)",

@@ -23,6 +23,7 @@ from app.frames import event_frames, event_strip, frame_items, frame_src, strip_
 from app.guard import guarded
 from app.plan_card import plan_card_html, prefetch
 from app.render import message_html, response_html
+from app.staleness import asynchronous, configured_staleness, group_staleness_html, rollouts_card_html
 from app.summary import run_eval_points, summary_html
 from app.timeline import Bar, timeline_data, timeline_svg
 from mmpg.errors import UserError
@@ -294,7 +295,7 @@ class RunView:
                    for i, r in enumerate(g.responses)]
         return {
             self.step: step,  # in sync when the group came from a filter over all steps
-            self.header: group_header(g, summary),
+            self.header: group_header(g, summary) + self.staleness_html(g, groups),
             self.gallery: strip_html(items),
             self.frames_note: (message_html(frames_note, "note") if frames_note else "")
             + message_html(note, "note" if not items or "missing" in note else "info"),
@@ -305,6 +306,11 @@ class RunView:
             self.text: (response_html(first, g.responses[first], verdicts[first]) if g.responses
                         else message_html("no responses", "note")),
         }
+
+    def staleness_html(self, g, groups) -> str:
+        """Which weights sampled the group and how stale it is; '' for a synchronous run (app/staleness.py)."""
+        k = configured_staleness(self.src)
+        return group_staleness_html(g, k, asynchronous(k, self.src.metrics(), groups))
 
     def timeline_html(self, g, chosen: int | None, verdicts=None) -> tuple[str, str]:
         """(svg, note): the group's spans coloured by tIoU, with the frames that show the truth and the span of
@@ -346,7 +352,8 @@ class RunView:
         info = self.src.reader().info()
         metrics = self.src.metrics()
         return summary_html(metrics, [], points, kind=info.get("kind"),
-                            more=plan_card_html(self.src.run_dir, info, metrics))
+                            more=plan_card_html(self.src.run_dir, info, metrics),
+                            rollouts=rollouts_card_html(configured_staleness(self.src), metrics))
 
     def title_md(self, steps: list[int]) -> str:
         info = self.src.reader().info()

@@ -158,10 +158,11 @@ def _eval_card(points: list[tuple[int, dict]]) -> str:
 
 
 def summary_html(metrics: list[dict], eval_lines: list[dict], folder_metrics: list[tuple[int, dict]] | None = None,
-                 kind: str | None = None, window: int = WINDOW, more: str = "") -> str:
+                 kind: str | None = None, window: int = WINDOW, more: str = "", rollouts: str = "") -> str:
     """The summary row: one card per headline metric the run logged, and the evaluation card (eval_lines: eval.jsonl;
     folder_metrics: [(step, metrics.json)] of the evaluation folders, used when eval_lines has none); `more`: cards
-    after them (the memory card, app/plan_card.py)."""
+    after them (the memory card, app/plan_card.py); `rollouts`: a card shown after the evaluation for a GRPO run
+    only (synchronous or how stale, app/staleness.py)."""
     sft = kind == "sft" or (kind is None and trend(metrics, "sft/loss") is not None
                             and trend(metrics, "reward/mean") is None)
     heads = SFT_HEADLINES if sft else GRPO_HEADLINES
@@ -169,7 +170,7 @@ def summary_html(metrics: list[dict], eval_lines: list[dict], folder_metrics: li
              if (t := trend(metrics, key, window)) is not None]
     if not cards:
         cards.append('<div class="mmpg-card"><div class="mmpg-sub">no training metrics logged yet</div></div>')
-    cards.append(_eval_card(eval_points(eval_lines, folder_metrics or [])) + more)
+    cards.append(_eval_card(eval_points(eval_lines, folder_metrics or [])) + ("" if sft else rollouts) + more)
     title = "SFT run: is the loss falling?" if sft else "GRPO run: is it learning?"
     return (f'<div class="mmpg-summary"><div class="mmpg-summary-title">{title} '
             f'<span class="mmpg-sub">(each figure: the mean of the last {window} steps; ▲▼ its change against the '

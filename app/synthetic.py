@@ -186,16 +186,30 @@ def write_video(path: str | os.PathLike, seconds: float = 4.0, fps: int = 8, wid
     return path
 
 
-def make_small_run(out: str | os.PathLike, video_dir: str | os.PathLike | None = None) -> Path:
+def small_policy_version(step: int, position: int, max_staleness: int) -> int:
+    """The weights that sampled group (step, position) of the small run with rollout.max_staleness = k: position 0
+    lags k steps, position 1 one step (never before the initial weights, 0). k = 0: the weights after step - 1."""
+    return max(0, step - 1 - (max_staleness if position == 0 else min(1, max_staleness)))
+
+
+def make_small_run(out: str | os.PathLike, video_dir: str | os.PathLike | None = None,
+                   max_staleness: int | None = None) -> Path:
     """The run of SMALL_SPANS, with metrics, eval lines and 4 thumbnails for the video of position 0.
 
     The video of position 1 has no thumbnails; it is written under `video_dir` when given (decoded on demand), and
-    otherwise does not exist ("video file not available").
+    otherwise does not exist ("video file not available"). `max_staleness`: None writes a run from before the
+    rollout/training overlap (no policy_version in its records, no rollout.max_staleness in its config, no staleness
+    metrics); k >= 0 sets rollout.max_staleness = k, each record's policy_version (small_policy_version) and
+    rollout/staleness_mean, _max. With k = 2 the staleness of (step, position 0, 1) is (1: 0, 0), (2: 1, 1),
+    (3: 2, 1): step means 0, 1, 1.5 (their mean 0.833), maxes 0, 1, 2.
     """
     out = Path(out)
     rng = np.random.default_rng(0)
     writer = RunWriter(out, tensorboard=False)
-    writer.start(SMALL_CONFIG, kind="grpo", command=["python", "-m", "app.synthetic"],
+    config = SMALL_CONFIG if max_staleness is None else SMALL_CONFIG + (
+        f"  engine: vllm\n  tis_cap: 2.0\n  max_staleness: {max_staleness}\n" if max_staleness else
+        "  max_staleness: 0\n")
+    writer.start(config, kind="grpo", command=["python", "-m", "app.synthetic"],
                  extra={"device": "cpu", "devices": 1})
     videos = {0: "/data/videos/kitchen.mp4",
               1: str(write_video(Path(video_dir) / "garden.mp4", seconds=SMALL_DURATION[1], fps=4)) if video_dir
@@ -208,9 +222,14 @@ def make_small_run(out: str | os.PathLike, video_dir: str | os.PathLike | None =
                                           for i, (span, fin) in enumerate(SMALL_SPANS[(step, pos)])])
             groups.append(GroupRecord(step=step, group_index=pos, sample_id=f"sample-{pos}", video=videos[pos],
                                       duration=SMALL_DURATION[pos], query=f"query of video {pos}: the person <cooks>",
-                                      gt_span=SMALL_GT[pos], media_key=keys[pos], responses=responses))
+                                      gt_span=SMALL_GT[pos], media_key=keys[pos], responses=responses,
+                                      policy_version=None if max_staleness is None
+                                      else small_policy_version(step, pos, max_staleness)))
         writer.write_rollouts(step, groups)
         rs = [r for g in groups for r in g.responses]
+        ages = [g.staleness for g in groups]
+        stale = {} if max_staleness is None else {"rollout/staleness_mean": float(np.mean(ages)),
+                                                  "rollout/staleness_max": float(max(ages))}
         writer.log_metrics(step, {
             "reward/mean": float(np.mean([r.rewards["overall"] for r in rs])),
             "reward/format": float(np.mean([r.rewards["format"] for r in rs])),
@@ -220,7 +239,7 @@ def make_small_run(out: str | os.PathLike, video_dir: str | os.PathLike | None =
                                                    for g in groups])),
             "response/length_mean": float(np.mean([r.length for r in rs])), "actor/kl": 0.001 * step,
             "actor/clip_fraction": 0.01 * step, "timing_s/rollout": 1.0 + step, "timing_s/update": 0.5,
-            "perf/peak_memory_mb": SMALL_PEAK_MB[step],
+            "perf/peak_memory_mb": SMALL_PEAK_MB[step], **stale,
         })
         writer.log_eval(step, {"eval/miou": 0.1 * step, "eval/r1@0.5": 0.05 * step})
     writer.close()

@@ -483,3 +483,70 @@ def test_cli_defaults_to_localhost_and_refuses_a_missing_folder(tmp_path, capsys
     assert args.host == "127.0.0.1" and args.port is None
     assert main(["inspect", str(tmp_path / "missing")]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- rollout/training overlap
+@pytest.fixture(scope="module")
+def stale_run(tmp_path_factory):
+    """The small run with rollout.max_staleness = 2: staleness of (step, position) (1: 0, 0), (2: 1, 1), (3: 2, 1)."""
+    return make_small_run(tmp_path_factory.mktemp("stale") / "run", max_staleness=2)
+
+
+def test_an_asynchronous_run_names_the_weights_that_sampled_each_group(stale_run, views):
+    rv, _ = views(stale_run)
+    header = rv.group_view("3:1")[rv.header]
+    assert "sampled by the weights after step 1 · 1 step stale" in header  # step 3 trained on version 1: 3 - 1 - 1
+    assert "sampled by the initial weights · 2 steps stale" in rv.group_view("3:0")[rv.header]
+    assert "sampled by the initial weights · 0 steps stale" in rv.group_view("1:0")[rv.header]
+    assert "mmpg-error" not in header  # within rollout.max_staleness: no alarm
+    summary = rv.summary_html()
+    card = re.search(r'<div class="mmpg-card" data-metric="rollouts".*?</div></div>', summary).group(0)
+    # step means 0, 1, 1.5 of rollout/staleness_mean: their mean 2.5 / 3 = 0.83; max 2 of rollout/staleness_max
+    assert "up to 2 steps stale (mean 0.83)" in card and "max 2 steps" in card
+    assert "mmpg-up" not in card and "mmpg-down" not in card  # staleness is no success, and here no failure
+    out = rv.curves()
+    frame = out[rv.plots["staleness"]]["value"]
+    assert out[rv.plots["staleness"]]["y_title"] == "steps" and out[rv.cv.boxes["staleness"]]["visible"]
+    assert set(frame["series"]) == {"staleness_mean", "staleness_max"}  # the legend without the prefix
+    assert list(frame[frame["series"] == "staleness_mean"]["value"]) == pytest.approx([0.0, 1.0, 1.5])
+    assert list(frame[frame["series"] == "staleness_max"]["value"]) == [0.0, 1.0, 2.0]
+
+
+def test_a_synchronous_run_looks_as_before(small, tmp_path, views):
+    """A run from before the overlap (no policy_version, no setting, no metric) and a synchronous one that records
+    them (max_staleness 0, policy_version = step - 1): no staleness line on the group, "synchronous" on the card,
+    the staleness panel folded away."""
+    recorded = make_small_run(tmp_path / "sync", max_staleness=0)
+    assert RunSource(recorded).groups(3)[0].policy_version == 2
+    for run in (small["run"], recorded):
+        rv, _ = views(run)
+        header = rv.group_view("3:0")[rv.header]
+        assert "sampled by" not in header and "stale" not in header
+        summary = rv.summary_html()
+        assert re.search(r'data-metric="rollouts".*?<b>synchronous</b>', summary)
+        assert "steps stale" not in summary
+        out = rv.curves()
+        assert not out[rv.cv.boxes["staleness"]]["visible"]
+    assert "Always 0, not drawn: Rollout staleness (overlap)" in out[rv.cv.curves_note]  # the recorded zeros
+    src = RunSource(small["run"])
+    assert "Rollout staleness (overlap)" in folded(src.metrics(), src.eval_metrics())[0]  # never logged
+    sft = RunSource(make_small_sft_run(tmp_path / "sft"))
+    assert 'data-metric="rollouts"' not in summary_html(sft.metrics(), [], kind="sft", rollouts="<div>x</div>")
+
+
+def test_staleness_beyond_the_bound_or_from_newer_weights_is_an_error(stale_run):
+    from app.staleness import asynchronous, group_staleness_html, rollouts_card_html
+
+    g = RunSource(stale_run).groups(3)[0]  # 2 steps stale
+    assert "mmpg-error" not in group_staleness_html(g, 2, True)
+    over = group_staleness_html(g, 1, True)
+    assert 'class="mmpg-error' in over and "staler than the run's rollout.max_staleness = 1" in over
+    newer = GroupRecord(**{**g.__dict__, "policy_version": 3})  # step 3 cannot train on weights after step 3
+    assert newer.staleness == -1 and "the record is inconsistent" in group_staleness_html(newer, 2, True)
+    assert group_staleness_html(g, 2, False) == ""
+    # stale records are enough to call a run asynchronous, whatever its config and metrics say
+    assert asynchronous(0, [], [g]) and not asynchronous(0, [{"step": 1, "rollout/staleness_max": 0.0}], [])
+    card = rollouts_card_html(1, [{"step": 1, "rollout/staleness_mean": 1.0, "rollout/staleness_max": 3.0}])
+    assert "up to 3 steps stale (mean 1.00)" in card and 'class="mmpg-down' in card and "mmpg-up" not in card
+    assert "a group 3 steps stale: more than rollout.max_staleness = 1" in card
+    assert "up to 2 steps stale</b>" in rollouts_card_html(2, [])  # configured, nothing logged yet

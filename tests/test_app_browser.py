@@ -151,6 +151,7 @@ def test_pick_step_and_group_see_responses_timeline_and_text(browser, run_url):
     assert page.locator("#timeline svg.mmpg-timeline rect.span-bar").count() == 4
     assert page.locator("#timeline svg rect.gt-bar").count() == 1
     assert labels.input_value().startswith("group 1")
+    assert "stale" not in page.inner_text("#group-header")  # a synchronous run: no word of staleness
     page.locator("#responses [role=row].virtual-row").nth(2).locator("[role=gridcell]").nth(3).click()
     wait_text(page, "response-text", "Response #2")
     assert page.locator("#response-text .mmpg-think").count() == 1
@@ -353,6 +354,18 @@ def test_the_summary_shows_the_reward_trend_and_the_latest_evaluation(browser, r
     assert "ru_maxrss" in memory.inner_text() and memory.is_visible()
     no_error_page(page)
     page.screenshot(path=str(ARTIFACTS / "summary_grpo.png"))
+    page.close()
+
+
+def test_an_asynchronous_runs_group_names_the_weights_that_sampled_it(browser, serve, tmp_path):
+    """rollout.max_staleness = 2: the newest step's first group (3:0) was sampled by the initial weights, 2 steps
+    before the weights step 3 trained; the summary's card says how stale the run's rollouts were."""
+    page = browser.new_page()
+    page.goto(serve(make_small_run(tmp_path / "stale", max_staleness=2)))
+    wait_text(page, "group-header", "sampled by the initial weights · 2 steps stale")
+    assert "up to 2 steps stale (mean 0.83)" in page.inner_text('#summary [data-metric="rollouts"]')
+    no_error_page(page)
+    page.screenshot(path=str(ARTIFACTS / "rollouts_asynchronous.png"))
     page.close()
 
 
