@@ -1,7 +1,7 @@
 """mmpg: shared-prefix GRPO for video temporal grounding with Qwen-VL models.
 
 Each prompt (video + question) is forwarded once with its G sampled responses packed behind it; see
-ARCHITECTURE.md in the design notes and `mmpg.grouping` for the exact grouped forward.
+docs/ARCHITECTURE.md for the design and `mmpg.grouping` for the exact grouped forward.
 """
 
 __version__ = "0.1.0"

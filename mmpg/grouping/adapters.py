@@ -1,6 +1,6 @@
 """Family adapters: prompt positions, and one packed forward of the model's own modules.
 
-Positions (ARCHITECTURE.md "Packed group layout"):
+Positions (docs/ARCHITECTURE.md "Packed group layout"):
   * Qwen2.5-VL / Qwen3-VL: the prefix takes the model's own 3-D mRoPE index (`get_rope_index`; Qwen2.5-VL's on the
     convention its checkpoints were trained with, `mmpg.grouping.positions`); each response continues on all three
     axes where the model's own forward would put a text token after the prompt.
