@@ -17,6 +17,9 @@ from __future__ import annotations
 import datetime
 import os
 
+import threading
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -101,11 +104,47 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+# A second group over every rank (gloo) for one background thread's collectives (`mmpg.rl.overlap`: the rollouts
+# of the next steps, sampled while the main thread trains). Two threads must never share a group: their collectives
+# would pair up across ranks in whatever order they happen to run.
+_SIDE: dict = {"group": None}
+_THREAD = threading.local()
+
+
+def make_side_group() -> None:
+    """Create the side group. Collective: every rank calls it, from the main thread, before the thread starts."""
+    if active() and _SIDE["group"] is None:
+        _SIDE["group"] = dist.new_group(backend="gloo")
+
+
+@contextmanager
+def side():
+    """Within it, this thread's collectives of this module (world and data ones) run on the side group, on the CPU.
+    Not with sequence parallelism (whose data group is not the world)."""
+    if _SEQUENCE["size"] > 1:
+        raise RuntimeError("dist.side() is not for sequence-parallel runs")
+    _THREAD.side = True
+    try:
+        yield
+    finally:
+        _THREAD.side = False
+
+
+def on_side() -> bool:
+    """True in a thread inside `side()`: collectives go over the side group, tensors on the CPU."""
+    return getattr(_THREAD, "side", False)
+
+
+def _group(group):
+    """`group` (None: the world), or the side group inside `side()`."""
+    return _SIDE["group"] if on_side() and _SIDE["group"] is not None else group
+
+
 def _reduce(values: list[float], op, device, group=None) -> list[float]:
     if not active():
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op, group=group)
+    t = torch.tensor(values, dtype=torch.float64, device="cpu" if on_side() else device)
+    dist.all_reduce(t, op=op, group=_group(group))
     return t.tolist()
 
 
@@ -146,7 +185,7 @@ def gather_objects(obj) -> list:
     if not active():
         return [obj]
     out = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_group(None))
     return out
 
 
@@ -156,7 +195,7 @@ def gather_data(obj) -> list:
     if _SEQUENCE["data"] is None:
         return gather_objects(obj)
     out = [None] * data_size()
-    dist.all_gather_object(out, obj, group=_SEQUENCE["data"])
+    dist.all_gather_object(out, obj, group=_group(_SEQUENCE["data"]))
     return out
 
 
@@ -176,5 +215,6 @@ def barrier() -> None:
 
 def shutdown() -> None:
     _SEQUENCE.update(size=1, group=None, data=None)
+    _SIDE["group"] = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

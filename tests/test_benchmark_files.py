@@ -249,9 +249,9 @@ def test_gt_clamped_metric_counts_the_steps_clamped_groups(tmp_path):
     def group(sample):
         return SimpleNamespace(sample=sample, rewards=[{"overall": 1.0}, {"overall": 0.0}],
                                completion_mask=torch.ones(2, 3), finish_reasons=["stop", "stop"],
-                               inputs={"input_ids": torch.zeros(1, 5)})
+                               inputs={"input_ids": torch.zeros(1, 5)}, policy_version=0)
 
-    summaries = [group_summary(group(s)) for s in samples]  # 7 groups, 4 with raw_span
+    summaries = [group_summary(group(s), 1) for s in samples]  # 7 groups, 4 with raw_span
     info = {"skipped": 0, "dropped_groups": 0, "rounds": 1, "timing": {"step": 1.0}}
     assert step_metrics(summaries, {}, [info], 0, "cpu")["data/gt_clamped"] == 4.0
     assert step_metrics(summaries[1:2], {}, [info], 0, "cpu")["data/gt_clamped"] == 0.0  # 3MSZA#1, inside

@@ -39,6 +39,7 @@ class PromptGroup:
     advantages: torch.Tensor | None = None  # [G] float32
     seed: int = 0  # the prompt seed its responses were drawn with
     policy_version: int | None = None  # the weights that sampled it: those after step policy_version (0: initial)
+    train_logprobs: torch.Tensor | None = None  # [G, S_b] the update's first forward, no grad (rollout_logprobs)
     dummy: bool = False  # a copy rolled out only to keep a rank without a group of its own in lockstep: weight 0,
     # left out of the advantages' batch statistics, the metrics and the rollout records
 

@@ -43,6 +43,14 @@ MAX_EMPTY_ROUNDS = 50  # rounds in a row in which some rank had no usable sample
 HEAD_CHUNK = 2048  # LM-head rows per chunk (before equalising the chunk count across ranks)
 
 
+def keep_train_logprobs(mb, logp: torch.Tensor) -> None:
+    """The update's first-pass logprobs [n, S] of a micro-batch's groups, each group's rows as `train_logprobs`."""
+    row = 0
+    for g in mb.groups:
+        g.train_logprobs = logp.detach()[row: row + g.size, :g.completion_ids.shape[1]].float().cpu()
+        row += g.size
+
+
 def prompt_seed(seed: int, step: int, sample_id: str, round_: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + round_ * 104_729 + zlib.crc32(sample_id.encode())) % (2 ** 62)
 
@@ -106,7 +114,14 @@ class GRPOStep:
                                            share_videos=cfg.algorithm.share_videos,
                                            prefill_chunk=cfg.rollout.prefill_chunk)
             self.pad_id = self.rollout_engine._pad_id()
-        self.batches_pulled = 0  # global batches consumed (the data position is start + this * batch_size)
+        self.batches_pulled = 0  # global batches pulled from the loader
+        self.batches_trained = 0  # those of the steps trained (the data position is start + this * batch_size)
+        # rollout.max_staleness >= 1: the next steps' groups are sampled while this one trains (`mmpg.rl.overlap`)
+        self.max_staleness = cfg.rollout.max_staleness if self.vllm else 0
+        self.prefetcher = None
+        if self.max_staleness:
+            dist.make_side_group()  # collective, here on the main thread of every rank
+            self.rollout_engine.resync_on_restart = False  # the policy is mid-update: not the weights to resend
         self.checker = SelfCheck(cfg.algorithm.self_check if cfg.algorithm.grouping else "off")
         self.shared_prompts = 0  # per step: see `_logprobs`
         self.row_tokens = 0  # per step: the longest packed row (or sequence-parallel shard) this rank held
@@ -158,6 +173,8 @@ class GRPOStep:
 
     @property
     def _coll_device(self):
+        if dist.on_side():  # the rollout thread's collectives (`mmpg.rl.overlap`): gloo, on the CPU
+            return "cpu"
         return "cuda" if self.device == "cuda" and dist.active() else "cpu"
 
     # ---- collect -----------------------------------------------------------------------------------------------
@@ -189,9 +206,11 @@ class GRPOStep:
             rebuilt, copies = self.rebuild(usable[:1]), 1
         return rebuilt, copies if len(rebuilt) else 0
 
-    def collect(self, step: int, timer: Timer) -> tuple[list[PromptGroup], dict]:
-        """This rank's groups of the step. A rank that ends with none of its own while others have some gets one
-        dummy group (weight 0) so that the ranks stay in lockstep and train what one process trains."""
+    def collect(self, step: int, timer: Timer, version: int | None = None) -> tuple[list[PromptGroup], dict]:
+        """This rank's groups of the step, sampled with the weights after step `version` (None: step - 1, the
+        synchronous loop). A rank that ends with none of its own while others have some gets one dummy group
+        (weight 0) so that the ranks stay in lockstep and train what one process trains."""
+        version = step - 1 if version is None else version
         cfg, groups, spare = self.cfg, [], None
         info = {"skipped": 0, "rounds": 0, "dropped_groups": 0, "empty_rounds": 0, "prefix_tokens": 0}
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
@@ -215,6 +234,8 @@ class GRPOStep:
                 rollout = self._generate(batch, sampling, seeds)
             info["prefix_tokens"] += prefill_tokens(self.rollout_engine, batch.inputs)  # perf/prefix_tokens
             new = split_groups(self.policy, batch, rollout, seeds)
+            for g in new:
+                g.policy_version = version
             with timer("reward"):
                 for g in new:
                     g.rewards = [self.scorer(text, g.sample) for text in g.texts]
@@ -380,6 +401,8 @@ class GRPOStep:
                     engine.step()
                     if it == 0:
                         self._accumulate(sums, loss, logp, mb, mask, clipped, kl)
+                        if cfg.logging.rollout_logprobs and not mb.dummy:
+                            keep_train_logprobs(mb, logp)
                 norm = engine.get_global_grad_norm()
                 norm = own_norm if norm is None else norm
                 grad_norms.append(float(norm) if norm is not None else float("nan"))
@@ -419,12 +442,38 @@ class GRPOStep:
             sums["entropy"] += float((-logp.detach() * real).sum())
 
     # ---- one step ----------------------------------------------------------------------------------------------
+    def _collect_ahead(self, step: int, version: int) -> tuple[list[PromptGroup], dict]:
+        """`collect` in the rollout thread (`mmpg.rl.overlap`): its phase times, and the batches pulled so far."""
+        timer = Timer()
+        groups, info = self.collect(step, timer, version)
+        info["timing"], info["pulled_through"] = timer.seconds, self.batches_pulled
+        return groups, info
+
+    def _groups(self, step: int, timer: Timer) -> tuple[list[PromptGroup], dict]:
+        """The step's groups: collected now, or (rollout.max_staleness >= 1) taken from the rollout thread, whose
+        sampling and scoring times are reported as rollout and reward and the wait for it as rollout_wait."""
+        if not self.max_staleness:
+            groups, info = self.collect(step, timer)
+            self.batches_trained = self.batches_pulled
+            return groups, info
+        if self.prefetcher is None:
+            from mmpg.rl.overlap import Prefetcher
+
+            self.prefetcher = Prefetcher(self._collect_ahead, self.max_staleness, step - 1,
+                                         self.cfg.trainer.total_steps)
+        with timer("rollout_wait"):
+            groups, info = self.prefetcher.take(step)
+        for phase, seconds in info.pop("timing").items():
+            timer.seconds[phase] = timer.seconds.get(phase, 0.0) + seconds
+        self.batches_trained = info.pop("pulled_through")
+        return groups, info
+
     def run(self, step: int) -> tuple[dict, list[PromptGroup], dict]:
         """Returns (update sums, this rank's groups, collect info)."""
         timer = Timer()
         t0 = time.perf_counter()
         self.vision.take()  # count this step's encodes only
-        groups, info = self.collect(step, timer)
+        groups, info = self._groups(step, timer)
         self.advantages(groups)
         if dist.data_sum([sum(not g.dummy for g in groups)], self._coll_device)[0] == 0 or \
                 not dist.all_true(len(groups) > 0, self._coll_device):
@@ -432,9 +481,13 @@ class GRPOStep:
             sums = {"skipped_update": 1.0}
         else:
             sums = self.update(groups, timer)
-        if self.vllm:  # the server samples the next step with this step's weights
+        if self.vllm:  # the server samples the next step (with overlap: step + k + 1) with this step's weights
             with timer("weight_sync"):
+                if self.prefetcher is not None:
+                    self.prefetcher.quiesce(step)
                 info["weight_sync"] = self.sync_weights()
+                if self.prefetcher is not None:
+                    self.prefetcher.published(step)
         timer.seconds["step"] = time.perf_counter() - t0
         info["timing"] = timer.seconds
         info["vision_calls"] = self.vision.take()  # rollout, reference and update forwards (not the self-check)

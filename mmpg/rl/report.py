@@ -39,8 +39,8 @@ from mmpg.rl.rewards import parsed_span
 from mmpg.runs import GroupRecord, ResponseRecord
 
 
-def group_summary(g) -> dict:
-    """The small, picklable facts of one group that rank 0 needs for the metrics."""
+def group_summary(g, step: int) -> dict:
+    """The small, picklable facts of one group of `step` that rank 0 needs for the metrics."""
     return {
         "rewards": g.rewards,
         "lengths": g.completion_mask.sum(dim=1).tolist(),
@@ -48,6 +48,7 @@ def group_summary(g) -> dict:
         "prompt_tokens": int(g.inputs["input_ids"].shape[1]),
         "gt_clamped": g.sample.raw_span is not None,
         "video": video_key(g.sample),
+        "staleness": 0 if g.policy_version is None else step - 1 - g.policy_version,
     }
 
 
@@ -103,6 +104,9 @@ def step_metrics(summaries: list[dict], sums: dict, infos: list[dict], skipped_t
     m["perf/videos"] = float(len({s["video"] for s in summaries if "video" in s}))
     m["perf/vision_calls"] = float(sum(i.get("vision_calls", 0) for i in infos))
     m["perf/prefix_tokens"] = float(sum(i.get("prefix_tokens", 0) for i in infos))
+    stale = [s["staleness"] for s in summaries if "staleness" in s]
+    if stale:  # steps between the weights that sampled a group and those it trained (rollout.max_staleness)
+        m["rollout/staleness_mean"], m["rollout/staleness_max"] = float(np.mean(stale)), float(max(stale))
     return m  # non-finite values are written as null by mmpg.runs
 
 
@@ -133,22 +137,32 @@ class DriftAlarm:
                 "rollout.tis_cap")
 
 
-def group_records(step: int, groups, first_index: int, media_keys: dict, swap_reversed: bool) -> list[GroupRecord]:
-    """This rank's groups as run-directory records (group_index counts over the global batch)."""
+def group_records(step: int, groups, first_index: int, media_keys: dict, swap_reversed: bool,
+                  logprobs: bool = False) -> list[GroupRecord]:
+    """This rank's groups as run-directory records (group_index counts over the global batch); `logprobs`: with each
+    response's token ids, behaviour logprobs and the trainer's (logging.rollout_logprobs)."""
     out = []
     for j, g in enumerate(groups):
         s = g.sample
         responses = [
             ResponseRecord(text=text, parsed_span=parsed_span(text, s, swap_reversed), rewards=dict(r),
-                           advantage=float(a), length=int(n), finish_reason=fr)
-            for text, r, a, n, fr in zip(g.texts, g.rewards, g.advantages.tolist(),
-                                         g.completion_mask.sum(dim=1).tolist(), g.finish_reasons)]
+                           advantage=float(a), length=int(n), finish_reason=fr, **(tokens(g, i) if logprobs else {}))
+            for i, (text, r, a, n, fr) in enumerate(zip(g.texts, g.rewards, g.advantages.tolist(),
+                                                        g.completion_mask.sum(dim=1).tolist(), g.finish_reasons))]
         out.append(GroupRecord(step=step, group_index=first_index + j, sample_id=s.sample_id, video=s.video,
                                duration=float(s.duration), query=s.query, gt_span=[float(s.span[0]),
                                                                                     float(s.span[1])],
                                media_key=media_keys.get(s.video), policy_version=g.policy_version,
                                responses=responses))
     return out
+
+
+def tokens(g, i: int) -> dict:
+    """Response i of group g: its token ids, the engine's logprobs and the trainer's (None before an update)."""
+    n = int(g.completion_mask[i].sum())
+    train = getattr(g, "train_logprobs", None)
+    return {"token_ids": g.completion_ids[i, :n].tolist(), "logprobs": g.rollout_logprobs[i, :n].tolist(),
+            "train_logprobs": train[i, :n].tolist() if train is not None else None}
 
 
 def thumbnails(video, count: int) -> tuple[list[np.ndarray], list[float]]:

@@ -45,6 +45,18 @@ def check_grpo_config(cfg: Config) -> None:
                         "ranks of a group would each ask the server for their share; untested): use rollout.engine=hf")
     if cfg.rollout.engine == "vllm":
         check_vllm_config(cfg)
+    check_staleness(cfg)
+
+
+def check_staleness(cfg: Config) -> None:
+    """rollout.max_staleness >= 1: sampled by the vLLM server while the trainer updates, and corrected by TIS."""
+    k = cfg.rollout.max_staleness
+    if k and cfg.rollout.engine != "vllm":
+        raise UserError(f"rollout.max_staleness={k} needs rollout.engine=vllm: the hf engine samples with the "
+                        "trainer's own model, so rollouts cannot overlap the update; use rollout.max_staleness=0")
+    if k and cfg.rollout.tis_cap <= 0:
+        raise UserError(f"rollout.max_staleness={k} needs rollout.tis_cap > 0 (e.g. 2): groups sampled by weights up "
+                        "to k steps old are weighted by the capped ratio of the current policy to the sampling one")
 
 
 def check_vllm_config(cfg: Config) -> None:
@@ -53,15 +65,7 @@ def check_vllm_config(cfg: Config) -> None:
         raise UserError(f"rollout.engine=vllm with rollout.temperature={cfg.rollout.temperature}: the server returns "
                         "vLLM's raw logprobs (temperature 1), which the loss and the mismatch metrics compare with "
                         "the trainer's; use rollout.temperature=1 or rollout.engine=hf")
-    stage = cfg.deepspeed.zero_stage
-    if cfg.deepspeed.config and os.path.isfile(cfg.deepspeed.config):
-        import json
-
-        with open(cfg.deepspeed.config) as f:
-            stage = int(json.load(f).get("zero_optimization", {}).get("stage", stage))
-    if stage == 3:
-        raise UserError("rollout.engine=vllm with ZeRO-3: the weight sync reads whole parameters and ZeRO-3 shards "
-                        "them; use deepspeed.zero_stage 0-2 or rollout.engine=hf")
+    # ZeRO-3 works: the ranks gather the sharded parameters together for each weight sync (VLLMEngine.sync_weights)
 
 
 class GRPOJob:
@@ -106,7 +110,7 @@ class GRPOJob:
         self.eval_samples = None
 
     def trainer_state(self) -> dict:
-        pos = self.position + self.step_fn.batches_pulled * self.cfg.data.batch_size
+        pos = self.position + self.step_fn.batches_trained * self.cfg.data.batch_size
         return {"data_position": pos, "skipped_total": self.skipped_total, "kind": self.kind}
 
     def _media(self, groups) -> list:
@@ -122,10 +126,11 @@ class GRPOJob:
         sums, groups, info = self.step_fn.run(step)
         groups = [g for g in groups if not g.dummy]  # lockstep stand-ins are not the step's data
         # over the ranks holding different samples (the ranks of a sequence-parallel group hold the same)
-        summaries = dist.gather_data([group_summary(g) for g in groups])
+        summaries = dist.gather_data([group_summary(g, step) for g in groups])
         infos = dist.gather_data(info)
         write_rollouts = self.cfg.logging.rollouts_every > 0 and step % self.cfg.logging.rollouts_every == 0
-        local_records = group_records(step, groups, 0, {}, self.cfg.reward.swap_reversed) if write_rollouts else []
+        local_records = group_records(step, groups, 0, {}, self.cfg.reward.swap_reversed,
+                                      self.cfg.logging.rollout_logprobs) if write_rollouts else []
         media = dist.gather_data(self._media(groups) if write_rollouts else [])
         records = dist.gather_data(local_records)
         flat = [r for rank_records in records for r in rank_records]
@@ -136,6 +141,8 @@ class GRPOJob:
             return StepOutput(metrics=None)
         metrics = step_metrics([s for part in summaries for s in part], sums, infos, self.skipped_total,
                                self.session.device)
+        if self.cfg.rollout.max_staleness:
+            metrics["timing_s/rollout_wait"] = max(i["timing"].get("rollout_wait", 0.0) for i in infos)
         metrics["data/split_videos"] = float(split_videos(summaries))
         if self.cfg.rollout.engine == "vllm":
             metrics.update(vllm_metrics(infos))

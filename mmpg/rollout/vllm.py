@@ -90,6 +90,7 @@ class VLLMEngine(RolloutEngine):
         self._sender = None  # the NCCL weight sender (GPU servers started with --nccl), made on first use
         self._plan = None  # how weights reach this server (`vllm_nccl.plan_weight_sync`), decided on first sync
         self._device: torch.device | None = None  # where the synced tensors live (the NCCL sender's device)
+        self.resync_on_restart = True  # a restarted server gets every weight again (False: an error, see GRPOStep)
 
     # ---- sampling -----------------------------------------------------------------------------------------------
     def generate_groups(self, prompt_inputs, group_size: int | Sequence[int], sampling: SamplingParams | None = None,
@@ -121,6 +122,10 @@ class VLLMEngine(RolloutEngine):
         except ServerError as e:
             if e.status != 409:  # 409: a restarted server (new instance id), see mmpg.serve.vllm_server
                 raise
+            if not self.resync_on_restart:
+                raise ServerError(f"the vLLM server at {self.url} restarted while rollouts overlap the update "
+                                  "(rollout.max_staleness > 0): the weights to resend are not settled mid-update; "
+                                  "resume the run (--resume auto)") from None
             log.warning("the vLLM server at %s restarted; sending it every weight again", self.url)
             self.health, self._sender, self._plan = self._health(), None, None  # a new server: a new NCCL group too
             self.sync_weights(everything=True)

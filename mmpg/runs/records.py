@@ -40,6 +40,9 @@ def _need(d: dict, keys: tuple[str, ...], what: str) -> None:
         raise ValueError(f"{what} record lacks {', '.join(missing)}: {str(d)[:200]}")
 
 
+_OPTIONAL_TOKENS = ("token_ids", "logprobs", "train_logprobs")
+
+
 @dataclasses.dataclass(kw_only=True)
 class ResponseRecord:
     """One sampled response and how it was scored."""
@@ -50,6 +53,12 @@ class ResponseRecord:
     advantage: float  # the group-normalised advantage the loss used for every token of this response
     length: int  # response tokens, the stop token included
     finish_reason: str  # "stop" (ended with a stop token) or "length" (hit max_new_tokens)
+    # logging.rollout_logprobs only (else None), one entry per response token: its ids, the sampling engine's
+    # logprobs (the behaviour policy's) and the trainer's recompute before the update (pi_old), which the loss and
+    # its importance weights were computed from
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    train_logprobs: list[float] | None = None
 
     def __post_init__(self):
         self.parsed_span = _span(self.parsed_span, "ResponseRecord.parsed_span")
@@ -67,8 +76,8 @@ class ResponseRecord:
     @classmethod
     def from_json(cls, d: dict) -> ResponseRecord:
         keys = tuple(f.name for f in dataclasses.fields(cls))
-        _need(d, keys, "response")
-        return cls(**{k: d[k] for k in keys})
+        _need(d, tuple(k for k in keys if k not in _OPTIONAL_TOKENS), "response")
+        return cls(**{k: d[k] for k in keys if k in d})
 
 
 @dataclasses.dataclass(kw_only=True)

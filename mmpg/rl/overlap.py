@@ -1,0 +1,116 @@
+"""Rollout/training overlap (`rollout.max_staleness` = k >= 1): the vLLM server samples the next steps' groups while
+the trainer updates on the current ones, each group with weights at most k steps old.
+
+    step s (main thread)                        the rollout thread
+      take(s): the groups of step s               collect(t, version) for t = s+1 .. s+k, as soon as the server
+      update on them                              holds the weights after step t-1-k (earlier: the run's first)
+      quiesce(s): every rollout that must use     ...
+        weights older than step s's is done
+      sync the weights of step s, published(s)    -> may start step s+k+1
+
+So the rollouts of step t are sampled with the weights after step max(start, t - 1 - k) exactly: a rollout in
+flight when new weights are ready finishes on the weights it started with, because the weights are sent only once
+every rollout that must not see them is done (the server would serve them one request after the other anyway, and a
+partial rollout on two weight versions would make its behaviour logprobs a mixture that no version gives). This makes
+the schedule a function of (step, k) alone: every rank samples the same step with the same weights, and a run on W
+ranks trains what one process trains. At k = 0 this module is not used (the synchronous loop, `GRPOStep.collect`).
+
+The thread's collectives (a multi-rank run's rebalancing and dynamic sampling) go over their own process group
+(`mmpg.dist.side`). An error in the thread reaches the main thread at its next `take` or `quiesce`; a UserError (a
+refused request, unusable data) is one line, the same on every rank (`dist.first_error`), never a deadlock.
+
+Resume: a checkpoint's data position counts the batches of the steps trained, not those prefetched (`trained_through`),
+so a resumed run pulls the prefetched prompts again and samples them again with the checkpoint's weights (its first
+k steps are then less stale than an uninterrupted run's): no prompt is lost or trained twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+
+from mmpg import dist
+from mmpg.errors import UserError
+
+log = logging.getLogger("mmpg.train")
+
+
+class Prefetcher:
+    """collect(t, version) -> (groups, info) runs in a daemon thread for steps start+1 .. total, step t once the
+    weights after step t-1-k are published; the main thread takes each step's result in order."""
+
+    def __init__(self, collect, k: int, start: int, total: int):
+        if k < 1:
+            raise ValueError(f"Prefetcher needs k >= 1 (k = 0 is the synchronous loop), got {k}")
+        self.collect, self.k, self.start, self.total = collect, k, start, total
+        self.version = start  # the weights the server holds: those after step `version`
+        self.done_through = start  # the rollouts of steps <= done_through are finished
+        self.items: dict[int, tuple] = {}
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._loop, name="mmpg-rollouts", daemon=True)
+        self.thread.start()
+
+    def weights_for(self, step: int) -> int:
+        """The weights step `step` is sampled with: those after step max(start, step - 1 - k)."""
+        return max(self.start, step - 1 - self.k)
+
+    def _loop(self) -> None:
+        try:
+            with dist.side():
+                for t in range(self.start + 1, self.total + 1):
+                    need = self.weights_for(t)
+                    with self.cond:
+                        self.cond.wait_for(lambda: self.stopped or self.version >= need)
+                        if self.stopped:
+                            return
+                        version = self.version  # == need (module docstring)
+                    out = self.collect(t, version)
+                    with self.cond:
+                        self.items[t] = out
+                        self.done_through = t
+                        self.cond.notify_all()
+        except BaseException as e:  # handed to the main thread, which raises it
+            with self.cond:
+                self.error = e
+                self.error_trace = traceback.format_exc()
+                self.cond.notify_all()
+
+    def _wait(self, ready) -> None:
+        """Wait until ready() (what is ready is used, even when a later step failed since) or the thread failed; a
+        failure is raised here, a UserError on every rank alike."""
+        with self.cond:
+            self.cond.wait_for(lambda: ready() or self.error is not None)
+            error = None if ready() else self.error
+        message = str(error) if isinstance(error, UserError) else None
+        if error is not None and message is None:
+            log.error("the rollout thread failed:\n%s", self.error_trace)
+            raise RuntimeError(f"the rollout thread failed: {error!r}") from error
+        message = dist.first_error(message)  # every rank learns of a refusal on any rank, here
+        if message:
+            self.stop()
+            raise UserError(message)
+
+    def take(self, step: int) -> tuple:
+        """The (groups, info) of `step`, waiting for them."""
+        self._wait(lambda: step in self.items)
+        with self.cond:
+            return self.items.pop(step)
+
+    def quiesce(self, step: int) -> None:
+        """Before the weights after `step` are sent: wait until every rollout that must use older weights is done."""
+        last = min(self.total, step + self.k)
+        self._wait(lambda: self.done_through >= last)
+
+    def published(self, step: int) -> None:
+        """The server now holds the weights after `step`."""
+        with self.cond:
+            self.version = step
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()

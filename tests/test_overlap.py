@@ -1,0 +1,158 @@
+"""Rollout/training overlap (`mmpg.rl.overlap`): the schedule of weight versions, errors, and the side group's
+collectives running beside the main thread's on two ranks (torchrun, gloo)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mmpg.errors import UserError
+from mmpg.rl.overlap import Prefetcher
+
+
+def drive(k: int, start: int, total: int, update_s: float = 0.0, rollout_s: float = 0.0):
+    """The main thread's side of the protocol, as GRPOStep.run takes it; returns {step: version sampled with} and the
+    versions the server held while each rollout ran (must never change mid-rollout)."""
+    held = {"version": start}
+    sampled, during = {}, {}
+
+    def collect(t, version):
+        assert version == held["version"], "sampled with weights the server does not hold"
+        before = held["version"]
+        time.sleep(rollout_s)
+        during[t] = (before, held["version"])
+        sampled[t] = version
+        return [f"groups {t}"], {"step": t}
+
+    p = Prefetcher(collect, k, start, total)
+    for step in range(start + 1, total + 1):
+        groups, info = p.take(step)
+        assert groups == [f"groups {step}"] and info == {"step": step}
+        time.sleep(update_s)
+        p.quiesce(step)
+        held["version"] = step  # the weight sync
+        p.published(step)
+    p.thread.join(timeout=10)
+    assert not p.thread.is_alive()
+    return sampled, during
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_each_step_is_sampled_with_the_weights_k_steps_old(k):
+    sampled, during = drive(k, 0, 8, update_s=0.01)
+    assert sampled == {t: max(0, t - 1 - k) for t in range(1, 9)}
+    assert all(a == b for a, b in during.values())  # no weight sync landed during a rollout
+
+
+def test_the_schedule_does_not_depend_on_which_side_is_slower():
+    fast_rollouts, _ = drive(1, 0, 6, update_s=0.02)
+    slow_rollouts, _ = drive(1, 0, 6, rollout_s=0.02)
+    assert fast_rollouts == slow_rollouts == {1: 0, 2: 0, 3: 1, 4: 2, 5: 3, 6: 4}
+
+
+def test_a_resumed_run_samples_its_first_steps_with_the_checkpoint_weights():
+    sampled, _ = drive(2, 5, 10)
+    assert sampled == {6: 5, 7: 5, 8: 5, 9: 6, 10: 7}
+
+
+def test_the_rollouts_really_overlap_the_update():
+    """k = 1, rollout and update 0.1 s each: 6 steps take about 0.7 s (overlapped), not 1.2 s."""
+    t0 = time.perf_counter()
+    drive(1, 0, 6, update_s=0.1, rollout_s=0.1)
+    seconds = time.perf_counter() - t0
+    assert seconds < 1.0, f"{seconds:.2f} s: the rollouts did not overlap the updates"
+
+
+def test_a_refusal_in_the_thread_is_a_user_error_at_the_next_take():
+    def collect(t, version):
+        if t == 2:
+            raise UserError("video.mp4: the server refused the request")
+        return [], {}
+
+    p = Prefetcher(collect, 1, 0, 5)
+    p.take(1)
+    with pytest.raises(UserError, match="video.mp4: the server refused"):
+        p.take(2)
+    p.thread.join(timeout=10)
+    assert not p.thread.is_alive()
+
+
+def test_a_bug_in_the_thread_is_raised_not_waited_for():
+    def collect(t, version):
+        raise KeyError("oops")
+
+    p = Prefetcher(collect, 1, 0, 3)
+    with pytest.raises(RuntimeError, match="rollout thread failed: KeyError"):
+        p.take(1)
+
+
+def test_quiesce_waits_for_the_rollouts_that_must_not_see_the_new_weights():
+    release = threading.Event()
+
+    def collect(t, version):
+        if t == 2:
+            release.wait(5)
+        return [t], {}
+
+    p = Prefetcher(collect, 1, 0, 4)
+    p.take(1)
+    waiter = threading.Thread(target=p.quiesce, args=(1,))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive(), "quiesce(1) returned while step 2's rollout (weights of step 0) was running"
+    release.set()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive()
+    p.stop()
+
+
+def test_k_zero_is_refused():
+    with pytest.raises(ValueError, match="k >= 1"):
+        Prefetcher(lambda t, v: ([], {}), 0, 0, 1)
+
+
+TWO_RANKS = r'''
+import os, sys, threading, time
+import torch
+from mmpg import dist
+from mmpg.rl.overlap import Prefetcher
+dist.init("cpu")
+dist.make_side_group()
+me = dist.rank()
+
+def collect(t, version):
+    # the thread's collectives (side group) while the main thread runs its own (world group) at the same time
+    counts = dist.gather_data(10 * t + me)
+    together = dist.all_true(True)
+    total = dist.all_sum([float(t)])[0]
+    return [counts, together, total, version], {"on_side": dist.on_side()}
+
+p = Prefetcher(collect, 1, 0, 12)
+for step in range(1, 13):
+    groups, info = p.take(step)
+    assert groups == [[10 * step, 10 * step + 1], True, 2.0 * step, max(0, step - 2)], groups
+    assert info["on_side"] and not dist.on_side()
+    for _ in range(20):  # the update's collectives, overlapping the thread's
+        assert dist.all_sum([1.0])[0] == 2.0
+    p.quiesce(step)
+    p.published(step)
+dist.shutdown()
+print("rank", me, "ok")
+'''
+
+
+@pytest.mark.slow
+def test_two_ranks_thread_and_main_collectives_do_not_cross(tmp_path):
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(29300 + os.getpid() % 200), str(script)], capture_output=True, text=True, timeout=180,
+                         cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert "rank 0 ok" in res.stdout and "rank 1 ok" in res.stdout
