@@ -233,6 +233,9 @@ class LoggingConfig:
     wandb_project: str = _f("mmpg", "wandb project name.")
     rollouts_every: int = _f(1, "Write rollouts/step_*.jsonl every N steps (0: never).")
     thumbnails: int = _f(4, "Frame thumbnails stored per video for the inspector (0: none).")
+    rollout_logprobs: bool = _f(False, "Rollout records also carry each response's token ids, the sampling engine's "
+                                "logprobs and the trainer's recompute before the update (to audit the off-policy "
+                                "weights of rollout.tis_cap / rollout.max_staleness; about 3x larger records).")
 
 
 @dataclass
