@@ -166,6 +166,23 @@ def test_attention_variants_agree():
         torch.testing.assert_close(ours[0, got_rows], ref, atol=1e-5, rtol=1e-5)
 
 
+def test_sdpa_kernels_program_lists_both_settings(tmp_path, capsys, monkeypatch):
+    """`python -m mmpg.bench.sdpa_kernels` on the CPU: one row per MASKED_EXPAND_KV_HEADS setting with the kernels it
+    ran, each equal to the dense rule within float32 roundoff (1e-5), the flag put back as it was, the JSON written."""
+    from mmpg.bench import sdpa_kernels
+    from mmpg.grouping.backends import sdpa
+
+    monkeypatch.setattr(sdpa, "MASKED_EXPAND_KV_HEADS", "as it was")
+    assert sdpa_kernels.main(["--device", "cpu", "--out", str(tmp_path / "k.json")]) == 0
+    assert sdpa.MASKED_EXPAND_KV_HEADS == "as it was"
+    rows = json.loads((tmp_path / "k.json").read_text())["rows"]
+    assert [r["setting"] for r in rows] == ["expand_kv_heads", "enable_gqa"]
+    for r in rows:
+        assert r["max_abs_vs_dense"] <= 1e-5 and any("scaled_dot_product" in k for k in r["kernels"]), r
+    out = capsys.readouterr().out
+    assert "expand_kv_heads" in out and "enable_gqa" in out
+
+
 def test_upstream_sdpa_handles_padding():
     # padded keys are never attended; a query with no real key gets finite output (it is dropped by the package)
     from mmpg.bench.attention import upstream_sdpa

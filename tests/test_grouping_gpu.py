@@ -188,29 +188,17 @@ def test_gpu_autocast_fp32_weights_take_flash(family, load_tiny):
     assert diff <= BF16_LOGP
 
 
-def test_gpu_sdpa_masked_kernel_choice(record_property):
-    """Which SDPA kernel the masked CUDA path runs with the GQA copy (MASKED_EXPAND_KV_HEADS = True) and with
-    enable_gqa instead (issue 15, finding 7): prints the profiler's kernel names for both, checks both agree. Flip
-    the flag in mmpg/grouping/backends/sdpa.py when the enable_gqa run shows the memory-efficient kernel."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from mmpg.grouping import GroupLayout
+def test_gpu_sdpa_masked_path_with_enable_gqa(monkeypatch, record_property):
+    """The masked CUDA path with `enable_gqa` instead of the GQA copy (MASKED_EXPAND_KV_HEADS = False; the copy, the
+    default, is the sdpa_masked cases above; issue 15, finding 7), bf16 at the released geometry (GQA 7): output and
+    gradients against the dense rule in float64 within the bf16 bound above (2e-2). Which SDPA kernel each setting
+    runs is a benchmark's question: `python -m mmpg.bench.sdpa_kernels`."""
     from mmpg.grouping.backends import sdpa
 
-    layout = GroupLayout([512, 300], [[64, 32, 128], [16, 200]], torch.device("cuda"))
-    q, k, v = _varlen_inputs(layout, torch.bfloat16)
-    outs = {}
-    for expand in (True, False):
-        sdpa.MASKED_EXPAND_KV_HEADS = expand
-        try:
-            sdpa.sdpa_grouped_attention(q, k, v, layout, 0.125, path="masked")  # warm-up
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                outs[expand] = sdpa.sdpa_grouped_attention(q, k, v, layout, 0.125, path="masked")
-                torch.cuda.synchronize()
-        finally:
-            sdpa.MASKED_EXPAND_KV_HEADS = True
-        names = sorted({e.key for e in prof.key_averages() if "attention" in e.key.lower() or "fmha" in e.key.lower()
-                        or "softmax" in e.key.lower() or "gemm" in e.key.lower()})
-        print(f"masked sdpa, {'GQA copy' if expand else 'enable_gqa'}: kernels {names}")
-        record_property("kernels_" + ("gqa_copy" if expand else "enable_gqa"), " ".join(names))
-    assert float((outs[True].float() - outs[False].float()).abs().max()) <= 2e-2
+    monkeypatch.setattr(sdpa, "MASKED_EXPAND_KV_HEADS", False)
+    out, rel = compare_grouped("sdpa:masked", "gqa7", torch.bfloat16, "cuda")
+    record_property("max_abs_out", out)
+    record_property("max_rel_grad", max(rel.values()))
+    assert out <= 2e-2, f"output differs by {out:.3g} from the dense rule"
+    worst = max(rel, key=rel.get)
+    assert rel[worst] <= 2e-2, f"d{worst} differs by {rel[worst]:.3g} (relative)"

@@ -46,9 +46,9 @@ def response_mask(layout: GroupLayout, b: int) -> torch.Tensor:
 # The copy was written on the belief that SDPA's memory-efficient kernel (the only fused CUDA kernel that takes an
 # arbitrary mask) refuses `enable_gqa` and would fall back to the math kernel and its full [R_b, P_b + R_b] score
 # matrix per head. torch 2.14's documentation lists GQA support for the memory-efficient kernel too; if that holds,
-# the copy only costs memory (Hq/Hkv times the group's K/V). Unmeasured: tests/test_grouping_gpu.py::
-# test_gpu_sdpa_masked_kernel_choice prints which kernel runs each way (profiler kernel names); flip this flag when
-# a GPU run shows the memory-efficient kernel with enable_gqa. Both settings are exact (tested on CPU).
+# the copy only costs memory (Hq/Hkv times the group's K/V). Unmeasured: `python -m mmpg.bench.sdpa_kernels` prints
+# which kernel runs each way (profiler kernel names); flip this flag when a GPU run shows the memory-efficient kernel
+# with enable_gqa. Both settings are exact (tested on CPU; on CUDA in tests/test_grouping_gpu.py).
 MASKED_EXPAND_KV_HEADS = True
 
 
