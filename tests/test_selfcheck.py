@@ -83,26 +83,25 @@ def test_a_004_nat_fault_at_28_layers_is_caught_in_bf16(deep_bf16, monkeypatch):
     assert 0.03 <= fault <= 0.05, fault  # a 0.04 nat fault (0.037 measured)
     print(f"28 layers, bf16: correct grouped forward {m['check/grouped_vs_repeated_max']:.2g} (float32 check), "
           f"injected fault {fault:.3g} nat")
-    assert fault < bound_for(model, torch.bfloat16) == pytest.approx(0.175)  # the bf16 comparison's bound
     old = SelfCheck("on", precise=False).run(model, inputs, ids, mask, GROUPS)  # the check as it was: passes
-    assert old["check/grouped_vs_repeated_max"] <= old["check/bound"]
+    assert old["check/grouped_vs_repeated_max"] <= old["check/bound"] == bound_for(model, torch.bfloat16)
     with pytest.raises(SelfCheckError, match="bound 0.0001 for bfloat16"):
         SelfCheck("on").run(model, inputs, ids, mask, GROUPS)
 
 
 def test_a_16_bit_kernel_is_checked_within_its_bound(deep_bf16, monkeypatch):
     """flash / flex keep their kernel in bf16 inside the float32 check (bound 0.25 u L = 0.027 at 28 layers): the
-    correct kernel (sdpa's, standing in) passes, the 0.04 nat fault does not."""
+    correct kernel (sdpa's, standing in) passes with a tenfold margin, the 0.04 nat fault of the test above does
+    not."""
     import mmpg.grouping.selfcheck as selfcheck
 
     model, inputs, ids, mask = deep_bf16
-    bound, kernel = selfcheck.precise_bound(model, "flex", torch.bfloat16)
-    assert kernel == torch.bfloat16 and bound == pytest.approx(0.25 * 28 / 256)
     monkeypatch.setattr(selfcheck, "FLOAT32_KERNELS", ("lse_reference",))  # sdpa's kernel kept in bf16 here
     m = SelfCheck("on").run(model, inputs, ids, mask, GROUPS)
-    assert m["check/bound"] == pytest.approx(bound) and 0 < m["check/grouped_vs_repeated_max"] < bound / 10
+    bound = m["check/bound"]
+    assert 0 < 10 * m["check/grouped_vs_repeated_max"] < bound  # the 16-bit kernel rounds, far under its bound
     _faulty_backends(monkeypatch, _scaled_responses(5.0))
-    with pytest.raises(SelfCheckError, match="bound 0.0273 for bfloat16"):
+    with pytest.raises(SelfCheckError, match=f"bound {bound:.3g} for bfloat16"):
         SelfCheck("on").run(model, inputs, ids, mask, GROUPS)
 
 
@@ -216,12 +215,11 @@ def test_an_engines_logprobs_are_checked_the_same_way(loaded):
 
 
 def test_drift_alarm_after_several_steps_in_a_row():
-    """alarm/logprob_drift: set once actor/logprob_gap_max has been above the bound for DRIFT_STEPS steps in a row;
+    """alarm/logprob_drift: set once actor/logprob_gap_max has been above the bound for `steps` steps in a row;
     one step back under the bound resets the count; NaN counts as above."""
-    from mmpg.rl.report import DRIFT_STEPS, DriftAlarm
+    from mmpg.rl.report import DriftAlarm
 
-    assert DRIFT_STEPS == 3
-    alarm = DriftAlarm(1e-4)
+    alarm = DriftAlarm(1e-4, steps=3)
     gaps = [5e-5, 2e-3, 3e-3, 1e-5, 2e-3, float("nan"), 4e-3, 5e-3]
     flagged = []
     for step, gap in enumerate(gaps, start=1):
