@@ -30,6 +30,10 @@ training", 2025): the responses were sampled by the rollout engine's pi_rollout,
 trainer's pi_old (other kernels, vLLM). Each token's policy loss is weighted by
     w = min(exp(old_logp - rollout_logp), C)        (a constant: no gradient through w)
 so the gradient estimates the pi_old objective; the cap C bounds the variance. With identical engines w = 1.
+With rollout.max_staleness = k >= 1 (`mmpg.rl.overlap`) the samples come from weights up to k steps old and
+rollout_logp is that behaviour policy's; pi_old stays the trainer's recompute of the current weights (the proximal
+policy), so the loss is the decoupled PPO objective (AReaL, Fu et al. 2025, arXiv 2505.24298) with the truncated
+behaviour weight:  l = min(pi_old / pi_behav, C) * -min(rho A, clip(rho) A),  rho = pi_theta / pi_old.
 
 Where we depart from the papers: the log-ratio is clamped to [-20, 20] before exp (as verl does) so exp never
 overflows; such a token is far outside any clip range. Masked positions are dropped with `where`, so a NaN or inf in
