@@ -25,7 +25,7 @@ if [ ${#args[@]} -eq 0 ] && [ "${MMPG_SKIP_VLLM:-0}" != 1 ]; then
   bash "$MMPG_ROOT/scripts/env.sh" vllm || echo "[mmpg] could not make .venv-vllm: the vllm tests will be skipped"
 fi
 status=0
-python -m pytest -p no:cacheprovider "${args[@]}" "$@" || status=$?
+python -m pytest -p no:cacheprovider --durations=30 "${args[@]}" "$@" || status=$?
 # The transformers version matrix (scripts/tf_matrix.sh): the grouping, rollout and eval tests again on the oldest
 # supported transformers (and the registry's newest when it is not .venv's), ~2 min. Full runs only;
 # MMPG_SKIP_TF_MATRIX=1 leaves it out.
