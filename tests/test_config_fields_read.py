@@ -15,7 +15,7 @@ from pathlib import Path
 from mmpg.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_MODULES = {"mmpg/config.py", "mmpg/config_checks.py"}
+CONFIG_MODULES = {f"mmpg/config/{name}.py" for name in ("__init__", "tree", "checks", "reference")}
 
 ALLOWED = {
     # the section is handed to a function as an argument, which reads the field under its own parameter name

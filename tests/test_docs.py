@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mmpg import config_doc
+from mmpg.config import reference as config_doc
 from mmpg.config import all_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ CODE = re.compile(r"`[^`\n]*`")
 def test_config_reference_is_current():
     written = (DOCS / "config.md").read_text()
     assert written == config_doc.render(), (
-        f"docs/config.md is out of date with mmpg/config.py: regenerate it with `{config_doc.COMMAND}`")
+        f"docs/config.md is out of date with the config tree (mmpg/config/): regenerate it with `{config_doc.COMMAND}`")
 
 
 def test_config_reference_lists_every_field():

@@ -14,7 +14,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Optional
 
-from mmpg.config import _f, _omegaconf_error, _quote_text
+from mmpg.config.tree import _f, _omegaconf_error, _quote_text
 from mmpg.errors import UserError
 
 # Settings that change the numbers (stored in eval.json and the report, compared on a rerun). The others only change

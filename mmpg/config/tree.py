@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from mmpg.config_checks import CHOICES, validate  # noqa: F401 - CHOICES re-exported (tests, --fields)
+from mmpg.config.checks import CHOICES, validate  # noqa: F401 - CHOICES re-exported (tests, --fields)
 from mmpg.errors import UserError
 
 

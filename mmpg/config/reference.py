@@ -1,7 +1,7 @@
 """The configuration reference, docs/config.md, generated from the config tree (`mmpg.config`): every field of every
 group with its type, default and help text, in the order the dataclasses declare them.
 
-    python -m mmpg.config_doc > docs/config.md
+    python -m mmpg.config.reference > docs/config.md
 
 tests/test_docs.py regenerates it and fails, naming this command, when docs/config.md is out of date.
 """
@@ -12,10 +12,10 @@ import dataclasses
 import json
 import sys
 
-from mmpg import config as config_module
-from mmpg.config import Config
+from mmpg.config import tree as config_module
+from mmpg.config.tree import Config
 
-COMMAND = "python -m mmpg.config_doc > docs/config.md"
+COMMAND = "python -m mmpg.config.reference > docs/config.md"
 
 
 def _subgroup(f: dataclasses.Field):
@@ -56,7 +56,7 @@ def render(schema=Config) -> str:
     lines = [
         "# Configuration reference",
         "",
-        f"<!-- Generated from mmpg/config.py by `{COMMAND}`; edit the help texts there, not this page. -->",
+        f"<!-- Generated from mmpg/config/tree.py by `{COMMAND}`; edit the help texts there, not this page. -->",
         "",
         " ".join(config_module.__doc__.split("\n\n")[0].split()),
         "",
