@@ -314,3 +314,26 @@ def test_video_budget_is_checked_against_the_family():
         "data.max_pixels=3136 is below data.min_pixels=12544 (the default, 16 tokens of 784 pixels)")
     assert "one visual token per frame (32x32 = 1024 pixels" in q3(min_pixels=784, max_pixels=784).budget_problem()
     assert "need 2 <= min_frames <= max_frames" in q25(min_frames=8, max_frames=4).budget_problem()
+
+
+def test_training_and_evaluation_share_one_video_block():
+    """data.fps, ... and `mmpg eval`'s fps, ... are one VideoSettings block: the same fields, defaults and help texts,
+    the same checks (each naming its own key), and held-out evaluation during training takes data.* as it is."""
+    from mmpg.config import DataConfig, VideoSettings
+    from mmpg.eval.settings import EvalSettings, load_settings
+    from mmpg.train.heldout import heldout_settings
+
+    video = {f.name: (f.default, f.metadata["help"]) for f in dataclasses.fields(VideoSettings)}
+    assert list(video) == ["fps", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels"]
+    for cls in (DataConfig, EvalSettings):
+        assert {f.name: (f.default, f.metadata["help"]) for f in dataclasses.fields(cls) if f.name in video} == video
+    assert "data.fps" in all_keys() and "fps" in [f.name for f in dataclasses.fields(EvalSettings)]
+    for override, what in [("fps=0", "must be > 0"), ("min_frames=1", "must be >= 2"),
+                           ("max_frames=3", "must be >= min_frames"), ("total_pixels=0", "must be > 0 or null")]:
+        assert f"config key 'data.{override.split('=')[0]}'" in _error(overrides=[f"data.{override}"])
+        assert what in _error(overrides=[f"data.{override}"])
+        with pytest.raises(UserError, match=f"eval setting '{override.split('=')[0]}' .*{what}"):
+            load_settings("default", [override])
+    cfg = load_config(None, ["data.fps=1", "data.max_frames=8", "data.max_pixels=3136"])
+    assert heldout_settings(cfg).video_values() == cfg.data.video_values() == {
+        "fps": 1.0, "min_frames": 4, "max_frames": 8, "min_pixels": None, "max_pixels": 3136, "total_pixels": None}

@@ -1,6 +1,7 @@
 """The value checks of the config tree (`mmpg.config`), run after defaults, YAML and overrides are merged
 (OmegaConf checks types only): the allowed string choices and the ranges. Each failure is one `UserError` naming the
-key, its value and what it must be."""
+key, its value and what it must be. `video_checks` is the video block's (VideoSettings), shared with the eval
+settings."""
 
 from __future__ import annotations
 
@@ -53,11 +54,22 @@ def validate(cfg) -> None:
         ("parallel.sequence_parallel_size", cfg.parallel.sequence_parallel_size >= 1, "must be >= 1 (1: off)"),
         ("optim.lr", cfg.optim.lr >= 0, "must be >= 0"),
     ]
+    checks += [(f"data.{name}", ok, what) for name, ok, what in video_checks(cfg.data)]
     for key, ok, what in checks:
         if not ok:
             group, name = key.split(".")
             raise UserError(f"config key '{key}' is {getattr(getattr(cfg, group), name)!r}; it {what}")
     _validate_lora(cfg.model.lora)
+
+
+def video_checks(v) -> list[tuple[str, bool, str]]:
+    """(field, passes, what it must be) for the fields of a VideoSettings block (data.* or an eval setting)."""
+    return [
+        ("fps", v.fps > 0, "must be > 0"),
+        ("min_frames", v.min_frames >= 2, "must be >= 2 (two frames make one temporal patch)"),
+        ("max_frames", v.max_frames >= v.min_frames, "must be >= min_frames"),
+    ] + [(k, getattr(v, k) is None or getattr(v, k) > 0, "must be > 0 or null")
+         for k in ("min_pixels", "max_pixels", "total_pixels")]
 
 
 def _validate_lora(lora) -> None:

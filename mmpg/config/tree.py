@@ -12,20 +12,37 @@ and exits with status 2. Every field carries its help text in `metadata["help"]`
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Optional
-
-from mmpg.config.checks import CHOICES, validate  # noqa: F401 - CHOICES re-exported (tests, --fields)
-from mmpg.errors import UserError
+from typing import Optional
 
 
-def _f(default, help: str, **kw):
-    """A field with a default and its help text (lists and dicts get a default_factory)."""
+def setting(default, help: str, **kw):
+    """A field with a default and its help text (lists and dicts get a default_factory). Every field of the tree and
+    of the eval settings (`mmpg.eval.settings`) is one."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
     return field(default=default, metadata={"help": help}, **kw)
+
+
+_f = setting  # the short name the declarations below use, so each stays on its lines
+
+
+@dataclass
+class VideoSettings:
+    """How a video becomes frames, one block for training (`data.fps`, ...) and evaluation (`mmpg eval fps=...`):
+    DataConfig and EvalSettings inherit these fields (the keys stay where they were; a subclass may override a
+    default). Checked by `mmpg.config.checks.video_checks`; `video_values()` is what `VideoSpec.for_family` takes."""
+
+    fps: float = _f(2.0, "Frames sampled per second of video, before min_frames / max_frames (Time-R1: 2).")
+    min_frames: int = _f(4, "Fewest frames per video (>= 2: two frames make one temporal patch).")
+    max_frames: int = _f(64, "Most frames per video; long videos get a lower effective fps.")
+    min_pixels: Optional[int] = _f(None, "Smallest H*W of a frame (null: 16 tokens per frame).")
+    max_pixels: Optional[int] = _f(None, "Largest H*W of a frame (null: 256 tokens per frame).")
+    total_pixels: Optional[int] = _f(None, "Pixel budget of a whole video, shared by its frames (null: 8192 tokens).")
+
+    def video_values(self) -> dict:
+        """{fps, min_frames, max_frames, min_pixels, max_pixels, total_pixels} of this block."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(VideoSettings)}
 
 
 # The language model's attention and MLP projections (leaf names, matched inside the text model only).
@@ -78,7 +95,8 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(VideoSettings):
+    # fps, min_frames, max_frames, min_pixels, max_pixels, total_pixels: VideoSettings' (data.fps, ...)
     train: str = _f("", "Training annotations (Charades-STA txt/JSON, ActivityNet JSON, Time-R1 list, JSONL).")
     val: str = _f("", "Held-out annotations for eval.every_n_steps (empty: no evaluation during training).")
     videos: str = _f("", "Folder holding the videos the annotations name.")
@@ -86,12 +104,6 @@ class DataConfig:
                       "JSON), time_r1, tvgbench, jsonl (data/README.md).")
     template: str = _f("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only.")
     batch_size: int = _f(8, "Prompts per training step over all ranks (each gets rollout.n responses).")
-    fps: float = _f(2.0, "Frames sampled per second of video (Time-R1: 2).")
-    min_frames: int = _f(4, "Fewest frames per video.")
-    max_frames: int = _f(64, "Most frames per video; long videos get a lower effective fps.")
-    min_pixels: Optional[int] = _f(None, "Smallest H*W of a frame (null: 16 tokens per frame).")
-    max_pixels: Optional[int] = _f(None, "Largest H*W of a frame (null: 256 tokens per frame).")
-    total_pixels: Optional[int] = _f(None, "Pixel budget of a whole video (null: 8192 tokens).")
     num_workers: int = _f(2, "DataLoader workers decoding videos (0: in the main process).")
     shuffle: bool = _f(True, "Shuffle the training samples (a new order every epoch, from trainer.seed).")
     queries_per_video: int = _f(1, "Keep up to K queries of one video side by side in the epoch order (1: i.i.d. "
@@ -284,6 +296,7 @@ class Config:
 
 GROUPS = [f.name for f in dataclasses.fields(Config)]
 
+
 def all_keys(cls=Config, prefix: str = "") -> list[str]:
     """Every dotted key of the tree, e.g. 'rollout.n'."""
     keys = []
@@ -293,165 +306,3 @@ def all_keys(cls=Config, prefix: str = "") -> list[str]:
         else:
             keys.append(prefix + f.name)
     return keys
-
-
-def _nearest(key: str, schema=Config) -> str:
-    """'; did you mean a, b?' for an unknown dotted key, from the first of these that finds anything:
-    close field names in the same group (rollout.temprature), the same field in a close group (rolout.n), close
-    field names in any group (lr -> optim.lr), close full keys."""
-    keys = all_keys(schema)
-    groups = [f.name for f in dataclasses.fields(schema)]
-    group, _, rest = key.partition(".")
-    leaf = key.rsplit(".", 1)[-1]
-    in_group = [k.partition(".")[2] for k in keys if k.startswith(group + ".")]
-    by_leaf: dict[str, list[str]] = {}
-    for k in keys:
-        by_leaf.setdefault(k.rsplit(".", 1)[-1], []).append(k)
-    tiers = [
-        [f"{group}.{m}" for m in difflib.get_close_matches(rest, in_group, n=3, cutoff=0.6)] if rest else [],
-        [f"{g}.{rest}" if rest else g for g in difflib.get_close_matches(group, groups, n=3, cutoff=0.6)
-         if not rest or f"{g}.{rest}" in keys] if group not in groups else [],
-        [k for m in difflib.get_close_matches(leaf, list(by_leaf), n=3, cutoff=0.6) for k in by_leaf[m]],
-        difflib.get_close_matches(key, keys, n=3, cutoff=0.6),
-    ]
-    close = next((t for t in tiers if t), [])
-    return f"; did you mean {', '.join(close[:3])}?" if close else f"; groups are {', '.join(groups)}"
-
-
-def _field(key: str, schema=Config):
-    """The dataclass field behind a dotted key, or None."""
-    node, found = schema, None
-    for part in key.split("."):
-        if not dataclasses.is_dataclass(node):
-            return None
-        found = next((f for f in dataclasses.fields(node) if f.name == part), None)
-        if found is None:
-            return None
-        node = found.default_factory if found.default_factory is not dataclasses.MISSING else None
-    return found
-
-
-def _quote_text(item: str, schema=Config) -> str:
-    """`key=value` with the value taken as written when the field is a string: YAML would turn `run_name=off` into
-    False and `run_name=1e3` into 1000.0. An empty value is the empty string (null is spelled null)."""
-    key, _, value = item.partition("=")
-    f = _field(key.strip(), schema)
-    if f is None or f.type not in (str, "str") or value == "null" or value[:1] in ("'", '"'):
-        return item if value else item + "''"
-    return f"{key}='" + value.replace("'", "''") + "'"
-
-
-def _check_keys(data: dict, source: str, schema=Config, prefix: str = "", root=None) -> None:
-    """Refuse unknown keys (named in full: 'rolout.n', not 'rolout') and groups given a plain value, before
-    OmegaConf sees them; OmegaConf names only the first unknown part and reports a group set to 3 as key ''."""
-    root = root or schema
-    names = {f.name: f for f in dataclasses.fields(schema)}
-    for name, value in data.items():
-        key = f"{prefix}{name}"
-        if name not in names:
-            while isinstance(value, dict) and value:  # name the first leaf under an unknown group
-                name, value = next(iter(value.items()))
-                key = f"{key}.{name}"
-            raise UserError(f"{source}: unknown config key '{key}'{_nearest(key, root)} (mmpg train --fields "
-                            "lists them)")
-        sub = names[name].default_factory
-        if dataclasses.is_dataclass(sub):
-            if not isinstance(value, dict):
-                example = all_keys(sub, key + ".")[0]
-                raise UserError(f"{source}: config key '{key}' is a group of fields, not a value (got {value!r}); "
-                                f"set its fields instead, e.g. {example}=...")
-            _check_keys(value, source, sub, key + ".", root)
-
-
-def _omegaconf_error(err, source: str, schema=Config) -> UserError:
-    from omegaconf.errors import ConfigKeyError, ValidationError
-
-    key = getattr(err, "full_key", None) or ""
-    if isinstance(err, ConfigKeyError):
-        return UserError(f"{source}: unknown config key '{key}'{_nearest(key, schema)} (mmpg train --fields "
-                         "lists them)")
-    if isinstance(err, ValidationError):
-        # err.object_type is the enclosing dataclass (RolloutConfig), not the field's type: look the field up.
-        found = _field(key, schema)
-        expected = getattr(found.type, "__name__", found.type) if found else "value"
-        return UserError(f"{source}: config key '{key}' got {getattr(err, 'value', None)!r}, which is not a valid "
-                         f"{expected}".replace("typing.", ""))
-    return UserError(f"{source}: {str(err).splitlines()[0]}")
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                schema=Config) -> Config:
-    """defaults <- YAML at `path` <- `key=value` overrides; returns the typed tree or raises UserError."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    merged = OmegaConf.structured(schema)
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"{path}: config file not found")
-        try:
-            loaded = OmegaConf.load(p)
-        except Exception as e:  # YAML syntax errors, a file holding a bare number
-            raise UserError(f"{path}: not a valid YAML config ({str(e).splitlines()[0]})") from None
-        if not OmegaConf.is_dict(loaded):
-            raise UserError(f"{path}: a config file must be a mapping of groups (model:, data:, rollout:, ...), "
-                            f"not a list")
-        for group in [g for g, v in loaded.items_ex(resolve=False) if v is None]:
-            loaded.pop(group)  # a group whose fields are all commented out: keep the defaults
-        _check_keys(OmegaConf.to_container(loaded, resolve=False), str(path), schema)
-        try:
-            merged = OmegaConf.merge(merged, loaded)
-        except OmegaConfBaseException as e:
-            raise _omegaconf_error(e, str(path), schema) from None
-    for item in overrides:
-        if "=" not in item or not item.split("=", 1)[0].strip():
-            raise UserError(f"override {item!r} must look like key=value, e.g. rollout.n=8")
-        item = _quote_text(item, schema)
-        try:
-            dotlist = OmegaConf.from_dotlist([item])
-            _check_keys(OmegaConf.to_container(dotlist, resolve=False), f"override {item!r}", schema)
-            merged = OmegaConf.merge(merged, dotlist)
-        except OmegaConfBaseException as e:
-            raise _omegaconf_error(e, f"override {item!r}", schema) from None
-    cfg = OmegaConf.to_object(merged)
-    if isinstance(cfg, Config):  # the training tree's value checks; other schemas check themselves
-        validate(cfg)
-    return cfg
-
-
-def to_yaml(cfg) -> str:
-    """The resolved config as YAML (what `config.yaml` in the run directory holds)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def to_dict(cfg) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-def describe(group: str | None = None, schema=Config) -> str:
-    """Every field of one group (or of all), with its default and help text."""
-    lines = []
-    for g in dataclasses.fields(schema):
-        if group and g.name != group:
-            continue
-        lines.append(f"{g.name}:")
-        lines += _describe_fields(g.default_factory, g.name)
-    if not lines:
-        names = [g.name for g in dataclasses.fields(schema)]
-        raise UserError(f"unknown config group {group!r}; groups are {', '.join(names)}")
-    return "\n".join(lines)
-
-
-def _describe_fields(cls, prefix: str) -> list[str]:
-    """`  prefix.name = default` and its help per field; a nested group (model.lora) field by field."""
-    lines = []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
-            lines += _describe_fields(f.default_factory, f"{prefix}.{f.name}")
-            continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(f"  {prefix}.{f.name} = {default!r}\n      {f.metadata.get('help', '')}")
-    return lines

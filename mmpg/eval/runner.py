@@ -229,9 +229,7 @@ def evaluate_checkpoint(checkpoint, annotations, videos, out, settings: EvalSett
         session = session or stack.enter_context(eval_session(settings.device))
         bench = load_benchmark(annotations, videos, settings, benchmark)
         model, processor, family, dtype = load_model(checkpoint, settings, session.device)
-        spec = VideoSpec.for_family(family, fps=settings.fps, min_frames=settings.min_frames,
-                                    max_frames=settings.max_frames, min_pixels=settings.min_pixels,
-                                    max_pixels=settings.max_pixels, total_pixels=settings.total_pixels)
+        spec = VideoSpec.for_family(family, **settings.video_values())
         template = eval_template(settings.template, settings.prompt_file)
         result = evaluate_loaded(model, processor, checkpoint, bench, out, settings, session, spec, template,
                                  family=family, dtype=dtype, protocol=protocol, step=step)

@@ -2,9 +2,10 @@
 
     settings = load_settings("time_r1", ["max_new_tokens=512", "batch_size=4"])   # -> EvalSettings
 
-OmegaConf does the merge and the type checks, as for the training config (`mmpg/config.py`, whose error formatting
+OmegaConf does the merge and the type checks, as for the training config (`mmpg.config`, whose error formatting
 is reused): an unknown key is one `UserError` line naming it and the nearest valid names; the CLI prints it and exits
-with status 2. `mmpg eval --fields` lists every setting with its default and help, and the protocols.
+with status 2. The video fields (fps, frames, pixels) and their checks are the config tree's VideoSettings block, the
+one training's data.* has. `mmpg eval --fields` lists every setting with its default and help, and the protocols.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import difflib
 from dataclasses import dataclass
 from typing import Optional
 
-from mmpg.config.tree import _f, _omegaconf_error, _quote_text
+from mmpg.config import VideoSettings, omegaconf_error, quote_text, video_checks
+from mmpg.config import setting as _f
 from mmpg.errors import UserError
 
 # Settings that change the numbers (stored in eval.json and the report, compared on a rerun). The others only change
@@ -25,7 +27,8 @@ RUNTIME_ONLY = ("batch_size", "share_videos", "num_workers", "device", "self_che
 
 
 @dataclass
-class EvalSettings:
+class EvalSettings(VideoSettings):
+    # fps, min_frames, max_frames, min_pixels, max_pixels, total_pixels: VideoSettings' (the same defaults as data.*)
     template: str = _f("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only (mmpg/data/prompts.py), or "
                        "file: the text of prompt_file (what the papers' protocols use).")
     prompt_file: Optional[str] = _f(None, "A text file holding the user prompt, with {query} (and optionally "
@@ -37,12 +40,6 @@ class EvalSettings:
                       "the last 'A to B' anywhere) or timelens (TimeLens's code: the first time pair, rounded to "
                       "seconds). Under last_span and timelens the answer and the ground truth are unclamped and "
                       "every record with a readable span is evaluated, as the papers' loaders keep them all.")
-    fps: float = _f(2.0, "Frames sampled per second of video (before min_frames / max_frames).")
-    min_frames: int = _f(4, "Fewest frames per video.")
-    max_frames: int = _f(64, "Most frames per video; long videos get a lower effective fps.")
-    min_pixels: Optional[int] = _f(None, "Smallest H*W of a frame (null: 16 tokens per frame).")
-    max_pixels: Optional[int] = _f(None, "Largest H*W of a frame (null: 256 tokens per frame).")
-    total_pixels: Optional[int] = _f(None, "Pixel budget of a whole video, shared by its frames (null: 8192 tokens).")
     dtype: str = _f("auto", "Weights and compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, "
                     "float16.")
     max_new_tokens: int = _f(256, "Most tokens per answer (greedy decoding); a longer answer is cut and usually "
@@ -112,17 +109,13 @@ def _validate(s: EvalSettings) -> None:
     for key, allowed in choices.items():
         if getattr(s, key) not in allowed:
             raise UserError(f"eval setting '{key}' is {getattr(s, key)!r}; choose one of {', '.join(allowed)}")
-    checks = [
-        ("fps", s.fps > 0, "must be > 0"),
-        ("min_frames", s.min_frames >= 2, "must be >= 2 (two frames make one temporal patch)"),
-        ("max_frames", s.max_frames >= s.min_frames, "must be >= min_frames"),
+    checks = video_checks(s) + [
         ("max_new_tokens", s.max_new_tokens >= 1, "must be >= 1"),
         ("batch_size", s.batch_size >= 1, "must be >= 1"),
         ("max_samples", s.max_samples >= 0, "must be >= 0 (0: all)"),
         ("num_workers", s.num_workers >= 0, "must be >= 0"),
         ("prefill_chunk", s.prefill_chunk >= 0, "must be >= 0 (0: no chunking)"),
-    ] + [(k, getattr(s, k) is None or getattr(s, k) > 0, "must be > 0 or null")
-         for k in ("min_pixels", "max_pixels", "total_pixels")]
+    ]
     for key, ok, what in checks:
         if not ok:
             raise UserError(f"eval setting '{key}' is {getattr(s, key)!r}; it {what}")
@@ -143,11 +136,11 @@ def load_settings(protocol: str = "default", overrides: list[str] | tuple[str, .
             raise UserError(f"override {item!r} must look like key=value, e.g. max_new_tokens=512")
         if key not in FIELDS:
             raise _unknown(key, f"override {item!r}")
-        item = _quote_text(item, EvalSettings)  # self_check=off stays "off" (YAML would read False)
+        item = quote_text(item, EvalSettings)  # self_check=off stays "off" (YAML would read False)
         try:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as e:
-            err = _omegaconf_error(e, f"override {item!r}", EvalSettings)
+            err = omegaconf_error(e, f"override {item!r}", EvalSettings)
             raise UserError(str(err).replace("config key", "eval setting", 1)) from None
     settings = OmegaConf.to_object(merged)
     _validate(settings)

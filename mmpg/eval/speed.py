@@ -55,9 +55,7 @@ def measure(checkpoint, annotations, videos, samples: int, batch_size: int, over
     chosen = load_benchmark(annotations, videos, settings).samples
     model, processor, family, dtype = load_model(checkpoint, settings, device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    spec = VideoSpec.for_family(family, fps=settings.fps, min_frames=settings.min_frames,
-                                max_frames=settings.max_frames, min_pixels=settings.min_pixels,
-                                max_pixels=settings.max_pixels, total_pixels=settings.total_pixels)
+    spec = VideoSpec.for_family(family, **settings.video_values())
     template = eval_template(settings.template, settings.prompt_file)
     items = [it for it in GroundingDataset(chosen, spec) if it.ok]
     singles = [_inputs(processor, [it], template) for it in items]

@@ -23,8 +23,7 @@ from mmpg.runs.evals import run_eval_dir
 
 def heldout_settings(cfg) -> EvalSettings:
     d = cfg.data
-    return EvalSettings(template=d.template, fps=d.fps, min_frames=d.min_frames, max_frames=d.max_frames,
-                        min_pixels=d.min_pixels, max_pixels=d.max_pixels, total_pixels=d.total_pixels,
+    return EvalSettings(**d.video_values(), template=d.template,  # data.fps, ... : the same VideoSettings block
                         dtype=str(cfg.model.dtype), max_new_tokens=cfg.eval.max_new_tokens, bad_videos="skip",
                         decode=cfg.rollout.decode, cascade_backend=cfg.rollout.cascade_backend,
                         decode_check=cfg.rollout.decode_check,
