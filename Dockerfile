@@ -43,7 +43,7 @@ WORKDIR /workspace/mmpg
 # dependencies first (a layer that survives code edits): env.sh installs torch, mmpg[dev] and its deps, then
 # flash-attn with --no-build-isolation against that torch (the gpu extra); the check below fails the build if torch
 # and nvcc disagree on the CUDA major, before the long flash-attn compile would.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY scripts/env.sh scripts/env.sh
 RUN mkdir -p mmpg app && touch mmpg/__init__.py app/__init__.py \
     && bash -c 'source scripts/env.sh dev' \

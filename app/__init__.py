@@ -1,6 +1,9 @@
 """The rollout inspector: a Gradio page over a run directory or an evaluation folder (`mmpg inspect PATH`), or
 over several runs to compare (`mmpg inspect RUN_A RUN_B`, or a folder holding runs).
 
+Its sources live in app/ at the top of the repository and install as the package `mmpg_app` (setup.py), the name
+every import uses: a package named `app` in site-packages would shadow any other `app` a user imports.
+
 It reads only through `mmpg.runs` (never imports the trainer, `mmpg.rl` or `mmpg.train`) and picks up new steps
 while a run is writing. Modules:
     data.py      RunSource (reader + caches by file stat), group summaries, filters, table rows, text parts
@@ -13,12 +16,13 @@ while a run is writing. Modules:
     render.py    HTML pieces and CSS;  guard.py  handlers never raise into the page
     compare.py, compare_view.py   several runs side by side (curves and evaluations overlaid)
     run_view.py, eval_view.py, server.py   the Gradio page and its server
-    synthetic.py, bench.py   a large synthetic run and the timing script
+The timing script and its large synthetic run are mmpg.bench.inspector and mmpg.bench.inspector_run; the tests' small
+run is tests/synthetic_run.py.
 """
 
 
 def launch(*args, **kwargs):
-    """`app.server.launch`, imported lazily (Gradio takes a second to import)."""
-    from app.server import launch as _launch
+    """`mmpg_app.server.launch`, imported lazily (Gradio takes a second to import)."""
+    from mmpg_app.server import launch as _launch
 
     return _launch(*args, **kwargs)

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from app.curves import long_frame
-from app.data import RunSource
-from app.summary import EVAL_KEYS, run_eval_points, trend
+from mmpg_app.curves import long_frame
+from mmpg_app.data import RunSource
+from mmpg_app.summary import EVAL_KEYS, run_eval_points, trend
 from mmpg.errors import UserError
 from mmpg.runs import METRICS_JSONL, RUN_JSON
 

@@ -8,16 +8,16 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
-from app.compare import COMPARE_PANELS, compare_rows, overlay
-from app.curves import SMOOTHING, metric_keys
-from app.curves_view import smoothing_weight
-from app.data import RunSource
-from app.guard import guarded
-from app.render import message_html
+from mmpg_app.compare import COMPARE_PANELS, compare_rows, overlay
+from mmpg_app.curves import SMOOTHING, metric_keys
+from mmpg_app.curves_view import smoothing_weight
+from mmpg_app.data import RunSource
+from mmpg_app.guard import guarded
+from mmpg_app.render import message_html
 
 
 class CompareView:
-    """Components and handlers of the compare page for `runs` ({name: RunSource}, from app.compare.find_runs)."""
+    """Components and handlers of the compare page for `runs` ({name: RunSource}, from mmpg_app.compare.find_runs)."""
 
     def __init__(self, runs: dict[str, RunSource], status: gr.HTML):
         self.runs, self.status = runs, status

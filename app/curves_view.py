@@ -11,9 +11,9 @@ import html
 
 import gradio as gr
 
-from app.curves import EVAL_PANEL, PANELS, SMOOTHING, curve_frames, folded, long_frame, metric_keys
-from app.guard import guarded
-from app.render import message_html
+from mmpg_app.curves import EVAL_PANEL, PANELS, SMOOTHING, curve_frames, folded, long_frame, metric_keys
+from mmpg_app.guard import guarded
+from mmpg_app.render import message_html
 from mmpg.errors import UserError
 
 

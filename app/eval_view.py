@@ -15,13 +15,13 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from app.data import _fmt
-from app.evals import EvalSource, headline_html, metrics_rows, prediction_rows, sample_header, worst_first
-from app.frames import decoded_items, event_frames, frame_src, strip_html
-from app.guard import guarded
-from app.render import message_html, text_parts_html
-from app.run_view import SORT_HINT, as_int, picker
-from app.timeline import Bar, timeline_data, timeline_svg
+from mmpg_app.data import _fmt
+from mmpg_app.evals import EvalSource, headline_html, metrics_rows, prediction_rows, sample_header, worst_first
+from mmpg_app.frames import decoded_items, event_frames, frame_src, strip_html
+from mmpg_app.guard import guarded
+from mmpg_app.render import message_html, text_parts_html
+from mmpg_app.run_view import SORT_HINT, as_int, picker
+from mmpg_app.timeline import Bar, timeline_data, timeline_svg
 from mmpg.errors import UserError
 
 

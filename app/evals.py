@@ -12,7 +12,7 @@ import os
 import threading
 from pathlib import Path
 
-from app.data import _fmt, _stat, answer_verdict
+from mmpg_app.data import _fmt, _stat, answer_verdict
 from mmpg.errors import UserError
 from mmpg.runs import EvalReader, PredictionRecord, list_run_evals
 from mmpg.runs.evals import PREDICTIONS_JSONL

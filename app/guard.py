@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from app.render import message_html
+from mmpg_app.render import message_html
 from mmpg.errors import UserError
 
 log = logging.getLogger("mmpg.app")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 
-from app.data import Verdict, _fmt, split_response
+from mmpg_app.data import Verdict, _fmt, split_response
 from mmpg.runs import ResponseRecord
 
 CSS = """

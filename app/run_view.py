@@ -14,18 +14,18 @@ import datetime
 import gradio as gr
 import pandas as pd
 
-from app.curves_view import CurvesView
-from app.data import (
+from mmpg_app.curves_view import CurvesView
+from mmpg_app.data import (
     FILTERS, REWARD_HELP, SCOPES, RunSource, _fmt, count_matches, drift_note, filter_groups, group_header,
     parse_group_key, response_rows, span_iou, verdict,
 )
-from app.frames import event_frames, event_strip, frame_items, frame_src, strip_html
-from app.guard import guarded
-from app.plan_card import plan_card_html, prefetch
-from app.render import message_html, response_html
-from app.staleness import asynchronous, configured_staleness, group_staleness_html, rollouts_card_html
-from app.summary import run_eval_points, summary_html
-from app.timeline import Bar, timeline_data, timeline_svg
+from mmpg_app.frames import event_frames, event_strip, frame_items, frame_src, strip_html
+from mmpg_app.guard import guarded
+from mmpg_app.plan_card import plan_card_html, prefetch
+from mmpg_app.render import message_html, response_html
+from mmpg_app.staleness import asynchronous, configured_staleness, group_staleness_html, rollouts_card_html
+from mmpg_app.summary import run_eval_points, summary_html
+from mmpg_app.timeline import Bar, timeline_data, timeline_svg
 from mmpg.errors import UserError
 
 

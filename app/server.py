@@ -20,14 +20,14 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import gradio as gr  # noqa: E402
 
-from app.compare import find_runs, is_run_dir  # noqa: E402
-from app.compare_view import CompareView  # noqa: E402
-from app.data import RunSource  # noqa: E402
-from app.eval_view import EvalView  # noqa: E402
-from app.evals import run_evals  # noqa: E402
-from app.guard import guarded  # noqa: E402
-from app.render import CSS  # noqa: E402
-from app.run_view import RunView  # noqa: E402
+from mmpg_app.compare import find_runs, is_run_dir  # noqa: E402
+from mmpg_app.compare_view import CompareView  # noqa: E402
+from mmpg_app.data import RunSource  # noqa: E402
+from mmpg_app.eval_view import EvalView  # noqa: E402
+from mmpg_app.evals import run_evals  # noqa: E402
+from mmpg_app.guard import guarded  # noqa: E402
+from mmpg_app.render import CSS  # noqa: E402
+from mmpg_app.run_view import RunView  # noqa: E402
 from mmpg.errors import UserError  # noqa: E402
 
 REFRESH_S = 5.0  # how often an open page checks the folder for new steps and metrics

@@ -136,7 +136,7 @@ def _cmd_vllm_serve(args) -> int:
 
 
 def _cmd_inspect(args) -> int:
-    from app.server import launch
+    from mmpg_app.server import launch  # the inspector, app/ in the repository (setup.py)
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"mmpg inspect: serving on {args.host}: anyone who can reach this machine can read {' '.join(args.path)}",

@@ -10,7 +10,7 @@ cd "$MMPG_ROOT"
 if [ "${1:-}" = "--example" ]; then
   shift
   run=data/generated/inspector_example
-  [ -f "$run/metrics.jsonl" ] || python -m app.synthetic "$run"
+  [ -f "$run/metrics.jsonl" ] || python -m mmpg.bench.inspector_run "$run"
   set -- "$run" "$@"
 fi
 exec mmpg inspect "$@"

@@ -1,6 +1,6 @@
 """The inspector's data functions, without a browser: filters, table rows, timeline data, curves, response text,
 caching and refresh, bad input, and the app's own path checks. The run directory and the evaluation folder are
-written by the writers of `mmpg.runs` (app.synthetic.make_small_run / make_eval_folder)."""
+written by the writers of `mmpg.runs` (tests/synthetic_run.py: make_small_run / make_eval_folder)."""
 
 from __future__ import annotations
 
@@ -15,19 +15,19 @@ from urllib.parse import unquote
 
 import pytest
 
-from app.curves import curve_frames, folded, long_frame
-from app.data import (
+from mmpg_app.curves import curve_frames, folded, long_frame
+from mmpg_app.data import (
     FILTERS, RunSource, count_matches, filter_groups, parse_group_key, response_rows, split_response, verdict,
 )
-from app.evals import EvalSource, headline_html, metrics_rows, prediction_rows, worst_first
-from app.frames import (
+from mmpg_app.evals import EvalSource, headline_html, metrics_rows, prediction_rows, worst_first
+from mmpg_app.frames import (
     decoded_items, event_frames, event_strip, event_times, frame_items, strip_html, thumbnail_items,
 )
-from app.summary import ema, summary_html, trend
-from app.synthetic import SMALL_EVAL, SMALL_GT, SMALL_SPANS, make_eval_folder, make_small_run, make_small_sft_run
-from app.timeline import Bar, colour, frame_slots, nice_ticks, timeline_data, timeline_svg
+from mmpg_app.summary import ema, summary_html, trend
+from mmpg_app.timeline import Bar, colour, frame_slots, nice_ticks, timeline_data, timeline_svg
 from mmpg.errors import UserError
 from mmpg.runs import GroupRecord, RunWriter, run_eval_dir
+from synthetic_run import SMALL_EVAL, SMALL_GT, SMALL_SPANS, make_eval_folder, make_small_run, make_small_sft_run
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_curves_from_metrics_and_eval_lines(small):
 
 # ----------------------------------------------------------------------------------------------- compare
 def test_compare_finds_runs_and_overlays_them(small, tmp_path):
-    from app.compare import compare_rows, find_runs, overlay
+    from mmpg_app.compare import compare_rows, find_runs, overlay
 
     parent = tmp_path / "runs"
     shutil.copytree(small["run"], parent / "grpo", symlinks=True)
@@ -247,7 +247,7 @@ def test_compare_finds_runs_and_overlays_them(small, tmp_path):
 
 # ----------------------------------------------------------------------------------------------- evaluations
 def test_eval_status_names_the_failure():
-    from app.evals import status
+    from mmpg_app.evals import status
     from mmpg.runs import PredictionRecord
 
     def rec(text, pred):
@@ -370,9 +370,9 @@ def views():
     """Build the page's components without serving it; handlers are then plain functions."""
     import gradio as gr
 
-    from app.eval_view import EvalView
-    from app.evals import run_evals
-    from app.run_view import RunView
+    from mmpg_app.eval_view import EvalView
+    from mmpg_app.evals import run_evals
+    from mmpg_app.run_view import RunView
 
     def make(run):
         with gr.Blocks():
@@ -450,7 +450,7 @@ def test_trainable_parameters_show_in_the_title(small, tmp_path, views):
 
 
 def test_handlers_turn_errors_into_messages(small, tmp_path, views):
-    from app.guard import guarded
+    from mmpg_app.guard import guarded
 
     run = copy_run(small, tmp_path)
     path = run / "rollouts" / "step_00000002.jsonl"
@@ -470,7 +470,7 @@ def test_handlers_turn_errors_into_messages(small, tmp_path, views):
 
 
 def test_app_never_imports_the_trainer():
-    code = ("import sys, app.server, app.synthetic; bad = sorted(m for m in sys.modules if m.startswith(("
+    code = ("import sys, mmpg_app.server, mmpg.bench.inspector_run; bad = sorted(m for m in sys.modules if m.startswith(("
             "'mmpg.rl', 'mmpg.train', 'deepspeed'))); print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -535,7 +535,7 @@ def test_a_synchronous_run_looks_as_before(small, tmp_path, views):
 
 
 def test_staleness_beyond_the_bound_or_from_newer_weights_is_an_error(stale_run):
-    from app.staleness import asynchronous, group_staleness_html, rollouts_card_html
+    from mmpg_app.staleness import asynchronous, group_staleness_html, rollouts_card_html
 
     g = RunSource(stale_run).groups(3)[0]  # 2 steps stale
     assert "mmpg-error" not in group_staleness_html(g, 2, True)

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from app.synthetic import (
-    SMALL_DURATION, SMALL_EVAL, SMALL_GT, SMALL_PEAK_MB, SMALL_SPANS, make_eval_folder, make_small_run,
-    make_small_sft_run,
-)
 from mmpg.config import load_config
 from mmpg.plan.memory import predict
 from mmpg.plan.recipe import recipe_from_config
 from mmpg.runs import run_eval_dir
+from synthetic_run import (
+    SMALL_DURATION, SMALL_EVAL, SMALL_GT, SMALL_PEAK_MB, SMALL_SPANS, make_eval_folder, make_small_run,
+    make_small_sft_run,
+)
 
 pytestmark = [pytest.mark.slow,  # Gradio's own pandas 3 deprecation notices, not ours:
               pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword).*")]
@@ -70,7 +70,7 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def serve():
-    from app.server import launch
+    from mmpg_app.server import launch
 
     pages = []
 

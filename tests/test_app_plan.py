@@ -9,16 +9,16 @@ import time
 
 import pytest
 
-import app.plan_card as plan_card
-from app.data import RunSource
-from app.plan_card import plan_card_html
-from app.summary import summary_html
-from app.synthetic import SMALL_PEAK_MB, make_small_run, make_small_sft_run
+import mmpg_app.plan_card as plan_card
+from mmpg_app.data import RunSource
+from mmpg_app.plan_card import plan_card_html
+from mmpg_app.summary import summary_html
 from mmpg.config import load_config
 from mmpg.plan.geometry import MODELS
 from mmpg.plan.memory import predict
 from mmpg.plan.recipe import recipe_from_config
 from mmpg.plan.run import run_device
+from synthetic_run import SMALL_PEAK_MB, make_small_run, make_small_sft_run
 
 
 def card(run) -> str:

@@ -9,8 +9,8 @@ import socket
 
 import pytest
 
-from app.synthetic import make_small_run
 from mmpg.runs import RunReader
+from synthetic_run import make_small_run
 
 
 def free_port() -> int:
@@ -21,7 +21,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from app.server import launch
+    from mmpg_app.server import launch
 
     root = tmp_path_factory.mktemp("served")
     run = make_small_run(root / "run")
@@ -67,7 +67,7 @@ def test_files_outside_are_refused(served, path):
 
 def test_the_compare_page_serves_only_the_compared_runs(tmp_path):
     """Opened on a folder holding runs, the page may serve files inside each run, never the folder around them."""
-    from app.server import launch
+    from mmpg_app.server import launch
 
     a, b = make_small_run(tmp_path / "a"), make_small_run(tmp_path / "b")
     (tmp_path / "secret.txt").write_text("beside the runs")

@@ -46,9 +46,9 @@ def test_quick_demo_learns_and_opens_in_the_inspector(tmp_path, capsys):
         assert f"{folder}/report.md" in out
 
     # the inspector opens the GRPO run: its page is served, its steps and its test evaluation are listed
-    from app.data import RunSource
-    from app.evals import run_evals
-    from app.server import launch
+    from mmpg_app.data import RunSource
+    from mmpg_app.evals import run_evals
+    from mmpg_app.server import launch
 
     page, url = launch(grpo_run, block=False, quiet=True)
     try:

@@ -1,5 +1,6 @@
 """The package's import graph, read from the source with `ast` (nothing is imported): no module of mmpg/ reaches
-itself through imports of mmpg modules, and the evaluation, run-directory and app code stay off the trainer.
+itself through imports of mmpg modules, the evaluation, run-directory and app code stay off the trainer, and no
+library code imports a test module (tests/synthetic_run.py and the other helpers beside the tests).
 
 An edge A -> B is any `import mmpg.x` / `from mmpg.x import y` / relative import in A that names module B (or the
 package B when y is not a module of it), at module level or inside a function: an import deferred into a function
@@ -17,13 +18,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _modules(package: str = "mmpg") -> dict[str, Path]:
+def _modules(package: str = "mmpg", name: str | None = None) -> dict[str, Path]:
+    """{module name: file} of one folder; `name` is the package's import name where it differs from the folder's
+    (app/ installs as mmpg_app)."""
     out = {}
     for path in sorted((ROOT / package).rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
-        out[".".join(parts)] = path
+        out[".".join([name or parts[0], *parts[1:]])] = path
     return out
 
 
@@ -51,7 +54,7 @@ def import_graph(files: dict[str, Path] | None = None) -> dict[str, dict[str, in
             for name in _imported(node, module, path.name == "__init__.py", files):
                 while name and name not in files:  # `import mmpg.a.b.C`-style names: the longest module prefix
                     name = name.rpartition(".")[0]
-                if name and name != module and name.split(".")[0] == "mmpg":
+                if name and name != module and name.split(".")[0] in ("mmpg", "mmpg_app"):
                     edges = graph.setdefault(module, {})
                     edges[name] = min(edges.get(name, node.lineno), node.lineno)
     return graph
@@ -120,9 +123,10 @@ def test_eval_runs_and_app_do_not_import_the_trainer():
     def inside(module: str, packages) -> bool:
         return any(module == p or module.startswith(p + ".") for p in packages)
 
-    graph = import_graph({**_modules("mmpg"), **_modules("app")})
+    graph = import_graph({**_modules("mmpg"), **_modules("app", "mmpg_app")})
+    assert "mmpg_app.server" in graph  # the walk saw the app
     bad = []
-    for start in sorted(m for m in graph if inside(m, ("mmpg.eval", "mmpg.runs", "app"))):
+    for start in sorted(m for m in graph if inside(m, ("mmpg.eval", "mmpg.runs", "mmpg_app"))):
         parent, todo = {start: None}, [start]
         for module in todo:  # breadth first: the shortest chain to each module reached
             for target in graph.get(module, {}):
@@ -148,3 +152,43 @@ def test_grouping_imports_nothing_of_mmpg_outside_itself():
            if target != "mmpg" and not (target == "mmpg.grouping" or target.startswith("mmpg.grouping."))]
     assert not bad, "mmpg/grouping imports mmpg outside itself (move the dependency into mmpg/grouping or invert " \
                     "it):\n" + "\n".join(bad)
+
+
+def _test_module_names(folder: Path = ROOT / "tests") -> set[str]:
+    """The names a test module or helper is imported by (pytest puts tests/ on the path): file stems, and `tests`."""
+    return {p.stem for p in folder.glob("*.py")} | {"tests"}
+
+
+
+def top_level_imports(path: Path) -> list[tuple[str, int]]:
+    """(first part of the imported name, line) of every absolute import in a file, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name.split(".")[0], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.module.split(".")[0], node.lineno))
+    return found
+
+
+def test_the_test_module_check_sees_deferred_imports(tmp_path):
+    (tmp_path / "synthetic_run.py").write_text("")
+    lib = tmp_path / "lib.py"
+    lib.write_text("import os\n\ndef f():\n    from synthetic_run import make_small_run\n    import tests.x\n")
+    found = [x for x in top_level_imports(lib) if x[0] in _test_module_names(tmp_path)]
+    assert found == [("synthetic_run", 4), ("tests", 5)]
+
+
+def test_no_library_code_imports_a_test_module():
+    # tests/synthetic_run.py (the inspector tests' small run) and the other helpers in tests/ are fixtures: mmpg/
+    # and the inspector (app/) never import them, also not inside a function; and the inspector is imported by its
+    # installed name, mmpg_app, never as `app`
+    forbidden = _test_module_names()
+    assert {"synthetic_run", "conftest", "train_utils"} <= forbidden  # the walk saw tests/
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+           for folder in ("mmpg", "app") for path in sorted((ROOT / folder).rglob("*.py"))
+           for name, line in top_level_imports(path) if name in forbidden or name == "app"]
+    bad += [f"{path.relative_to(ROOT)}:{line} imports app (the inspector is mmpg_app)"
+            for path in sorted((ROOT / "tests").glob("*.py")) for name, line in top_level_imports(path)
+            if name == "app"]
+    assert not bad, "\n".join(bad)

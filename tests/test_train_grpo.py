@@ -255,7 +255,7 @@ def test_dynamic_sampling_dapo_and_eval_during_training(grpo_data, tmp_path):
     for e in evals:
         assert e["eval/count"] == 1.0 and 0.0 <= e["eval/miou"] <= 1.0 and "eval/r1@0.5" in e
     # the same decode path as `mmpg eval`: an evaluation folder per step in the run, which the inspector lists
-    from app.evals import run_evals
+    from mmpg_app.evals import run_evals
     from mmpg.runs.evals import EvalReader
 
     folders = run_evals(tmp_path / "dapo")

@@ -13,7 +13,8 @@ Each measurement runs in a fresh process (`mmpg.bench.worker`; memory: `mmpg.ben
 over rounds (`mmpg.bench.runner`); each row shows the ceilings of `mmpg.bench.flops` beside the measured speed-up.
 Prompts come from `mmpg.bench.batch`, tables and JSON from `mmpg.bench.report`.
 Apart from the levels: `python -m mmpg.bench.sdpa_kernels` lists the SDPA kernels the sdpa backend's masked path
-runs with the GQA K/V copy and with `enable_gqa`.
+runs with the GQA K/V copy and with `enable_gqa`; `python -m mmpg.bench.inspector` times the inspector (app/) on a
+large synthetic run (`mmpg.bench.inspector_run`).
 """
 
 from mmpg.bench.flops import ModelDims, VisionDims, paper_reduction, rho_attn, rho_flops, rho_lin, step_flops

@@ -1,13 +1,7 @@
-"""A synthetic run directory written with the writers of `mmpg.runs`, for the inspector's benchmark and a quick look
-at the app without training anything:
-
-    python -m app.synthetic runs/synthetic_inspector   # 1,000 steps x 16 groups x 8 responses (about a minute)
-    mmpg inspect runs/synthetic_inspector
-    python -m app.bench --run runs/synthetic_inspector --browser     # the timings
-
-Rewards follow the default reward (format + tIoU) so the curves and tables look like a real run's; numbers are
-random but seeded. `make_small_run` / `make_eval_folder` write the small run and evaluation folder of the tests,
-with spans known in advance (SMALL_SPANS, SMALL_EVAL).
+"""The small run directory and evaluation folder of the inspector's tests, written with the writers of `mmpg.runs`,
+with spans known in advance (SMALL_SPANS, SMALL_EVAL): `make_small_run`, `make_small_sft_run`, `make_eval_folder`.
+A test fixture: nothing in mmpg/ or app/ imports it (tests/test_import_graph.py). The large synthetic run of the
+inspector's benchmark and of `scripts/inspect.sh --example` is `mmpg.bench.inspector_run`.
 """
 
 from __future__ import annotations
@@ -17,113 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
+from mmpg.bench.inspector_run import thumbnail_frames, with_advantages
+from mmpg.rewards.grounding import temporal_iou
 from mmpg.runs import GroupRecord, ResponseRecord, RunWriter
 
 
-def _iou(a: list[float], b: list[float]) -> float:
-    inter = max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
-    union = max(a[1], b[1]) - min(a[0], b[0])
-    return inter / union if union > 0 else 0.0
-
-
-def _frames(rng: np.random.Generator, count: int, h: int = 72, w: int = 128) -> list[np.ndarray]:
-    """Flat-coloured frames with a moving bar, so a frame strip is recognisable."""
-    base = rng.integers(40, 200, size=3)
-    out = []
-    for i in range(count):
-        a = np.empty((h, w, 3), np.uint8)
-        a[:] = base
-        x = int((w - 12) * i / max(1, count - 1))
-        a[:, x:x + 12] = 255 - base
-        out.append(a)
-    return out
-
-
-def _response(rng: np.random.Generator, gt: list[float], duration: float, max_tokens: int) -> ResponseRecord:
-    kind = rng.random()
-    if kind < 0.08:  # truncated mid-thought
-        text = "<think>The person walks to the " + "door and then " * 20
-        span, finish, length = None, "length", max_tokens
-    elif kind < 0.15:  # answered in a form the parser does not read
-        text = "<think>It happens near the middle.</think> <answer>somewhere in the middle</answer>"
-        span, finish, length = None, "stop", int(rng.integers(20, 60))
-    else:
-        centre = (gt[0] + gt[1]) / 2 + rng.normal(0, duration / 8)
-        half = max(0.5, (gt[1] - gt[0]) / 2 * rng.uniform(0.5, 1.6))
-        span = [round(max(0.0, centre - half), 2), round(min(duration, centre + half), 2)]
-        text = (f"<think>The query mentions an action; frames around {span[0]:.1f}s show it starting and it ends "
-                f"near {span[1]:.1f}s.</think> <answer>{span[0]:.2f} to {span[1]:.2f}</answer>")
-        finish, length = "stop", int(rng.integers(30, 120))
-    iou = _iou(span, gt) if span else 0.0
-    fmt = 1.0 if span and finish == "stop" else 0.0
-    rewards = {"overall": fmt + iou, "format": fmt, "accuracy": iou, "iou": iou, "parsed": 1.0 if span else 0.0}
-    return ResponseRecord(text=text, parsed_span=span, rewards=rewards, advantage=0.0, length=length,
-                          finish_reason=finish)
-
-
-def _with_advantages(responses: list[ResponseRecord]) -> list[ResponseRecord]:
-    overall = np.array([r.rewards["overall"] for r in responses])
-    std = overall.std()
-    for r, x in zip(responses, overall):
-        r.advantage = float((x - overall.mean()) / (std + 1e-6)) if std > 0 else 0.0
-    return responses
-
-
-def make_run(out: str | os.PathLike, steps: int = 1000, groups: int = 16, g: int = 8, videos: int = 48,
-             frames: int = 8, seed: int = 0, eval_every: int = 50) -> Path:
-    """Write a run directory of `steps` steps x `groups` groups x `g` responses into `out` (must not exist)."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty")
-    rng = np.random.default_rng(seed)
-    writer = RunWriter(out, tensorboard=False)
-    writer.start(SMALL_CONFIG.replace("run_name: small", "run_name: synthetic"), kind="grpo",
-                 command=["python", "-m", "app.synthetic"], extra={"device": "cpu", "devices": 1})
-    catalogue = []
-    for v in range(videos):
-        duration = float(rng.uniform(20, 120))
-        start = float(rng.uniform(0, duration * 0.7))
-        gt = [round(start, 2), round(min(duration, start + rng.uniform(3, duration * 0.3)), 2)]
-        path = f"/data/videos/synthetic_{v:03d}.mp4"  # not on disk: the app shows the stored thumbnails
-        times = [duration * (i + 0.5) / frames for i in range(frames)]
-        key = writer.write_thumbnails(path, _frames(rng, frames), times)
-        catalogue.append((path, duration, gt, key, f"person does action number {v} in the room"))
-    for step in range(1, steps + 1):
-        records, overall, lengths = [], [], []
-        for b in range(groups):
-            path, duration, gt, key, query = catalogue[int(rng.integers(videos))]
-            responses = _with_advantages([_response(rng, gt, duration, 256) for _ in range(g)])
-            records.append(GroupRecord(step=step, group_index=b, sample_id=f"s{step}-{b}", video=path,
-                                       duration=duration, query=query, gt_span=gt, media_key=key,
-                                       responses=responses))
-            overall += [r.rewards["overall"] for r in responses]
-            lengths += [r.length for r in responses]
-        writer.write_rollouts(step, records)
-        progress = step / steps
-        writer.log_metrics(step, {
-            "reward/mean": float(np.mean(overall)), "reward/std": float(np.std(overall)),
-            "reward/iou": float(np.mean([r.rewards["iou"] for g_ in records for r in g_.responses])),
-            "reward/format": float(np.mean([r.rewards["format"] for g_ in records for r in g_.responses])),
-            "reward/parsed": float(np.mean([r.rewards["parsed"] for g_ in records for r in g_.responses])),
-            "data/zero_adv_groups": float(np.mean([all(r.advantage == 0.0 for r in g_.responses) for g_ in records])),
-            "response/length_mean": float(np.mean(lengths)), "response/length_max": float(max(lengths)),
-            "actor/kl": 0.001 * progress + 1e-4 * float(rng.random()),
-            "actor/clip_fraction": 0.02 + 0.01 * float(rng.random()), "actor/loss": float(rng.normal(0, 0.1)),
-            "timing_s/rollout": 10 + float(rng.random()), "timing_s/reward": 0.1, "timing_s/logprob": 2.0,
-            "timing_s/update": 4 + float(rng.random()), "timing_s/step": 17.0,
-            "perf/peak_memory_mb": 32600.0 + 400 * float(rng.random()),
-        })
-        if eval_every and step % eval_every == 0:
-            m = 0.2 + 0.3 * progress + 0.02 * float(rng.random())
-            writer.log_eval(step, {"eval/miou": m, "eval/r1@0.3": min(1.0, m * 1.6), "eval/r1@0.5": m,
-                                   "eval/r1@0.7": m / 2})
-    writer.close()
-    return out
-
-
-
-
-# ------------------------------------------------------------------------------------- a small run for tests
 # 3 steps x 2 groups x 4 responses with spans known in advance. Group (step, position) -> the 4 responses as
 # (parsed span or None, finish reason). Chosen so each filter has a known answer:
 #   (1, 0) every response gives the same span: all rewards equal     (2, 0) one truncated (and so unparsed) response
@@ -160,7 +52,7 @@ def _small_response(span, finish: str, gt: list[float], raw: str | None = None) 
     else:
         text = f"<think>The action starts at {span[0]} s and ends at {span[1]} s.</think> " \
                f"<answer>{span[0]:.1f} to {span[1]:.1f}</answer>"
-    iou = _iou(span, gt) if span else 0.0
+    iou = temporal_iou(span, gt) if span else 0.0
     fmt = 1.0 if (span or raw) and finish == "stop" else 0.0
     return ResponseRecord(text=text, parsed_span=span, rewards={"overall": fmt + iou, "format": fmt, "iou": iou},
                           advantage=0.0, length=len(text) // 4, finish_reason=finish)
@@ -209,16 +101,16 @@ def make_small_run(out: str | os.PathLike, video_dir: str | os.PathLike | None =
     config = SMALL_CONFIG if max_staleness is None else SMALL_CONFIG + (
         f"  engine: vllm\n  tis_cap: 2.0\n  max_staleness: {max_staleness}\n" if max_staleness else
         "  max_staleness: 0\n")
-    writer.start(config, kind="grpo", command=["python", "-m", "app.synthetic"],
+    writer.start(config, kind="grpo", command=["pytest"],
                  extra={"device": "cpu", "devices": 1})
     videos = {0: "/data/videos/kitchen.mp4",
               1: str(write_video(Path(video_dir) / "garden.mp4", seconds=SMALL_DURATION[1], fps=4)) if video_dir
               else "/data/videos/garden.mp4"}
-    keys = {0: writer.write_thumbnails(videos[0], _frames(rng, 4), [1.5, 4.5, 7.5, 10.5]), 1: None}
+    keys = {0: writer.write_thumbnails(videos[0], thumbnail_frames(rng, 4), [1.5, 4.5, 7.5, 10.5]), 1: None}
     for step in (1, 2, 3):
         groups = []
         for pos in (0, 1):
-            responses = _with_advantages([_small_response(span, fin, SMALL_GT[pos], SMALL_RAW.get((step, pos, i)))
+            responses = with_advantages([_small_response(span, fin, SMALL_GT[pos], SMALL_RAW.get((step, pos, i)))
                                           for i, (span, fin) in enumerate(SMALL_SPANS[(step, pos)])])
             groups.append(GroupRecord(step=step, group_index=pos, sample_id=f"sample-{pos}", video=videos[pos],
                                       duration=SMALL_DURATION[pos], query=f"query of video {pos}: the person <cooks>",
@@ -252,7 +144,7 @@ def make_small_sft_run(out: str | os.PathLike, steps: int = 40) -> Path:
     out = Path(out)
     rng = np.random.default_rng(1)
     writer = RunWriter(out, tensorboard=False)
-    writer.start(SMALL_SFT_CONFIG, kind="sft", command=["python", "-m", "app.synthetic"])
+    writer.start(SMALL_SFT_CONFIG, kind="sft", command=["pytest"])
     for step in range(1, steps + 1):
         loss = 0.6 + 1.8 * np.exp(-step / 10) + 0.05 * float(rng.normal())
         writer.log_metrics(step, {"sft/loss": loss, "sft/target_tokens": 120.0, "actor/lr": 1e-5,
@@ -291,7 +183,7 @@ def make_eval_folder(folder: str | os.PathLike) -> Path:
         text = "" if error else (f"<answer>{pred[0]} to {pred[1]}</answer>" if pred else "<answer>no idea</answer>")
         records.append(PredictionRecord(index=index, sample_id=f"eval-{index}", video=f"/data/eval/{index}.mp4",
                                         duration=10.0, query=f"eval query {index}", gt_span=gt, pred_span=pred,
-                                        text=text, iou=_iou(pred, gt) if pred else 0.0, error=error))
+                                        text=text, iou=temporal_iou(pred, gt) if pred else 0.0, error=error))
     writer.append(records)
     ious = [r.iou for r in records if r.error is None]
     writer.write_metrics({"count": len(ious), "miou": float(np.mean(ious)), "r1@0.5": float(np.mean(
@@ -301,9 +193,3 @@ def make_eval_folder(folder: str | os.PathLike) -> Path:
     Image.fromarray(np.full((60, 90, 3), 200, np.uint8)).save(plot)
     return folder
 
-
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    target = sys.argv[1] if len(sys.argv) > 1 else "runs/synthetic_inspector"
-    print(make_run(target), "written")

@@ -1,8 +1,8 @@
 """How fast the inspector opens a large run: prints a table, optionally writes JSON. Not a test (timings depend on
 the machine and its load).
 
-    python -m app.bench                           # writes data/generated/inspector_bench (1,000 x 16 x 8) once
-    python -m app.bench --run DIR --json out.json --browser
+    python -m mmpg.bench.inspector                # writes data/generated/inspector_bench (1,000 x 16 x 8) once
+    python -m mmpg.bench.inspector --run DIR --json out.json --browser
 
 Server side (cold caches, a fresh RunSource each time the "open" is measured):
     open          the page's load handler: list steps, read metrics, the newest step's groups, the first group's view
@@ -43,8 +43,8 @@ def _timed(fn, repeat: int = 1) -> float:
 def server_side(run: Path, seed: int = 0) -> dict[str, float]:
     import gradio as gr
 
-    from app.data import FILTERS, SCOPES, RunSource
-    from app.run_view import RunView
+    from mmpg_app.data import FILTERS, SCOPES, RunSource
+    from mmpg_app.run_view import RunView
 
     def view() -> RunView:
         with gr.Blocks():
@@ -107,7 +107,7 @@ def _free_port() -> int:
 def browser_side(run: Path, chromium: str) -> dict[str, float]:
     from playwright.sync_api import sync_playwright
 
-    from app.server import launch
+    from mmpg_app.server import launch
 
     page_app, url = launch(run, port=_free_port(), block=False, quiet=True)
     profile = tempfile.mkdtemp(prefix="mmpg-bench-chromium-")
@@ -158,7 +158,7 @@ def browser_side(run: Path, chromium: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m mmpg.bench.inspector", description=__doc__.splitlines()[0])
     ap.add_argument("--run", default=DEFAULT_RUN, help="run directory to time; written (1,000 x 16 x 8) if absent")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--groups", type=int, default=16)
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     run = Path(args.run)
     if not (run / "metrics.jsonl").is_file():
-        from app.synthetic import make_run
+        from mmpg.bench.inspector_run import make_run
 
         t = time.perf_counter()
         make_run(run, steps=args.steps, groups=args.groups, g=args.g)
