@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from mmpg.grouping import GroupLayout, apply_grouped_attention
 from mmpg.grouping.backends import get_backend
 from mmpg.grouping.backends.sdpa import sdpa_grouped_attention
-from mmpg.grouping.backends.varlen import TorchVarlenKernel, merge_lse
+from mmpg.grouping.backends.varlen import TorchVarlenKernel
 
 
 def test_layout_positions_and_dense_rule():
@@ -79,18 +79,6 @@ def test_both_sdpa_paths_match_dense_mask(path, shape):
     """The sdpa backend's CPU flash-kernel path and its masked path (the one other devices take), both on CPU."""
     layout = GroupLayout(*LAYOUTS[shape], torch.device("cpu"))
     _check_against_dense(functools.partial(sdpa_grouped_attention, path=path), layout)
-
-
-def test_lse_merge_is_attention_over_the_union():
-    g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(6, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
-    kern = TorchVarlenKernel()
-    cu6, cu3 = torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
-    o_full, lse_full = kern.forward(q, k, v, cu6, cu6, 6, 6, False, 0.5)
-    o_a, lse_a = kern.forward(q, k[:3], v[:3], cu6, cu3, 6, 3, False, 0.5)
-    o_b, lse_b = kern.forward(q, k[3:], v[3:], cu6, cu3, 6, 3, False, 0.5)
-    o, lse = merge_lse(o_a, lse_a, o_b, lse_b)
-    assert torch.allclose(o, o_full, atol=1e-12) and torch.allclose(lse, lse_full, atol=1e-12)
 
 
 def test_torch_kernel_backward_matches_autograd():

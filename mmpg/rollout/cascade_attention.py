@@ -42,6 +42,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from mmpg.grouping.attention import (
     LAYOUT_KWARG, _ordinary, base_attention, check_tripwire, register_grouped_attention,
 )
+from mmpg.grouping.merge import merge_attention
 from mmpg.rollout.cascade import SharedPrefixCache, _Rows
 from mmpg.rollout.cascade_kernels import _flash_cpu, attend
 
@@ -168,19 +169,7 @@ def decode_attention(query, own_k, own_v, prefix_k, prefix_v, cache: SharedPrefi
         o, lse = attend(_stack(q, level.rows), k, v, level.mask, scale, backend)
         parts.append((_unstack(o, level.rows, rep), _unstack(lse[..., None], level.rows, rep)[..., 0]))
     parts.append(attend(q, own_k, own_v, None, scale, backend))
-    return _merge(parts, query.dtype).reshape(n, 1, hq, d)
-
-
-def _merge(parts, dtype) -> torch.Tensor:
-    """Attentions over disjoint key sets, [(o [..., E], lse [...])], merged by log-sum-exp into one, in `dtype`."""
-    lse = parts[0][1]
-    for _, lse_x in parts[1:]:
-        lse = torch.logaddexp(lse, lse_x)
-    acc = lse.dtype if dtype != torch.float64 else torch.float64
-    out = parts[0][0].to(acc) * torch.exp(parts[0][1] - lse)[..., None]
-    for o_x, lse_x in parts[1:]:
-        out = out + o_x.to(acc) * torch.exp(lse_x - lse)[..., None]
-    return out.to(dtype)
+    return merge_attention(parts, query.dtype)[0].reshape(n, 1, hq, d)
 
 
 def tails_attention(query, tail_k, tail_v, shared_k, shared_v, split, scale: float, backend: str) -> torch.Tensor:
@@ -201,7 +190,7 @@ def tails_attention(query, tail_k, tail_v, shared_k, shared_v, split, scale: flo
     at = torch.arange(lt, device=query.device)
     own = (split.tail_mask[:, None, :] & (at[:, None] >= at[None, :])) | (at[:, None] == at[None, :])  # [Q, Lt, Lt]
     parts.append(_masked_attention(q, tail_k, tail_v, own.repeat(1, rep, 1), scale))
-    out = _merge(parts, query.dtype)  # [Q, Hkv, rep·L_t, D]
+    out = merge_attention(parts, query.dtype)[0]  # [Q, Hkv, rep·L_t, D]
     return out.reshape(nq, hkv, rep, lt, d).permute(0, 3, 1, 2, 4).reshape(nq, lt, hq, d)
 
 
@@ -273,4 +262,4 @@ def chunk_attention(query, key, value, key_mask, scale: float, backend: str) -> 
     else:
         full = causal.expand(b, c, c) if mask is None else mask
         parts.append(_masked_attention(query, k, v, full, scale))
-    return _merge(parts, query.dtype).transpose(1, 2).contiguous()
+    return merge_attention(parts, query.dtype)[0].transpose(1, 2).contiguous()

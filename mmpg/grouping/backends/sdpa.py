@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mmpg.grouping.layout import GroupLayout
+from mmpg.grouping.merge import merge_attention
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -107,9 +108,7 @@ class _CpuResponses(torch.autograd.Function):
         o_b, lse_b = _flash_cpu(batched.gather(q), batched.gather(_expand_heads(kr, rep)),
                                 batched.gather(_expand_heads(vr, rep)), 0.0, True, scale=scale)
         o_b, lse_b = batched.scatter(o_b), batched.scatter(lse_b)  # [1, Hq, R, D], [1, Hq, R]
-        lse = torch.logaddexp(lse_a, lse_b)  # float32 (float64 for float64 inputs)
-        out = (o_a.to(lse.dtype) * torch.exp(lse_a - lse)[..., None]
-               + o_b.to(lse.dtype) * torch.exp(lse_b - lse)[..., None]).to(q.dtype)
+        out, lse = merge_attention([(o_a, lse_a), (o_b, lse_b)], q.dtype)  # lse float32 (float64 for float64)
         ctx.save_for_backward(q, kp, vp, kr, vr, out, lse)
         ctx.batched, ctx.scale = batched, scale
         return out

@@ -1,4 +1,4 @@
-"""Varlen attention kernels behind one small interface, and the exact LSE merge used by the `flash` backend.
+"""Varlen attention kernels behind one small interface, and the `flash` backend's grouped attention built on them.
 
 A kernel computes attention over concatenated segments (FlashAttention's varlen convention):
     forward(q [Tq, Hq, D], k [Tk, Hkv, D], v, cu_q, cu_k, max_q, max_k, causal, scale)
@@ -12,8 +12,8 @@ read once per function: neither the version probe nor `inspect.signature` runs p
 is passed to flash-attn's backward (`model.deterministic`, set through `apply_grouped_attention`): its default
 backward adds dK/dV partial sums in an order that varies from run to run; deterministic=True fixes the order, at
 some cost in backward speed (flash-attn's own figure: it uses more memory and can be slower).
-`TorchVarlenKernel` is a pure-torch kernel with the same contract; it lets the merge and its custom backward be
-tested exactly on a CPU (backend `lse_reference`).
+`TorchVarlenKernel` is a pure-torch kernel with the same contract; it lets the merge (`mmpg.grouping.merge`) and the
+custom backward be tested exactly on a CPU (backend `lse_reference`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 
 from mmpg.grouping.backends import probe
 from mmpg.grouping.backends.probe import flash_interface
+from mmpg.grouping.merge import merge_attention
 
 
 class TorchVarlenKernel:
@@ -140,17 +141,6 @@ class FlashVarlenKernel:
         return dq, dk, dv
 
 
-def merge_lse(o_a, lse_a, o_b, lse_b):
-    """Exact combination of two attentions over disjoint key sets of the same queries.
-
-    o [T, H, D], lse [H, T] -> (o, lse) of attention over the union: weights exp(lse_x - lse)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    w_a = torch.exp(lse_a - lse).transpose(0, 1)[..., None]  # [T, H, 1]
-    w_b = torch.exp(lse_b - lse).transpose(0, 1)[..., None]
-    acc = torch.promote_types(o_a.dtype, torch.float32)
-    return (o_a.to(acc) * w_a + o_b.to(acc) * w_b).to(o_a.dtype), lse
-
-
 class GroupedVarlenAttention(torch.autograd.Function):
     """Grouped attention from three varlen kernel calls, no G-fold K/V copy (the ring-attention pattern):
 
@@ -172,7 +162,8 @@ class GroupedVarlenAttention(torch.autograd.Function):
         o_p, lse_p = kernel.forward(qp, kp, vp, cu_p, cu_p, mp, mp, True, scale)
         o_a, lse_a = kernel.forward(qr, kp, vp, cu_g, cu_p, mg, mp, False, scale)
         o_b, lse_b = kernel.forward(qr, kr, vr, cu_r, cu_r, mr, mr, True, scale)
-        o_r, lse_r = merge_lse(o_a, lse_a, o_b, lse_b)
+        o_r, lse_r = merge_attention([(o_a, lse_a.t()), (o_b, lse_b.t())])  # lse [Hq, Tr] seen as [Tr, Hq]
+        lse_r = lse_r.t()  # [Hq, Tr], contiguous again (the merge keeps its inputs' memory layout)
         out = q.new_empty(q.shape)
         out[pi], out[ri] = o_p, o_r
         ctx.save_for_backward(q, k, v, o_p, lse_p, o_r, lse_r)
