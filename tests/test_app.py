@@ -470,8 +470,8 @@ def test_handlers_turn_errors_into_messages(small, tmp_path, views):
 
 
 def test_app_never_imports_the_trainer():
-    code = ("import sys, mmpg_app.server, mmpg.bench.inspector_run; bad = sorted(m for m in sys.modules if m.startswith(("
-            "'mmpg.rl', 'mmpg.train', 'deepspeed'))); print(bad); sys.exit(1 if bad else 0)")
+    code = ("import sys, mmpg_app.server, mmpg.bench.inspector_run; bad = sorted(m for m in sys.modules if "
+            "m.startswith(('mmpg.rl', 'mmpg.train', 'deepspeed'))); print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
 

@@ -21,8 +21,8 @@ def test_the_wheel_holds_mmpg_and_the_inspector_as_mmpg_app(tmp_path):
         shutil.copy(ROOT / name, src / name)
     for folder in ("mmpg", "app"):
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                           "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    build = ["pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp_path / "dist")]
+    proc = subprocess.run([sys.executable, "-m", *build, str(src)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     wheel = zipfile.ZipFile(next((tmp_path / "dist").glob("mmpg-*.whl")))
     names = wheel.namelist()

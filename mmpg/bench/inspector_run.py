@@ -76,7 +76,8 @@ def make_run(out: str | os.PathLike, steps: int = 1000, groups: int = 16, g: int
         raise FileExistsError(f"{out} exists and is not empty")
     rng = np.random.default_rng(seed)
     writer = RunWriter(out, tensorboard=False)
-    writer.start(CONFIG, kind="grpo", command=["python", "-m", "mmpg.bench.inspector_run"], extra={"device": "cpu", "devices": 1})
+    writer.start(CONFIG, kind="grpo", command=["python", "-m", "mmpg.bench.inspector_run"],
+                 extra={"device": "cpu", "devices": 1})
     catalogue = []
     for v in range(videos):
         duration = float(rng.uniform(20, 120))

@@ -83,7 +83,7 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in [
         "mmpg's training defaults (data.fps, data.max_frames, pixel budgets in tokens, template time_r1): the "
         "videos look as they did in training. Not a published protocol.",
         {},
-        "Source: mmpg's own defaults (mmpg/config.py, mmpg/data/video.py). R1@m shown with tIoU > m first. "
+        "Source: mmpg's own defaults (mmpg/config/tree.py, mmpg/data/video.py). R1@m shown with tIoU > m first. "
         "scoring mmpg: the training parser (the last <answer> span, clamped to the video)."),
     Protocol(
         "time_r1",
