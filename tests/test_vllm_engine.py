@@ -203,6 +203,63 @@ def test_grpo_run_with_vllm_engine(server, vllm_ckpt, tmp_path):
     assert call(server.url, "/health", timeout=10)["version"] == version + 4  # at start, then after each step
 
 
+def test_zero3_two_rank_grpo_run_syncs_the_whole_weights(server, vllm_ckpt, tmp_path):
+    """rollout.engine=vllm under ZeRO-3 (every parameter partitioned) on 2 ranks: each sync gathers the shards piece
+    by piece and rank 0 sends them (LoRA: test_vllm_lora.py)."""
+    zero3_run_matches_the_server(server, vllm_ckpt, tmp_path, lora=False)
+
+
+def zero3_run_matches_the_server(server, vllm_ckpt, tmp_path, lora: bool):
+    """A 2-step GRPO run on 2 ranks under ZeRO-3, full fine-tuning or LoRA (merged before sending; the server must
+    serve the base then, apart from the blocks a LoRA sync sends). Every step's rollouts agree with the training
+    forward (LOGP_ATOL), and after the run the server's logprobs are those of the run's final weights, far from the
+    checkpoint's: a sync that sent shards, stale or missing tensors would fail one or the other."""
+    import json
+
+    from test_selfcheck_zero3 import ZERO3
+    from train_utils import metrics, overrides, run_cli
+
+    from mmpg.data.synth import generate_dataset
+    from mmpg.models.lora_export import load_adapter_model
+    from mmpg.rollout.vllm import VLLMEngine
+    from mmpg.serve.wire import call
+
+    generate_dataset(tmp_path / "synth", 8, 0, overwrite=True, min_duration=8.0, max_duration=12.0)
+    config = tmp_path / "zero3.json"
+    config.write_text(json.dumps(ZERO3))
+    data = {"model": str(vllm_ckpt), "synth": tmp_path / "synth"}
+    version = call(server.url, "/health", timeout=10)["version"]
+    extra = {"rollout.engine": "vllm", "rollout.vllm_url": server.url, "rollout.vllm_wait_s": 30,
+             "data.min_frames": 2, "data.max_frames": 2, "trainer.total_steps": 2, "deepspeed.config": str(config)}
+    if lora:  # a large enough step for the adapters to move the logprobs visibly
+        extra.update({"model.lora.r": 4, "model.lora.alpha": 64, "optim.lr": 0.05})
+    res = run_cli(["train"] + overrides(data, tmp_path / "runs", "zero3", **extra), timeout=1200, procs=2)
+    assert res.returncode == 0, res.stderr[-4000:]
+    m = metrics(tmp_path / "runs" / "zero3")
+    assert [r["step"] for r in m if "timing_s/weight_sync" in r] == [1, 2]
+    for r in m:
+        print(f"\nZeRO-3{' LoRA' if lora else ''} step {r['step']}: weight_sync {r['timing_s/weight_sync']:.2f} s "
+              f"({r['perf/weight_sync_mb']:.1f} MiB), logprob gap max {r['actor/logprob_gap_max']:.1e}")
+        assert r["actor/logprob_gap_max"] <= LOGP_ATOL
+    assert call(server.url, "/health", timeout=10)["version"] == version + 3  # at start, then after each step
+
+    model, processor = trainer_policy(vllm_ckpt)
+    inputs, videos = vl_batch(processor, "qwen2_5_vl", VIDEOS), _videos(VIDEOS)
+    sampling = SamplingParams(max_new_tokens=10, temperature=1.0, stop_token_ids=())
+    r = VLLMEngine(model, processor, url=server.url, timeout_s=300).generate_groups(
+        inputs, 2, sampling, prompt_seeds=[1, 2, 3], videos=videos)
+    gaps = {}
+    final = tmp_path / "runs" / "zero3" / "checkpoints" / "step_00000002"  # whole weights, or the LoRA adapter
+    trained = load_adapter_model(final) if lora else trainer_policy(final)[0]
+    for label, trainer in (("checkpoint", model), ("final", trained)):
+        with torch.no_grad():
+            recomputed = grouped_logprobs(trainer, inputs, r.completion_ids, r.completion_mask, r.group_sizes)
+        gaps[label] = float(((recomputed - r.logprobs).abs() * r.completion_mask).max())
+    print(f"server vs trainer logprobs after the run: final weights {gaps['final']:.1e}, checkpoint "
+          f"{gaps['checkpoint']:.1e}")
+    assert gaps["final"] <= LOGP_ATOL < 100 * LOGP_ATOL < gaps["checkpoint"]
+
+
 def test_server_restart_is_noticed_and_resynced_and_down_is_an_error(server, policy):
     """A restarted server serves the checkpoint again: the engine notices (new instance id), sends every weight and
     retries, so the answers are the trainer's current ones. A server that is gone is one clear error, at once."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 from batches import vl_batch
 from lora_utils import peft_policy
-from test_vllm_engine import VIDEOS, _greedy_agreement, _videos
+from test_vllm_engine import VIDEOS, _greedy_agreement, _videos, zero3_run_matches_the_server
 from vllm_server import serving, tiny_vllm_checkpoint
 
 from mmpg.rollout import HFEngine, SamplingParams
@@ -89,3 +89,9 @@ def test_lora_grpo_run_with_vllm_engine(server, vllm_ckpt, tmp_path):
               f"MiB), logprob gap max {r['actor/logprob_gap_max']:.1e}")
         assert r["actor/logprob_gap_max"] <= 1e-4
     assert call(server.url, "/health", timeout=10)["version"] == version + 3  # at start, then after each step
+
+
+def test_zero3_two_rank_lora_grpo_run(server, vllm_ckpt, tmp_path):
+    """LoRA under ZeRO-3 on 2 ranks: each LoRA layer's base weight and adapters are gathered together and merged
+    (W + scale B A) on rank 0 before sending; the server then answers as the run's final merged policy."""
+    zero3_run_matches_the_server(server, vllm_ckpt, tmp_path, lora=True)

@@ -257,6 +257,8 @@ def test_worker_facts_from_worker_info():
 
 # ---- a refusal on rank 0 reaches every rank ----------------------------------------------------------------------
 class _RefusedEngine:
+    partitioned = False  # not ZeRO-3: only rank 0 calls sync_weights
+
     def sync_weights(self):
         raise ServerError("vLLM server at http://127.0.0.1:9 refused a weight update (HTTP 500): boom", 500)
 

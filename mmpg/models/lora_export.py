@@ -13,6 +13,7 @@ and vLLM load like any checkpoint.
     model = load_adapter_model("runs/x/checkpoints/step_00000040")        # base + adapter, merged
     export_checkpoint("runs/x/checkpoints/step_00000040", "exports/x-40")  # = `mmpg export`
     tensors = sync_tensors(policy)       # {plain HF name: merged weight} of what a step changed (the vLLM sync)
+    tensors = gathered_sync_tensors(policy, keep=rank == 0)   # the same under ZeRO-3 (collective, piece by piece)
 
 Names: a peft-wrapped policy names its parameters `base_model.model.<hf name>` with `.base_layer.` inside adapted
 linears, `lora_A.<adapter>` / `lora_B.<adapter>` beside it and `.modules_to_save.<adapter>.` for fully trained
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -189,15 +192,50 @@ def _merged_weight(module) -> torch.Tensor:
     weight = module.get_base_layer().weight.detach()
     if getattr(module, "disable_adapters", False):
         return weight
-    if getattr(module, "use_dora", {}) and any(module.use_dora.values()):
-        raise UserError("LoRA with DoRA (use_dora) cannot be synced to vLLM as W + scale B A; use plain LoRA or "
-                        "rollout.engine=hf")
     out = weight
     for name in module.active_adapters:
         owned = name in module.lora_A or name in getattr(module, "lora_embedding_A", {})
         if owned and name not in getattr(module, "merged_adapters", ()):
             out = out + module.get_delta_weight(name).to(weight.dtype)
     return out
+
+
+class SyncItem(NamedTuple):
+    """One tensor of the sync: `value()` is its content once every parameter in `reads` is whole."""
+    name: str  # the plain model's name (what the server loads)
+    reads: tuple  # the parameters it is computed from: one, or every parameter of a LoRA layer (its merge)
+    value: Callable[[], torch.Tensor]
+
+
+def sync_items(model, everything: bool = False) -> list[SyncItem]:
+    """What `sync_tensors` sends, in the model's parameter order, each with the parameters it reads. Decided from
+    names, `requires_grad` and module types only, so it needs no parameter's content (ZeRO-3 shards may be empty);
+    a DoRA adapter is refused here, on every rank, before anything is gathered."""
+    if not has_lora(model):
+        return [SyncItem(n, (p,), p.detach) for n, p in model.named_parameters() if everything or p.requires_grad]
+    merged = {n: m for n, m in model.named_modules() if _is_lora_layer(m)}
+    for module in merged.values():
+        if not getattr(module, "disable_adapters", False) and any(getattr(module, "use_dora", {}).values()):
+            raise UserError("LoRA with DoRA (use_dora) cannot be synced to vLLM as W + scale B A; use plain LoRA or "
+                            "rollout.engine=hf")
+    parents = {n.rpartition(".")[0] for n in merged}
+    out, done = [], set()
+    for name, p in model.named_parameters():
+        plain = hf_name(name)
+        if plain is None:
+            continue
+        owner = name.rpartition(".")[0].replace(".base_layer", "")
+        parent = owner.rpartition(".")[0]
+        if owner in merged and name.endswith(".base_layer.weight"):  # W -> W + scale B A, where W stood
+            out.append(_merged_item(owner, merged[owner]))
+            done.add(owner)
+        elif everything or p.requires_grad or owner in merged or owner in parents or parent in parents:
+            out.append(SyncItem(plain, (p,), p.detach))
+    return out + [_merged_item(o, m) for o, m in merged.items() if o not in done]  # a W listed under a tied name
+
+
+def _merged_item(owner: str, module) -> SyncItem:
+    return SyncItem(hf_name(f"{owner}.weight"), tuple(module.parameters()), lambda: _merged_weight(module))
 
 
 def sync_tensors(model, everything: bool = False) -> dict[str, torch.Tensor]:
@@ -208,20 +246,50 @@ def sync_tensors(model, everything: bool = False) -> dict[str, torch.Tensor]:
     plus any other trainable tensor (a modules_to_save copy), under the plain model's names. Whole parent modules,
     not only the adapted weights: vLLM fuses q/k/v and gate/up into one layer, and its in-place reload needs every
     part of a fused layer (a part not sent would be left uninitialised, `mmpg.serve.worker`). With `everything`:
-    every tensor of the plain model, adapters merged (what a server that restarted from the base needs)."""
-    if not has_lora(model):
-        return {n: p.detach() for n, p in model.named_parameters() if everything or p.requires_grad}
-    merged = {n: m for n, m in model.named_modules() if _is_lora_layer(m)}
-    parents = {n.rpartition(".")[0] for n in merged}
+    every tensor of the plain model, adapters merged (what a server that restarted from the base needs).
+    A ZeRO-3 model (`is_partitioned`) holds only shards: use `gathered_sync_tensors`."""
+    return {item.name: item.value() for item in sync_items(model, everything)}
+
+
+# ---- weight sync under ZeRO-3 ----------------------------------------------------------------------------------------
+PIECE_BYTES = 512 * 2 ** 20  # the most parameter bytes gathered at once (one tensor larger than this goes alone)
+
+
+def is_partitioned(model) -> bool:
+    """Whether DeepSpeed ZeRO-3 shards the model's parameters over the ranks (each rank holds a slice of each)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def sync_pieces(items: list[SyncItem], piece_bytes: int = PIECE_BYTES) -> list[list[SyncItem]]:
+    """Consecutive items grouped so that the parameters a piece reads hold at most `piece_bytes` (whole sizes:
+    `ds_numel` of a ZeRO-3 parameter), except one item larger than that alone. Model order: a piece is a few
+    neighbouring modules (a LoRA layer's parameters always in one piece, its merge needs them together)."""
+    pieces, size = [], 0
+    for item in items:
+        need = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in item.reads)
+        if not pieces or size + need > piece_bytes:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(item)
+        size += need
+    return pieces
+
+
+def gathered_sync_tensors(model, everything: bool = False, keep: bool = True, device="cpu",
+                          piece_bytes: int = PIECE_BYTES) -> dict[str, torch.Tensor]:
+    """`sync_tensors` of a ZeRO-3 model: a collective, every rank calls it with the same model and `everything`.
+
+    Piece by piece (`sync_pieces`), every rank gathers the piece's parameters whole (`deepspeed.zero.
+    GatheredParameters`, read only), the ranks with `keep` copy its tensors to `device` and the parameters go back
+    to their shards: at most one piece is whole at a time besides what is kept. Returns {plain HF name: tensor}
+    where `keep`, {} elsewhere (rank 0 keeps and sends; the others only take part in the gathers)."""
+    import deepspeed
+
     out = {}
-    for name, p in model.named_parameters():
-        plain = hf_name(name)
-        if plain is None:
-            continue
-        owner = name.rpartition(".")[0].replace(".base_layer", "")
-        parent = owner.rpartition(".")[0]
-        if everything or p.requires_grad or owner in merged or owner in parents or parent in parents:
-            out[plain] = p.detach()
-    for owner, module in merged.items():
-        out[hf_name(f"{owner}.weight")] = _merged_weight(module)
+    with torch.no_grad():
+        for piece in sync_pieces(sync_items(model, everything), piece_bytes):
+            params = list({id(p): p for item in piece for p in item.reads}.values())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                if keep:  # a copy: the gathered storage is freed when the parameters go back to their shards
+                    out.update((item.name, item.value().to(device, copy=True)) for item in piece)
     return out

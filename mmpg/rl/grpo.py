@@ -134,18 +134,18 @@ class GRPOStep:
         run's differ from the checkpoint the server loaded)."""
         from mmpg.rollout.vllm import VLLMEngine
 
-        def connect():
-            engine = VLLMEngine(self.policy, processor, url=cfg.rollout.vllm_url, timeout_s=cfg.rollout.vllm_timeout_s,
-                                wait_s=cfg.rollout.vllm_wait_s, sync_timeout_s=cfg.rollout.vllm_sync_timeout_s)
-            if dist.rank() == 0:
-                engine.sync_weights()
-            return engine
+        # every rank connects before any gathers (ZeRO-3), and samples only once the weights are there
+        engine = on_every_rank(lambda: VLLMEngine(
+            self.policy, processor, url=cfg.rollout.vllm_url, timeout_s=cfg.rollout.vllm_timeout_s,
+            wait_s=cfg.rollout.vllm_wait_s, sync_timeout_s=cfg.rollout.vllm_sync_timeout_s))
+        self.sync_weights(engine)
+        return engine
 
-        return on_every_rank(connect)  # every rank samples only once the weights are there
-
-    def sync_weights(self) -> dict:
-        """rollout.engine=vllm: the trainable tensors to the server (rank 0), the other ranks wait."""
-        return on_every_rank(lambda: self.rollout_engine.sync_weights() if dist.rank() == 0 else {})
+    def sync_weights(self, engine=None) -> dict:
+        """rollout.engine=vllm: the trainable tensors to the server (rank 0), the other ranks wait; under ZeRO-3
+        every rank takes part in gathering them (`VLLMEngine.sync_weights`). engine: default, the step's."""
+        engine = engine or self.rollout_engine
+        return on_every_rank(lambda: engine.sync_weights() if engine.partitioned or dist.rank() == 0 else {})
 
     def _generate(self, batch, sampling, seeds):
         """The batch's rollout. Under sequence parallelism the ranks of a group hold the same batch: each samples

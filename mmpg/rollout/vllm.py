@@ -35,7 +35,9 @@ attention and MLP blocks, adapters merged: W + scale B A, computed here, under t
 safetensors file (in /dev/shm when there) that the server's workers load (`collective_rpc`); the server then drops
 its prefix cache. A GPU server started with --nccl on GPUs of its own gets them by NCCL broadcast instead
 (`mmpg.rollout.vllm_nccl`: the path chosen once per server, every step bounded by `sync_timeout_s`). A server that
-restarted (new instance id) is noticed on the next request and gets every tensor.
+restarted (new instance id) is noticed on the next request and gets every tensor. Under ZeRO-3 (each rank holds a
+slice of every parameter) every rank takes part in each sync: the ranks gather the tensors together a bounded piece
+at a time (`lora_export.gathered_sync_tensors`) and rank 0 sends them.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from collections.abc import Sequence
 
 import torch
 
-from mmpg import choices
+from mmpg import choices, dist
+from mmpg.models.lora_export import is_partitioned
 from mmpg.rollout.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -90,6 +93,7 @@ class VLLMEngine(RolloutEngine):
         self._sender = None  # the NCCL weight sender (GPU servers started with --nccl), made on first use
         self._plan = None  # how weights reach this server (`vllm_nccl.plan_weight_sync`), decided on first sync
         self._device: torch.device | None = None  # where the synced tensors live (the NCCL sender's device)
+        self.partitioned = is_partitioned(model)  # ZeRO-3: the weight sync is a collective of every rank
         self.resync_on_restart = True  # a restarted server gets every weight again (False: an error, see GRPOStep)
 
     # ---- sampling -----------------------------------------------------------------------------------------------
@@ -126,6 +130,10 @@ class VLLMEngine(RolloutEngine):
                 raise ServerError(f"the vLLM server at {self.url} restarted while rollouts overlap the update "
                                   "(rollout.max_staleness > 0): the weights to resend are not settled mid-update; "
                                   "resume the run (--resume auto)") from None
+            if self.partitioned:  # the ranks' requests meet the restart at different times: no common gather
+                raise ServerError(f"the vLLM server at {self.url} restarted and serves its checkpoint again; under "
+                                  "ZeRO-3 the ranks gather the weights together and cannot resend them from one "
+                                  "rank's request: resume the run (--resume auto)") from None
             log.warning("the vLLM server at %s restarted; sending it every weight again", self.url)
             self.health, self._sender, self._plan = self._health(), None, None  # a new server: a new NCCL group too
             self.sync_weights(everything=True)
@@ -183,19 +191,31 @@ class VLLMEngine(RolloutEngine):
         """Send the policy's trainable tensors (every tensor with `everything`) to the server; returns
         {"tensors", "bytes", "seconds", "server_seconds"}. The file lives in /dev/shm when there (no disk I/O).
         A LoRA policy sends its adapted modules with the adapters merged, under the plain model's names
-        (`mmpg.models.lora_export.sync_tensors`): the server serves the plain base model."""
+        (`mmpg.models.lora_export.sync_tensors`): the server serves the plain base model.
+
+        Under ZeRO-3 (`self.partitioned`) it is a collective: every rank calls it, the ranks gather the parameters
+        together a bounded piece at a time (`gathered_sync_tensors`), rank 0 keeps a copy of each (on the CPU for
+        the file, on its GPU for NCCL) and sends them; the other ranks return {}. Without ZeRO-3 one rank calls it."""
         t0 = time.perf_counter()
-        from safetensors.torch import save_file
+        from mmpg.models.lora_export import gathered_sync_tensors, sync_tensors
 
-        from mmpg.models.lora_export import sync_tensors
-
-        with torch.no_grad():
-            params = sync_tensors(self.model, everything=everything)
+        if self.partitioned:
+            rank0 = dist.rank() == 0
+            device = next(self.model.parameters()).device
+            nccl = rank0 and self._sync_plan(device).kind == "nccl"
+            params = gathered_sync_tensors(self.model, everything, keep=rank0, device=device if nccl else "cpu")
+            if not rank0:
+                return {}
+        else:
+            with torch.no_grad():
+                params = sync_tensors(self.model, everything=everything)
         if not params:
             return {"tensors": 0, "bytes": 0, "seconds": 0.0, "server_seconds": 0.0}
         if self._sync_plan(next(iter(params.values())).device).kind == "nccl":  # GPU: vLLM's NCCL transfer
             answer = self._nccl().send(params, self.version + 1)
             return self._synced(params, answer, t0)
+        from safetensors.torch import save_file
+
         tensors = {n: p.to("cpu").contiguous() for n, p in params.items()}
         folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         fd, path = tempfile.mkstemp(prefix="mmpg-weights-", suffix=".safetensors", dir=folder)
