@@ -148,3 +148,49 @@ def test_sigkill_with_a_batch_in_flight_then_resume_loses_and_repeats_nothing(se
     killed = {s: [g["sample_id"] for g in gs] for s, gs in _records(run_dir).items()}
     assert killed == whole  # every step trained the same prompts: none lost, none trained twice
     assert [m["step"] for m in metrics(run_dir)] == list(range(1, total + 1))
+
+
+@pytest.fixture(scope="module")
+def data8(vllm_ckpt, tmp_path_factory):
+    """tests/conftest.py's grpo_data videos (8, seed 0) with the vLLM-servable checkpoint."""
+    from mmpg.data.synth import generate_dataset
+
+    root = tmp_path_factory.mktemp("overlap_data8")
+    generate_dataset(root / "synth", 8, 0, overwrite=True, min_duration=8.0, max_duration=12.0)
+    return {"model": str(vllm_ckpt), "synth": root / "synth"}
+
+
+def test_two_ranks_under_zero3_train_what_one_process_trains(server, data8, tmp_path):
+    """k = 1 on 2 ranks (ZeRO-3, every parameter partitioned) against 1 process: the same prompts per step, sampled
+    with the same weights, the same rewards and losses. The data is tests/test_train_distributed.py's with three
+    videos deleted, so the rollout thread deals a global batch again across ranks (a rank whose whole share failed
+    rolls out a weight-0 copy): its collectives run beside the update's."""
+    import shutil
+
+    from test_train_distributed import LOSS_ATOL as DIST_LOSS_ATOL
+    from test_train_distributed import ZERO3
+
+    synth = tmp_path / "synth"
+    shutil.copytree(data8["synth"], synth)
+    for vid in ("synth_00000", "synth_00003", "synth_00004"):
+        (synth / "videos" / f"{vid}.mp4").unlink()
+    data = {"model": data8["model"], "synth": synth}
+    config = tmp_path / "zero3.json"
+    config.write_text(json.dumps(ZERO3))
+    extra = _settings(server, **{"deepspeed.config": str(config), "data.batch_size": 4, "data.shuffle": False,
+                                 "reward.function": "reward_fns:space_share", "trainer.total_steps": 3})
+    one = run_cli(["train"] + overrides(data, tmp_path, "one", **extra), timeout=1200)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_cli(["train"] + overrides(data, tmp_path, "two", **extra), timeout=1200, procs=2)
+    assert two.returncode == 0, two.stderr[-5000:]
+    trained = {run: {s: [(g["sample_id"], g["policy_version"]) for g in gs] for s, gs in _records(tmp_path / run).items()}
+               for run in ("one", "two")}
+    assert trained["one"] == {1: [("synth_00002#0", 0)], 2: [("synth_00002#1", 0), ("synth_00002#2", 0)],
+                              3: [("synth_00005#0", 1), ("synth_00006#0", 1), ("synth_00006#1", 1)]}
+    assert trained["two"] == trained["one"]
+    a, b = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    assert [m["data/skipped"] for m in b] == [3, 2, 1]
+    for x, y in zip(a, b):
+        assert x["data/skipped"] == y["data/skipped"] and x["reward/mean"] == y["reward/mean"]
+        assert x["rollout/staleness_max"] == y["rollout/staleness_max"]
+        assert abs(x["actor/loss"] - y["actor/loss"]) <= DIST_LOSS_ATOL
