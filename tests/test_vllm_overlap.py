@@ -75,18 +75,15 @@ def _hand_loss(groups: list[dict]) -> float:
     return total / len(responses)
 
 
-def test_each_step_trains_groups_of_the_previous_weights_and_the_loss_is_the_hand_computed_one(server, data,
-                                                                                             tmp_path):
-    res = run_cli(["train"] + overrides(data, tmp_path, "k1", **_settings(
-        server, **{"trainer.total_steps": 4, "logging.rollout_logprobs": True})), timeout=1200)
-    assert res.returncode == 0, res.stderr[-4000:]
-    run = tmp_path / "k1"
+def _check_stale_run(run: Path, steps: int) -> dict:
+    """The records of a k = 1 run with logging.rollout_logprobs: the weights that sampled each step, its staleness,
+    the hand-computed loss. Returns the metrics by step."""
     records, lines = _records(run), metrics(run)
-    assert sorted(records) == [1, 2, 3, 4] and [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert sorted(records) == list(range(1, steps + 1)) and [m["step"] for m in lines] == sorted(records)
     for step, groups in records.items():
         assert {g["policy_version"] for g in groups} == {max(0, step - 2)}  # the weights after the previous step
     by_step = {m["step"]: m for m in lines}
-    assert [by_step[s]["rollout/staleness_max"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0]
+    assert [by_step[s]["rollout/staleness_max"] for s in sorted(by_step)] == [0.0] + [1.0] * (steps - 1)
     assert all(m["timing_s/rollout_wait"] >= 0 for m in lines)
     for step, groups in records.items():
         hand, logged = _hand_loss(groups), by_step[step]["actor/loss"]
@@ -96,7 +93,28 @@ def test_each_step_trains_groups_of_the_previous_weights_and_the_loss_is_the_han
     gaps = {step: max(abs(a - b) for g in groups for r in g["responses"]
                       for a, b in zip(r["train_logprobs"], r["logprobs"])) for step, groups in records.items()}
     print(f"\nlargest |trainer - behaviour| logprob per step: {gaps}")
-    assert gaps[1] <= LOGP_ATOL and all(gaps[s] > 10 * LOGP_ATOL for s in (2, 3, 4))
+    assert gaps[1] <= LOGP_ATOL and all(gaps[s] > 10 * LOGP_ATOL for s in range(2, steps + 1))
+    return by_step
+
+
+def test_lora_and_dynamic_sampling_with_overlap(server, data, tmp_path):
+    """First in this module: a LoRA run needs the server on the base weights it started from (the later full runs
+    send every language-model tensor). Dynamic sampling pulls its extra rounds in the rollout thread."""
+    res = run_cli(["train"] + overrides(data, tmp_path, "lora", **_settings(server, **{
+        "trainer.total_steps": 3, "logging.rollout_logprobs": True, "model.lora.r": 4, "model.lora.alpha": 64,
+        "optim.lr": 0.05, "algorithm.dynamic_sampling": True, "algorithm.max_sampling_rounds": 3})), timeout=1200)
+    assert res.returncode == 0, res.stderr[-4000:]
+    by_step = _check_stale_run(tmp_path / "lora", 3)
+    print("\nrounds per step:", [by_step[s]["data/sampling_rounds"] for s in (1, 2, 3)],
+          "dropped groups:", [by_step[s]["data/dropped_groups"] for s in (1, 2, 3)])
+
+
+def test_each_step_trains_groups_of_the_previous_weights_and_the_loss_is_the_hand_computed_one(server, data,
+                                                                                             tmp_path):
+    res = run_cli(["train"] + overrides(data, tmp_path, "k1", **_settings(
+        server, **{"trainer.total_steps": 4, "logging.rollout_logprobs": True})), timeout=1200)
+    assert res.returncode == 0, res.stderr[-4000:]
+    _check_stale_run(tmp_path / "k1", 4)
 
 
 def test_the_hf_engine_refuses_overlap_in_one_line(data, tmp_path):
