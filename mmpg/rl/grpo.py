@@ -10,7 +10,9 @@
                 passes (mu), each one optimizer update; with rollout.tis_cap the policy loss of each token is
                 weighted by min(pi_old / pi_rollout, C) (truncated importance sampling, `algos.truncated_is_weights`)
     sync:       rollout.engine=vllm: after the update, rank 0 sends the trainable tensors to the server
-                (timing_s/weight_sync); the other ranks wait for it
+                (timing_s/weight_sync; under ZeRO-3 every rank gathers them with it), the other ranks wait for it
+    overlap:    rollout.max_staleness = k >= 1 (vLLM): collect() runs in a thread for the next k steps while this
+                one updates (`mmpg.rl.overlap`); the sync waits until no rollout that must not see it is running
 
 Rank lockstep (needed by ZeRO-3, whose every forward gathers weights): every rank pulls the same number of batches,
 decodes until every rank is done, runs the same number of micro-batches (a rank with fewer repeats one with loss
