@@ -34,6 +34,25 @@ def placeholder_token_ids(model) -> list[int]:
             if i is not None]
 
 
+def pad_token_id(model) -> int:
+    """The padding id of `model`, the one rule for every place that pads: the rollout engines (finished rows of
+    `Rollout.completion_ids`, left-padded prompts), the trainers' collators and the grouped and repeated forwards.
+
+    generation_config.pad_token_id, else the text config's pad_token_id, else the first of generation_config's
+    eos_token_id, else 0. Padding only fills positions a mask turns off (attention mask, completion mask), so any id
+    of the vocabulary gives the same logprobs and losses; the order is `model.generate`'s (generation_config first,
+    eos when no pad is set), so our rollouts are padded as transformers pads (Qwen checkpoints set <|endoftext|> in
+    generation_config.json). 0 is for a bare config with neither pad nor eos: still an id of any vocabulary."""
+    generation = getattr(model, "generation_config", None)
+    for pad in (getattr(generation, "pad_token_id", None), model.config.get_text_config().pad_token_id):
+        if pad is not None:
+            return int(pad)
+    eos = getattr(generation, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return int(eos) if eos is not None else 0
+
+
 def check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
                       banned_ids: list[int] = ()) -> Completions:
     """Raise a ValueError that names the row or prompt for every malformed input; return the parsed completions."""

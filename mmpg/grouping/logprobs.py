@@ -16,7 +16,7 @@ from mmpg.grouping.adapters import packed_hidden_states, prefix_positions
 from mmpg.grouping.tree import Share, find_shares, leaders_visuals, share_order
 from mmpg.grouping.tree import pack_tree as pack
 from mmpg.grouping.inputs import (
-    Completions, check_completions, mm_token_type_ids, placeholder_token_ids, prompt_attention_mask,
+    Completions, check_completions, mm_token_type_ids, pad_token_id, placeholder_token_ids, prompt_attention_mask,
     select_prompts, split_visuals_per_prompt,
 )
 from mmpg.grouping.backends import compute_dtype, resolve_backend
@@ -106,7 +106,7 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     order = share_order(visuals) if share and is_vl else list(range(len(completions.group_sizes)))
     if order != sorted(order):  # a video's prompts apart in the batch: computed side by side, given back in order
         rows = [i for b in order for i in completions.rows_of(b)]
-        pad_id = model.config.get_text_config().pad_token_id or 0
+        pad_id = pad_token_id(model)
         out = grouped_logprobs(model, select_prompts(model, prompt_inputs, order, pad_id), completion_ids[rows],
                                completion_mask[rows], [completions.group_sizes[b] for b in order], backend=backend,
                                temperature=temperature, chunk_size=chunk_size, share=True,
@@ -146,7 +146,7 @@ def _repeated_rows(model, prompt_inputs, completions: Completions) -> dict:
     is_vl = model_kind(model) == "vl"
     types = mm_token_type_ids(model, prompt_inputs) if is_vl else None
     visuals = split_visuals_per_prompt(model, prompt_inputs) if is_vl else None
-    pad_id = model.config.get_text_config().pad_token_id or 0
+    pad_id = pad_token_id(model)
     rows, row_types, row_visuals = [], [], []
     for b, group in enumerate(completions.group_sizes):
         for i in completions.rows_of(b):

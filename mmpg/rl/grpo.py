@@ -30,6 +30,7 @@ import torch
 
 from mmpg.data.dataset import strict_error, video_key
 from mmpg.errors import UserError
+from mmpg.grouping.inputs import pad_token_id
 from mmpg.grouping.selfcheck import SelfCheck, SelfCheckError, batch_dims
 from mmpg.models.counting import VisionCalls, prefill_tokens
 from mmpg.models.lora import reference_model, without_dropout
@@ -106,16 +107,15 @@ class GRPOStep:
         sync = (lambda done: dist.all_true(done, self._coll_device)) if dist.world_size() > 1 else None
         self.policy = engine.module.policy
         self.vllm = cfg.rollout.engine == "vllm"
+        self.pad_id = pad_token_id(self.policy)  # the collators pad with what the engines pad completions with
         if self.vllm:
             self.rollout_engine = self._vllm_engine(cfg, processor)
-            self.pad_id = HFEngine(self.policy, processor)._pad_id()
         else:
             self.rollout_engine = HFEngine(self.policy, processor, all_done=sync, decode=cfg.rollout.decode,
                                            cascade_backend=cfg.rollout.cascade_backend,
                                            decode_check=cfg.rollout.decode_check,
                                            share_videos=cfg.algorithm.share_videos,
                                            prefill_chunk=cfg.rollout.prefill_chunk)
-            self.pad_id = self.rollout_engine._pad_id()
         self.batches_pulled = 0  # global batches pulled from the loader
         self.batches_trained = 0  # those of the steps trained (the data position is start + this * batch_size)
         # rollout.max_staleness >= 1: the next steps' groups are sampled while this one trains (`mmpg.rl.overlap`)

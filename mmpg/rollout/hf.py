@@ -52,7 +52,7 @@ from transformers import DynamicCache
 
 from mmpg.grouping.adapters import prefix_positions
 from mmpg.grouping.inputs import (
-    placeholder_token_ids, prompt_attention_mask, select_prompts, split_visuals_per_prompt,
+    pad_token_id, placeholder_token_ids, prompt_attention_mask, select_prompts, split_visuals_per_prompt,
 )
 from mmpg.grouping.tree import share_order
 from mmpg.grouping.patch import base_model, model_kind
@@ -140,8 +140,8 @@ class HFEngine(Prefill, RolloutEngine):
             raise ValueError(f"prompt {int(empty[0])} is empty (all-zero attention_mask); drop it from the batch")
         order = self._share_order(prompt_inputs)
         if order != sorted(order):  # a video's prompts apart in the batch: sampled side by side, answered in order
-            out = self.generate_groups(select_prompts(self.model, prompt_inputs, order, self._pad_id()),
-                                       [sizes[b] for b in order], sampling,
+            part = select_prompts(self.model, prompt_inputs, order, pad_token_id(self.model))
+            out = self.generate_groups(part, [sizes[b] for b in order], sampling,
                                        None if prompt_seeds is None else [prompt_seeds[b] for b in order])
             return _rows_back(out, order, sizes)
         modes = {m: m.training for m in self.model.modules()}
@@ -190,7 +190,7 @@ class HFEngine(Prefill, RolloutEngine):
     def check_decode(self, prompt_inputs, picks: list[int], g_max: int, steps: int, kernel: str):
         """The decode check's two runs (`mmpg.rollout.decode_choice`): prompts `picks` of the batch, g_max rows each,
         `steps` greedy tokens without a stop token, by copy decoding and by `kernel` -> (reference, candidate)."""
-        part = select_prompts(self.model, prompt_inputs, picks, self._pad_id())
+        part = select_prompts(self.model, prompt_inputs, picks, pad_token_id(self.model))
         greedy = SamplingParams(max_new_tokens=steps, temperature=0, stop_token_ids=(), logprobs=True)
         sizes = [g_max] * len(picks)
         with self.check_scope():
@@ -206,7 +206,8 @@ class HFEngine(Prefill, RolloutEngine):
         step_fn = self._cascade_step if isinstance(cache, CascadeCall) else self._decode_step
         kv = cache.cache if isinstance(cache, CascadeCall) else cache
         n, steps = rows.numel(), sampling.max_new_tokens
-        tokens = torch.full((n, steps), self._pad_id(), dtype=torch.long, device=device)  # [N, max_new_tokens]
+        # [N, max_new_tokens]; a finished row's rest is padding
+        tokens = torch.full((n, steps), pad_token_id(self.model), dtype=torch.long, device=device)
         logps = torch.zeros(n, steps, dtype=torch.float32, device=device)
         lengths = torch.zeros(n, dtype=torch.long, device=device)
         stopped = torch.zeros(n, dtype=torch.bool, device=device)
@@ -264,7 +265,7 @@ class HFEngine(Prefill, RolloutEngine):
 
     def _idle_step(self, device) -> None:
         """One forward of a single pad token through every decoder layer, result discarded (synced decoding)."""
-        ids = torch.full((1, 1), self._pad_id(), dtype=torch.long, device=device)
+        ids = torch.full((1, 1), pad_token_id(self.model), dtype=torch.long, device=device)
         pos = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.model(input_ids=ids, position_ids=pos[None].expand(3, 1, 1) if self._is_vl else pos, use_cache=False,
                    logits_to_keep=1)
@@ -304,14 +305,6 @@ class HFEngine(Prefill, RolloutEngine):
         if eos is None:
             raise ValueError("the model's generation_config has no eos_token_id; pass SamplingParams(stop_token_ids=)")
         return [eos] if isinstance(eos, int) else list(eos)
-
-    def _pad_id(self) -> int:
-        pad = self.model.generation_config.pad_token_id
-        if pad is None:
-            pad = self.model.config.get_text_config().pad_token_id
-        if pad is None:
-            pad = self._stop_ids(SamplingParams())[0]
-        return int(pad)
 
 
 def _rows_back(out: Rollout, order: list[int], sizes: list[int]) -> Rollout:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mmpg.grouping.attention import LAYOUT_KWARG
+from mmpg.grouping.inputs import pad_token_id
 from mmpg.rollout.cascade import SharedPrefixCache
 from mmpg.rollout.cascade_attention import CASCADE_KWARG, CHUNK_KWARG, ChunkCall, cascade_attention_enabled
 from mmpg.rollout.cascade_kernels import resolve_backend
@@ -31,8 +32,8 @@ _VISUAL_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_
 
 
 class Prefill:
-    """Prefill methods of `HFEngine` (they use its model, prefill_chunk, all_done, _path, _is_vl, _pad_id,
-    _cache_kwarg and _idle_step)."""
+    """Prefill methods of `HFEngine` (they use its model, prefill_chunk, all_done, _path, _is_vl, _cache_kwarg
+    and _idle_step)."""
 
     def _prefill(self, prefixes, prompt_inputs, device, cache, extra: dict | None = None,
                  tree: TreePrefill | None = None):
@@ -48,7 +49,8 @@ class Prefill:
             self._prefill_sync(device)
             return logits, torch.ones(len(starts), 1, device=device), start
         width = max(p.numel() for p in ids_list)
-        ids = torch.stack([F.pad(p, (width - p.numel(), 0), value=self._pad_id()) for p in ids_list]).to(device)
+        pad = pad_token_id(self.model)
+        ids = torch.stack([F.pad(p, (width - p.numel(), 0), value=pad) for p in ids_list]).to(device)
         attn = torch.stack([F.pad(torch.ones_like(p), (width - p.numel(), 0)) for p in ids_list]).to(device)
         pos = torch.stack([F.pad(p, (width - p.shape[1], 0)) for p in pos_list], dim=1).to(device)  # [A, B, L]
         position_ids = pos if self._is_vl else pos[0]  # [3, B, L] mRoPE or [B, L]
@@ -132,7 +134,7 @@ class Prefill:
         cache's first level, then every query's tail [Q, L_t] in one forward behind its share's shared part
         (`cascade_attention.tails_attention`) into the second. Returns the logits [Q, V] at each tail's last token.
         The tails (a question and the chat header) are not chunked."""
-        (ids, attn, pos), (tail_ids, tail_pos) = tree_batches(tree, self._pad_id())
+        (ids, attn, pos), (tail_ids, tail_pos) = tree_batches(tree, pad_token_id(self.model))
         self._prefill_chunks(ids, attn, pos if self._is_vl else pos[0], tree.visuals, cache)
         if self.all_done is not None:
             self.all_done(False)  # the tails forward is one more (`_prefill_sync`)

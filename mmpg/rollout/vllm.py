@@ -168,12 +168,14 @@ class VLLMEngine(RolloutEngine):
         return meta, arrays
 
     def _rollout(self, outputs: list[list[dict]], sizes: list[int], sampling: SamplingParams) -> Rollout:
+        from mmpg.grouping.inputs import pad_token_id
+
         rows = [o for per_prompt in outputs for o in per_prompt]
         if [len(o) for o in outputs] != sizes:
             raise ServerError(f"vLLM server returned {[len(o) for o in outputs]} responses per prompt, asked for "
                               f"{sizes}")
         width = max(len(r["token_ids"]) for r in rows)
-        ids = torch.full((len(rows), width), _pad_id(self.model), dtype=torch.long)  # [N, S]
+        ids = torch.full((len(rows), width), pad_token_id(self.model), dtype=torch.long)  # [N, S]
         mask = torch.zeros(len(rows), width, dtype=torch.long)  # [N, S]
         logps = torch.zeros(len(rows), width, dtype=torch.float32)  # [N, S]
         for i, r in enumerate(rows):
@@ -412,10 +414,3 @@ def _eos_ids(model) -> list[int]:
     if eos is None:
         raise ValueError("the model's generation_config has no eos_token_id; pass SamplingParams(stop_token_ids=)")
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
-
-
-def _pad_id(model) -> int:
-    pad = model.generation_config.pad_token_id
-    if pad is None:
-        pad = model.config.get_text_config().pad_token_id
-    return int(pad if pad is not None else _eos_ids(model)[0])

@@ -24,6 +24,7 @@ from mmpg.config import Config
 from mmpg.data.dataset import stand_in_batch, strict_error, video_key
 from mmpg.data.prompts import get_template
 from mmpg.errors import UserError
+from mmpg.grouping.inputs import pad_token_id
 from mmpg.models.counting import VisionCalls
 from mmpg.rl.batch import PromptGroup, micro_batches
 from mmpg.rl.report import peak_memory_mb
@@ -66,7 +67,7 @@ class SFTJob:
         self.tokenizer = getattr(session.processor, "tokenizer", session.processor)
         eos = session.model.generation_config.eos_token_id
         self.stop_id = eos if isinstance(eos, int) else eos[0]
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_id
+        self.pad_id = pad_token_id(session.model)  # as the GRPO collator pads (masked positions only)
         self.coll = "cuda" if session.device == "cuda" and dist.active() else "cpu"
         self.eval_samples = None
         self.vision = VisionCalls(session.model)  # perf/vision_calls
