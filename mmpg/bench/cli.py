@@ -10,6 +10,9 @@
                                                     S 32, 8 frames 112x112); --vllm adds it to any rollout config
     mmpg bench --preset cpu-targets --levels step      one whole GRPO step per phase: generate + repeated forward
                                                        vs shared-prefix rollout + grouped forward
+    mmpg bench --levels async [--S 32 --G 12]       GRPO steps per hour on the vLLM engine, rollout/training overlap
+                                                    (rollout.max_staleness 1) vs synchronous, trainer and server
+                                                    pinned to one core each (mmpg.bench.overlap; its own table)
     mmpg bench --levels lora [--lora-r 16]          memory of full vs LoRA training and of the KL reference (frozen
                                                     copy vs adapters off), one GRPO step each (mmpg.bench.lora)
 
@@ -58,10 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan to run; without it (and without --levels) mmpg bench prints what cpu-targets would "
                              "run and measures nothing (a run takes minutes)")
     parser.add_argument("--levels", type=_str_list, default=None,
-                        help="comma list of attention,model,rollout,step,eval (default: attention,model); rollout "
-                             "reuses the preset's model configs; step times one whole GRPO step per phase (rollout, "
-                             "reward, logprob, update) on the trainer's code (the gpu preset's step is untested); eval "
-                             "answers Q queries of one video greedily, per query vs the tree")
+                        help="comma list of attention,model,rollout,step,eval, or lora or async alone (default: "
+                             "attention,model); rollout reuses the preset's model configs; step times one whole GRPO "
+                             "step per phase (rollout, reward, logprob, update) on the trainer's code (the gpu "
+                             "preset's step is untested); eval answers Q queries of one video greedily, per query vs "
+                             "the tree")
     parser.add_argument("--family", default="qwen2", help="model family for model/rollout levels (qwen2, qwen3, "
                         "qwen2_5_vl, qwen3_vl; VL families have no upstream variant); the step level takes a VL "
                         "family and uses qwen2_5_vl for a text-only one")
@@ -92,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="step level: also run each config with its packed row spread over this many gloo "
                         "processes (sequence parallelism, `mmpg.bench.sp`), beside sp 1; per-rank peak memory and "
                         "time with their ceilings in a table of their own (default 1: off)")
+    parser.add_argument("--async-steps", type=int, default=12, help="--levels async: GRPO steps per arm (the "
+                        "first --warmup of them, default 2, are not in the means)")
+    parser.add_argument("--async-rounds", type=int, default=2, help="--levels async: runs per arm, alternating "
+                        "k = 0, 1 then 1, 0 (the machine's drift cancels); the means pool them")
+    parser.add_argument("--trainer-core", type=int, default=0, help="--levels async: the core `mmpg train` runs on")
+    parser.add_argument("--server-core", type=int, default=1, help="--levels async: the core the vLLM server runs on")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (fresh process each)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per process (>= 1: the memory step)")
@@ -190,6 +200,12 @@ def run(args) -> int:
         from mmpg.bench.lora import run as run_lora
 
         return run_lora(args)
+    if args.levels and "async" in args.levels:  # its own program and table (mmpg.bench.overlap)
+        if args.levels != ["async"]:
+            raise UserError("--levels async runs alone (its own table); run the other levels separately")
+        from mmpg.bench.overlap import run as run_async
+
+        return run_async(args)
 
     if args.preset is None:
         if args.levels is None and not args.dry_run:

