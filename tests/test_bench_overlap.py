@@ -21,7 +21,9 @@ def _record(step, rollout, update, logprob, sync, total, wait=None):
 
 
 # k = 0: step 1 is warm-up (10 s); steps 2 and 3: rollout 4 + 2, update (logprob + update) 1+3 and 1+1.
-SYNC = [_record(1, 9.0, 0.5, 0.5, 0.0, 10.0), _record(2, 4.0, 3.0, 1.0, 0.5, 9.0), _record(3, 2.0, 1.0, 1.0, 0.5, 5.0)]
+# Step 4, each run's last, is left out (at k = 1 nothing is in flight after it): its figures would change every mean.
+SYNC = [_record(1, 9.0, 0.5, 0.5, 0.0, 10.0), _record(2, 4.0, 3.0, 1.0, 0.5, 9.0), _record(3, 2.0, 1.0, 1.0, 0.5, 5.0),
+        _record(4, 0.1, 0.1, 0.1, 0.1, 0.4)]
 
 
 def _marks(*rows):
@@ -33,12 +35,13 @@ def _marks(*rows):
 # Periods: step 2 100 -> 110 (10 s), step 3 110 -> 116 (6 s): 16 s for 2 steps; server busy 4.5 + 2.5 = 7 s of
 # them; server queued 1 + 0 s, trainer CPU 5 + 3 s, trainer queued 0.5 + 0.5 s.
 SYNC_MARKS = _marks((1, 100.0, 50.0, 2.0, 10.0, 1.0), (2, 110.0, 54.5, 3.0, 15.0, 1.5),
-                    (3, 116.0, 57.0, 3.0, 18.0, 2.0))
+                    (3, 116.0, 57.0, 3.0, 18.0, 2.0), (4, 116.5, 57.1, 3.0, 18.1, 2.0))
 # k = 1: steps 2 and 3 each wait 1 s for their rollouts of 4 s, update 2 + 2, step 5 s; periods 5 s and 5 s, the
 # server busy 4 s of each.
 OVER = [_record(1, 9.0, 0.5, 0.5, 0.0, 10.0, wait=9.0), _record(2, 4.0, 1.5, 0.5, 0.5, 5.0, wait=1.0),
-        _record(3, 4.0, 1.5, 0.5, 0.5, 5.0, wait=1.0)]
-OVER_MARKS = _marks((1, 0.0, 0.0, 0.0, 0.0, 0.0), (2, 5.0, 4.0, 0.0, 4.0, 0.0), (3, 10.0, 8.0, 0.0, 8.0, 0.0))
+        _record(3, 4.0, 1.5, 0.5, 0.5, 5.0, wait=1.0), _record(4, 4.0, 1.5, 0.5, 0.0, 0.5, wait=0.0)]
+OVER_MARKS = _marks((1, 0.0, 0.0, 0.0, 0.0, 0.0), (2, 5.0, 4.0, 0.0, 4.0, 0.0), (3, 10.0, 8.0, 0.0, 8.0, 0.0),
+                    (4, 10.5, 8.1, 0.0, 8.4, 0.0))
 
 
 def test_arm_summary_of_the_synchronous_arm():
@@ -75,8 +78,9 @@ def test_runs_pool_their_steps():
     3 s of each): 4 steps in 24 s -> 600 steps/h; rollout mean (4 + 2 + 1 + 1) / 4 = 2, server work 2 + 0.5 per
     step: idle 1 - 10 / 24; trainer CPU 8 + 6 s: idle 1 - 14 / 24."""
     fast = [_record(1, 9.0, 0.5, 0.5, 0.0, 10.0), _record(2, 1.0, 1.0, 1.0, 0.5, 3.5),
-            _record(3, 1.0, 1.0, 1.0, 0.5, 3.5)]
-    marks = _marks((1, 0.0, 0.0, 0.0, 0.0, 0.0), (2, 4.0, 2.0, 0.0, 3.0, 0.0), (3, 8.0, 4.0, 0.0, 6.0, 0.0))
+            _record(3, 1.0, 1.0, 1.0, 0.5, 3.5), _record(4, 1.0, 1.0, 1.0, 0.5, 0.1)]
+    marks = _marks((1, 0.0, 0.0, 0.0, 0.0, 0.0), (2, 4.0, 2.0, 0.0, 3.0, 0.0), (3, 8.0, 4.0, 0.0, 6.0, 0.0),
+                   (4, 8.1, 4.0, 0.0, 6.1, 0.0))
     a = arm_summary(0, [(SYNC, SYNC_MARKS), (fast, marks)], warmup=1)
     assert a["n"] == 4 and a["runs"] == 2 and a["steps"] == [2, 3]
     assert a["steps_per_hour"] == pytest.approx(600.0) and a["period_s"] == pytest.approx(6.0)
@@ -86,7 +90,7 @@ def test_runs_pool_their_steps():
 
 
 def test_ceiling_of_unequal_phases_and_warmup_choice():
-    a = arm_summary(0, [(SYNC, SYNC_MARKS)], warmup=2)  # step 3 alone: R 2, U 2 -> 2x; period 6 s
+    a = arm_summary(0, [(SYNC, SYNC_MARKS)], warmup=2)  # step 3 alone (4 is the last): R 2, U 2 -> 2x; period 6 s
     assert a["steps"] == [3] and a["steps_per_hour"] == pytest.approx(600.0)
     a["phases"].update(rollout=1.0, update=3.0)
     assert ceiling(a) == pytest.approx(4.0 / 3.0)

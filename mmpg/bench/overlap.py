@@ -10,7 +10,8 @@ the staleness alone. Each arm runs --async-rounds times, in the order 0, 1, 1, 0
 cancels); the server is restarted before each run, so none finds another's videos in vLLM's processor cache.
 Everything else is one config (`train_overrides`): 2 prompts x G responses of up to S tokens, 4 frames of 56 x 56.
 
-What is measured, per arm, over the steps after --warmup (the first step holds the self-check and first-call costs):
+What is measured, per arm, over the steps after --warmup (the first step holds the self-check and first-call costs)
+and before the run's last (at k = 1 no rollout is in flight after it: it waits for none, and would flatter k = 1):
     the run's metrics.jsonl: timing_s/rollout (k = 1: in the rollout thread), rollout_wait, logprob + update,
         weight_sync and step, as the trainer logs them
     the step period: wall seconds between two metrics lines, seen by polling the file (so logging and the
@@ -55,13 +56,14 @@ SPEC = {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, 
 def arm_summary(k: int, runs: list[tuple[list[dict], dict]], warmup: int) -> dict:
     """One arm's row, pooled over its runs (rounds). Each run: (records, marks); records: the run's metrics lines;
     marks: step -> (wall s, {"server_cpu", "server_queued", "trainer_cpu", "trainer_queued"} seconds so far,
-    `probe`) when its metrics line appeared. A run's steps measured are those after `warmup` whose previous step has
-    a mark too; every mean is over all measured steps of all runs."""
+    `probe`) when its metrics line appeared. A run's steps measured are those after `warmup` and before its last
+    whose previous step has a mark too; every mean is over all measured steps of all runs."""
     rows, period, delta = [], 0.0, {}  # rows: the measured steps' metrics
     steps = []
     for records, marks in runs:
         by_step = {r["step"]: r for r in records}
-        mine = [s for s in sorted(by_step) if s > warmup and s in marks and s - 1 in marks]
+        last = max(by_step)  # left out: at k >= 1 no rollout is in flight after it, so it waits for none
+        mine = [s for s in sorted(by_step) if warmup < s < last and s in marks and s - 1 in marks]
         if not mine:
             raise ValueError(f"k={k}: no step after the {warmup} warm-up step(s) to measure (steps logged: "
                              f"{sorted(by_step)})")
