@@ -208,11 +208,13 @@ class GRPOStep:
             rebuilt, copies = self.rebuild(usable[:1]), 1
         return rebuilt, copies if len(rebuilt) else 0
 
-    def collect(self, step: int, timer: Timer, version: int | None = None) -> tuple[list[PromptGroup], dict]:
-        """This rank's groups of the step, sampled with the weights after step `version` (None: step - 1, the
-        synchronous loop). A rank that ends with none of its own while others have some gets one dummy group
-        (weight 0) so that the ranks stay in lockstep and train what one process trains."""
-        version = step - 1 if version is None else version
+    def collect(self, step: int, timer: Timer, gate=None) -> tuple[list[PromptGroup], dict]:
+        """This rank's groups of the step, sampled with the weights after step step - 1 (the synchronous loop), or
+        with those `gate()` returns once they are on the server (the rollout thread, `mmpg.rl.overlap`: called
+        before the step's first request, so the batch is pulled and decoded while the weights are still on their
+        way). A rank that ends with none of its own while others have some gets one dummy group (weight 0) so that
+        the ranks stay in lockstep and train what one process trains."""
+        version = step - 1
         cfg, groups, spare = self.cfg, [], None
         info = {"skipped": 0, "rounds": 0, "dropped_groups": 0, "empty_rounds": 0, "prefix_tokens": 0}
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
@@ -232,6 +234,8 @@ class GRPOStep:
                 batch, copies = self._rebalance(batch)
             info["rounds"] += 1
             seeds = [prompt_seed(cfg.trainer.seed, step, s.sample_id, info["rounds"]) for s in batch.samples]
+            if gate is not None:  # the step's weights: every round of the step samples with them
+                version, gate = gate(), None
             with timer("rollout"):
                 rollout = self._generate(batch, sampling, seeds)
             info["prefix_tokens"] += prefill_tokens(self.rollout_engine, batch.inputs)  # perf/prefix_tokens
@@ -444,10 +448,10 @@ class GRPOStep:
             sums["entropy"] += float((-logp.detach() * real).sum())
 
     # ---- one step ----------------------------------------------------------------------------------------------
-    def _collect_ahead(self, step: int, version: int) -> tuple[list[PromptGroup], dict]:
+    def _collect_ahead(self, step: int, gate) -> tuple[list[PromptGroup], dict]:
         """`collect` in the rollout thread (`mmpg.rl.overlap`): its phase times, and the batches pulled so far."""
         timer = Timer()
-        groups, info = self.collect(step, timer, version)
+        groups, info = self.collect(step, timer, gate)
         info["timing"], info["pulled_through"] = timer.seconds, self.batches_pulled
         return groups, info
 
@@ -484,12 +488,13 @@ class GRPOStep:
         else:
             sums = self.update(groups, timer)
         if self.vllm:  # the server samples the next step (with overlap: step + k + 1) with this step's weights
-            with timer("weight_sync"):
-                if self.prefetcher is not None:
+            if self.prefetcher is not None:  # the rollouts that must not see this step's weights finish first
+                with timer("rollout_wait"):
                     self.prefetcher.quiesce(step)
+            with timer("weight_sync"):
                 info["weight_sync"] = self.sync_weights()
-                if self.prefetcher is not None:
-                    self.prefetcher.published(step)
+            if self.prefetcher is not None:
+                self.prefetcher.published(step)
         timer.seconds["step"] = time.perf_counter() - t0
         info["timing"] = timer.seconds
         info["vision_calls"] = self.vision.take()  # rollout, reference and update forwards (not the self-check)

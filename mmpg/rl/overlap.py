@@ -36,9 +36,15 @@ from mmpg.errors import UserError
 log = logging.getLogger("mmpg.train")
 
 
+class _Stopped(Exception):
+    """The main thread stopped the prefetcher while the thread waited for weights."""
+
+
 class Prefetcher:
-    """collect(t, version) -> (groups, info) runs in a daemon thread for steps start+1 .. total, step t once the
-    weights after step t-1-k are published; the main thread takes each step's result in order."""
+    """collect(t, gate) -> (groups, info) runs in a daemon thread for steps start+1 .. total; collect calls gate()
+    before its first request to the server, which waits until the weights after step t-1-k are published and
+    returns that version (what comes before, pulling and decoding the step's batch, overlaps the update and the
+    sync); the main thread takes each step's result in order. A collect that never calls gate samples nothing."""
 
     def __init__(self, collect, k: int, start: int, total: int):
         if k < 1:
@@ -61,22 +67,27 @@ class Prefetcher:
         try:
             with dist.side():
                 for t in range(self.start + 1, self.total + 1):
-                    need = self.weights_for(t)
-                    with self.cond:
-                        self.cond.wait_for(lambda: self.stopped or self.version >= need)
-                        if self.stopped:
-                            return
-                        version = self.version  # == need (module docstring)
-                    out = self.collect(t, version)
+                    out = self.collect(t, lambda t=t: self._gate(t))
                     with self.cond:
                         self.items[t] = out
                         self.done_through = t
                         self.cond.notify_all()
+        except _Stopped:
+            return
         except BaseException as e:  # handed to the main thread, which raises it
             with self.cond:
                 self.error = e
                 self.error_trace = traceback.format_exc()
                 self.cond.notify_all()
+
+    def _gate(self, t: int) -> int:
+        """In the thread: wait until the weights step t samples with are on the server; their version."""
+        need = self.weights_for(t)
+        with self.cond:
+            self.cond.wait_for(lambda: self.stopped or self.version >= need)
+            if self.stopped:
+                raise _Stopped()
+            return self.version  # == need (module docstring)
 
     def _wait(self, ready) -> None:
         """Wait until ready() (what is ready is used, even when a later step failed since) or the thread failed; a
