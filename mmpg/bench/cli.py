@@ -100,6 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "first --warmup of them, default 2, are not in the means)")
     parser.add_argument("--async-rounds", type=int, default=2, help="--levels async: runs per arm, alternating "
                         "k = 0, 1 then 1, 0 (the machine's drift cancels); the means pool them")
+    parser.add_argument("--async-frames", type=int, default=4, help="--levels async: frames per video")
+    parser.add_argument("--async-pixels", type=int, default=3136, help="--levels async: pixels (H x W) per frame")
+    parser.add_argument("--async-iterations", type=int, default=1, help="--levels async: optimizer updates per "
+                        "step (algorithm.num_iterations, mu): 2 makes the tiny model's update about as long as its "
+                        "rollout (the ceiling near 2x)")
     parser.add_argument("--trainer-core", type=int, default=0, help="--levels async: the core `mmpg train` runs on")
     parser.add_argument("--server-core", type=int, default=1, help="--levels async: the core the vLLM server runs on")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (fresh process each)")

@@ -1,7 +1,8 @@
 """`mmpg bench --levels async`: GRPO steps per hour with the vLLM server sampling while the trainer updates
 (`rollout.max_staleness` k = 1) against the synchronous loop (k = 0), on two pinned cores.
 
-    mmpg bench --levels async [--async-steps 12] [--async-rounds 2] [--warmup 2] [--S 32] [--G 12] [--out F.json]
+    mmpg bench --levels async [--async-steps 12] [--async-rounds 2] [--warmup 2] [--S 32] [--G 12]
+                              [--async-frames 4] [--async-pixels 3136] [--async-iterations 1] [--out F.json]
 
 Set-up: a tiny Qwen2.5-VL that vLLM serves (hidden 256, 4 heads, 2 K/V heads: head_dim 64, float32), synthetic videos
 (`mmpg.data.synth`), one `mmpg vllm-serve` pinned to --server-core and one `mmpg train` per arm pinned to
@@ -18,9 +19,9 @@ and before the run's last (at k = 1 no rollout is in flight after it: it waits f
         checkpoint-free bookkeeping between steps count too); steps per hour = 3600 / its mean
     the server's work: its rollout request (timing_s/rollout: the HTTP round trip, nearly all of it the server's
         engine time) plus its side of the weight sync (perf/weight_sync_server_s); server idle = 1 - work / period
-    the trainer's idle share: 1 - its process's CPU seconds / period (/proc/PID/task/*/schedstat). With k >= 1
-        its wait for the rollouts is mostly not in rollout_wait but in weight_sync: before sending new weights it
-        waits for the rollout in flight (`Prefetcher.quiesce`), so the CPU share is the measure that sees both
+    the trainer's idle share: 1 - its process's CPU seconds / period (/proc/PID/task/*/schedstat); it sees every
+        wait, also what rollout_wait (the wait for the groups and, before a sync, for the rollout in flight) leaves
+        out
     server CPU seconds: of the server's process group (API server, engine core, worker), within each period; more
         than its work, as vLLM's processes poll each other while a request runs (the idle server's own share,
         measured before the first run, is printed beside)
@@ -173,16 +174,18 @@ class Marks(threading.Thread):
 
 
 def train_overrides(model: Path, synth: Path, out: Path, name: str, url: str, k: int, steps: int, S: int,
-                    G: int) -> list[str]:
-    """The bench's GRPO config: 2 prompts x G responses of S tokens (no stop), 4 frames of 56 x 56 per video."""
+                    G: int, frames: int = 4, pixels: int = 3136, iterations: int = 1) -> list[str]:
+    """The bench's GRPO config: 2 prompts x G responses of S tokens (no stop), `frames` frames of `pixels` pixels
+    (H x W) per video, `iterations` optimizer updates per step (algorithm.num_iterations: mu)."""
     over = {"model.path": model, "model.dtype": "float32", "data.train": synth / "train.json",
-            "data.videos": synth / "videos", "data.batch_size": 2, "data.fps": 1.0, "data.min_frames": 4,
-            "data.max_frames": 4, "data.min_pixels": 3136, "data.max_pixels": 3136, "data.num_workers": 0,
+            "data.videos": synth / "videos", "data.batch_size": 2, "data.fps": 1.0, "data.min_frames": frames,
+            "data.max_frames": frames, "data.min_pixels": pixels, "data.max_pixels": pixels, "data.num_workers": 0,
             "rollout.n": G, "rollout.max_new_tokens": S, "rollout.engine": "vllm", "rollout.vllm_url": url,
             "rollout.vllm_wait_s": 900, "rollout.tis_cap": 2.0, "rollout.max_staleness": k,
             "trainer.micro_batch_size": 2 * G, "trainer.device": "cpu", "trainer.output_dir": out,
             "trainer.run_name": name, "trainer.total_steps": steps, "trainer.seed": 0, "optim.lr": 1e-4,
-            "checkpoint.every_n_steps": 0, "logging.tensorboard": False, "eval.every_n_steps": 0}
+            "checkpoint.every_n_steps": 0, "logging.tensorboard": False, "eval.every_n_steps": 0,
+            "algorithm.num_iterations": iterations}
     return [f"{key}={value}" for key, value in over.items()]
 
 
@@ -194,7 +197,8 @@ def run_arm(k: int, server, tmp: Path, args, log) -> tuple[list[dict], dict]:
     run_dir = tmp / "runs" / name
     cmd = ["taskset", "-c", str(args.trainer_core), sys.executable, "-m", "mmpg.cli", "train",
            *train_overrides(tmp / "model", tmp / "synth", tmp / "runs", name, server.url, k, args.async_steps,
-                            args.S[0] if args.S else 32, args.G[0] if args.G else 12)]
+                            args.S[0] if args.S else 32, args.G[0] if args.G else 12, args.async_frames,
+                            args.async_pixels, args.async_iterations)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
     with open(tmp / f"train-{name}.log", "w") as out:
