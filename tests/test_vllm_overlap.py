@@ -212,3 +212,24 @@ def test_two_ranks_under_zero3_train_what_one_process_trains(server, data8, tmp_
         assert x["data/skipped"] == y["data/skipped"] and x["reward/mean"] == y["reward/mean"]
         assert x["rollout/staleness_max"] == y["rollout/staleness_max"]
         assert abs(x["actor/loss"] - y["actor/loss"]) <= DIST_LOSS_ATOL
+
+
+def test_a_global_batch_with_no_usable_video_does_not_stall_two_ranks(server, data8, tmp_path):
+    """k = 1 on 2 ranks: the first global batch (synth_00000 #0-2, synth_00002 #0) has no usable video at all; the
+    rollout thread counts it, pulls the next one, and the run trains on (no deadlock, no crash)."""
+    import shutil
+
+    synth = tmp_path / "synth"
+    shutil.copytree(data8["synth"], synth)
+    for vid in ("synth_00000", "synth_00002"):
+        (synth / "videos" / f"{vid}.mp4").unlink()
+    extra = _settings(server, **{"data.batch_size": 4, "data.shuffle": False, "trainer.total_steps": 2,
+                                 "reward.function": "reward_fns:space_share"})
+    res = run_cli(["train"] + overrides({"model": data8["model"], "synth": synth}, tmp_path, "empty", **extra),
+                  timeout=900, procs=2)
+    assert res.returncode == 0, res.stderr[-4000:]
+    lines = metrics(tmp_path / "empty")
+    assert [m["step"] for m in lines] == [1, 2]
+    assert lines[0]["data/skipped"] >= 4  # the whole first batch, and its refill's unusable ones
+    assert all(g["sample_id"].split("#")[0] not in ("synth_00000", "synth_00002")
+               for gs in _records(tmp_path / "empty").values() for g in gs)
