@@ -233,3 +233,23 @@ def test_a_global_batch_with_no_usable_video_does_not_stall_two_ranks(server, da
     assert lines[0]["data/skipped"] >= 4  # the whole first batch, and its refill's unusable ones
     assert all(g["sample_id"].split("#")[0] not in ("synth_00000", "synth_00002")
                for gs in _records(tmp_path / "empty").values() for g in gs)
+
+
+def test_an_error_on_one_rank_ends_the_run_at_once(server, data8, tmp_path):
+    """data.strict with a missing video in rank 1's share of step 2 only (pulled by rank 1's rollout thread during
+    step 1): rank 1 stops with the error naming the video and the launcher ends rank 0, which would otherwise wait
+    in a collective for it (before: both waited for the collective timeout, 30 minutes)."""
+    import shutil
+
+    synth = tmp_path / "synth"
+    shutil.copytree(data8["synth"], synth)
+    (synth / "videos" / "synth_00003.mp4").unlink()  # sample 6: step 2 = [4, 5 | 6, 7]
+    extra = _settings(server, **{"data.batch_size": 4, "data.shuffle": False, "trainer.total_steps": 3,
+                                 "data.strict": True, "reward.function": "reward_fns:space_share"})
+    t0 = time.monotonic()
+    res = run_cli(["train"] + overrides({"model": data8["model"], "synth": synth}, tmp_path, "strict", **extra),
+                  timeout=600, procs=2)
+    seconds = time.monotonic() - t0
+    assert res.returncode != 0
+    assert "synth_00003" in res.stderr, res.stderr[-3000:]
+    assert seconds < 300, f"the run took {seconds:.0f} s to end"

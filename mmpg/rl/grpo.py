@@ -455,6 +455,10 @@ class GRPOStep:
         info["timing"], info["pulled_through"] = timer.seconds, self.batches_pulled
         return groups, info
 
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
+
     def _groups(self, step: int, timer: Timer) -> tuple[list[PromptGroup], dict]:
         """The step's groups: collected now, or (rollout.max_staleness >= 1) taken from the rollout thread, whose
         sampling and scoring times are reported as rollout and reward and the wait for it as rollout_wait."""

@@ -16,8 +16,10 @@ the schedule a function of (step, k) alone: every rank samples the same step wit
 ranks trains what one process trains. At k = 0 this module is not used (the synchronous loop, `GRPOStep.collect`).
 
 The thread's collectives (a multi-rank run's rebalancing and dynamic sampling) go over their own process group
-(`mmpg.dist.side`). An error in the thread reaches the main thread at its next `take` or `quiesce`; a UserError (a
-refused request, unusable data) is one line, the same on every rank (`dist.first_error`), never a deadlock.
+(`mmpg.dist.side`). An error in the thread reaches the main thread at its next `take` or `quiesce` and is raised
+there, on that rank, with no collective, as the synchronous loop raises it: a failure every rank meets (a refused
+request, data unusable batch after batch) is one line on every rank; a failure on one rank alone (a strict data
+error) ends that process and the launcher ends the others, which would otherwise wait for it in a collective.
 
 Resume: a checkpoint's data position counts the batches of the steps trained, not those prefetched (`trained_through`),
 so a resumed run pulls the prefetched prompts again and samples them again with the checkpoint's weights (its first
@@ -95,14 +97,13 @@ class Prefetcher:
         with self.cond:
             self.cond.wait_for(lambda: ready() or self.error is not None)
             error = None if ready() else self.error
-        message = str(error) if isinstance(error, UserError) else None
-        if error is not None and message is None:
-            log.error("the rollout thread failed:\n%s", self.error_trace)
-            raise RuntimeError(f"the rollout thread failed: {error!r}") from error
-        message = dist.first_error(message)  # every rank learns of a refusal on any rank, here
-        if message:
-            self.stop()
-            raise UserError(message)
+        if error is None:
+            return
+        self.stop()  # raised here, on this rank alone, as the synchronous loop raises it (module docstring)
+        if isinstance(error, UserError):
+            raise UserError(str(error))
+        log.error("the rollout thread failed:\n%s", self.error_trace)
+        raise RuntimeError(f"the rollout thread failed: {error!r}") from error
 
     def take(self, step: int) -> tuple:
         """The (groups, info) of `step`, waiting for them."""
@@ -114,6 +115,7 @@ class Prefetcher:
         """Before the weights after `step` are sent: wait until every rollout that must use older weights is done."""
         last = min(self.total, step + self.k)
         self._wait(lambda: self.done_through >= last)
+        dist.barrier()  # and every other rank's: only then may rank 0 send (a request still on its way would get them)
 
     def published(self, step: int) -> None:
         """The server now holds the weights after `step`."""

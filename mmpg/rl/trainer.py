@@ -155,6 +155,10 @@ class GRPOJob:
             metrics["actor/tis_capped"] = sums["tis_capped"] / tokens if tokens else 0.0
         return StepOutput(metrics=metrics, rollouts=flat, thumbnails=[m for part in media for m in part])
 
+    def close(self) -> None:
+        """The end of the run, or a failure: the rollout thread (rollout.max_staleness) stops pulling and sampling."""
+        self.step_fn.close()
+
     def evaluate(self, step: int) -> dict | None:
         from mmpg.train.heldout import evaluate_heldout
 

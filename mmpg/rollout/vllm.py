@@ -204,8 +204,16 @@ class VLLMEngine(RolloutEngine):
         if self.partitioned:
             rank0 = dist.rank() == 0
             device = next(self.model.parameters()).device
-            nccl = rank0 and self._sync_plan(device).kind == "nccl"
-            params = gathered_sync_tensors(self.model, everything, keep=rank0, device=device if nccl else "cpu")
+            nccl, refused = False, None
+            if rank0:  # a refused plan is raised after the gather, which every rank must enter alike
+                try:
+                    nccl = self._sync_plan(device).kind == "nccl"
+                except ServerError as e:
+                    refused = e
+            params = gathered_sync_tensors(self.model, everything, keep=rank0 and refused is None,
+                                           device=device if nccl else "cpu")
+            if refused is not None:
+                raise refused
             if not rank0:
                 return {}
         else:

@@ -71,6 +71,7 @@ def run_loop(job, session) -> None:
     bar = tqdm(total=total, initial=start, desc=f"{job.kind}", unit="step", disable=session.rank != 0,
                dynamic_ncols=True)
     recorded = None  # the choices' version last written to run.json
+    failed = False
     try:
         for step in range(start + 1, total + 1):
             out = job.train_step(step)
@@ -105,8 +106,15 @@ def run_loop(job, session) -> None:
                                        job.trainer_state(), cfg.checkpoint.keep_last)
                 if session.rank == 0:
                     log.info("checkpoint %s", path)
+    except BaseException:
+        failed = True
+        raise
     finally:
+        close = getattr(job, "close", None)
+        if close is not None:  # e.g. a GRPO job's rollout thread
+            close()
         bar.close()
         writer.close()
         tracker.finish()
-        dist.barrier()
+        if not failed:  # a rank that failed exits at once: the launcher ends the others, which may be mid-collective
+            dist.barrier()
