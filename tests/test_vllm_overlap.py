@@ -178,21 +178,26 @@ def data8(vllm_ckpt, tmp_path_factory):
     return {"model": str(vllm_ckpt), "synth": root / "synth"}
 
 
+def _without(data: dict, tmp_path: Path, *videos: str) -> dict:
+    """A copy of `data`'s dataset with these videos' files deleted (their samples become unusable)."""
+    import shutil
+
+    synth = tmp_path / "synth"
+    shutil.copytree(data["synth"], synth)
+    for vid in videos:
+        (synth / "videos" / f"{vid}.mp4").unlink()
+    return {"model": data["model"], "synth": synth}
+
+
 def test_two_ranks_under_zero3_train_what_one_process_trains(server, data8, tmp_path):
     """k = 1 on 2 ranks (ZeRO-3, every parameter partitioned) against 1 process: the same prompts per step, sampled
     with the same weights, the same rewards and losses. The data is tests/test_train_distributed.py's with three
     videos deleted, so the rollout thread deals a global batch again across ranks (a rank whose whole share failed
     rolls out a weight-0 copy): its collectives run beside the update's."""
-    import shutil
-
     from test_train_distributed import LOSS_ATOL as DIST_LOSS_ATOL
     from test_train_distributed import ZERO3
 
-    synth = tmp_path / "synth"
-    shutil.copytree(data8["synth"], synth)
-    for vid in ("synth_00000", "synth_00003", "synth_00004"):
-        (synth / "videos" / f"{vid}.mp4").unlink()
-    data = {"model": data8["model"], "synth": synth}
+    data = _without(data8, tmp_path, "synth_00000", "synth_00003", "synth_00004")
     config = tmp_path / "zero3.json"
     config.write_text(json.dumps(ZERO3))
     extra = _settings(server, **{"deepspeed.config": str(config), "data.batch_size": 4, "data.shuffle": False,
@@ -217,15 +222,10 @@ def test_two_ranks_under_zero3_train_what_one_process_trains(server, data8, tmp_
 def test_a_global_batch_with_no_usable_video_does_not_stall_two_ranks(server, data8, tmp_path):
     """k = 1 on 2 ranks: the first global batch (synth_00000 #0-2, synth_00002 #0) has no usable video at all; the
     rollout thread counts it, pulls the next one, and the run trains on (no deadlock, no crash)."""
-    import shutil
-
-    synth = tmp_path / "synth"
-    shutil.copytree(data8["synth"], synth)
-    for vid in ("synth_00000", "synth_00002"):
-        (synth / "videos" / f"{vid}.mp4").unlink()
+    data = _without(data8, tmp_path, "synth_00000", "synth_00002")
     extra = _settings(server, **{"data.batch_size": 4, "data.shuffle": False, "trainer.total_steps": 2,
                                  "reward.function": "reward_fns:space_share"})
-    res = run_cli(["train"] + overrides({"model": data8["model"], "synth": synth}, tmp_path, "empty", **extra),
+    res = run_cli(["train"] + overrides(data, tmp_path, "empty", **extra),
                   timeout=900, procs=2)
     assert res.returncode == 0, res.stderr[-4000:]
     lines = metrics(tmp_path / "empty")
@@ -239,15 +239,11 @@ def test_an_error_on_one_rank_ends_the_run_at_once(server, data8, tmp_path):
     """data.strict with a missing video in rank 1's share of step 2 only (pulled by rank 1's rollout thread during
     step 1): rank 1 stops with the error naming the video and the launcher ends rank 0, which would otherwise wait
     in a collective for it (before: both waited for the collective timeout, 30 minutes)."""
-    import shutil
-
-    synth = tmp_path / "synth"
-    shutil.copytree(data8["synth"], synth)
-    (synth / "videos" / "synth_00003.mp4").unlink()  # sample 6: step 2 = [4, 5 | 6, 7]
+    data = _without(data8, tmp_path, "synth_00003")  # sample 6: step 2 = [4, 5 | 6, 7]
     extra = _settings(server, **{"data.batch_size": 4, "data.shuffle": False, "trainer.total_steps": 3,
                                  "data.strict": True, "reward.function": "reward_fns:space_share"})
     t0 = time.monotonic()
-    res = run_cli(["train"] + overrides({"model": data8["model"], "synth": synth}, tmp_path, "strict", **extra),
+    res = run_cli(["train"] + overrides(data, tmp_path, "strict", **extra),
                   timeout=600, procs=2)
     seconds = time.monotonic() - t0
     assert res.returncode != 0

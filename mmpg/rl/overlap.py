@@ -2,8 +2,9 @@
 the trainer updates on the current ones, each group with weights at most k steps old.
 
     step s (main thread)                        the rollout thread
-      take(s): the groups of step s               collect(t, version) for t = s+1 .. s+k, as soon as the server
-      update on them                              holds the weights after step t-1-k (earlier: the run's first)
+      take(s): the groups of step s               collect(t, gate) for t = s+1 .. s+k: pull and decode the batch,
+      update on them                              then gate() until the server holds the weights after step
+                                                  t-1-k (earlier: the run's first), then sample
       quiesce(s): every rollout that must use     ...
         weights older than step s's is done
       sync the weights of step s, published(s)    -> may start step s+k+1
@@ -21,7 +22,7 @@ there, on that rank, with no collective, as the synchronous loop raises it: a fa
 request, data unusable batch after batch) is one line on every rank; a failure on one rank alone (a strict data
 error) ends that process and the launcher ends the others, which would otherwise wait for it in a collective.
 
-Resume: a checkpoint's data position counts the batches of the steps trained, not those prefetched (`trained_through`),
+Resume: a checkpoint's data position counts the batches of the steps trained, not those prefetched (`GRPOStep.batches_trained`),
 so a resumed run pulls the prefetched prompts again and samples them again with the checkpoint's weights (its first
 k steps are then less stale than an uninterrupted run's): no prompt is lost or trained twice.
 """
