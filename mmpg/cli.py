@@ -15,7 +15,7 @@ from pathlib import Path
 from mmpg import __version__
 from mmpg.errors import UserError, is_user_error
 
-# mmpg.models.tiny.FAMILIES, which imports torch (too slow for --help); tests/test_cli.py checks they agree
+# mmpg.toy.models.FAMILIES, which imports torch (too slow for --help); tests/test_cli.py checks they agree
 TINY_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3")
 
 
@@ -40,7 +40,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def _cmd_make_tiny(args) -> int:
-    from mmpg.models.tiny import TinySpec, make_tiny
+    from mmpg.toy.models import TinySpec, make_tiny
 
     spec = TinySpec(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
                     num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size or 2 * args.hidden_size,
@@ -51,7 +51,7 @@ def _cmd_make_tiny(args) -> int:
 
 
 def _cmd_synth(args) -> int:
-    from mmpg.data.synth import generate_dataset
+    from mmpg.toy.videos import generate_dataset
 
     summary = generate_dataset(args.out, args.n, args.seed, overwrite=args.overwrite,
                                min_duration=args.min_duration, max_duration=args.max_duration, easy=args.easy,
@@ -63,10 +63,10 @@ def _cmd_synth(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from mmpg.demo import run_demo
+    from mmpg.toy.demo import run_demo
 
     if args.build_only:
-        from mmpg.demo.pipeline import Paths, ensure_artifacts
+        from mmpg.toy.demo.pipeline import Paths, ensure_artifacts
 
         paths = Paths.under(Path(args.workdir), "")
         built = ensure_artifacts(paths)
@@ -100,7 +100,7 @@ def _cmd_train(args) -> int:
             value = getattr(value, part)
         print(value)
         return 0
-    from mmpg.demo.pipeline import unbuilt_input  # a demo config before `mmpg demo --build-only`: say so
+    from mmpg.toy.demo.pipeline import unbuilt_input  # a demo config before `mmpg demo --build-only`: say so
 
     problem = unbuilt_input(cfg.model.path, cfg.data.train, cfg.data.val, cfg.data.videos)
     if problem:
@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-steps", type=_positive_int, default=None, help="override the preset's SFT steps")
     p.add_argument("--grpo-steps", type=_positive_int, default=None, help="override the preset's GRPO steps")
     p.add_argument("--workdir", default="data/generated/demo", help="where the tiny model, videos, runs and "
-                   "results are kept")  # mmpg.demo.pipeline.WORKDIR
+                   "results are kept")  # mmpg.toy.demo.pipeline.WORKDIR
     p.add_argument("--build-only", action="store_true", help="only build the tiny model and the videos if missing")
     p.set_defaults(func=_cmd_demo)
     return parser

@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-from mmpg.models.tiny import make_tiny
+from mmpg.toy.models import make_tiny
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,7 +47,7 @@ def load_tiny(tiny_dirs):
 @pytest.fixture(scope="session")
 def grpo_data(tiny_dirs, tmp_path_factory):
     """A tiny Qwen2.5-VL checkpoint and 8 short synthetic videos (6 train / 1 val / 1 test) for training tests."""
-    from mmpg.data.synth import generate_dataset
+    from mmpg.toy.videos import generate_dataset
 
     root = tmp_path_factory.mktemp("grpo_data")
     generate_dataset(root / "synth", 8, 0, overwrite=True, min_duration=8.0, max_duration=12.0)

@@ -28,7 +28,7 @@ from mmpg.grouping.adapters import prefix_positions  # noqa: E402
 from mmpg.grouping.inputs import check_completions, placeholder_token_ids, split_visuals_per_prompt  # noqa: E402
 from mmpg.grouping.tree import find_shares, pack_tree  # noqa: E402
 from mmpg.grouping.layout import GroupLayout  # noqa: E402
-from mmpg.models.tiny import TinySpec, build_tiny_model, build_tiny_processor  # noqa: E402
+from mmpg.toy.models import TinySpec, build_tiny_model, build_tiny_processor  # noqa: E402
 
 TREE_QUESTIONS = ["When does the red circle appear?", "Find the moment the blue square moves to the left side.",
                   "When is it?", "Where does the yellow triangle first become visible in the frame?"]

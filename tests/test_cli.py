@@ -31,7 +31,7 @@ def test_unknown_family(tmp_path, capsys):
 
 def test_make_tiny_lists_the_families_it_builds(capsys):
     from mmpg.cli import TINY_FAMILIES
-    from mmpg.models.tiny import FAMILIES
+    from mmpg.toy.models import FAMILIES
 
     assert TINY_FAMILIES == FAMILIES
     with pytest.raises(SystemExit) as exit_:

@@ -8,9 +8,9 @@ import torch
 
 from mmpg.data.dataset import make_dataloader
 from mmpg.data.formats import load_annotations
-from mmpg.data.synth import generate_dataset
 from mmpg.data.video import VideoSpec
 from mmpg.grouping import grouped_logprobs, repeated_logprobs
+from mmpg.toy.videos import generate_dataset
 
 
 @pytest.fixture(scope="module")

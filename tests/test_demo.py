@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from mmpg.demo import PRESETS, run_demo
+from mmpg.toy.demo import PRESETS, run_demo
 
 SFT_OVER_BASELINES = 0.10  # mIoU and R1@0.5 above the better trivial baseline, absolute
 REWARD_RISE = 0.03  # mean training reward, last third of the GRPO steps minus the first third
@@ -64,7 +64,7 @@ def test_quick_demo_learns_and_opens_in_the_inspector(tmp_path, capsys):
 def test_a_demo_config_before_the_demo_is_built_names_the_command_that_builds_it(tmp_path, monkeypatch, capsys,
                                                                                  config):
     from mmpg.cli import main
-    from mmpg.demo.pipeline import CONFIGS
+    from mmpg.toy.demo.pipeline import CONFIGS
 
     monkeypatch.chdir(tmp_path)  # no data/generated/demo here
     command = "train" if config == "cpu_demo.yaml" else "sft"
@@ -79,9 +79,9 @@ def test_running_a_demo_config_twice_continues_the_run(tmp_path):
     does in verl and EasyR1, instead of refusing the used run_name; a fresh name starts a run; a run stopped before
     its first checkpoint is one line saying how to start over."""
     from mmpg.config import load_config
-    from mmpg.demo.pipeline import CONFIGS
     from mmpg.errors import UserError
     from mmpg.runs import METRICS_JSONL
+    from mmpg.toy.demo.pipeline import CONFIGS
     from mmpg.train.setup import resume_point
 
     for config in ("cpu_demo.yaml", "sft_cpu_demo.yaml"):

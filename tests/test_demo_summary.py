@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmpg.demo.summary import Rows, reward_curve, reward_trend, sparkline
+from mmpg.toy.demo.summary import Rows, reward_curve, reward_trend, sparkline
 
 
 def _metrics(rewards):
@@ -46,7 +46,7 @@ def test_rows_table_in_percent_in_order(tmp_path):
 
 def test_demo_cli_presets_and_bad_steps(capsys):
     from mmpg.cli import main
-    from mmpg.demo import PRESETS, run_demo
+    from mmpg.toy.demo import PRESETS, run_demo
     from mmpg.errors import UserError
 
     assert PRESETS["quick"].grpo_steps < PRESETS["default"].grpo_steps < PRESETS["long"].grpo_steps

@@ -93,8 +93,8 @@ def test_ceiling_ordering_for_long_prompts():
 
 
 def test_dims_from_tiny_configs():
-    from mmpg.models.tiny import TinySpec, tiny_config
-    from mmpg.models.tokenizer import build_tokenizer
+    from mmpg.toy.models import TinySpec, tiny_config
+    from mmpg.toy.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(2048, 0)
     spec = TinySpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)

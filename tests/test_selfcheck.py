@@ -55,7 +55,7 @@ def _scaled_responses(eps, only=None):
 @pytest.fixture(scope="module")
 def deep_bf16():
     """A tiny Qwen2.5-VL with 28 decoder layers (Qwen2.5-VL-7B's depth) in bf16, and one group of 4 responses."""
-    from mmpg.models.tiny import TinySpec, build_tiny_model, build_tiny_processor
+    from mmpg.toy.models import TinySpec, build_tiny_model, build_tiny_processor
 
     spec = TinySpec(num_layers=28)
     processor = build_tiny_processor("qwen2_5_vl", spec)

@@ -1,4 +1,4 @@
-"""Tests for mmpg.data.synth: decodable files, spans visible exactly where annotated, determinism,
+"""Tests for mmpg.toy.videos: decodable files, spans visible exactly where annotated, determinism,
 splits, and bad input that leaves nothing behind.
 
 Settings are tiny (128x96, 8 fps, 4-8 s) so the whole file runs in seconds on 2 CPU cores.
@@ -16,8 +16,8 @@ import decord  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from mmpg.data import synth, synth_render  # noqa: E402
 from mmpg.errors import UserError  # noqa: E402
+from mmpg.toy import render, videos  # noqa: E402
 
 SMALL = dict(min_duration=4.0, max_duration=8.0, sizes=((128, 96),), fps_choices=(8.0,))
 N = 6
@@ -75,7 +75,7 @@ def span_problems(frames: np.ndarray, fps: float, event: dict, span) -> list[str
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("synth") / "ds"
-    summary = synth.generate_dataset(root, N, seed=0, **SMALL)
+    summary = videos.generate_dataset(root, N, seed=0, **SMALL)
     assert summary["n_videos"] == N and summary["out"] == str(root)
     return root
 
@@ -165,32 +165,32 @@ def test_span_check_catches_spans_shifted_by_two_seconds(dataset):
 def test_events_are_distinct_and_well_formed(dataset):
     for video_id, info in _load(dataset, "events").items():
         events = info["events"]
-        assert 1 <= len(events) <= synth.MAX_EVENTS, video_id
+        assert 1 <= len(events) <= videos.MAX_EVENTS, video_id
         colours = [e["colour"] for e in events] + [e["to_colour"] for e in events if e["to_colour"]]
         assert len(set(colours)) == len(colours), (video_id, colours)
         for e in events:
-            assert e["end"] - e["start"] >= synth.MIN_SPAN_S - 1e-9, (video_id, e)
+            assert e["end"] - e["start"] >= videos.MIN_SPAN_S - 1e-9, (video_id, e)
             assert 0 <= e["start"] and e["end"] <= info["duration"], (video_id, e)
-            assert e["motion"] in synth.MOTIONS and e["shape"] in synth_render.SHAPES
-            assert tuple(e["rgb"]) == synth_render.PALETTE[e["colour"]]
+            assert e["motion"] in videos.MOTIONS and e["shape"] in render.SHAPES
+            assert tuple(e["rgb"]) == render.PALETTE[e["colour"]]
 
 
 def test_same_seed_gives_identical_bytes_and_another_seed_differs(dataset, tmp_path):
     again = tmp_path / "again"
-    synth.generate_dataset(again, N, seed=0, **SMALL)
+    videos.generate_dataset(again, N, seed=0, **SMALL)
     files = sorted(p.relative_to(dataset) for p in dataset.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
     for rel in files:
         assert (dataset / rel).read_bytes() == (again / rel).read_bytes(), f"{rel} differs between runs"
 
     other = tmp_path / "other"
-    synth.generate_dataset(other, 2, seed=1, **SMALL)
+    videos.generate_dataset(other, 2, seed=1, **SMALL)
     assert (other / "events.json").read_bytes() != (dataset / "events.json").read_bytes()
     assert (other / "videos/synth_00000.mp4").read_bytes() != (dataset / "videos/synth_00000.mp4").read_bytes()
 
 
 def test_splits_partition_the_videos(dataset):
-    splits = {name: _load(dataset, name) for name in synth.SPLIT_NAMES}
+    splits = {name: _load(dataset, name) for name in videos.SPLIT_NAMES}
     ids = [vid for split in splits.values() for vid in split]
     assert len(ids) == len(set(ids)) == N
     assert set(ids) == set(_load(dataset, "events"))
@@ -206,13 +206,13 @@ def test_splits_partition_the_videos(dataset):
 @pytest.mark.parametrize("n, expected", [(1, (1, 0, 0)), (2, (2, 0, 0)), (3, (1, 1, 1)), (10, (6, 2, 2))])
 def test_split_sizes(n, expected):
     ids = [f"v{i}" for i in range(n)]
-    got = synth.split_ids(ids, (0.7, 0.15, 0.15), np.random.default_rng(0))
-    assert tuple(len(got[name]) for name in synth.SPLIT_NAMES) == expected
+    got = videos.split_ids(ids, (0.7, 0.15, 0.15), np.random.default_rng(0))
+    assert tuple(len(got[name]) for name in videos.SPLIT_NAMES) == expected
     assert sorted(sum(got.values(), [])) == sorted(ids)
 
 
 def test_small_n_writes_empty_val_and_test(tmp_path):
-    synth.generate_dataset(tmp_path / "one", 1, **SMALL)
+    videos.generate_dataset(tmp_path / "one", 1, **SMALL)
     assert len(_load(tmp_path / "one", "train")) == 1
     assert _load(tmp_path / "one", "val") == {} and _load(tmp_path / "one", "test") == {}
 
@@ -232,7 +232,7 @@ def test_small_n_writes_empty_val_and_test(tmp_path):
 def test_bad_arguments_raise_user_error_and_write_nothing(tmp_path, kwargs, message):
     args = dict(n=2, seed=0, **SMALL) | kwargs
     with pytest.raises(UserError, match=message) as info:
-        synth.generate_dataset(tmp_path / "out", **args)
+        videos.generate_dataset(tmp_path / "out", **args)
     assert "\n" not in str(info.value)
     assert list(tmp_path.iterdir()) == []
 
@@ -242,10 +242,10 @@ def test_non_empty_out_needs_overwrite_and_overwrite_replaces(tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("user data")
     with pytest.raises(UserError, match="is not empty; pass --overwrite or choose another folder"):
-        synth.generate_dataset(out, 2, **SMALL)
+        videos.generate_dataset(out, 2, **SMALL)
     assert (out / "keep.txt").read_text() == "user data"
 
-    synth.generate_dataset(out, 2, overwrite=True, **SMALL)
+    videos.generate_dataset(out, 2, overwrite=True, **SMALL)
     assert not (out / "keep.txt").exists()
     assert len(list((out / "videos").glob("*.mp4"))) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or old folder left
@@ -254,10 +254,10 @@ def test_non_empty_out_needs_overwrite_and_overwrite_replaces(tmp_path):
 def test_out_that_is_a_file_or_the_current_folder_is_refused(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file"):
-        synth.generate_dataset(tmp_path / "file", 1, **SMALL)
+        videos.generate_dataset(tmp_path / "file", 1, **SMALL)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match="refusing to overwrite"):
-        synth.generate_dataset(tmp_path, 1, overwrite=True, **SMALL)
+        videos.generate_dataset(tmp_path, 1, overwrite=True, **SMALL)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
@@ -265,7 +265,7 @@ def test_empty_existing_out_is_filled_in_place(tmp_path, monkeypatch):
     """An empty `out` may be the caller's current folder: it is filled, not replaced."""
     (tmp_path / "out").mkdir()
     monkeypatch.chdir(tmp_path / "out")
-    synth.generate_dataset(".", 1, **SMALL)
+    videos.generate_dataset(".", 1, **SMALL)
     assert Path.cwd() == (tmp_path / "out").resolve()  # still exists: the folder itself was kept
     assert sorted(p.name for p in Path.cwd().iterdir()) == sorted(
         ["events.json", "test.json", "train.json", "val.json", "videos"])
@@ -286,10 +286,10 @@ def test_failure_midway_leaves_no_partial_output(tmp_path, monkeypatch, existing
             raise OSError("disk full (simulated)")
         return real_encode(path, frames, *args)
 
-    real_encode = synth_render.encode_video
-    monkeypatch.setattr(synth_render, "encode_video", encode_then_fail)
+    real_encode = render.encode_video
+    monkeypatch.setattr(render, "encode_video", encode_then_fail)
     with pytest.raises(OSError, match="simulated"):
-        synth.generate_dataset(out, 3, overwrite=True, **SMALL)
+        videos.generate_dataset(out, 3, overwrite=True, **SMALL)
     assert len(calls) == 2
     if existing:
         assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
@@ -300,7 +300,7 @@ def test_failure_midway_leaves_no_partial_output(tmp_path, monkeypatch, existing
 
 def test_easy_videos_show_one_white_shape_exactly_within_whole_second_spans(tmp_path):
     """The learning demo's task: one large white shape on black, 64x64 at 2 fps, whole-second spans."""
-    synth.generate_dataset(tmp_path / "easy", 6, 3, min_duration=8, max_duration=20, easy=True)
+    videos.generate_dataset(tmp_path / "easy", 6, 3, min_duration=8, max_duration=20, easy=True)
     truth = _load(tmp_path / "easy", "events")
     for video_id, video in truth.items():
         assert (video["width"], video["height"], video["fps"]) == (64, 64, 2.0)
@@ -324,8 +324,8 @@ def test_easy_videos_with_several_wordings_of_their_moment(tmp_path):
     the ones queries=1 draws (the wordings are drawn last), and the annotations load as several queries a video."""
     from mmpg.data.formats import load_annotations
 
-    synth.generate_dataset(tmp_path / "one", 8, 5, min_duration=8, max_duration=20, easy=True)
-    synth.generate_dataset(tmp_path / "three", 8, 5, min_duration=8, max_duration=20, easy=True, queries=3)
+    videos.generate_dataset(tmp_path / "one", 8, 5, min_duration=8, max_duration=20, easy=True)
+    videos.generate_dataset(tmp_path / "three", 8, 5, min_duration=8, max_duration=20, easy=True, queries=3)
     one, three = _load(tmp_path / "one", "events"), _load(tmp_path / "three", "events")
     assert one == three  # same videos, same events
     counts = []
@@ -344,4 +344,4 @@ def test_easy_videos_with_several_wordings_of_their_moment(tmp_path):
             assert len(loaded) == sum(len(e["sentences"]) for e in annotations.values())
     assert sum(counts) > len(counts)
     with pytest.raises(UserError, match="--easy videos only"):
-        synth.generate_dataset(tmp_path / "hard", 2, 0, min_duration=8, max_duration=20, queries=3)
+        videos.generate_dataset(tmp_path / "hard", 2, 0, min_duration=8, max_duration=20, queries=3)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batches import random_video
-from mmpg.models.tiny import TinySpec, build_tiny_model, build_tiny_processor, make_tiny
+from mmpg.toy.models import TinySpec, build_tiny_model, build_tiny_processor, make_tiny
 
 
 def _digest(folder):

@@ -245,8 +245,8 @@ def test_messages_and_template(vids):
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_processor_inputs_end_to_end(vids, family):
-    from mmpg.models import tiny
-    processor = tiny.build_tiny_processor(family)
+    from mmpg.toy.models import build_tiny_processor
+    processor = build_tiny_processor(family)
     f = 28 if family == "qwen2_5_vl" else 32
     spec = VideoSpec.for_family(family, min_pixels=4 * f * f, max_pixels=8 * f * f)
     samples = [sample(vids), sample(vids, "other", span=(0.0, 1.0), duration=None, clip_start=0.5, clip_end=2.0)]

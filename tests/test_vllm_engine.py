@@ -181,7 +181,7 @@ def test_grpo_run_with_vllm_engine(server, vllm_ckpt, tmp_path):
     sync time is logged, and the engine's logprobs agree with the training forward."""
     from train_utils import metrics, overrides, run_cli
 
-    from mmpg.data.synth import generate_dataset
+    from mmpg.toy.videos import generate_dataset
     from mmpg.serve.wire import call
 
     generate_dataset(tmp_path / "synth", 8, 0, overwrite=True, min_duration=8.0, max_duration=12.0)
@@ -219,7 +219,7 @@ def zero3_run_matches_the_server(server, vllm_ckpt, tmp_path, lora: bool):
     from test_selfcheck_zero3 import ZERO3
     from train_utils import metrics, overrides, run_cli
 
-    from mmpg.data.synth import generate_dataset
+    from mmpg.toy.videos import generate_dataset
     from mmpg.models.lora_export import load_adapter_model
     from mmpg.rollout.vllm import VLLMEngine
     from mmpg.serve.wire import call

@@ -25,7 +25,7 @@ BF16_ATOL = 0.1  # |vLLM logprob - grouped_logprobs| in bfloat16 (different kern
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory):
     need_vllm()
-    from mmpg.models.tiny import TinySpec, make_tiny
+    from mmpg.toy.models import TinySpec, make_tiny
     from mmpg.serve.launch import ServerProcess
 
     ckpt = make_tiny("qwen2_5_vl", tmp_path_factory.mktemp("vllm_gpu") / "q25", seed=0,

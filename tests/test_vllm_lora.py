@@ -71,7 +71,7 @@ def test_lora_grpo_run_with_vllm_engine(server, vllm_ckpt, tmp_path):
     agree with the training forward at every step, so the server held the merged policy each time."""
     from train_utils import metrics, overrides, run_cli
 
-    from mmpg.data.synth import generate_dataset
+    from mmpg.toy.videos import generate_dataset
     from mmpg.serve.wire import call
 
     generate_dataset(tmp_path / "synth", 8, 0, overwrite=True, min_duration=8.0, max_duration=12.0)

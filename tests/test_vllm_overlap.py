@@ -43,7 +43,7 @@ def server(vllm_ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(vllm_ckpt, tmp_path_factory):
-    from mmpg.data.synth import generate_dataset
+    from mmpg.toy.videos import generate_dataset
 
     root = tmp_path_factory.mktemp("overlap_data")
     generate_dataset(root / "synth", 12, 0, overwrite=True, min_duration=8.0, max_duration=12.0)
@@ -171,7 +171,7 @@ def test_sigkill_with_a_batch_in_flight_then_resume_loses_and_repeats_nothing(se
 @pytest.fixture(scope="module")
 def data8(vllm_ckpt, tmp_path_factory):
     """tests/conftest.py's grpo_data videos (8, seed 0) with the vLLM-servable checkpoint."""
-    from mmpg.data.synth import generate_dataset
+    from mmpg.toy.videos import generate_dataset
 
     root = tmp_path_factory.mktemp("overlap_data8")
     generate_dataset(root / "synth", 8, 0, overwrite=True, min_duration=8.0, max_duration=12.0)

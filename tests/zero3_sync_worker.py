@@ -26,7 +26,7 @@ from mmpg.config import LoraConfig  # noqa: E402
 from mmpg.models.lora import apply_lora  # noqa: E402
 from mmpg.models.lora_export import (  # noqa: E402
     PIECE_BYTES, gathered_sync_tensors, is_partitioned, sync_items, sync_pieces, sync_tensors)
-from mmpg.models.tiny import build_tiny_model  # noqa: E402
+from mmpg.toy.models import build_tiny_model  # noqa: E402
 
 ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0}}

@@ -9,7 +9,7 @@
               its copied modeling file (vision tower once, mRoPE positions), which we do not copy.
     mmpg      `mmpg.grouping.grouped_logprobs` (backend from the case, default: the model's).
 
-The model is the family's real transformers class built from `mmpg.models.tiny.tiny_config` with the case's sizes
+The model is the family's real transformers class built from `mmpg.toy.models.tiny_config` with the case's sizes
 (any size: a Qwen2.5-VL-3B shape on a GPU too), random weights, `vocab` overridable; its prompts come from
 `mmpg.bench.batch` (a VL prompt holds one synthetic video given as patches, sized so the prompt has ~P tokens). All
 variants take their logits at response-predicting positions only (`head_logprobs`, chunked) except `repeated`,
@@ -27,7 +27,7 @@ UPSTREAM_INNER = "mmpg_bench_upstream_sdpa"
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(vocab_size: int):
-    from mmpg.models.tokenizer import build_tokenizer
+    from mmpg.toy.tokenizer import build_tokenizer
 
     return build_tokenizer(vocab_size, 0)
 
@@ -35,7 +35,7 @@ def _tokenizer(vocab_size: int):
 def model_config(case: dict):
     """(transformers config, tokenizer) for the case's family and sizes (`spec`: TinySpec fields; `vocab` and
     `vision_intermediate` override the tiny defaults, e.g. for a Qwen2.5-VL-3B shape)."""
-    from mmpg.models.tiny import TinySpec, tiny_config
+    from mmpg.toy.models import TinySpec, tiny_config
 
     spec = TinySpec(**case["spec"])
     tokenizer = _tokenizer(spec.vocab_size)
@@ -52,7 +52,7 @@ def build_model(case: dict, device: torch.device):
     video/vision_start/vision_end token ids (None for text-only) and the tokenizer."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from mmpg.models.tiny import VL_FAMILIES
+    from mmpg.toy.models import VL_FAMILIES
 
     config, tokenizer = model_config(case)
     config._attn_implementation = "sdpa"

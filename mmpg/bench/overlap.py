@@ -5,7 +5,7 @@
                               [--async-frames 4] [--async-pixels 3136] [--async-iterations 1] [--out F.json]
 
 Set-up: a tiny Qwen2.5-VL that vLLM serves (hidden 256, 4 heads, 2 K/V heads: head_dim 64, float32), synthetic videos
-(`mmpg.data.synth`), one `mmpg vllm-serve` pinned to --server-core and one `mmpg train` per arm pinned to
+(`mmpg.toy.videos`), one `mmpg vllm-serve` pinned to --server-core and one `mmpg train` per arm pinned to
 --trainer-core (`taskset -c`, OMP_NUM_THREADS=1 for both). Both arms use rollout.tis_cap 2, so that they differ in
 the staleness alone. Each arm runs --async-rounds times, in the order 0, 1, 1, 0, ... (a drift of the machine
 cancels); the server is restarted before each run, so none finds another's videos in vLLM's processor cache.
@@ -238,8 +238,8 @@ class PinnedServer(ServerProcess):
 def run(args) -> int:
     """Both arms (k = 0, then k = 1), the table, the JSON; 0 when both ran."""
     from mmpg.bench import report
-    from mmpg.data.synth import generate_dataset
-    from mmpg.models.tiny import TinySpec, make_tiny
+    from mmpg.toy.models import TinySpec, make_tiny
+    from mmpg.toy.videos import generate_dataset
 
     args.warmup = 2 if args.warmup is None else args.warmup
     if args.async_steps <= args.warmup + 1:

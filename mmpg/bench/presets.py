@@ -78,7 +78,7 @@ def rollout(P, S, G, family="qwen2", spec=None, variants=None, **extra) -> dict:
 def step(P, S, G, family="qwen2_5_vl", spec=None, variants=None, **extra) -> dict:
     """One whole GRPO step (`mmpg.bench.step`). The trainer trains video models only: a text-only `family` (the
     --family default, qwen2) becomes qwen2_5_vl. beta 0.04: the KL term's reference forward is the logprob phase."""
-    from mmpg.models.tiny import VL_FAMILIES
+    from mmpg.toy.models import VL_FAMILIES
 
     family = family if family in VL_FAMILIES else "qwen2_5_vl"
     return {"level": "step", "P": P, "S": S, "G": G, "family": family, "spec": dict(spec or CPU_MODEL_SPEC),
@@ -89,7 +89,7 @@ def step(P, S, G, family="qwen2_5_vl", spec=None, variants=None, **extra) -> dic
 def evaluation(P, S, Q=3, t=32, family="qwen2_5_vl", spec=None, variants=None, **extra) -> dict:
     """Greedy answers to Q queries of one video (`mmpg.bench.evaluation`), G = 1; a text-only family becomes
     qwen2_5_vl (the level needs a video)."""
-    from mmpg.models.tiny import VL_FAMILIES
+    from mmpg.toy.models import VL_FAMILIES
 
     family = family if family in VL_FAMILIES else "qwen2_5_vl"
     return {"level": "eval", "P": P, "S": S, "G": 1, "Q": Q, "t": t, "family": family,

@@ -103,7 +103,7 @@ def save_checkpoint(config: dict, folder: Path) -> Path:
     """The config's model (seeded as `build_model` seeds every variant's) and the tiny builder's processor, saved
     as a checkpoint vLLM loads like a hub one."""
     from mmpg.bench.model import build_model
-    from mmpg.models.tiny import TinySpec, build_tiny_processor
+    from mmpg.toy.models import TinySpec, build_tiny_processor
 
     model, _ = build_model(config, torch.device("cpu"))
     text = model.config.get_text_config()

@@ -25,8 +25,8 @@ STEPS = 3
 
 def build_world(work: Path) -> tuple[Path, Path]:
     """(tiny Qwen2.5-VL checkpoint, synthetic dataset folder) under `work`, built once."""
-    from mmpg.data.synth import generate_dataset
-    from mmpg.models.tiny import make_tiny
+    from mmpg.toy.models import make_tiny
+    from mmpg.toy.videos import generate_dataset
 
     model, synth = work / "tiny-qwen2_5_vl", work / "synth"
     if not (model / "config.json").exists():

@@ -35,8 +35,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from mmpg.data import synth_render as render
 from mmpg.errors import UserError
+from mmpg.toy import render
 
 MIN_SPAN_S = 2.0
 MAX_EVENTS = 3

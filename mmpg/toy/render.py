@@ -1,4 +1,4 @@
-"""Drawing and encoding for the synthetic grounding videos (see `mmpg.data.synth` for the dataset).
+"""Drawing and encoding for the synthetic grounding videos (see `mmpg.toy.videos` for the dataset).
 
 We paint straight into YUV 4:2:0 planes instead of RGB: converting each RGB frame with swscale cost
 ~2 ms a frame, more than x264 itself, while a flat background converted once plus a few painted

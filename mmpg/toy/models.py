@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from mmpg.errors import UserError
-from mmpg.models.tokenizer import build_tokenizer
+from mmpg.toy.tokenizer import build_tokenizer
 
 VL_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 TEXT_FAMILIES = ("qwen2", "qwen3")

@@ -80,8 +80,8 @@ def _data_is_current(data_dir: Path) -> bool:
 
 def ensure_artifacts(paths: Paths) -> list[str]:
     """Build the tiny checkpoint and the easy videos when missing or from an older demo; returns what was built."""
-    from mmpg.data.synth import generate_dataset
-    from mmpg.models.tiny import TinySpec, make_tiny
+    from mmpg.toy.models import TinySpec, make_tiny
+    from mmpg.toy.videos import generate_dataset
 
     built = []
     if not _model_is_current(paths.model):
@@ -193,7 +193,8 @@ def final_checkpoint(run_dir: Path) -> Path:
     return ckpts[-1][1]
 
 
-def _overrides(paths: Paths, seed: int, steps: int, run_name: str) -> list[str]:
+def stage_overrides(paths: Paths, seed: int, steps: int, run_name: str) -> list[str]:
+    """A demo training stage's config overrides: its model and data, run name, steps, one checkpoint at the end."""
     return [f"model.path={paths.model}", f"data.train={paths.data / 'train.json'}",
             f"data.val={paths.data / 'val.json'}", f"data.videos={paths.data / 'videos'}",
             f"trainer.output_dir={paths.runs}", f"trainer.run_name={run_name}", f"trainer.total_steps={steps}",
@@ -206,7 +207,7 @@ def run_demo(workdir: str | Path = "data/generated/demo", preset: str | Preset =
     """Run every stage and print the report; returns 0, or 1 when the grouped forward disagrees with the naive one."""
     from transformers.utils import logging as hf_logging
 
-    from mmpg.demo import summary
+    from mmpg.toy.demo import summary
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars; each stage prints its own progress
     p = PRESETS[preset] if isinstance(preset, str) else preset
@@ -236,23 +237,23 @@ def run_demo(workdir: str | Path = "data/generated/demo", preset: str | Preset =
     sft_run = paths.runs / f"{stamp}-sft"
     print(f"  SFT warm start -> {sft_run}", flush=True)
     with clock("sft"):
-        train_stage("sft", "sft_cpu_demo.yaml", _overrides(paths, seed, p.sft_steps, sft_run.name), sft_run,
+        train_stage("sft", "sft_cpu_demo.yaml", stage_overrides(paths, seed, p.sft_steps, sft_run.name), sft_run,
                     p.sft_steps, paths.results / "sft.log", every=max(1, p.sft_steps // 5))
     sft_ckpt = final_checkpoint(sft_run)
     with clock("eval"):
-        rows.add("sft", f"SFT ({p.sft_steps} steps)", evaluate(sft_ckpt, paths, _run_eval_out(sft_ckpt), p))
+        rows.add("sft", f"SFT ({p.sft_steps} steps)", evaluate(sft_ckpt, paths, eval_out(sft_ckpt), p))
     print(f"  after SFT: {rows.line('sft')}", flush=True)
 
     grpo_run = paths.runs / f"{stamp}-grpo"
     print(f"  GRPO from {sft_ckpt.name} -> {grpo_run}", flush=True)
-    grpo_overrides = _overrides(paths, seed, p.grpo_steps, grpo_run.name)
+    grpo_overrides = stage_overrides(paths, seed, p.grpo_steps, grpo_run.name)
     grpo_overrides[0] = f"model.path={sft_ckpt}"
     with clock("grpo"):
         train_stage("train", "cpu_demo.yaml", grpo_overrides, grpo_run, p.grpo_steps, paths.results / "grpo.log",
                     every=max(1, p.grpo_steps // 10))
     grpo_ckpt = final_checkpoint(grpo_run)
     with clock("eval"):
-        result = evaluate(grpo_ckpt, paths, _run_eval_out(grpo_ckpt), p)
+        result = evaluate(grpo_ckpt, paths, eval_out(grpo_ckpt), p)
     rows.add("grpo", f"SFT + GRPO ({p.grpo_steps} steps)", result)
 
     report = summary.Report(p, seed, paths, rows, clock, sft_run, grpo_run, diff)
@@ -261,7 +262,8 @@ def run_demo(workdir: str | Path = "data/generated/demo", preset: str | Preset =
     return 0 if diff <= 1e-4 else 1
 
 
-def _run_eval_out(checkpoint: Path) -> Path:
+def eval_out(checkpoint: Path) -> Path:
+    """Where `mmpg eval` writes a checkpoint's test-split evaluation (its default: RUN/evals/test/step_N)."""
     from mmpg.eval.cli import default_out
 
     return default_out(str(checkpoint), "test")

