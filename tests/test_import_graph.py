@@ -1,6 +1,7 @@
 """The package's import graph, read from the source with `ast` (nothing is imported): no module of mmpg/ reaches
-itself through imports of mmpg modules, the evaluation, run-directory and app code stay off the trainer, and no
-library code imports a test module (tests/synthetic_run.py and the other helpers beside the tests).
+itself through imports of mmpg modules, the evaluation, run-directory and app code stay off the trainer, nothing a
+real run needs reaches the toy world (mmpg/toy) and the tools load it only inside functions, and no library code
+imports a test module (tests/synthetic_run.py and the other helpers beside the tests).
 
 An edge A -> B is any `import mmpg.x` / `from mmpg.x import y` / relative import in A that names module B (or the
 package B when y is not a module of it), at module level or inside a function: an import deferred into a function
@@ -118,28 +119,103 @@ def test_no_import_circle_in_mmpg():
     assert not found, "\n".join(_describe(graph, c) for c in found)
 
 
-def test_eval_runs_and_app_do_not_import_the_trainer():
-    # evaluation, run records and the app read runs: no chain of imports from them reaches the training code
-    def inside(module: str, packages) -> bool:
-        return any(module == p or module.startswith(p + ".") for p in packages)
+def _inside(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
 
-    graph = import_graph({**_modules("mmpg"), **_modules("app", "mmpg_app")})
-    assert "mmpg_app.server" in graph  # the walk saw the app
+
+def _chains(graph: dict[str, dict[str, int]], starts, targets) -> list[str]:
+    """Each module inside the packages `targets` that a module of `starts` reaches, as the shortest chain of imports
+    from it: "a (line of its import of b) -> b (line ...) -> target"; [] when none is reached."""
     bad = []
-    for start in sorted(m for m in graph if inside(m, ("mmpg.eval", "mmpg.runs", "mmpg_app"))):
+    for start in sorted(m for m in starts if m in graph):
         parent, todo = {start: None}, [start]
         for module in todo:  # breadth first: the shortest chain to each module reached
             for target in graph.get(module, {}):
                 if target not in parent:
                     parent[target] = module
                     todo.append(target)
-        for target in sorted(t for t in parent if inside(t, ("mmpg.train", "mmpg.rl", "mmpg.sft"))):
+        for target in sorted(t for t in parent if _inside(t, targets)):
             chain = [target]
             while parent[chain[-1]] is not None:
                 chain.append(parent[chain[-1]])
             chain.reverse()  # start -> ... -> target, each step "module (line of its import of the next)"
             bad.append(" -> ".join(f"{m} (line {graph[m][n]})" for m, n in zip(chain, chain[1:])) + f" -> {target}")
+    return bad
+
+
+def test_eval_runs_and_app_do_not_import_the_trainer():
+    # evaluation, run records and the app read runs: no chain of imports from them reaches the training code
+    graph = import_graph({**_modules("mmpg"), **_modules("app", "mmpg_app")})
+    assert "mmpg_app.server" in graph  # the walk saw the app
+    readers = [m for m in graph if _inside(m, ("mmpg.eval", "mmpg.runs", "mmpg_app"))]
+    bad = _chains(graph, readers, ("mmpg.train", "mmpg.rl", "mmpg.sft"))
     assert not bad, "imports reaching the trainer:\n" + "\n".join(bad)
+
+
+# The toy world (mmpg/toy: tiny checkpoints, their tokenizer, synthetic videos, the demo) is built for tests, the demo
+# and CPU benchmarks. The tools may use it, inside the functions that need it; everything else of mmpg/ and app/ is
+# what a real run needs, and no chain of imports from there reaches it.
+TOY = "mmpg.toy"
+TOOLS = ("mmpg.cli", "mmpg.bench", "mmpg.doctor", "mmpg.plan")
+
+
+def _real_run(files) -> list[str]:
+    return sorted(m for m in files if not _inside(m, (TOY, *TOOLS)))
+
+
+def module_level_imports(path: Path, module: str, files) -> list[tuple[str, int]]:
+    """(mmpg module, line) of every import that runs when the module is imported: outside any function body."""
+    found, todo = [], list(ast.parse(path.read_text(), filename=str(path)).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        found += [(name, node.lineno) for name in _imported(node, module, path.name == "__init__.py", files)]
+        todo += list(ast.iter_child_nodes(node))
+    return sorted(found, key=lambda x: x[1])
+
+
+def test_the_toy_rule_sees_chains_through_tools_and_module_level_imports(tmp_path):
+    # the checker itself: a real-run module reaching the toy world through a tool is a chain; a tool's import of it
+    # inside a function is allowed, one at module level (also under a class or an `if`) is not
+    (tmp_path / "mmpg" / "toy").mkdir(parents=True)
+    sources = {"mmpg/train.py": "def f():\n    from mmpg import bench\n",
+               "mmpg/bench.py": "def g():\n    import mmpg.toy.models\n\nclass C:\n    if True:\n"
+                                "        from mmpg.toy import videos\n",
+               "mmpg/toy/models.py": "", "mmpg/toy/videos.py": ""}
+    for name, text in sources.items():
+        (tmp_path / name).write_text(text)
+    files = {name[:-3].replace("/", "."): tmp_path / name for name in sources}
+    graph = import_graph(files)
+    assert _real_run(files) == ["mmpg.train"]
+    assert _chains(graph, _real_run(files), (TOY,)) == [
+        "mmpg.train (line 2) -> mmpg.bench (line 2) -> mmpg.toy.models",
+        "mmpg.train (line 2) -> mmpg.bench (line 6) -> mmpg.toy.videos"]
+    assert module_level_imports(files["mmpg.bench"], "mmpg.bench", files) == [("mmpg.toy.videos", 6)]
+
+
+def test_nothing_a_real_run_needs_imports_the_toy_world():
+    files = {**_modules("mmpg"), **_modules("app", "mmpg_app")}
+    graph = import_graph(files)
+    real = _real_run(files)
+    needed = ("mmpg.grouping", "mmpg.models", "mmpg.data", "mmpg.rl", "mmpg.rollout", "mmpg.train", "mmpg.sft",
+              "mmpg.eval", "mmpg.runs", "mmpg.serve", "mmpg.config", "mmpg.rewards", "mmpg.dist", "mmpg.errors",
+              "mmpg_app")
+    assert all(any(_inside(m, (p,)) for m in real) for p in needed)  # the walk saw what a real run needs
+    assert any(_inside(t, (TOY,)) for m in files if _inside(m, TOOLS) for t in graph.get(m, {}))  # and the tools' use
+    bad = _chains(graph, real, (TOY,))
+    assert not bad, "what a real run needs imports the toy world (mmpg/toy; move what it needs out of it):\n" + \
+        "\n".join(bad)
+
+
+def test_the_tools_import_the_toy_world_only_inside_functions():
+    # `mmpg --help` and a real run's `mmpg train` load mmpg.cli: the toy world (and the torch it imports) is loaded by
+    # the commands that use it, not by importing a tool
+    files = _modules("mmpg")
+    bad = [f"{files[m].relative_to(ROOT)}:{line} imports {name} at module level"
+           for m in sorted(files) if _inside(m, TOOLS)
+           for name, line in module_level_imports(files[m], m, files) if _inside(name, (TOY,))]
+    assert not bad, "\n".join(bad)
 
 
 def test_grouping_imports_nothing_of_mmpg_outside_itself():
