@@ -1,6 +1,6 @@
 """Tiny, seeded, random-weight Qwen checkpoints built offline (`mmpg make-tiny`).
 
-No weights can be downloaded on our machines, so tests, the demo and CPU benchmarks use checkpoints built here: the
+Tests, the demo and CPU benchmarks need no download: they use checkpoints built here, of the
 real transformers classes (Qwen2.5-VL, Qwen3-VL, and the text-only Qwen2 / Qwen3 causal LMs) with small sizes but the
 real structure — grouped-query attention, mRoPE sections scaled to the head size, a vision tower of depth >= 2 (window
 + full attention for Qwen2.5-VL, deepstack taps for Qwen3-VL) — plus a locally trained Qwen-style tokenizer and the

@@ -1,6 +1,6 @@
 """A small byte-level BPE tokenizer trained here, shaped like Qwen's.
 
-Real Qwen checkpoints cannot be downloaded on our machines, so tests and the demo use a tokenizer trained locally on a
+Tests and the demo need no downloaded checkpoint: they use a tokenizer trained locally on a
 deterministic text corpus (grounding questions, answers, numbers, chat words). It uses the same pre-tokenizer regex and
 byte-level alphabet as `transformers.Qwen2Tokenizer`, carries the Qwen special tokens and our own Qwen-format chat
 template, and is wrapped in `Qwen2Tokenizer` so `AutoProcessor.from_pretrained` loads it exactly as a real one.
