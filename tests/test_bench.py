@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from mmpg.bench import cli, report, runner
+from mmpg.bench import cli, runner, tables
 from mmpg.errors import UserError
 
 ROW_KEYS = {"level", "P", "S", "G", "variant", "time_s", "speedup", "pct_ceiling", "peak_MB", "mem_ratio", "rho_lin",
@@ -92,8 +92,8 @@ def test_table_says_n_a_for_missing_memory():
     ran = dict(base, peak_MB=None, mem_ratio=None)
     skipped = dict(base, variant="mmpg", time_s=None, speedup=None, peak_MB=None, mem_ratio=None, note="skipped")
     measured = dict(base, variant="upstream", peak_MB=12.0, mem_ratio=1.5)
-    lines = report.format_table([ran, skipped, measured]).splitlines()[2:]
-    cols = report.format_table([]).splitlines()[0].split()
+    lines = tables.format_table([ran, skipped, measured]).splitlines()[2:]
+    cols = tables.format_table([]).splitlines()[0].split()
     cells = [line.split() for line in lines]
     assert [c[cols.index("peak_MB")] for c in cells] == ["n/a", "-", "12"]
     assert [c[cols.index("mem_ratio")] for c in cells] == ["n/a", "-", "1.50"]
@@ -115,7 +115,7 @@ def test_skipped_config_says_why():
               "dtype": "float32", "variants": ["naive", "mmpg"]}
     rows = runner.run_config(config, rounds=1, warmup=1, repeats=1, timeout=60, max_gb=1e-9, log=lambda m: None)
     assert all(r["note"].startswith("skipped: naive needs") for r in rows)
-    assert "skipped" in report.format_table(runner.add_ratios(rows))
+    assert "skipped" in tables.format_table(runner.add_ratios(rows))
 
 
 def test_plan_filters_variants_and_overrides_sizes():

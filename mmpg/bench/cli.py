@@ -197,7 +197,7 @@ def meta(args, rounds, repeats, warmup, max_gb, env, partial) -> dict:
 
 
 def run(args) -> int:
-    from mmpg.bench import report, runner
+    from mmpg.bench import runner, tables
 
     if args.levels and "lora" in args.levels:  # its own program and table (mmpg.bench.lora)
         if args.levels != ["lora"]:
@@ -219,12 +219,12 @@ def run(args) -> int:
     rounds, repeats, warmup = (v if v is not None else d
                                for v, d in zip((args.rounds, args.repeats, args.warmup), PRESETS[args.preset]))
     configs = plan(args)
-    env = report.environment()
+    env = tables.environment()
     max_gb = args.max_gb if args.max_gb is not None else default_max_gb()
-    out_path = args.out or report.default_out_path()
+    out_path = args.out or tables.default_out_path()
     print(f"mmpg bench --preset {args.preset}: {len(configs)} configs, {rounds} rounds x {repeats} repeats "
           f"(+{warmup} warm-up) per variant, on {env['device']}")
-    for desc in dict.fromkeys(report.describe_config(c) for c in configs):
+    for desc in dict.fromkeys(tables.describe_config(c) for c in configs):
         print(f"  {desc}")
     rows = []
     for config in configs:
@@ -240,21 +240,21 @@ def run(args) -> int:
                                  max_gb=max_gb, in_process=args.in_process,
                                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
         rows += runner.add_ratios(done)
-        print(report.format_table(done), file=sys.stderr, flush=True)  # progress; the full table comes last
-        report.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=True))
+        print(tables.format_table(done), file=sys.stderr, flush=True)  # progress; the full table comes last
+        tables.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=True))
     runner.add_ratios(rows)
-    print(report.format_table(rows))
+    print(tables.format_table(rows))
     if any(r["level"] == "rollout" for r in rows) and not args.dry_run:
-        print("\n" + report.rollout_table(rows))
+        print("\n" + tables.rollout_table(rows))
     if any(r["variant"] == "tree" and r["level"] == "step" for r in rows):
-        print("\n" + report.tree_table(rows))
+        print("\n" + tables.tree_table(rows))
     if any(r["level"] == "eval" for r in rows) and not args.dry_run:
-        print("\n" + report.eval_table(rows))
+        print("\n" + tables.eval_table(rows))
     if getattr(args, "sp", 1) > 1 and not args.dry_run:
         from mmpg.bench.sp import sp_table
 
         print("\n" + sp_table(rows))
-    path = report.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=False))
+    path = tables.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=False))
     print(f"wrote {path}")
     failed = [r for r in rows if (r.get("note") or "").split(":")[0] not in ("", "OOM", "n/a", "skipped")
               and not (r.get("note") or "").startswith("naive ~")]

@@ -14,7 +14,7 @@
 B (config key, default 1): the prompts of one step, equal in shape, seeds 1..B (`mmpg.bench.batch.make_batch`).
 
 All decode exactly S tokens (no stop token). Besides the total time, each step records its phases, kept in the
-worker's `info`, aggregated by `mmpg.bench.runner.run_config`, printed by `mmpg.bench.report.rollout_table`:
+worker's `info`, aggregated by `mmpg.bench.runner.run_config`, printed by `mmpg.bench.tables.rollout_table`:
 
     prefill_s  the prompt forward up to the first token's logits (generate: until its streamer receives token 0)
     decode_s   the rest: sampling and the S - 1 decode forwards

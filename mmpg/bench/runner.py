@@ -121,8 +121,8 @@ def ceilings(config: dict, shape: dict) -> dict:
 
 # ---- running ---------------------------------------------------------------------------------------------------------
 def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: bool) -> dict:
-    """One (config, variant, round): `worker.measure` in a fresh process, or here without memory (in_process); a
-    case with sp > 1 in sp processes (`mmpg.bench.sp.launch`)."""
+    """One (config, variant, round): `mmpg.bench.measure.measure` in a fresh process, or here without memory
+    (in_process); a case with sp > 1 in sp processes (`mmpg.bench.sp.launch`)."""
     if case.get("sp", 1) > 1:
         if in_process:
             return {"error": "n/a: --sp > 1 runs sp worker processes (not --in-process)", "times": []}
@@ -130,7 +130,7 @@ def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: 
 
         return launch(case, warmup, repeats, timeout)
     if in_process:
-        from mmpg.bench.worker import measure
+        from mmpg.bench.measure import measure
 
         return measure(case, warmup, repeats, memory=False)
     with tempfile.TemporaryDirectory(prefix="mmpg-bench-") as tmp:
@@ -138,7 +138,7 @@ def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: 
         with open(job, "w") as f:
             json.dump({"case": case, "warmup": warmup, "repeats": repeats}, f)
         try:
-            proc = subprocess.run([sys.executable, "-m", "mmpg.bench.worker", job, result], timeout=timeout,
+            proc = subprocess.run([sys.executable, "-m", "mmpg.bench.measure", job, result], timeout=timeout,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(case))
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s", "times": []}
@@ -152,9 +152,9 @@ def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: 
 
 def run_config(config: dict, *, rounds: int, warmup: int, repeats: int, timeout: float, max_gb: float,
                in_process: bool = False, log=print) -> list[dict]:
-    """Measure every variant of one config; returns one row per variant (see `report.COLUMNS`). A rollout config's
-    rows also hold B and the median phases and K/V (`_rollout_rows`); its vllm variant gets a server here, once for
-    every round (`mmpg.bench.rollout_vllm.start`), or a row saying why not."""
+    """Measure every variant of one config; returns one row per variant (see `mmpg.bench.tables.COLUMNS`). A
+    rollout config's rows also hold B and the median phases and K/V (`_rollout_rows`); its vllm variant gets a server
+    here, once for every round (`mmpg.bench.rollout_vllm.start`), or a row saying why not."""
     level, shape = config["level"], shape_of(config)
     est_gb = naive_bytes(config, shape) / 1e9
     prompts = {"B": config.get("B", 1)} if level == "rollout" else {}

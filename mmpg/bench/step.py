@@ -25,7 +25,7 @@ each with a tail of t tokens, `mmpg.bench.batch.make_query_batch`), with its dat
               parentheses, which take milliseconds
 
 Each phase is timed with CUDA synchronised at both ends. Memory (the worker's cold step only, see
-`mmpg.bench.worker`): a phase's peak is its high-water mark minus the memory in use when the step began, the
+`mmpg.bench.measure`): a phase's peak is its high-water mark minus the memory in use when the step began, the
 step's peak the largest of them. The vision tower is frozen (the trainer's default `model.freeze_vision`), so the
 update runs it forward only. The cold step also allocates AdamW's state, in both variants alike.
 """
@@ -173,7 +173,7 @@ def bench_scorer(cfg):
 class StepRunner:
     """`runner(memory=False)` runs one GRPO step and returns {"seconds": {phase: s, "total": s}, "peak_bytes":
     {phase: bytes or None, "total": ...} or None, "mem_method", "info": {"response_tokens"}}. `phased` tells
-    `mmpg.bench.worker` that the step times its own phases."""
+    `mmpg.bench.measure` that the step times its own phases."""
 
     phased = True
 

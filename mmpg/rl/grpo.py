@@ -32,7 +32,7 @@ from mmpg.data.dataset import strict_error, video_key
 from mmpg.errors import UserError
 from mmpg.grouping.inputs import pad_token_id
 from mmpg.grouping.selfcheck import SelfCheck, SelfCheckError, batch_dims
-from mmpg.models.counting import VisionCalls, prefill_tokens
+from mmpg.models.vision_calls import VisionCalls, prefill_tokens
 from mmpg.models.lora import reference_model, without_dropout
 from mmpg.rl import algos
 from mmpg.rl.batch import PromptGroup, collate_groups, micro_batches, split_groups

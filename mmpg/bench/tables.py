@@ -4,7 +4,7 @@ Columns (one row per config × variant):
     time_s     median step time (forward + backward; rollout: generation)
     speedup    baseline time / this time            baseline: naive (attention), repeated (model), hf_generate
     %ceil      speedup / ceiling × 100              ceiling: ρ_attn (attention), ρ_flops (model), ρ_lin (rollout)
-    peak_MB    peak extra memory of one step (see `mmpg.bench.worker`); n/a where not measured (--in-process) or
+    peak_MB    peak extra memory of one step (see `mmpg.bench.measure`); n/a where not measured (--in-process) or
                not measurable (the step's RSS did not grow)
     mem_ratio  baseline peak / this peak            compare with ρ_lin, the token ratio; n/a without both peaks
     rho_*      the ceilings of `mmpg.bench.flops`
