@@ -341,12 +341,12 @@ def test_queries_per_video_adds_the_tree_to_step_configs_only():
 
 def test_query_batch_shares_exactly_the_video_part():
     # Q prompts of one video: identical pixels and first P tokens, distinct tails; grouping's own share finder
-    # (mmpg.grouping.tree.find_shares) must see one share of exactly P tokens
+    # (mmpg.grouping.shares.find_shares) must see one share of exactly P tokens
     from mmpg.bench.batch import make_query_batch
     from mmpg.bench.model import build_model
     from mmpg.grouping.adapters import prefix_positions
     from mmpg.grouping.inputs import placeholder_token_ids, split_visuals_per_prompt
-    from mmpg.grouping.tree import find_shares
+    from mmpg.grouping.shares import find_shares
 
     case = {"level": "step", "P": 48, "S": 6, "G": 3, "Q": 3, "t": 5, "family": "qwen2_5_vl",
             "spec": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),

@@ -6,7 +6,7 @@
            trainer as it runs
 
     tree   (Q > 1 queries of one video, `--queries-per-video`) the same engine and grouped forward with the video's
-           shared part forwarded once for all Q queries (`mmpg.grouping.tree`); "mmpg" is then per-query grouping
+           shared part forwarded once for all Q queries (`mmpg.grouping.shares`); "mmpg" is then per-query grouping
            (algorithm.share_videos=false: each query's prompt forwarded once, the video Q times), the trainer
            before the tree
 
