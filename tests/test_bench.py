@@ -398,7 +398,20 @@ def test_eval_level_answers_a_videos_queries_once_each(tmp_path, capsys):
     assert (per["prefixes"], tree["prefixes"]) == (3, 1)
     assert tree["prefix_tokens"] == tree["P"] + 3 * tree["t"] and per["prefix_tokens"] == 3 * (per["P"] + per["t"])
     assert tree["rho_eval_tree"] > 1 and per["pct_ceiling"] is None  # per query is the baseline
+    # float32, no padding: the engine's greedy answers are generate's, token for token, shared video or not
+    assert [r["same_answers"] for r in rows] == [3, 3, 3]
     assert "eval: Q queries of one video" in capsys.readouterr().out
+
+
+def test_eval_level_batches_several_videos(tmp_path):
+    # B = 2 videos of 3 queries each in one batch: each video's shared part prefilled once, never one across videos
+    out = tmp_path / "eval_b2.json"
+    assert cli.run(_args("--preset", "tiny", "--levels", "eval", "--videos-per-batch", "2", "--in-process",
+                         "--variants", "hf_generate,tree", "--out", str(out))) == 0
+    generate, tree = json.loads(out.read_text())["rows"]
+    assert (generate["B"], tree["B"]) == (2, 2)
+    assert tree["prefixes"] == 2 and tree["prefix_tokens"] == 2 * (tree["P"] + 3 * tree["t"])
+    assert tree["same_answers"] == 6 and generate["same_answers"] == 6
 
 
 def test_no_preset_prints_the_plan_and_runs_nothing(tmp_path, capsys, monkeypatch):

@@ -157,7 +157,7 @@ def run_config(config: dict, *, rounds: int, warmup: int, repeats: int, timeout:
     here, once for every round (`mmpg.bench.rollout_vllm.start`), or a row saying why not."""
     level, shape = config["level"], shape_of(config)
     est_gb = naive_bytes(config, shape) / 1e9
-    prompts = {"B": config.get("B", 1)} if level == "rollout" else {}
+    prompts = {"B": config.get("B", 1)} if level in ("rollout", "eval") else {}
     base = {"level": level, **prompts, "P": shape["P"], "S": config["S"], "G": config["G"], **queries_of(config),
             **ceilings(config, shape),
             "est_naive_GB": round(est_gb, 2), "config": config}
@@ -190,13 +190,26 @@ def run_config(config: dict, *, rounds: int, warmup: int, repeats: int, timeout:
             dict(base, variant=v, **_aggregate(results[v])) for v in variants]
     if level == "rollout":
         _rollout_rows(rows, results, skipped, served, repeats)
-    if level == "eval":  # prefill/decode medians and what the engine prefilled (its last_stats)
-        for row in rows:
-            row.update(_phase_medians(results[row["variant"]], repeats))
-            last = next((p for r in results[row["variant"]] for p in (r.get("info") or {}).get("phases", [])[-1:]),
-                        {})
-            row.update({k: last.get(k) for k in ("prefixes", "prefix_tokens")})
+    if level == "eval":
+        _eval_rows(rows, results, repeats)
     return rows
+
+
+def _eval_rows(rows: list[dict], results: dict, repeats: int) -> None:
+    """The eval rows (in place) with the prefill/decode medians, what the engine prefilled (its last_stats) and
+    same_answers: how many of the B·Q answers are identical to hf_generate's (None without an hf_generate row)."""
+    def answers(variant):
+        return next((r["info"]["answers"] for r in results.get(variant, []) if "answers" in (r.get("info") or {})),
+                    None)
+
+    reference = answers("hf_generate")
+    for row in rows:
+        row.update(_phase_medians(results[row["variant"]], repeats))
+        last = next((p for r in results[row["variant"]] for p in (r.get("info") or {}).get("phases", [])[-1:]), {})
+        row.update({k: last.get(k) for k in ("prefixes", "prefix_tokens")})
+        mine = answers(row["variant"])
+        row["same_answers"] = (sum(a == b for a, b in zip(mine, reference))
+                               if mine is not None and reference is not None else None)
 
 
 def _median(values, unit: float = 1):
