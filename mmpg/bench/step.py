@@ -41,6 +41,7 @@ import types
 import torch
 
 from mmpg.bench import memory as probes
+from mmpg.grouping.inputs import pad_token_id
 
 PHASES = ("rollout", "reward", "logprob", "update")
 # the ceiling (a key of the row, see `mmpg.bench.runner.ceilings`) each phase's speed-up is compared with
@@ -77,7 +78,7 @@ class GenerateEngine:
                     **prompt_inputs, num_return_sequences=group_size, do_sample=True,
                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                     max_new_tokens=S, min_new_tokens=S, suppress_tokens=self.banned,
-                    pad_token_id=self.model.generation_config.pad_token_id, return_dict_in_generate=True,
+                    pad_token_id=pad_token_id(self.model), return_dict_in_generate=True,
                     output_scores=sampling.logprobs)
         finally:
             for module, training in modes.items():
@@ -230,7 +231,7 @@ def setup(case: dict, device: torch.device):
     here, outside every measurement; `runner()` is one GRPO step (`StepRunner`)."""
     from mmpg.bench.batch import forward_tokens, make_inputs, make_query_batch
     from mmpg.bench.flops import layout_tokens
-    from mmpg.bench.model import build_model
+    from mmpg.bench.model import build_model, set_generation_ids
     from mmpg.data.samples import GroundingSample
     from mmpg import dist
     from mmpg.train.engine import build_engine, prepare_deepspeed_env
@@ -250,8 +251,7 @@ def setup(case: dict, device: torch.device):
     model, ids = build_model(case, device)
     if ids["video"] is None:
         raise ValueError(f"the step level needs a video model (qwen2_5_vl, qwen3_vl), got {case['family']!r}")
-    text = model.config.get_text_config()
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = text.eos_token_id, text.pad_token_id
+    set_generation_ids(model)
     if case.get("freeze_vision", True):
         model.model.visual.requires_grad_(False)
     Q = case.get("Q", 1)
