@@ -50,7 +50,7 @@ LENGTHS = [3, 5, 2, 4, 6, 1, 2, 3, 5, 4, 4, 2, 6, 3, 5, 2, 4, 1]
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize("padding_side", ["left", "right"])
-def test_tree_equals_the_per_query_forward(load_tiny, family, padding_side):
+def test_shared_video_equals_the_per_query_forward(load_tiny, family, padding_side):
     model, processor = load_tiny(family)
     inputs = shared_batch(processor, PROMPTS, padding_side)
     shares = _shares(model, inputs, True, GROUPS)

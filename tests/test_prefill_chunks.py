@@ -76,7 +76,7 @@ def test_chunked_prefill_matches_one_forward(family, chunk, decode, sampling, lo
 
 @pytest.mark.parametrize("family", VL)
 @pytest.mark.parametrize("chunk", [pytest.param(7, marks=pytest.mark.slow), 40])
-def test_chunked_tree_prefill_matches_one_forward(family, chunk, load_tiny):
+def test_chunked_shared_prefill_matches_one_forward(family, chunk, load_tiny):
     """A video asked by several queries: its shared part prefilled once in chunks, each tail behind it."""
     model, processor = load_tiny(family)
     inputs = shared_batch(processor, PROMPTS)
