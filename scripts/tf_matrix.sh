@@ -10,9 +10,9 @@ set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
 cd "$MMPG_ROOT"
 tests=(tests/test_grouping_equivalence.py tests/test_grouping_positions.py tests/test_grouping_contract.py
-       tests/test_grouping_layout.py tests/test_grouping_tree.py tests/test_selfcheck.py
+       tests/test_grouping_layout.py tests/test_grouping_shares.py tests/test_selfcheck.py
        tests/test_flash_loaded_models.py tests/test_rollout.py
-       tests/test_rollout_seeds.py tests/test_cascade.py tests/test_rollout_tree.py tests/test_eval_run.py
+       tests/test_rollout_seeds.py tests/test_cascade.py tests/test_rollout_shares.py tests/test_eval_run.py
        tests/test_lora.py tests/test_sequence_parallel.py tests/test_prefill_chunks.py tests/test_share_any_order.py)
 installed="$(python -c 'import transformers; print(transformers.__version__)')"
 oldest="$(python -c 'from mmpg.grouping.patch import TRANSFORMERS_RANGE as r; print(r[0])')"

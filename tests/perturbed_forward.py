@@ -4,10 +4,10 @@ positions in the packed row by one, so each response is scored as if it sat one 
 untouched, so the two disagree as a real layout bug would make them."""
 
 import mmpg.grouping.logprobs as logprobs
-import mmpg.grouping.tree as tree
+import mmpg.grouping.shares as shares
 from reward_fns import digit_share  # noqa: F401  (the reward the run uses)
 
-_pack = tree.pack_tree
+_pack = shares.pack_shares
 
 
 def _shifted_pack(prefixes, completions, shares, device):

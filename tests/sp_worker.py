@@ -26,7 +26,7 @@ from batches import completions, processor_batch, random_video, vl_batch  # noqa
 from mmpg.grouping import grouped_logprobs, repeated_logprobs  # noqa: E402
 from mmpg.grouping.adapters import prefix_positions  # noqa: E402
 from mmpg.grouping.inputs import check_completions, placeholder_token_ids, split_visuals_per_prompt  # noqa: E402
-from mmpg.grouping.tree import find_shares, pack_tree  # noqa: E402
+from mmpg.grouping.shares import find_shares, pack_shares  # noqa: E402
 from mmpg.grouping.layout import GroupLayout  # noqa: E402
 from mmpg.toy.models import TinySpec, build_tiny_model, build_tiny_processor  # noqa: E402
 
@@ -34,7 +34,7 @@ TREE_QUESTIONS = ["When does the red circle appear?", "Find the moment the blue 
                   "When is it?", "Where does the yellow triangle first become visible in the frame?"]
 
 
-def tree_batch(processor, prompts, padding_side="left"):
+def shared_batch(processor, prompts, padding_side="left"):
     """prompts: (frames, h, w, seed) or None, question index; equal specs give equal frames (a shared video)."""
     texts, videos, metadata = [], [], []
     for spec, q in prompts:
@@ -55,7 +55,7 @@ def cut_kind(model, inputs, ids, mask, groups, sp) -> tuple[int, str]:
     visuals = split_visuals_per_prompt(model, inputs)
     prefixes = prefix_positions(model, inputs, visuals)
     shares = find_shares(prefixes, visuals, placeholder_token_ids(model), comp.group_sizes)
-    packed, _, row_lens, row_skip = pack_tree(prefixes, comp, shares, "cpu")
+    packed, _, row_lens, row_skip = pack_shares(prefixes, comp, shares, "cpu")
     layout = GroupLayout([s.length for s in shares], row_lens, "cpu", row_skip=row_skip)
     cut = -(-layout.total // sp)
     for b in range(layout.num_groups):
@@ -117,14 +117,14 @@ def cases(family: str, model, processor, model_kv1, processor_kv1):
     ids, mask = completions(groups, lengths, vocab, seed=2)
     yield f"{family}/kv1_replicated", model_kv1, vl_batch(processor_kv1, family, several), ids, mask, groups
     video = (16, 112, 112, 1)
-    tree = [(video, 0), (video, 1), (video, 3), ((4, 112, 56, 2), 2)]
-    tree_groups = [2, 2, 1, 2]
+    shared = [(video, 0), (video, 1), (video, 3), ((4, 112, 56, 2), 2)]
+    share_groups = [2, 2, 1, 2]
     for seed in range(40):  # response lengths that put the cut inside a shared video's query tail
         g = torch.Generator().manual_seed(seed)
-        ids, mask = completions(tree_groups, torch.randint(1, 9, (7,), generator=g).tolist(), vocab, seed=seed)
-        inputs = tree_batch(processor, tree)
-        if cut_kind(model, inputs, ids, mask, tree_groups, 2)[1] == "tail":
-            yield f"{family}/tree_cut_in_tail", model, inputs, ids, mask, tree_groups
+        ids, mask = completions(share_groups, torch.randint(1, 9, (7,), generator=g).tolist(), vocab, seed=seed)
+        inputs = shared_batch(processor, shared)
+        if cut_kind(model, inputs, ids, mask, share_groups, 2)[1] == "tail":
+            yield f"{family}/shared_cut_in_tail", model, inputs, ids, mask, share_groups
             break
     ids, mask = completions([2], [4, 3], vocab, seed=3)  # a long video, short responses: the cut inside the video
     yield f"{family}/cut_in_video", model, vl_batch(processor, family, [(16, 112, 112)]), ids, mask, [2]

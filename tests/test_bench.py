@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from mmpg.bench import cli, report, runner
+from mmpg.bench import cli, runner, tables
 from mmpg.errors import UserError
 
 ROW_KEYS = {"level", "P", "S", "G", "variant", "time_s", "speedup", "pct_ceiling", "peak_MB", "mem_ratio", "rho_lin",
@@ -92,8 +92,8 @@ def test_table_says_n_a_for_missing_memory():
     ran = dict(base, peak_MB=None, mem_ratio=None)
     skipped = dict(base, variant="mmpg", time_s=None, speedup=None, peak_MB=None, mem_ratio=None, note="skipped")
     measured = dict(base, variant="upstream", peak_MB=12.0, mem_ratio=1.5)
-    lines = report.format_table([ran, skipped, measured]).splitlines()[2:]
-    cols = report.format_table([]).splitlines()[0].split()
+    lines = tables.format_table([ran, skipped, measured]).splitlines()[2:]
+    cols = tables.format_table([]).splitlines()[0].split()
     cells = [line.split() for line in lines]
     assert [c[cols.index("peak_MB")] for c in cells] == ["n/a", "-", "12"]
     assert [c[cols.index("mem_ratio")] for c in cells] == ["n/a", "-", "1.50"]
@@ -115,7 +115,7 @@ def test_skipped_config_says_why():
               "dtype": "float32", "variants": ["naive", "mmpg"]}
     rows = runner.run_config(config, rounds=1, warmup=1, repeats=1, timeout=60, max_gb=1e-9, log=lambda m: None)
     assert all(r["note"].startswith("skipped: naive needs") for r in rows)
-    assert "skipped" in report.format_table(runner.add_ratios(rows))
+    assert "skipped" in tables.format_table(runner.add_ratios(rows))
 
 
 def test_plan_filters_variants_and_overrides_sizes():
@@ -341,12 +341,12 @@ def test_queries_per_video_adds_the_tree_to_step_configs_only():
 
 def test_query_batch_shares_exactly_the_video_part():
     # Q prompts of one video: identical pixels and first P tokens, distinct tails; grouping's own share finder
-    # (mmpg.grouping.tree.find_shares) must see one share of exactly P tokens
+    # (mmpg.grouping.shares.find_shares) must see one share of exactly P tokens
     from mmpg.bench.batch import make_query_batch
     from mmpg.bench.model import build_model
     from mmpg.grouping.adapters import prefix_positions
     from mmpg.grouping.inputs import placeholder_token_ids, split_visuals_per_prompt
-    from mmpg.grouping.tree import find_shares
+    from mmpg.grouping.shares import find_shares
 
     case = {"level": "step", "P": 48, "S": 6, "G": 3, "Q": 3, "t": 5, "family": "qwen2_5_vl",
             "spec": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
@@ -398,7 +398,20 @@ def test_eval_level_answers_a_videos_queries_once_each(tmp_path, capsys):
     assert (per["prefixes"], tree["prefixes"]) == (3, 1)
     assert tree["prefix_tokens"] == tree["P"] + 3 * tree["t"] and per["prefix_tokens"] == 3 * (per["P"] + per["t"])
     assert tree["rho_eval_tree"] > 1 and per["pct_ceiling"] is None  # per query is the baseline
+    # float32, no padding: the engine's greedy answers are generate's, token for token, shared video or not
+    assert [r["same_answers"] for r in rows] == [3, 3, 3]
     assert "eval: Q queries of one video" in capsys.readouterr().out
+
+
+def test_eval_level_batches_several_videos(tmp_path):
+    # B = 2 videos of 3 queries each in one batch: each video's shared part prefilled once, never one across videos
+    out = tmp_path / "eval_b2.json"
+    assert cli.run(_args("--preset", "tiny", "--levels", "eval", "--videos-per-batch", "2", "--in-process",
+                         "--variants", "hf_generate,tree", "--out", str(out))) == 0
+    generate, tree = json.loads(out.read_text())["rows"]
+    assert (generate["B"], tree["B"]) == (2, 2)
+    assert tree["prefixes"] == 2 and tree["prefix_tokens"] == 2 * (tree["P"] + 3 * tree["t"])
+    assert tree["same_answers"] == 6 and generate["same_answers"] == 6
 
 
 def test_no_preset_prints_the_plan_and_runs_nothing(tmp_path, capsys, monkeypatch):

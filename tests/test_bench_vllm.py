@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmpg.bench import batch, cli, report, rollout_vllm, runner
+from mmpg.bench import batch, cli, rollout_vllm, runner, tables
 
 # head_dim 32 (hidden 64 / 2 heads): the smallest vLLM serves; 2 frames 56x56 -> 1 x 4 x 4 patches, 4 video tokens
 TINY_VL = {"level": "rollout", "P": 20, "S": 3, "G": 2, "B": 2, "family": "qwen2_5_vl", "dtype": "float32",
@@ -86,7 +86,7 @@ def test_without_venv_the_vllm_row_says_skipped_and_the_rest_runs(monkeypatch):
     assert by["mmpg:cascade"]["tokens"] == 2 * (by["mmpg:cascade"]["P"] + 2 * 3)
     assert by["vllm"]["note"] == "skipped: no .venv-vllm (bash scripts/env.sh vllm)"
     assert by["vllm"].get("time_s") is None and by["vllm"]["speedup"] is None
-    table = report.rollout_table(rows)
+    table = tables.rollout_table(rows)
     assert "skipped: no .venv-vllm (bash scripts/env.sh vllm)" in table and "vLLM's own kernels" in table
 
 
@@ -142,7 +142,7 @@ def test_vllm_variant_end_to_end(monkeypatch):
     assert by["vllm"]["note"] == "", "\n".join(messages)
     assert by["vllm"]["time_s"] > 0 and by["vllm"]["speedup"] > 0 and by["vllm"]["peak_MB"] is None
     assert by["vllm"]["vllm_server"]["start_s"] > 0
-    print("\n" + report.rollout_table(rows))
+    print("\n" + tables.rollout_table(rows))
 
 
 def test_a_url_without_server_is_an_error_row():

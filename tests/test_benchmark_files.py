@@ -23,7 +23,7 @@ from mmpg.data.formats import detect_format, load_annotations
 from mmpg.data.samples import end_margin
 from mmpg.data.video import VideoSpec
 from batches import write_mp4
-from mmpg.rl.report import group_summary, step_metrics
+from mmpg.rl.step_log import group_summary, step_metrics
 
 ROUNDED = 12.5 + 1e-14  # an end that is past 12.5 s by float rounding only
 assert ROUNDED > 12.5

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from mmpg.bench import cli, report, runner
+from mmpg.bench import cli, runner, tables
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 64}
 
@@ -24,7 +24,7 @@ def test_rollout_level_reports_phases_and_kv_memory():
     # after the last step the copy cache holds G rows of P + S - 1 tokens, the cascade one P + G·S (preallocated)
     assert by["mmpg:cascade"]["kv_ratio"] == pytest.approx(G * (P + S - 1) / (P + G * S))
     assert by["mmpg:copy"]["kv_ratio"] == 1.0 and by["hf_generate"]["kv_MB"] == by["mmpg:copy"]["kv_MB"]
-    table = report.rollout_table(rows)
+    table = tables.rollout_table(rows)
     assert "mmpg:cascade" in table and "prefill_s" in table and "kv_ratio" in table
 
 

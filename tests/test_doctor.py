@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mmpg.doctor import report, train_check
+from mmpg.doctor import results, train_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +91,7 @@ def test_a_raising_path_is_a_failed_row():
 
     row = guarded(boom, "cascade", "cascade/flash/bfloat16", "cascade kernel flash")
     assert row.status == "FAIL" and "no kernel image" in row.detail
-    assert report.exit_code([row]) == 1
+    assert results.exit_code([row]) == 1
 
 
 def test_train_judge():

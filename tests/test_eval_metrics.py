@@ -134,7 +134,7 @@ def test_every_protocol_says_where_its_numbers_come_from(tmp_path):
 
 
 def test_report_shows_the_protocol_convention_first_and_what_happened_to_bad_videos():
-    from mmpg.eval.report import eval_report, over_steps_report
+    from mmpg.eval.markdown import eval_report, over_steps_report
     from mmpg.runs.evals import PredictionRecord
 
     ious, unparseable, failed = _hand_made()

@@ -117,7 +117,7 @@ def test_cli_without_a_prompt_file_exits_2(tmp_path, capsys):
 def test_report_says_how_much_of_the_benchmark_the_numbers_cover():
     """A Charades-STA-style file: 6 records, 1 absurd end and 1 start >= end left out, 2 ends past the duration kept;
     the report's Coverage section gives each count and the reasons (numbers folded), before the metrics' caveats."""
-    from mmpg.eval.report import eval_report
+    from mmpg.eval.markdown import eval_report
     from mmpg.eval.runner import left_out_reasons
 
     left = [("a.json['v1'] sentence 2", "span 3-14220 s is not inside the video (duration 158 s) in sample v1#2"),
@@ -236,7 +236,7 @@ def test_coverage_names_what_the_papers_scoring_kept():
     answers whose union with the truth is empty (Time-R1's code: NaN)."""
     from types import SimpleNamespace
 
-    from mmpg.eval.report import eval_report
+    from mmpg.eval.markdown import eval_report
 
     def rec(gt, pred, duration=134.24):
         return SimpleNamespace(gt_span=list(gt), pred_span=list(pred) if pred else None, duration=duration,

@@ -171,7 +171,7 @@ def test_one_measured_cpu_point():
     assert abs(predicted / measured - 1) < 0.25
 
 
-def test_tree_holds_a_video_once_for_its_queries():
+def test_a_shared_video_is_held_once_for_its_queries():
     # P 10 = 6 video tokens + a 4-token tail; 4 queries of one video x G 2 x S 2 in one micro-batch:
     # update row 6 + 4*2*(4+2) = 54 tokens (per-query grouping: 4 * (10 + 2*2) = 56); K/V 6 + 4*(4 + 2*2) = 38 tokens
     from mmpg.plan.memory import kv_cache_bytes

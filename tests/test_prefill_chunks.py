@@ -1,7 +1,7 @@
 """Chunked prefill of long prompts (`mmpg.rollout.chunks`, `HFEngine(prefill_chunk=C)`) against the one-forward
 prefill, float32 tiny models: the same greedy and seeded tokens and rollout logprobs within 1e-5, on tiny Qwen2.5-VL
 and Qwen3-VL (both decode modes, left padding with unequal prompt lengths, chunk boundaries inside the video and
-inside the question), the shared-video tree batch (shared parts in chunks, tails behind them), a text Qwen; the vision
+inside the question), the shared-video batch (shared parts in chunks, tails behind them), a text Qwen; the vision
 tower in frame chunks equals the whole video's encoding; a batch shorter than one chunk takes today's path bit for
 bit; synced (ZeRO-3) decoding runs one forward per vote; the settings are validated."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from batches import text_batch, vl_batch
-from test_grouping_tree import GROUPS, PROMPTS, tree_batch
+from test_grouping_shares import GROUPS, PROMPTS, shared_batch
 from test_rollout_seeds import _OtherRank
 from mmpg.rollout import HFEngine, SamplingParams
 from mmpg.rollout.chunks import _joined, chunk_spans, encode_in_chunks, supports_encoder_outputs
@@ -76,15 +76,15 @@ def test_chunked_prefill_matches_one_forward(family, chunk, decode, sampling, lo
 
 @pytest.mark.parametrize("family", VL)
 @pytest.mark.parametrize("chunk", [pytest.param(7, marks=pytest.mark.slow), 40])
-def test_chunked_tree_prefill_matches_one_forward(family, chunk, load_tiny):
+def test_chunked_shared_prefill_matches_one_forward(family, chunk, load_tiny):
     """A video asked by several queries: its shared part prefilled once in chunks, each tail behind it."""
     model, processor = load_tiny(family)
-    inputs = tree_batch(processor, PROMPTS)
+    inputs = shared_batch(processor, PROMPTS)
     for sampling in (GREEDY, SEEDED):
         engine = HFEngine(model, processor, decode="cascade", prefill_chunk=chunk)
         ref = HFEngine(model, processor, decode="cascade").generate_groups(inputs, GROUPS, sampling)
         out = engine.generate_groups(inputs, GROUPS, sampling)
-        assert engine.last_stats["shared_prompts"] == 4, engine.last_stats  # the tree path was taken
+        assert engine.last_stats["shared_prompts"] == 4, engine.last_stats  # the shared path was taken
         assert torch.equal(out.completion_ids, ref.completion_ids)
         assert float((out.logprobs - ref.logprobs).abs().max()) <= ATOL
 

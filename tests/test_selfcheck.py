@@ -217,7 +217,7 @@ def test_an_engines_logprobs_are_checked_the_same_way(loaded):
 def test_drift_alarm_after_several_steps_in_a_row():
     """alarm/logprob_drift: set once actor/logprob_gap_max has been above the bound for `steps` steps in a row;
     one step back under the bound resets the count; NaN counts as above."""
-    from mmpg.rl.report import DriftAlarm
+    from mmpg.rl.step_log import DriftAlarm
 
     alarm = DriftAlarm(1e-4, steps=3)
     gaps = [5e-5, 2e-3, 3e-3, 1e-5, 2e-3, float("nan"), 4e-3, 5e-3]

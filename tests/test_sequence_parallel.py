@@ -4,7 +4,7 @@
 Qwen2.5-VL and Qwen3-VL: logprobs within 1e-5 of the one-process grouped forward and of `repeated_logprobs`, every
 parameter's gradient (vision tower included; the mean over the 2 ranks) within 1e-4 relative of the one-process
 gradient. Cases: several prompts of different videos (and one without) with unequal groups, left and right padding,
-odd row lengths (padding to a multiple of sp), a shared-video tree, 1 kv head (repeated) and 2 (split), and the cut
+odd row lengths (padding to a multiple of sp), a shared video, 1 kv head (repeated) and 2 (split), and the cut
 between the ranks inside a video, inside a query's tail and inside a response. Each rank's vision tower encodes only
 its share of the frames.
 """
@@ -38,7 +38,7 @@ def sp_results(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-CASES = ["several_left", "several_right", "kv1_replicated", "tree_cut_in_tail", "cut_in_video", "cut_in_response_odd"]
+CASES = ["several_left", "several_right", "kv1_replicated", "shared_cut_in_tail", "cut_in_video", "cut_in_response_odd"]
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
@@ -53,7 +53,7 @@ def test_sp2_equals_one_process(sp_results, family, case):
     # each rank encodes its share of the frames, not the whole video (a single-group video: one rank, plus a
     # stand-in group on the other for lockstep)
     assert sum(r["vision_rows"]) <= r["pixel_rows"] + min(r["vision_rows"]), r
-    expected_cut = {"tree_cut_in_tail": "tail", "cut_in_video": "video", "cut_in_response_odd": "response"}
+    expected_cut = {"shared_cut_in_tail": "tail", "cut_in_video": "video", "cut_in_response_odd": "response"}
     if case in expected_cut:
         assert r["cut"] == expected_cut[case], r
 

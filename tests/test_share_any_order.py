@@ -1,4 +1,4 @@
-"""A video shared wherever its queries sit in the batch (`mmpg.grouping.tree.share_order`): the grouped forward and
+"""A video shared wherever its queries sit in the batch (`mmpg.grouping.shares.share_order`): the grouped forward and
 the HF engine compute a video's prompts side by side and give the results back in the caller's order. The batch
 [A q1, A q2, B, A q3, B q2]: two videos encoded, once each; exact against the per-row repeated forward (logprobs
 1e-5, every gradient 1e-4 relative, float32, both VL families); the engine samples what it samples for the batch in
@@ -13,9 +13,9 @@ from batches import completions
 from grouping_check import compare
 from mmpg.grouping import grouped_logprobs
 from mmpg.grouping.inputs import split_visuals_per_prompt
-from mmpg.grouping.tree import share_order
+from mmpg.grouping.shares import share_order
 from mmpg.rollout import HFEngine, SamplingParams
-from test_grouping_tree import tree_batch
+from test_grouping_shares import shared_batch
 
 APART = [("a", 0), ("a", 1), ("b", 0), ("a", 3), ("b", 2)]
 GROUPS = [2, 3, 1, 2, 2]
@@ -35,7 +35,7 @@ def _vision_rows(model, fn):
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_a_video_apart_in_the_batch_is_encoded_once_and_exact(load_tiny, family):
     model, processor = load_tiny(family)
-    inputs = tree_batch(processor, APART)
+    inputs = shared_batch(processor, APART)
     assert share_order(split_visuals_per_prompt(model, inputs)) == [0, 1, 3, 2, 4]
     ids, mask = completions(GROUPS, LENGTHS, model.config.text_config.vocab_size)
     logp, grad, _ = compare(model, inputs, ids, mask, GROUPS)
@@ -50,7 +50,7 @@ def test_a_video_apart_in_the_batch_is_encoded_once_and_exact(load_tiny, family)
 def test_the_same_question_twice_then_another_shares_the_video(load_tiny):
     model, processor = load_tiny("qwen2_5_vl")
     prompts, groups = [("a", 0), ("a", 0), ("a", 1)], [2, 2, 2]
-    inputs = tree_batch(processor, prompts)
+    inputs = shared_batch(processor, prompts)
     ids, mask = completions(groups, [3, 4, 2, 5, 1, 3], model.config.text_config.vocab_size)
     compare(model, inputs, ids, mask, groups)
     assert model._mmpg_shared == (3, 1)
@@ -59,8 +59,8 @@ def test_the_same_question_twice_then_another_shares_the_video(load_tiny):
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_the_engine_shares_a_video_apart_and_answers_in_order(load_tiny, family):
     model, processor = load_tiny(family)
-    inputs = tree_batch(processor, APART)
-    together = tree_batch(processor, [APART[i] for i in (0, 1, 3, 2, 4)])
+    inputs = shared_batch(processor, APART)
+    together = shared_batch(processor, [APART[i] for i in (0, 1, 3, 2, 4)])
     sampling = SamplingParams(temperature=1.0, max_new_tokens=5)
     seeds = [11, 12, 13, 14, 15]
     engine = HFEngine(model, processor, decode="cascade")

@@ -1,6 +1,6 @@
 """Sequence parallelism in training (parallel.sequence_parallel_size): 2 gloo processes that share every packed row
 (sp = 2, one data-parallel group) train what one process trains on the same global batch — GRPO under ZeRO-2 and
-ZeRO-3 with a KL reference, two passes per step, a video's queries side by side (its tree shared in the grouped
+ZeRO-3 with a KL reference, two passes per step, a video's queries side by side (the video shared in the grouped
 forward) and gradient checkpointing, GRPO with LoRA, and SFT: the same sampled texts and rewards,
 losses within 1e-5, gradient norms and final weights within 1e-5 relative. Each rank held about half of every
 packed row (perf/row_tokens), and run.json records sp. Bad settings are one line and exit status 2 before anything

@@ -77,13 +77,14 @@ def make_inputs(model, case: dict, ids: dict, device, seed: int = 1) -> tuple[di
     return prompt, completion_ids, torch.ones_like(completion_ids), info
 
 
-def make_query_batch(model, case: dict, ids: dict, device) -> tuple[dict, dict]:
+def make_query_batch(model, case: dict, ids: dict, device, seed: int = 1) -> tuple[dict, dict]:
     """Q = case["Q"] queries of one video as one batch: every prompt is `make_inputs`' prompt (the shared part: text,
     the video, text; P tokens) followed by its own tail of t = case["t"] random tokens (the question and assistant
     header), drawn with seed 100 + q and starting with a token no other tail starts with, so the prompts agree on
     exactly P tokens. The video's patches repeat Q times, as a processor repeats them for Q prompts of one video.
-    Returns (prompt_inputs with input_ids [Q, P + t], info of the shared part: its P and video sizes)."""
-    prompt, _, _, info = make_inputs(model, case, ids, device)
+    `seed`: `make_inputs`' (another seed: another video and text of the same shape). Returns (prompt_inputs with
+    input_ids [Q, P + t], info of the shared part: its P and video sizes)."""
+    prompt, _, _, info = make_inputs(model, case, ids, device, seed=seed)
     Q, t = case["Q"], case["t"]
     if t < 1 or Q < 1 or Q > TEXT_IDS:
         raise ValueError(f"queries per video Q={Q} and tail t={t} must be >= 1 (Q <= {TEXT_IDS})")

@@ -20,6 +20,9 @@
                                                        Q queries of one video: naive, per-query grouping and the
                                                        tree (the video's part once for all Q), per phase; eval:
                                                        one greedy answer per query, per query vs the tree
+    mmpg bench --levels eval --queries-per-video 1 --videos-per-batch 1,8
+                                                       greedy answers to 1 and 8 videos per batch, the engine vs
+                                                       generate, with the answers identical to generate's
     mmpg bench --levels lora                           memory of full vs LoRA training (`mmpg.bench.lora`)
     mmpg bench --preset sp-cpu --sp 2                  one GRPO step with the packed row spread over 2 gloo
                                                        processes beside one process, P 2K..16K: per-rank peak
@@ -75,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queries-per-video", dest="Q", type=_int_list, default=None,
                         help="step level: Q queries of one video per step (e.g. 1,3); Q > 1 adds the tree variant "
                         "(the video's shared part forwarded once for all Q) beside per-query grouping (mmpg)")
+    parser.add_argument("--videos-per-batch", dest="B", type=_int_list, default=None,
+                        help="eval level: videos whose queries one batch answers (e.g. 1,8; default 1): the engine's "
+                        "batching of several videos against one at a time, as `mmpg eval` batches eval.batch_size "
+                        "prompts")
     parser.add_argument("--tail", type=int, default=None,
                         help="with --queries-per-video (and the eval level): tokens of each query's own tail after "
                         "the shared part (question + assistant header; default 32)")
@@ -147,11 +154,12 @@ def plan(args) -> list[dict]:
     for config in configs:
         queries = {"step": getattr(args, "Q", None) or [1], "eval": getattr(args, "Q", None) or [config.get("Q", 1)]
                    }.get(config["level"], [1])
-        for P, S, G, Q in itertools.product(args.P or [config["P"]], args.S or [config["S"]], args.G or [config["G"]],
-                                            queries):
+        videos = (getattr(args, "B", None) or [config.get("B", 1)]) if config["level"] == "eval" else [None]
+        for P, S, G, Q, B in itertools.product(args.P or [config["P"]], args.S or [config["S"]],
+                                               args.G or [config["G"]], queries, videos):
             c = dict(config, P=P, S=S, G=G)
-            if config["level"] == "eval":  # Q queries of one video answered once each; a lone query has no tree
-                c.update(Q=Q, t=getattr(args, "tail", None) or c["t"])
+            if config["level"] == "eval":  # Q queries of B videos answered once each; a lone query has no tree
+                c.update(Q=Q, B=B, t=getattr(args, "tail", None) or c["t"])
                 c["variants"] = [v for v in c["variants"] if v != "tree" or Q > 1]
             elif Q > 1:  # Q queries of one video, each with its own tail: per query (mmpg) vs the tree
                 c.update(Q=Q, t=getattr(args, "tail", None) or 32, variants=[*c["variants"], "tree"])
@@ -197,7 +205,7 @@ def meta(args, rounds, repeats, warmup, max_gb, env, partial) -> dict:
 
 
 def run(args) -> int:
-    from mmpg.bench import report, runner
+    from mmpg.bench import runner, tables
 
     if args.levels and "lora" in args.levels:  # its own program and table (mmpg.bench.lora)
         if args.levels != ["lora"]:
@@ -219,12 +227,12 @@ def run(args) -> int:
     rounds, repeats, warmup = (v if v is not None else d
                                for v, d in zip((args.rounds, args.repeats, args.warmup), PRESETS[args.preset]))
     configs = plan(args)
-    env = report.environment()
+    env = tables.environment()
     max_gb = args.max_gb if args.max_gb is not None else default_max_gb()
-    out_path = args.out or report.default_out_path()
+    out_path = args.out or tables.default_out_path()
     print(f"mmpg bench --preset {args.preset}: {len(configs)} configs, {rounds} rounds x {repeats} repeats "
           f"(+{warmup} warm-up) per variant, on {env['device']}")
-    for desc in dict.fromkeys(report.describe_config(c) for c in configs):
+    for desc in dict.fromkeys(tables.describe_config(c) for c in configs):
         print(f"  {desc}")
     rows = []
     for config in configs:
@@ -240,21 +248,21 @@ def run(args) -> int:
                                  max_gb=max_gb, in_process=args.in_process,
                                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
         rows += runner.add_ratios(done)
-        print(report.format_table(done), file=sys.stderr, flush=True)  # progress; the full table comes last
-        report.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=True))
+        print(tables.format_table(done), file=sys.stderr, flush=True)  # progress; the full table comes last
+        tables.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=True))
     runner.add_ratios(rows)
-    print(report.format_table(rows))
+    print(tables.format_table(rows))
     if any(r["level"] == "rollout" for r in rows) and not args.dry_run:
-        print("\n" + report.rollout_table(rows))
+        print("\n" + tables.rollout_table(rows))
     if any(r["variant"] == "tree" and r["level"] == "step" for r in rows):
-        print("\n" + report.tree_table(rows))
+        print("\n" + tables.tree_table(rows))
     if any(r["level"] == "eval" for r in rows) and not args.dry_run:
-        print("\n" + report.eval_table(rows))
+        print("\n" + tables.eval_table(rows))
     if getattr(args, "sp", 1) > 1 and not args.dry_run:
         from mmpg.bench.sp import sp_table
 
         print("\n" + sp_table(rows))
-    path = report.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=False))
+    path = tables.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=False))
     print(f"wrote {path}")
     failed = [r for r in rows if (r.get("note") or "").split(":")[0] not in ("", "OOM", "n/a", "skipped")
               and not (r.get("note") or "").startswith("naive ~")]

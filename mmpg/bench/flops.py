@@ -233,7 +233,7 @@ def dims_from_config(config) -> ModelDims:
                      vision=vision)
 
 
-# ---- Q queries of one video: per-query grouping vs the tree (`mmpg.grouping.tree`) ----------------------------------
+# ---- Q queries of one video: per-query grouping vs the tree (`mmpg.grouping.shares`) --------------------------------
 # Each of Q queries has a prompt of P shared tokens (system text, video, template words) + t tail tokens (question,
 # assistant header) and G responses of S tokens. Layouts of one step's forward, with their causal attention pairs:
 #
@@ -241,7 +241,7 @@ def dims_from_config(config) -> ModelDims:
 #     per query  Q rows [shared | tail | r_1 | ... | r_G]        Q (P+t+GS)          Q ((P+t)²/2 + G (S(P+t) + S²/2))
 #     tree       one row [shared | tail_1 + r_1,1 | ...]          P + QG (t+S)        P²/2 + QG ((t+S) P + (t+S)²/2)
 #
-# (the tree repeats each tail per response: `mmpg.grouping.tree`). The vision tower encodes the video QG, Q and 1
+# (the tree repeats each tail per response: `mmpg.grouping.shares`). The vision tower encodes the video QG, Q and 1
 # times. The LM head scores the QGS response-predicting positions in all three. Rollout: generate prefills QG copies
 # of the P+t prompt, per query Q prompts, the tree the shared part once and each tail once against it; the decode is
 # the same QG(S-1) one-token steps in all. The token ceilings over naive (`rho_lin_q`):

@@ -3,7 +3,7 @@ compared with and the ceiling of its %ceil column. Torch-free; only the worker i
 `module_for`), and no level module imports the worker or the runner.
 
 A level module's `setup(case, device) -> (prepare, step, info)`: `prepare` (or None) runs in the memory window
-before the cold step, `step()` is one step (`phased = True`: it times its own phases, see `mmpg.bench.worker`),
+before the cold step, `step()` is one step (`phased = True`: it times its own phases, see `mmpg.bench.measure`),
 `info` holds "P" (the prompt built) and "tokens" (the tokens the step's forward sees).
 """
 

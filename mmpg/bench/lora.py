@@ -140,19 +140,19 @@ def format_table(rows: list[dict]) -> str:
 
 def run(args) -> int:
     """`mmpg bench --levels lora`: the variants at each size, one fresh process each; table on stdout, JSON."""
-    from mmpg.bench import report
+    from mmpg.bench import tables
 
     planned = cases(args)
     print(f"mmpg bench --levels lora (LoRA r {args.lora_r}, alpha 2r, on q,k,v,o,gate,up,down of the LM):")
     for size, _, case in planned[::len(VARIANTS)]:
-        print(f"  {size}: {report.describe_config(dict(case, variants=[]))}, P {case['P']}")
+        print(f"  {size}: {tables.describe_config(dict(case, variants=[]))}, P {case['P']}")
     rows = []
     for size, name, case in planned:
         print(f"  measuring {size} {name} ...", file=sys.stderr, flush=True)
         rows.append(dict(_in_fresh_process(case, args.timeout), size=size, variant=name, case=case))
     print(format_table(rows))
-    env = report.environment()
-    path = report.write_json(args.out or report.default_out_path(), rows,
+    env = tables.environment()
+    path = tables.write_json(args.out or tables.default_out_path(), rows,
                              {"level": "lora", "argv": sys.argv[1:], **env})
     print(f"wrote {path}")
     return 1 if any(r.get("error") for r in rows) else 0
@@ -162,7 +162,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m mmpg.bench.lora CASE.json RESULT.json", file=sys.stderr)
         return 2
-    from mmpg.bench.report import atomic_write
+    from mmpg.bench.tables import atomic_write
 
     atomic_write(argv[1], json.dumps(measure(json.loads(Path(argv[0]).read_text()))))
     return 0

@@ -67,6 +67,16 @@ def build_model(case: dict, device: torch.device):
     return model.train(), ids
 
 
+def set_generation_ids(model) -> None:
+    """Give `model.generation_config` its text config's eos id and the padding id of
+    `mmpg.grouping.inputs.pad_token_id` (the one rule), so `generate`, the HF engine and a saved copy vLLM serves stop
+    and pad alike."""
+    from mmpg.grouping.inputs import pad_token_id
+
+    model.generation_config.eos_token_id = model.config.get_text_config().eos_token_id
+    model.generation_config.pad_token_id = pad_token_id(model)
+
+
 def _upstream_logprobs(model, prompt, completion_ids):
     """The upstream package's grouped forward: [G, S] float32 logprobs (text-only models)."""
     from prefix_grouper import PrefixGrouper

@@ -237,7 +237,7 @@ class PinnedServer(ServerProcess):
 
 def run(args) -> int:
     """Both arms (k = 0, then k = 1), the table, the JSON; 0 when both ran."""
-    from mmpg.bench import report
+    from mmpg.bench import tables
     from mmpg.toy.models import TinySpec, make_tiny
     from mmpg.toy.videos import generate_dataset
 
@@ -279,10 +279,10 @@ def run(args) -> int:
     print(f"\nk=1 vs k=0: {speed:.2f}x steps per hour (ceiling {ceiling(arms[0]):.2f}x; means over steps "
           f"{arms[0]['steps'][0]}-{arms[0]['steps'][-1]} of {args.async_rounds} run(s) per arm, the first "
           f"{args.warmup} of each are warm-up); idle server's CPU share {idle_share:.1%}")
-    out = Path(args.out or report.default_out_path())
+    out = Path(args.out or tables.default_out_path())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"arms": arms, "runs": runs, "ceiling": ceiling(arms[0]), "speed_up": speed,
                                "idle_server_cpu_share": idle_share, "warmup": args.warmup,
-                               "environment": report.environment()}, indent=1, default=str))
+                               "environment": tables.environment()}, indent=1, default=str))
     print(f"wrote {out}")
     return 0

@@ -14,7 +14,7 @@
 B (config key, default 1): the prompts of one step, equal in shape, seeds 1..B (`mmpg.bench.batch.make_batch`).
 
 All decode exactly S tokens (no stop token). Besides the total time, each step records its phases, kept in the
-worker's `info`, aggregated by `mmpg.bench.runner.run_config`, printed by `mmpg.bench.report.rollout_table`:
+worker's `info`, aggregated by `mmpg.bench.runner.run_config`, printed by `mmpg.bench.tables.rollout_table`:
 
     prefill_s  the prompt forward up to the first token's logits (generate: until its streamer receives token 0)
     decode_s   the rest: sampling and the S - 1 decode forwards
@@ -35,6 +35,7 @@ import torch
 
 from mmpg.bench.batch import forward_tokens, make_batch
 from mmpg.bench.memory import sync
+from mmpg.grouping.inputs import pad_token_id
 
 # the variant's backend slot -> (HFEngine decode mode, cascade kernel backend)
 DECODE = {None: ("cascade", "auto"), "copy": ("copy", "auto"), "cascade": ("cascade", "auto"),
@@ -119,7 +120,7 @@ def setup(case: dict, device: torch.device):
             streamer = _FirstToken(device)
             with torch.no_grad():
                 out = model.generate(**prompt, num_return_sequences=G, do_sample=True, max_new_tokens=S,
-                                     min_new_tokens=S, pad_token_id=0, streamer=streamer,
+                                     min_new_tokens=S, pad_token_id=pad_token_id(model), streamer=streamer,
                                      return_dict_in_generate=True)
             cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
             return streamer.at, lambda: _cache_bytes(cache)

@@ -102,12 +102,11 @@ def checkpoint_mismatch(config: dict, checkpoint: str | Path) -> str | None:
 def save_checkpoint(config: dict, folder: Path) -> Path:
     """The config's model (seeded as `build_model` seeds every variant's) and the tiny builder's processor, saved
     as a checkpoint vLLM loads like a hub one."""
-    from mmpg.bench.model import build_model
+    from mmpg.bench.model import build_model, set_generation_ids
     from mmpg.toy.models import TinySpec, build_tiny_processor
 
     model, _ = build_model(config, torch.device("cpu"))
-    text = model.config.get_text_config()
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = text.eos_token_id, text.pad_token_id
+    set_generation_ids(model)
     model.save_pretrained(folder)
     build_tiny_processor(config["family"], TinySpec(**config["spec"]), seed=0).save_pretrained(folder)
     return folder

@@ -121,8 +121,8 @@ def ceilings(config: dict, shape: dict) -> dict:
 
 # ---- running ---------------------------------------------------------------------------------------------------------
 def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: bool) -> dict:
-    """One (config, variant, round): `worker.measure` in a fresh process, or here without memory (in_process); a
-    case with sp > 1 in sp processes (`mmpg.bench.sp.launch`)."""
+    """One (config, variant, round): `mmpg.bench.measure.measure` in a fresh process, or here without memory
+    (in_process); a case with sp > 1 in sp processes (`mmpg.bench.sp.launch`)."""
     if case.get("sp", 1) > 1:
         if in_process:
             return {"error": "n/a: --sp > 1 runs sp worker processes (not --in-process)", "times": []}
@@ -130,7 +130,7 @@ def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: 
 
         return launch(case, warmup, repeats, timeout)
     if in_process:
-        from mmpg.bench.worker import measure
+        from mmpg.bench.measure import measure
 
         return measure(case, warmup, repeats, memory=False)
     with tempfile.TemporaryDirectory(prefix="mmpg-bench-") as tmp:
@@ -138,7 +138,7 @@ def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: 
         with open(job, "w") as f:
             json.dump({"case": case, "warmup": warmup, "repeats": repeats}, f)
         try:
-            proc = subprocess.run([sys.executable, "-m", "mmpg.bench.worker", job, result], timeout=timeout,
+            proc = subprocess.run([sys.executable, "-m", "mmpg.bench.measure", job, result], timeout=timeout,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(case))
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s", "times": []}
@@ -152,12 +152,12 @@ def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: 
 
 def run_config(config: dict, *, rounds: int, warmup: int, repeats: int, timeout: float, max_gb: float,
                in_process: bool = False, log=print) -> list[dict]:
-    """Measure every variant of one config; returns one row per variant (see `report.COLUMNS`). A rollout config's
-    rows also hold B and the median phases and K/V (`_rollout_rows`); its vllm variant gets a server here, once for
-    every round (`mmpg.bench.rollout_vllm.start`), or a row saying why not."""
+    """Measure every variant of one config; returns one row per variant (see `mmpg.bench.tables.COLUMNS`). A
+    rollout config's rows also hold B and the median phases and K/V (`_rollout_rows`); its vllm variant gets a server
+    here, once for every round (`mmpg.bench.rollout_vllm.start`), or a row saying why not."""
     level, shape = config["level"], shape_of(config)
     est_gb = naive_bytes(config, shape) / 1e9
-    prompts = {"B": config.get("B", 1)} if level == "rollout" else {}
+    prompts = {"B": config.get("B", 1)} if level in ("rollout", "eval") else {}
     base = {"level": level, **prompts, "P": shape["P"], "S": config["S"], "G": config["G"], **queries_of(config),
             **ceilings(config, shape),
             "est_naive_GB": round(est_gb, 2), "config": config}
@@ -190,13 +190,26 @@ def run_config(config: dict, *, rounds: int, warmup: int, repeats: int, timeout:
             dict(base, variant=v, **_aggregate(results[v])) for v in variants]
     if level == "rollout":
         _rollout_rows(rows, results, skipped, served, repeats)
-    if level == "eval":  # prefill/decode medians and what the engine prefilled (its last_stats)
-        for row in rows:
-            row.update(_phase_medians(results[row["variant"]], repeats))
-            last = next((p for r in results[row["variant"]] for p in (r.get("info") or {}).get("phases", [])[-1:]),
-                        {})
-            row.update({k: last.get(k) for k in ("prefixes", "prefix_tokens")})
+    if level == "eval":
+        _eval_rows(rows, results, repeats)
     return rows
+
+
+def _eval_rows(rows: list[dict], results: dict, repeats: int) -> None:
+    """The eval rows (in place) with the prefill/decode medians, what the engine prefilled (its last_stats) and
+    same_answers: how many of the B·Q answers are identical to hf_generate's (None without an hf_generate row)."""
+    def answers(variant):
+        return next((r["info"]["answers"] for r in results.get(variant, []) if "answers" in (r.get("info") or {})),
+                    None)
+
+    reference = answers("hf_generate")
+    for row in rows:
+        row.update(_phase_medians(results[row["variant"]], repeats))
+        last = next((p for r in results[row["variant"]] for p in (r.get("info") or {}).get("phases", [])[-1:]), {})
+        row.update({k: last.get(k) for k in ("prefixes", "prefix_tokens")})
+        mine = answers(row["variant"])
+        row["same_answers"] = (sum(a == b for a, b in zip(mine, reference))
+                               if mine is not None and reference is not None else None)
 
 
 def _median(values, unit: float = 1):

@@ -1,7 +1,7 @@
 """`mmpg bench --levels step --sp N`: one GRPO step with the packed row spread over N ranks, beside sp = 1.
 
 Each (config, variant, round) with sp = N > 1 runs as N gloo processes (`torchrun --standalone --nproc_per_node N
--m mmpg.bench.worker`, OMP_NUM_THREADS = cores / N each, so sp 1 and sp N compute on the same cores). Every rank runs
+-m mmpg.bench.measure`, OMP_NUM_THREADS = cores / N each, so sp 1 and sp N compute on the same cores). Every rank runs
 the trainer's whole step (`mmpg.bench.step`: the rollout split over the group by prompt, `mmpg.rl.split`; the
 reference's and the update's `grouped_logprobs` with `sequence_group`, `mmpg.grouping.sequence`), measures its own
 peaks with the bench's probes (`mmpg.bench.memory`) and writes its own file; `merge` keeps, per phase, the largest
@@ -47,7 +47,7 @@ FIXED_BYTES_PER_PARAM = {"update": 12, "total": 12}  # fp32 gradient + AdamW m, 
 
 def launch(case: dict, warmup: int, repeats: int, timeout: float) -> dict:
     """One (config, variant, round) as case["sp"] processes; returns `merge` of their results (or an error)."""
-    from mmpg.bench.worker import rank_path
+    from mmpg.bench.measure import rank_path
 
     sp = case["sp"]
     env = dict(worker_env(case), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // sp)))
@@ -56,7 +56,7 @@ def launch(case: dict, warmup: int, repeats: int, timeout: float) -> dict:
         with open(job, "w") as f:
             json.dump({"case": case, "warmup": warmup, "repeats": repeats}, f)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(sp),
-               "-m", "mmpg.bench.worker", job, result]
+               "-m", "mmpg.bench.measure", job, result]
         # a session of its own: on a timeout the whole group (torchrun and its ranks) is killed, not torchrun alone
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)

@@ -6,7 +6,7 @@
            trainer as it runs
 
     tree   (Q > 1 queries of one video, `--queries-per-video`) the same engine and grouped forward with the video's
-           shared part forwarded once for all Q queries (`mmpg.grouping.tree`); "mmpg" is then per-query grouping
+           shared part forwarded once for all Q queries (`mmpg.grouping.shares`); "mmpg" is then per-query grouping
            (algorithm.share_videos=false: each query's prompt forwarded once, the video Q times), the trainer
            before the tree
 
@@ -25,7 +25,7 @@ each with a tail of t tokens, `mmpg.bench.batch.make_query_batch`), with its dat
               parentheses, which take milliseconds
 
 Each phase is timed with CUDA synchronised at both ends. Memory (the worker's cold step only, see
-`mmpg.bench.worker`): a phase's peak is its high-water mark minus the memory in use when the step began, the
+`mmpg.bench.measure`): a phase's peak is its high-water mark minus the memory in use when the step began, the
 step's peak the largest of them. The vision tower is frozen (the trainer's default `model.freeze_vision`), so the
 update runs it forward only. The cold step also allocates AdamW's state, in both variants alike.
 """
@@ -41,6 +41,7 @@ import types
 import torch
 
 from mmpg.bench import memory as probes
+from mmpg.grouping.inputs import pad_token_id
 
 PHASES = ("rollout", "reward", "logprob", "update")
 # the ceiling (a key of the row, see `mmpg.bench.runner.ceilings`) each phase's speed-up is compared with
@@ -77,7 +78,7 @@ class GenerateEngine:
                     **prompt_inputs, num_return_sequences=group_size, do_sample=True,
                     temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                     max_new_tokens=S, min_new_tokens=S, suppress_tokens=self.banned,
-                    pad_token_id=self.model.generation_config.pad_token_id, return_dict_in_generate=True,
+                    pad_token_id=pad_token_id(self.model), return_dict_in_generate=True,
                     output_scores=sampling.logprobs)
         finally:
             for module, training in modes.items():
@@ -173,7 +174,7 @@ def bench_scorer(cfg):
 class StepRunner:
     """`runner(memory=False)` runs one GRPO step and returns {"seconds": {phase: s, "total": s}, "peak_bytes":
     {phase: bytes or None, "total": ...} or None, "mem_method", "info": {"response_tokens"}}. `phased` tells
-    `mmpg.bench.worker` that the step times its own phases."""
+    `mmpg.bench.measure` that the step times its own phases."""
 
     phased = True
 
@@ -230,7 +231,7 @@ def setup(case: dict, device: torch.device):
     here, outside every measurement; `runner()` is one GRPO step (`StepRunner`)."""
     from mmpg.bench.batch import forward_tokens, make_inputs, make_query_batch
     from mmpg.bench.flops import layout_tokens
-    from mmpg.bench.model import build_model
+    from mmpg.bench.model import build_model, set_generation_ids
     from mmpg.data.samples import GroundingSample
     from mmpg import dist
     from mmpg.train.engine import build_engine, prepare_deepspeed_env
@@ -250,8 +251,7 @@ def setup(case: dict, device: torch.device):
     model, ids = build_model(case, device)
     if ids["video"] is None:
         raise ValueError(f"the step level needs a video model (qwen2_5_vl, qwen3_vl), got {case['family']!r}")
-    text = model.config.get_text_config()
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = text.eos_token_id, text.pad_token_id
+    set_generation_ids(model)
     if case.get("freeze_vision", True):
         model.model.visual.requires_grad_(False)
     Q = case.get("Q", 1)

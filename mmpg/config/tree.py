@@ -187,7 +187,7 @@ class AlgorithmConfig:
                                   "there is.")
     grouping: bool = _f(True, "Shared-prefix grouped forward; false: the naive repeated forward (A/B runs).")
     share_videos: bool = _f(True, "Adjacent prompts of one video (data.queries_per_video) share the video's part of "
-                            "the prompt: in the grouped forward (mmpg.grouping.tree) and the hf rollout's cascade "
+                            "the prompt: in the grouped forward (mmpg.grouping.shares) and the hf rollout's cascade "
                             "prefill and decode (mmpg.rollout.shares; not under rollout.decode=copy, or when "
                             "the cascade kernels all failed their check); false: each prompt alone.")
     self_check: str = _f("on", "Compare the grouped forward with the repeated one on one real group, in this run's "

@@ -116,7 +116,7 @@ class GroundingDataset(Dataset):
 
         Queries of one video (same file and clip window; the frame spec is the dataset's) get the very same
         `DecodedVideo`, so the processor sees identical pixels and the grouped forward and the rollout can share
-        the video (`mmpg.grouping.tree`). A video that cannot be decoded fails each of its queries, one skip each."""
+        the video (`mmpg.grouping.shares`). A video that cannot be decoded fails each of its queries, one skip each."""
         decoded: dict[tuple, DecodedVideo | str] = {}  # (file, clip start, clip end) -> frames or the reason
         items = []
         for i in indices:

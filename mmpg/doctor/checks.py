@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from mmpg.doctor.report import Row
+from mmpg.doctor.results import Row
 
 FP32_LOGP, FP32_GRAD = 1e-5, 1e-4
 BF16_GRAD = 5e-2

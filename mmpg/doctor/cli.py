@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from mmpg.doctor import checks, environment, report, speed, train_check
-from mmpg.doctor.report import Row, not_run
+from mmpg.doctor import checks, environment, results, speed, train_check
+from mmpg.doctor.results import Row, not_run
 from mmpg.grouping.backends.probe import flash_status
 
 NO_CUDA = "needs a CUDA device: "
@@ -175,7 +175,7 @@ def run(args) -> int:
     record["date"] = stamp.isoformat(timespec="seconds")
     record["device"] = str(device)
     title = f"mmpg doctor, {stamp:%Y-%m-%d %H:%M} UTC, {device.type}"
-    code = report.write(out, rows, lines, record, title)
-    print((out / "doctor.json").read_text() if args.json else report.markdown(rows, lines, title))
-    print(report.summary(rows) + f"; report: {out / 'doctor.md'}", file=sys.stderr if args.json else sys.stdout)
+    code = results.write(out, rows, lines, record, title)
+    print((out / "doctor.json").read_text() if args.json else results.markdown(rows, lines, title))
+    print(results.summary(rows) + f"; report: {out / 'doctor.md'}", file=sys.stderr if args.json else sys.stdout)
     return code

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mmpg.doctor.report import Row
+from mmpg.doctor.results import Row
 
 
 def _cuda_version(v: int) -> str:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from mmpg.doctor.report import Row
+from mmpg.doctor.results import Row
 
 CPU_SHAPE = {"P": 1024, "S": 32, "G": 8, "dtype": torch.float32,
              "spec": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from mmpg.doctor.report import Row
+from mmpg.doctor.results import Row
 
 STEPS = 3
 

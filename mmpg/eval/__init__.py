@@ -14,9 +14,8 @@ mmpg.runs; its collectives come from mmpg.dist).
                    0), optionally in lockstep over ranks (ZeRO-3); the decoding's counts (videos, vision-tower
                    encodes, prefill tokens)
     run_dir.py     evaluate_run: every complete checkpoint of a training run, then over_steps.md|png
-    report.py      report.md and over_steps.md (pure text)
+    markdown.py    report.md and over_steps.md (pure text)
     plots.py       PNGs through matplotlib's Agg backend, written atomically
-    speed.py       python -m mmpg.eval.speed: batched engine vs model.generate one sample at a time
     cli.py         the `mmpg eval` subcommand
 
 The evaluation folder's layout is documented once, in mmpg/runs/evals.py.

@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 from mmpg.data.dataset import GroundingDataset, VideoDataLoader, VideoItem, stand_in_batch, video_key
 from mmpg.data.prompts import build_prompt_inputs
 from mmpg.eval.metrics import score_sample, scored_truth
-from mmpg.models.counting import VisionCalls, prefill_tokens
+from mmpg.models.vision_calls import VisionCalls, prefill_tokens
 from mmpg.runs.evals import PredictionRecord
 
 log = logging.getLogger("mmpg.eval")

@@ -73,7 +73,7 @@ def _setup_logging() -> None:
 
 
 def _summary(result) -> str:
-    from mmpg.eval.report import RULES, SUFFIX, pct
+    from mmpg.eval.markdown import RULES, SUFFIX, pct
 
     m = result.metrics
     rule = m.get("threshold_rule", "gt")

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from mmpg.eval.metrics import THRESHOLDS, recall, recall_curve
-from mmpg.eval.report import RULES, SUFFIX
+from mmpg.eval.markdown import RULES, SUFFIX
 from mmpg.runs.files import atomic_write_bytes
 
 

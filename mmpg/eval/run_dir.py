@@ -55,7 +55,7 @@ def evaluate_run(run_dir, annotations, videos, settings: EvalSettings, *, protoc
 def write_over_steps(run_dir, benchmark: str, first: str = "gt") -> Path:
     """over_steps.md and over_steps.png from every finished evaluation of `benchmark` in the run."""
     from mmpg.eval.plots import over_steps_plot
-    from mmpg.eval.report import over_steps_report
+    from mmpg.eval.markdown import over_steps_report
 
     root = run_benchmark_dir(run_dir, benchmark)
     rows = []

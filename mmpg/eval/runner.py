@@ -108,7 +108,7 @@ def left_out_reasons(left_out: list) -> dict[str, int]:
     import re
     from collections import Counter
 
-    from mmpg.eval.report import reason_kind
+    from mmpg.eval.markdown import reason_kind
 
     kinds = Counter(reason_kind(re.sub(r" in sample \S+$", "", why)) for _, why in left_out)
     return dict(kinds.most_common())
@@ -269,7 +269,7 @@ def finish(folder, n: int, settings: EvalSettings, counts: DecodeCounts | None =
     metrics.json's perf/* keys are `counts`: what this call decoded (a rerun that only finishes counts its part)."""
     from mmpg.eval import plots
     from mmpg.eval.protocols import PROTOCOLS
-    from mmpg.eval.report import eval_report
+    from mmpg.eval.markdown import eval_report
 
     reader = EvalReader(folder)
     records = [r for r in reader.predictions() if r.index < n]

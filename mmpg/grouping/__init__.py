@@ -10,7 +10,7 @@ forward of [prefix_b | r_b1 | ... | r_bG] with that rule equals G separate forwa
 its hidden states (and the vision tower's output) are computed once. Where we depart from the paper: we pack several
 groups in one padding-free row, take positions from the model's own 3-D mRoPE index, and run the LM head only on
 positions that predict response tokens. Adjacent prompts that begin alike (a video's several questions) share that
-leading part too, each row carrying its query's tail before its response (`mmpg.grouping.tree`).
+leading part too, each row carrying its query's tail before its response (`mmpg.grouping.shares`).
 """
 
 from mmpg.grouping.layout import GroupLayout

@@ -34,7 +34,7 @@ class GroupLayout:
     # the grouped attention raises if one arrives in its kwargs (the model ignored it; `mmpg.grouping.attention`)
     model_inputs: tuple[str, ...] = ()
     # [B][G_b] leading tokens of each row that are inputs, not scored: a shared video's per-query tail
-    # (`mmpg.grouping.tree`); None = every row token is a response token
+    # (`mmpg.grouping.shares`); None = every row token is a response token
     row_skip: list[list[int]] | None = None
     # the row spread over a sequence-parallel group (`mmpg.grouping.sequence.SequenceShard`): attention runs as
     # Ulysses (`mmpg.grouping.ulysses`) on the whole row for this rank's heads; None: the whole row is here

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from mmpg.grouping.adapters import packed_hidden_states, prefix_positions
-from mmpg.grouping.tree import Share, find_shares, leaders_visuals, share_order
-from mmpg.grouping.tree import pack_tree as pack
+from mmpg.grouping.shares import Share, find_shares, leaders_visuals, share_order
+from mmpg.grouping.shares import pack_shares as pack
 from mmpg.grouping.inputs import (
     Completions, check_completions, mm_token_type_ids, pad_token_id, placeholder_token_ids, prompt_attention_mask,
     select_prompts, split_visuals_per_prompt,
@@ -82,9 +82,9 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     prompt_inputs: processor output for B prompts (left or right padded). completion_ids/mask: [N, S] right-padded,
     rows of prompt b contiguous and in prompt order. group_sizes: [B] positive ints summing to N.
     backend: "sdpa" | "flash" | "flex" | "lse_reference"; default: the one chosen by `apply_grouped_attention`.
-    share: let adjacent prompts that begin alike (a video's queries) share that part (`mmpg.grouping.tree`); false
+    share: let adjacent prompts that begin alike (a video's queries) share that part (`mmpg.grouping.shares`); false
     forwards each prompt on its own. Prompts of one video anywhere in the batch share it: they are computed side by
-    side (`mmpg.grouping.tree.share_order`) and the rows given back in the caller's order. What was shared is left in
+    side (`mmpg.grouping.shares.share_order`) and the rows given back in the caller's order. What was shared is left in
     `model._mmpg_shared` (prompts, shared parts), and
     the tokens of the packed row this rank held (the row, or its shard) in `model._mmpg_row_tokens`.
     sequence_group: a torch.distributed process group of sp ranks that hold the same inputs and share the packed row
@@ -114,7 +114,7 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
         return out[torch.tensor(rows, device=out.device).argsort()]
     prefixes = prefix_positions(model, prompt_inputs, visuals)
     visuals = visuals or [{} for _ in prefixes.ids]
-    # prompts that begin alike (a video's queries) share that part in the packed row (mmpg.grouping.tree)
+    # prompts that begin alike (a video's queries) share that part in the packed row (mmpg.grouping.shares)
     shares = find_shares(prefixes, visuals, placeholder_token_ids(model), completions.group_sizes) if share else \
         [Share((b,), p.numel()) for b, p in enumerate(prefixes.ids)]
     model._mmpg_shared = (len(prefixes.ids), len(shares))

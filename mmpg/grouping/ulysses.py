@@ -8,7 +8,7 @@ shard. Attention needs the whole row, so around it
     the unchanged grouped backend on the whole row and the layout       -> [1, T, Hq/sp, D]
     --all-to-all back--> [1, T_loc, Hq, D] (my tokens, all heads)
 
-Attention is independent per head, so this is the grouped attention itself, exactly (every backend, the tree's
+Attention is independent per head, so this is the grouped attention itself, exactly (every backend, video sharing's
 layout included): the backend sees the same row and layout as in one process, for a subset of the heads.
 GQA: rank r takes query heads [r Hq/sp, (r+1) Hq/sp); their key/value heads are [r Hkv/sp, ...) when sp divides
 Hkv. When it does not (sp > Hkv, e.g. 1 or 2 kv heads), each kv head is first repeated c = lcm(Hkv, sp) / Hkv

@@ -245,8 +245,8 @@ def sync_tensors(model, everything: bool = False) -> dict[str, torch.Tensor]:
     of each module holding an adapted linear (its attention block or MLP), the adapted weights merged (`W + scale B A`),
     plus any other trainable tensor (a modules_to_save copy), under the plain model's names. Whole parent modules,
     not only the adapted weights: vLLM fuses q/k/v and gate/up into one layer, and its in-place reload needs every
-    part of a fused layer (a part not sent would be left uninitialised, `mmpg.serve.worker`). With `everything`:
-    every tensor of the plain model, adapters merged (what a server that restarted from the base needs).
+    part of a fused layer (a part not sent would be left uninitialised, `mmpg.serve.worker_extension`). With
+    `everything`: every tensor of the plain model, adapters merged (what a server that restarted from the base needs).
     A ZeRO-3 model (`is_partitioned`) holds only shards: use `gathered_sync_tensors`."""
     return {item.name: item.value() for item in sync_items(model, everything)}
 

@@ -66,7 +66,7 @@ class Recipe:
     freeze_vision: bool = True
     reference: str = "none"  # none | copy | adapters_off
     micro_groups: int = 1  # k: groups per micro-batch
-    queries: int = 1  # Q: adjacent queries of one video sharing it (the tree; data.queries_per_video, grouped only)
+    queries: int = 1  # Q: adjacent queries of one video sharing it (data.queries_per_video, grouped only)
     prompts: int = 1  # B: prompts rolled out at once per rank
     ckpt: bool = False
     grouped: bool = True
@@ -88,12 +88,12 @@ class Recipe:
         return g.params() - (g.vision.params() if g.vision and self.freeze_vision else 0)
 
     def videos(self, groups: int) -> int:
-        """Videos among `groups` prompts: one per prompt, or one per Q queries in the tree."""
+        """Videos among `groups` prompts: one per prompt, or one per Q queries sharing it."""
         return -(-groups // self.queries) if self.grouped else groups
 
     def update_tokens(self) -> int:
         k = self.micro_groups
-        if self.grouped and self.queries > 1:  # [shared video part | tail + response, ...]: mmpg.grouping.tree
+        if self.grouped and self.queries > 1:  # [shared video part | tail + response, ...]: mmpg.grouping.shares
             tail = self.P - self.video_tokens
             return self.videos(k) * (self.P - tail) + k * self.G * (tail + self.S)
         return k * (self.P + self.G * self.S) if self.grouped else k * self.G * (self.P + self.S)

@@ -10,7 +10,7 @@ FLOPs are `mmpg.bench.flops`' (causal attention, LM head on response positions, 
 attention counted over the whole video — an upper bound). `mfu` (model FLOPs utilisation) and `bw_util` are the
 stated assumptions; the defaults (0.35, 0.6) are typical of bf16 training and decoding with transformers-level
 kernels, not measured for mmpg on any GPU. The naive layout rolls out with generate (G prefills of the prompt) and
-forwards G rows of [prompt | response]. Not modelled: the tree (data.queries_per_video > 1) times each query as if
+forwards G rows of [prompt | response]. Not modelled: video sharing (data.queries_per_video > 1) times each query as if
 it had its video alone, an upper bound on the rollout, reference and update phases.
 """
 

@@ -32,7 +32,7 @@ from mmpg.data.dataset import strict_error, video_key
 from mmpg.errors import UserError
 from mmpg.grouping.inputs import pad_token_id
 from mmpg.grouping.selfcheck import SelfCheck, SelfCheckError, batch_dims
-from mmpg.models.counting import VisionCalls, prefill_tokens
+from mmpg.models.vision_calls import VisionCalls, prefill_tokens
 from mmpg.models.lora import reference_model, without_dropout
 from mmpg.rl import algos
 from mmpg.rl.batch import PromptGroup, collate_groups, micro_batches, split_groups
@@ -320,7 +320,7 @@ class GRPOStep:
 
     def self_check(self, groups: list[PromptGroup]) -> dict:
         """algorithm.self_check: grouped vs repeated logprobs of the groups of one video (the one this rank's batch asks
-        most often: the shared-video tree the step's grouped forward takes; then its longest), no gradient,
+        most often: the shared videos the step's grouped forward takes; then its longest), no gradient,
         when some rank's batch goes past the envelope checked so far (`mmpg.grouping.selfcheck`). Every rank checks
         then, with the same LM-head chunk count (ZeRO-3 lockstep); the figure is the max over ranks."""
         if self.checker.mode == "off":
@@ -328,7 +328,7 @@ class GRPOStep:
         dims = [batch_dims(g.inputs, g.completion_mask, [g.size]) for g in groups]
         if dist.all_true(not any(self.checker.needed(self.policy, d) for d in dims), self._coll_device):
             return {}
-        # the path the step takes: a video's queries together, whose grouped forward shares the video (the tree);
+        # the path the step takes: a video's queries together, whose grouped forward shares the video;
         # the video asked most often in this rank's batch, then its longest group
         keys = [video_key(h.sample) for h in groups]
         g = groups[max(range(len(groups)), key=lambda i: (keys.count(keys[i]), dims[i][0] + dims[i][1], dims[i][2]))]

@@ -16,7 +16,7 @@ from mmpg.config import Config
 from mmpg.errors import UserError
 from mmpg.models.lora import separate_reference
 from mmpg.rl.grpo import GRPOStep
-from mmpg.rl.report import DriftAlarm, group_records, group_summary, step_metrics, thumbnails
+from mmpg.rl.step_log import DriftAlarm, group_records, group_summary, step_metrics, thumbnails
 from mmpg.rl.rewards import make_scorer
 from mmpg import dist
 from mmpg.train.data import make_train_loader

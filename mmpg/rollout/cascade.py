@@ -14,7 +14,7 @@ head-expanded:   queries [B', Hkv, G_max · rep, D]  x  prefix K/V [B', Hkv, L, 
 prompts that still have live rows; left padding of the prompt batch is a key mask). Own part: queries
 [n, Hkv, rep, D] x own K/V [n, Hkv, t + 1, D], no mask: every live row has generated the same number of tokens.
 
-A video shared by its queries (a tree, `mmpg.rollout.shares`): the prefix part splits in two levels, each a "prefix"
+A video shared by its queries (`mmpg.rollout.shares`): the prefix part splits in two levels, each a "prefix"
 as above with its own entries, key mask and query blocks, so three parts are merged:
 
     shared part of share s   [S', Hkv, L_s, D]   read once per step by all rows of all queries of s
@@ -26,12 +26,13 @@ per-entry padding mask, which every kernel here takes (sdpa's additive mask, fla
 while a per-row mask would rule out `flash_attn_with_kvcache`; the extra kernel call per layer reads ~30 tail tokens.
 
 `SharedPrefixCache` is a transformers `Cache` (one `CascadeLayer` per decoder layer) the engine owns: the prefill
-forward stores the B prompts' K/V in it once (the model's own attention computes the prefill; under a tree the packed
-prefill's K/V is gathered into the two levels, `TreeSplit`; a chunked prefill appends chunk after chunk, and a
-chunked tree fills the shared level in chunks and then the tails level, `expect_tails`); `start_decode(rows)` sets
-which prompt each of the N rows answers; each decode forward appends one own token per live row into a preallocated
-buffer and the attention function of `mmpg.rollout.cascade_attention` does the cascade. Rows that finish leave with
-`reorder_cache(keep)`; entries (prompts, tails, shares) whose rows all finished leave their level.
+forward stores the B prompts' K/V in it once (the model's own attention computes the prefill; under video sharing
+the packed prefill's K/V is gathered into the two levels, `ShareSplit`; a chunked prefill appends chunk after chunk,
+and a chunked shared prefill fills the shared level in chunks and then the tails level, `expect_tails`);
+`start_decode(rows)` sets which prompt each of the N rows answers; each decode forward appends one own token per live
+row into a preallocated buffer and the attention function of `mmpg.rollout.cascade_attention` does the cascade. Rows
+that finish leave with `reorder_cache(keep)`; entries (prompts, tails, shares) whose rows all finished leave their
+level.
 
 Where this departs from Hydragen / FlashInfer: no paged KV and no inter-request sharing; the prefix is the whole
 prompt (video included) or a shared part found from the inputs, and the rows' own K/V are dense per row; the CPU
@@ -62,8 +63,8 @@ class _Rows:
 
 
 @dataclasses.dataclass
-class TreeSplit:
-    """Where the shared parts and the query tails sit in the packed row of a tree prefill (`mmpg.rollout.shares`).
+class ShareSplit:
+    """Where the shared parts and the query tails sit in the packed row of a shared prefill (`mmpg.rollout.shares`).
     Each layer's packed K/V [1, Hkv, T, D] is gathered once into the levels [S, Hkv, L_s, D] and [Q, Hkv, L_t, D]."""
 
     shared_index: torch.Tensor  # [S, L_s] long, packed position of each shared token, left-padded (pads: a real one)
@@ -105,7 +106,7 @@ def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 class CascadeLayer(CacheLayerMixin):
     """One decoder layer: the K/V of each shared level (`level_keys[0]`: prefixes [B', Hkv, L, D], the prompts with
-    live rows, left-padded as prefilled, or a tree's shared parts; `level_keys[1]`: a tree's tails) and own K/V
+    live rows, left-padded as prefilled, or the shared videos' parts; `level_keys[1]`: their queries' tails) and own K/V
     [n, Hkv, capacity, D] of which the first `own_len` positions are filled."""
 
     is_sliding = False
@@ -140,15 +141,15 @@ class CascadeLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Prefill: store [B, Hkv, L, D] as the prefix (or gather a tree's packed [1, Hkv, T, D] into its two levels)
-        and return it (the prefill's attention runs on it); a chunked prefill's later chunks [B, Hkv, C, D] are
+        """Prefill: store [B, Hkv, L, D] as the prefix (or gather a shared prefill's packed [1, Hkv, T, D] into its two
+        levels) and return it (the prefill's attention runs on it); a chunked prefill's later chunks [B, Hkv, C, D] are
         appended to the prefix, and the prefix so far is returned. Decode: write [n, Hkv, 1, D] at own position
         own_len and return the own K/V so far [n, Hkv, own_len + 1, D]."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if not self.owner.decoding:
             split = self.owner.split
-            if self.owner.tails:  # a chunked tree prefill's tails [Q, Hkv, L_t, D], behind the shared parts
+            if self.owner.tails:  # a chunked shared prefill's tails [Q, Hkv, L_t, D], behind the shared parts
                 if len(self.level_keys) != 1:
                     raise RuntimeError("SharedPrefixCache.expect_tails needs the shared parts prefilled first")
                 self.level_keys.append(key_states.contiguous())
@@ -213,8 +214,8 @@ class SharedPrefixCache(Cache):
         super().__init__(layers=[CascadeLayer(self) for _ in range(num_layers)])
         self.capacity = capacity
         self.decoding = False
-        self.split: TreeSplit | None = None  # set by expect_tree before a packed tree prefill
-        self.tails = False  # set by expect_tails: the next prefill forward is a chunked tree's tails
+        self.split: ShareSplit | None = None  # set by expect_shares before a packed shared prefill
+        self.tails = False  # set by expect_tails: the next prefill forward is a chunked shared prefill's tails
         self.levels: list[_Level] = []  # [prefixes] or [shared parts, tails]
         self.row_query: torch.Tensor | None = None  # [n] the query (prompt) of each live row, original ids
 
@@ -237,23 +238,24 @@ class SharedPrefixCache(Cache):
         """[B', L] bool key mask of the prefix (or shared-part) level; None: no padding."""
         return self.levels[0].mask if self.levels else None
 
-    def expect_tree(self, split: TreeSplit) -> None:
-        """Before the prefill: it is a packed tree (`mmpg.rollout.shares`), to be gathered into two levels."""
+    def expect_shares(self, split: ShareSplit) -> None:
+        """Before the prefill: it is a packed shared prefill (`mmpg.rollout.shares`), to be gathered into two levels."""
         if any(layer.level_keys for layer in self.layers):
-            raise RuntimeError("SharedPrefixCache.expect_tree must come before the prefill")
+            raise RuntimeError("SharedPrefixCache.expect_shares must come before the prefill")
         self.split = split
 
-    def expect_tails(self, split: TreeSplit) -> None:
-        """A chunked tree prefill (`HFEngine._prefill_tree_chunked`): the shared parts were prefilled as a left-padded
-        batch [S, L_s] (level 0, as `split.shared_mask` pads them); the next forward holds the tails [Q, L_t]
-        (level 1, padded as `split.tail_mask`), attending through `mmpg.rollout.cascade_attention.tails_attention`."""
+    def expect_tails(self, split: ShareSplit) -> None:
+        """A chunked shared prefill (`HFEngine._prefill_shared_chunked`): the shared parts were prefilled as a
+        left-padded batch [S, L_s] (level 0, as `split.shared_mask` pads them); the next forward holds the tails
+        [Q, L_t] (level 1, padded as `split.tail_mask`), attending through
+        `mmpg.rollout.cascade_attention.tails_attention`."""
         if any(len(layer.level_keys) != 1 for layer in self.layers):
             raise RuntimeError("SharedPrefixCache.expect_tails comes after the shared parts' prefill")
         self.split, self.tails = split, True
 
     def start_decode(self, row_prompt: torch.Tensor, prompt_mask: torch.Tensor | None = None) -> None:
         """After the prefill. row_prompt [N]: the prompt of each row (non-decreasing); prompt_mask [B, L] bool: the
-        prefill's attention mask (left padding False). Under a tree the masks come from its `TreeSplit`."""
+        prefill's attention mask (left padding False). Under video sharing the masks come from its `ShareSplit`."""
         if any(not layer.level_keys for layer in self.layers):
             raise RuntimeError("start_decode before the prefill filled every layer of the SharedPrefixCache")
         if self.split is None:

@@ -12,16 +12,16 @@ the row's own K/V that `SharedPrefixCache` returned and the prefix comes from th
       own part:                              [n, Hkv, rep, D]        x own K/V   [n, Hkv, t + 1, D]  one call
       merged by log-sum-exp -> [n, 1, Hq, D]  (what transformers expects back)
 
-Under a tree (`mmpg.rollout.shares`) a third part joins: the tails level, rows of query q stacked
+Under video sharing (`mmpg.rollout.shares`) a third part joins: the tails level, rows of query q stacked
 [Q', Hkv, G_max·rep, D] x tail K/V [Q', Hkv, L_t, D] with the tails' key mask; the three are merged the same way.
-The tree's prefill is one packed forward whose layer calls carry `mmpg_layout` too: they run mmpg's grouped attention
+The shared prefill is one packed forward whose layer calls carry `mmpg_layout` too: they run mmpg's grouped attention
 (`mmpg.grouping.attention`, registered for the same base) under that layout.
 
 Two prefill forms of long prompts (`mmpg.rollout.chunks`) run here too. A chunk of a chunked prefill carries
 `mmpg_prefill_chunk=<ChunkCall>` (either decode mode): `chunk_attention` reads the cache's keys so far (GQA folded,
 key mask only) and the chunk's own keys (causal), merged by log-sum-exp, so no [chunk × prompt] mask is ever built.
-A chunked tree's tails forward carries a `CascadeCall(tails=True)`: `tails_attention` reads each share's shared part
-once for all its queries' tail tokens and each tail causally, merged the same way.
+A chunked shared prefill's tails forward carries a `CascadeCall(tails=True)`: `tails_attention` reads each share's
+shared part once for all its queries' tail tokens and each tail causally, merged the same way.
 
 `cascade_attention_enabled(model)` selects the registered name for the text model for the duration of a `with` block
 and restores the previous one after (the vision tower keeps its own attention). No modeling code is copied and no
@@ -62,7 +62,7 @@ class CascadeCall:
     # one arriving in the attention kwargs was ignored by the model, and the call raises (`check_tripwire`)
     model_inputs: tuple[str, ...] = ()
     prefill: bool = False  # the prefill forward: the model's own attention fills the cache, after the tripwire
-    tails: bool = False  # a chunked tree's tails forward, behind its shared parts (`tails_attention`)
+    tails: bool = False  # a chunked shared prefill's tails forward, behind its shared parts (`tails_attention`)
 
 
 @dataclasses.dataclass
@@ -93,7 +93,7 @@ def _make_attention(base: str):
             return tails_attention(query, layer.tail_keys, layer.tail_values, layer.prefix_keys, layer.prefix_values,
                                    call.cache.split, scale, call.backend), None
         if call.prefill:
-            # a packed tree prefill carries a layout: the grouped attention for this base runs it (and its tripwire)
+            # a packed shared prefill carries a layout: the grouped attention for this base runs it (and its tripwire)
             fn = ALL_ATTENTION_FUNCTIONS[register_grouped_attention(base)] if LAYOUT_KWARG in kwargs else \
                 base_attention(base, module)
             return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -153,8 +153,8 @@ def _set_text_attention(model, name: str) -> None:
 
 def decode_attention(query, own_k, own_v, prefix_k, prefix_v, cache: SharedPrefixCache, scale: float,
                      backend: str, tail_k=None, tail_v=None) -> torch.Tensor:
-    """query [n, Hq, 1, D]; own K/V [n, Hkv, t + 1, D]; prefix K/V [B', Hkv, L, D] (a tree's shared parts);
-    tail K/V [Q', Hkv, L_t, D] or None (no tree) -> out [n, 1, Hq, D]."""
+    """query [n, Hq, 1, D]; own K/V [n, Hkv, t + 1, D]; prefix K/V [B', Hkv, L, D] (the shared videos' parts);
+    tail K/V [Q', Hkv, L_t, D] or None (no sharing) -> out [n, 1, Hq, D]."""
     n, hq, q_len, d = query.shape
     hkv = own_k.shape[1]
     if q_len != 1:
@@ -173,7 +173,7 @@ def decode_attention(query, own_k, own_v, prefix_k, prefix_v, cache: SharedPrefi
 
 
 def tails_attention(query, tail_k, tail_v, shared_k, shared_v, split, scale: float, backend: str) -> torch.Tensor:
-    """The tails forward of a chunked tree prefill: query [Q, Hq, L_t, D] of every query's tail (left-padded as
+    """The tails forward of a chunked shared prefill: query [Q, Hq, L_t, D] of every query's tail (left-padded as
     split.tail_mask), tail K/V [Q, Hkv, L_t, D], shared K/V [S, Hkv, L_s, D] (padded as split.shared_mask) -> out
     [Q, L_t, Hq, D]. Tail token l of query q attends to its share's whole shared part (one query block per share,
     the Lt·rep queries of its tails folded into the query length, as decoding folds rows) and to tail tokens j <= l

@@ -12,7 +12,7 @@ keys as two parts merged by log-sum-exp, so memory is O(C·(H + K/V)), never a [
 model's own attention with its [C, P] mask until the cascade CUDA kernels have run on a GPU). Positions are the whole
 prompt's (`adapters.prefix_positions`), cut per chunk. Only the last chunk's last token feeds the LM head
 (logits_to_keep=1). A video shared by its queries (`mmpg.rollout.shares`): the shared parts are prefilled in chunks
-as a left-padded batch, then the queries' tails in one forward behind them (`shares.tree_batches`).
+as a left-padded batch, then the queries' tails in one forward behind them (`shares.shared_batches`).
 
 The vision tower in frame chunks. Qwen-VL vision attention never crosses a temporal patch group: Qwen2.5-VL's window
 blocks attend inside windows of one group and its full-attention blocks use cu_seqlens with one segment per group;

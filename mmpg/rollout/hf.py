@@ -17,9 +17,9 @@ Which cascade kernel runs (flash, sdpa, math) is chosen and checked against copy
 (`mmpg.rollout.decode_choice`: on CUDA by default; a kernel that disagrees or raises steps down to the next).
 
 A video shared by its queries (decode="cascade" only): prompts with the same video, wherever they sit in the batch,
-are sampled side by side (`mmpg.grouping.tree.share_order`; the rollout comes back in the caller's order, and with
+are sampled side by side (`mmpg.grouping.shares.share_order`; the rollout comes back in the caller's order, and with
 prompt seeds each row's tokens do not depend on the order); adjacent prompts that agree on a leading part are found
-from the inputs (`mmpg.rollout.shares`) and prefilled as one packed tree row — each shared part, and
+from the inputs (`mmpg.rollout.shares`) and prefilled as one packed row — each shared part, and
 its video through the vision tower, once; each query's tail behind it — then decoded with three cascade levels
 (shared part | tail | own tokens). A batch in which no two prompts share takes the plain path above unchanged;
 decode="copy" is always per query (the reference). `last_stats` says what the last call prefilled.
@@ -33,9 +33,10 @@ are passed to every forward explicitly, so the model's stateful `rope_deltas` is
 group sizes work (the model's own rope-delta path assumes every prompt was expanded the same number of times).
 
 Long prompts (`prefill_chunk` > 0, `mmpg.rollout.chunks`; the prefill forms live in `mmpg.rollout.prefill`): a batch
-longer than one chunk is prefilled chunk by chunk behind the cache (both decode modes; under a tree its shared parts in
-chunks, then the tails behind them), its videos encoded in frame chunks; the same K/V and logits as the one forward up
-to float rounding (tested within 1e-5). A batch no longer than one chunk takes the one forward above, bit for bit.
+longer than one chunk is prefilled chunk by chunk behind the cache (both decode modes; under video sharing its shared
+parts in chunks, then the tails behind them), its videos encoded in frame chunks; the same K/V and logits as the one
+forward up to float rounding (tested within 1e-5). A batch no longer than one chunk takes the one forward above, bit
+for bit.
 
 Where this departs from `generate`: sampling settings come only from `SamplingParams` (the checkpoint's
 generation_config contributes its eos and pad ids, nothing else: no repetition penalty, no default top-k).
@@ -54,7 +55,7 @@ from mmpg.grouping.adapters import prefix_positions
 from mmpg.grouping.inputs import (
     pad_token_id, placeholder_token_ids, prompt_attention_mask, select_prompts, split_visuals_per_prompt,
 )
-from mmpg.grouping.tree import share_order
+from mmpg.grouping.shares import share_order
 from mmpg.grouping.patch import base_model, model_kind
 from mmpg.rollout.cascade import SharedPrefixCache
 from mmpg.rollout.cascade_attention import CASCADE_KWARG, CascadeCall, cascade_attention_enabled
@@ -64,7 +65,7 @@ from mmpg.rollout.engine import (
 )
 from mmpg.rollout.prefill import Prefill
 from mmpg.rollout.sampling import next_tokens
-from mmpg.rollout.shares import decode_shares, prefill_stats, tree_prefill
+from mmpg.rollout.shares import decode_shares, prefill_stats, shared_prefill
 
 DECODE_MODES = ("auto", "copy", "cascade")
 
@@ -176,8 +177,8 @@ class HFEngine(Prefill, RolloutEngine):
                     logits, attn, start = self._prefill(prefixes, prompt_inputs, device, cache, prefill)
                     cache.start_decode(rows, attn.bool())  # N rows behind the B prefixes, nothing copied
                 else:  # shared parts once, each query's tail behind its share's (mmpg.rollout.shares)
-                    tree = tree_prefill(self.model, prefixes, visuals, shares, device)
-                    logits, attn, start = self._prefill(prefixes, prompt_inputs, device, cache, prefill, tree)
+                    shared = shared_prefill(self.model, prefixes, visuals, shares, device)
+                    logits, attn, start = self._prefill(prefixes, prompt_inputs, device, cache, prefill, shared)
                     cache.start_decode(rows)
                 call = CascadeCall(cache, backend, model_inputs=watched)
                 return self._decode(call, logits, attn, start, rows, sizes, sampling, prompt_seeds)
@@ -286,7 +287,7 @@ class HFEngine(Prefill, RolloutEngine):
 
     def _share_order(self, prompt_inputs) -> list[int]:
         """Cascade decoding with shared videos: the prompt order that puts each video's prompts side by side
-        (`mmpg.grouping.tree.share_order`); the identity otherwise."""
+        (`mmpg.grouping.shares.share_order`); the identity otherwise."""
         n = int(prompt_inputs["input_ids"].shape[0])
         device = self.model.get_input_embeddings().weight.device
         if not (self.share_videos and self._is_vl and resolve_decode(self.decode, device) == "cascade"):

@@ -1,5 +1,5 @@
 """The HF engine's prefill (`mmpg.rollout.hf.HFEngine` inherits it): one forward over the B left-padded prompts, a
-packed tree of shared parts and tails (`mmpg.rollout.shares`), or, for prompts longer than `prefill_chunk`, chunks
+packed row of shared parts and tails (`mmpg.rollout.shares`), or, for prompts longer than `prefill_chunk`, chunks
 behind the cache (`mmpg.rollout.chunks`). Every form fills the cache the decode loop reads and returns the last
 position's logits of each prompt.
 
@@ -22,7 +22,7 @@ from mmpg.rollout.cascade import SharedPrefixCache
 from mmpg.rollout.cascade_attention import CASCADE_KWARG, CHUNK_KWARG, ChunkCall, cascade_attention_enabled
 from mmpg.rollout.cascade_kernels import resolve_backend
 from mmpg.rollout.chunks import chunk_spans, encoder_outputs, span_inputs, supports_encoder_outputs
-from mmpg.rollout.shares import TreePrefill, tree_batches
+from mmpg.rollout.shares import SharedPrefill, shared_batches
 
 log = logging.getLogger("mmpg.rollout")
 
@@ -36,16 +36,16 @@ class Prefill:
     and _idle_step)."""
 
     def _prefill(self, prefixes, prompt_inputs, device, cache, extra: dict | None = None,
-                 tree: TreePrefill | None = None):
+                 shared: SharedPrefill | None = None):
         """One forward over the B prompts, left-padded, filling `cache` [B, L]. Returns the last position's logits
         [B, V], the left-padded attention mask [B, L] and the first completion position of each prompt [B]. `extra`:
-        more forward kwargs (the cascade engine's prefill call, which checks the tripwire). `tree`: instead, one
-        packed forward of the shared parts and tails (`_prefill_tree`; the mask returned is then [B, 1] ones)."""
+        more forward kwargs (the cascade engine's prefill call, which checks the tripwire). `shared`: instead, one
+        packed forward of the shared parts and tails (`_prefill_shared`; the mask returned is then [B, 1] ones)."""
         ids_list, pos_list, starts = prefixes
         start = torch.tensor(starts, device=device)  # [B] where each prompt's completions continue, on every axis
-        if tree is not None:
-            chunked = self._chunked(tree.ids.numel())
-            logits = (self._prefill_tree_chunked if chunked else self._prefill_tree)(tree, cache, extra)
+        if shared is not None:
+            chunked = self._chunked(shared.ids.numel())
+            logits = (self._prefill_shared_chunked if chunked else self._prefill_shared)(shared, cache, extra)
             self._prefill_sync(device)
             return logits, torch.ones(len(starts), 1, device=device), start
         width = max(p.numel() for p in ids_list)
@@ -117,28 +117,28 @@ class Prefill:
             while not self.all_done(True):
                 self._idle_step(device)
 
-    def _prefill_tree(self, tree: TreePrefill, cache: SharedPrefixCache, extra: dict) -> torch.Tensor:
-        """The packed row [1, T] under the grouped attention (`tree.layout`); its K/V is gathered into the cache's
+    def _prefill_shared(self, shared: SharedPrefill, cache: SharedPrefixCache, extra: dict) -> torch.Tensor:
+        """The packed row [1, T] under the grouped attention (`shared.layout`); its K/V is gathered into the cache's
         two levels. Returns the logits [B, V] at each prompt's last token."""
-        cache.expect_tree(tree.split)
-        marker = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=tree.ids.device)  # the layout is the real mask
-        position_ids = tree.positions[:, None, :] if self._is_vl else tree.positions  # [3, 1, T] or [1, T]
-        out = self.model(input_ids=tree.ids[None], attention_mask=marker, position_ids=position_ids, use_cache=True,
-                         logits_to_keep=tree.last, **{self._cache_kwarg: cache}, **tree.visuals,
-                         **{LAYOUT_KWARG: tree.layout}, **extra)
+        cache.expect_shares(shared.split)
+        marker = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=shared.ids.device)  # the layout is the real mask
+        position_ids = shared.positions[:, None, :] if self._is_vl else shared.positions  # [3, 1, T] or [1, T]
+        out = self.model(input_ids=shared.ids[None], attention_mask=marker, position_ids=position_ids, use_cache=True,
+                         logits_to_keep=shared.last, **{self._cache_kwarg: cache}, **shared.visuals,
+                         **{LAYOUT_KWARG: shared.layout}, **extra)
         return out.logits[0]
 
-    def _prefill_tree_chunked(self, tree: TreePrefill, cache: SharedPrefixCache, extra: dict) -> torch.Tensor:
-        """A tree longer than one chunk, in two stages (`mmpg.rollout.shares.tree_batches`): the shared parts
-        [S, L_s] as a left-padded batch in chunks (`_prefill_chunks`: each video once, in frame chunks) into the
+    def _prefill_shared_chunked(self, shared: SharedPrefill, cache: SharedPrefixCache, extra: dict) -> torch.Tensor:
+        """A shared prefill longer than one chunk, in two stages (`mmpg.rollout.shares.shared_batches`): the shared
+        parts [S, L_s] as a left-padded batch in chunks (`_prefill_chunks`: each video once, in frame chunks) into the
         cache's first level, then every query's tail [Q, L_t] in one forward behind its share's shared part
         (`cascade_attention.tails_attention`) into the second. Returns the logits [Q, V] at each tail's last token.
         The tails (a question and the chat header) are not chunked."""
-        (ids, attn, pos), (tail_ids, tail_pos) = tree_batches(tree, pad_token_id(self.model))
-        self._prefill_chunks(ids, attn, pos if self._is_vl else pos[0], tree.visuals, cache)
+        (ids, attn, pos), (tail_ids, tail_pos) = shared_batches(shared, pad_token_id(self.model))
+        self._prefill_chunks(ids, attn, pos if self._is_vl else pos[0], shared.visuals, cache)
         if self.all_done is not None:
             self.all_done(False)  # the tails forward is one more (`_prefill_sync`)
-        cache.expect_tails(tree.split)
+        cache.expect_tails(shared.split)
         call = dataclasses.replace(extra[CASCADE_KWARG], tails=True)
         marker = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=tail_ids.device)  # tails_attention masks itself
         out = self.model(input_ids=tail_ids, attention_mask=marker, position_ids=tail_pos if self._is_vl else

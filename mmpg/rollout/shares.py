@@ -1,6 +1,6 @@
 """A video shared by its queries, in the rollout: which prompts share a leading part, and the one packed prefill.
 
-Which prompts share: `mmpg.grouping.tree.find_shares`, the training forward's rule — runs of ADJACENT prompts with
+Which prompts share: `mmpg.grouping.shares.find_shares`, the training forward's rule — runs of ADJACENT prompts with
 identical visual inputs and identical token ids and positions over a leading part of L tokens, every tail (the rest
 of a prompt, P_q - L >= 1 tokens) free of image/video placeholders — found from the inputs alone.
 
@@ -8,7 +8,7 @@ Cost rule (where it departs from training): the training forward repeats a query
 shares only where L + Σ_q G_q (P_q - L) < Σ_q G_q P_q. Decoding prefills a tail once per query and its G_q rows read
 it from the cache, so here a run is asked with group sizes of 1: Q prompts sharing L tokens prefill
 L + Σ_q (P_q - L) = Σ_q P_q - (Q - 1) L tokens, and every decode step reads (Q - 1) L fewer prefix keys per row group.
-That saves for any L > 0, but a tree costs one more attention call per layer per decode step (the tails level,
+That saves for any L > 0, but sharing costs one more attention call per layer per decode step (the tails level,
 `mmpg.rollout.cascade`), so a share is kept only when what it shares is worth that: a video or an image (the vision
 tower and hundreds to thousands of tokens), or at least `MIN_TEXT_SHARED` tokens of text. A 3-token chat header
 before different questions is not shared, and a batch without shares takes the plain cascade path unchanged.
@@ -36,8 +36,8 @@ from mmpg.grouping.adapters import Prefixes
 from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.inputs import placeholder_token_ids
 from mmpg.grouping.layout import GroupLayout
-from mmpg.grouping.tree import Share, find_shares
-from mmpg.rollout.cascade import TreeSplit
+from mmpg.grouping.shares import Share, find_shares
+from mmpg.rollout.cascade import ShareSplit
 
 MIN_TEXT_SHARED = 64  # least shared text tokens (no video or image in the shared part) for a share to be kept
 
@@ -45,14 +45,14 @@ _VISUAL_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_
 
 
 @dataclasses.dataclass
-class TreePrefill:
+class SharedPrefill:
     """One packed prefill of a batch whose prompts share leading parts."""
 
     shares: list[Share]  # [S] every prompt in exactly one share, in order; `length` = its shared part L_s
     ids: torch.Tensor  # [T] the packed row
     positions: torch.Tensor  # [A, T] each token's position in its full prompt (A = 3 mRoPE, 1 text)
     layout: GroupLayout  # shared parts as prefixes, tails as their responses
-    split: TreeSplit  # where each level's keys sit in the row (for `SharedPrefixCache.expect_tree`)
+    split: ShareSplit  # where each level's keys sit in the row (for `SharedPrefixCache.expect_shares`)
     last: torch.Tensor  # [B] row position of each prompt's last token (its token-0 logits)
     visuals: dict  # the forward's visual inputs: each share leader's only (a shared video once)
 
@@ -84,7 +84,7 @@ def _left_padded(spans: list[tuple[int, int]], device) -> tuple[torch.Tensor, to
     return starts + (offs - pad).clamp(min=0), offs >= pad
 
 
-def tree_prefill(model, prefixes: Prefixes, visuals: list[dict] | None, shares: list[Share], device) -> TreePrefill:
+def shared_prefill(model, prefixes: Prefixes, visuals: list[dict] | None, shares: list[Share], device) -> SharedPrefill:
     """The packed row of `shares` on `device` (module docstring)."""
     ids, pos, prefix_lens, tail_lens, shared_spans, tail_spans, query_share = [], [], [], [], [], [], []
     at = 0
@@ -106,7 +106,7 @@ def tree_prefill(model, prefixes: Prefixes, visuals: list[dict] | None, shares: 
         tail_lens.append(lens)
     shared_index, shared_mask = _left_padded(shared_spans, device)
     tail_index, tail_mask = _left_padded(tail_spans, device)
-    split = TreeSplit(shared_index, shared_mask, tail_index, tail_mask, torch.tensor(query_share, device=device))
+    split = ShareSplit(shared_index, shared_mask, tail_index, tail_mask, torch.tensor(query_share, device=device))
     backend = resolve_backend(getattr(model, "_mmpg_backend", "auto"), device, compute_dtype(model, device))
     layout = GroupLayout(prefix_lens=prefix_lens, response_lens=tail_lens, device=device, backend=backend)
     leaders = {}
@@ -117,21 +117,21 @@ def tree_prefill(model, prefixes: Prefixes, visuals: list[dict] | None, shares: 
     leaders = {k: torch.cat(v) for k, v in leaders.items()}
     layout.model_inputs = tuple(leaders)  # the grouped attention's tripwire: none of them may reach it
     last = torch.tensor([a + n - 1 for a, n in tail_spans], device=device)
-    return TreePrefill(shares, torch.cat(ids).to(device), torch.cat(pos, dim=1).to(device), layout, split, last,
+    return SharedPrefill(shares, torch.cat(ids).to(device), torch.cat(pos, dim=1).to(device), layout, split, last,
                        leaders)
 
 
-def tree_batches(tree: TreePrefill, pad_id: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """The chunked form of a tree prefill (`HFEngine._prefill_tree_chunked`): the shared parts as a left-padded
+def shared_batches(prefill: SharedPrefill, pad_id: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The chunked form of a shared prefill (`HFEngine._prefill_shared_chunked`): the shared parts as a left-padded
     batch (ids [S, L_s], attention mask [S, L_s], positions [A, S, L_s]) and the tails as one (ids [Q, L_t],
-    positions [A, Q, L_t]), padded exactly as `tree.split` pads the cache's two levels (pad ids `pad_id`, position
+    positions [A, Q, L_t]), padded exactly as `prefill.split` pads the cache's two levels (pad ids `pad_id`, position
     0). The packed row's grouped attention gives a tail token its share's shared part and its own earlier tail
     tokens; the shared parts prefilled first (in chunks) and then the tails behind them give it the same keys."""
     def batch(index, mask):
-        ids = torch.where(mask, tree.ids[index], torch.full_like(index, pad_id))
-        return ids, mask.long(), tree.positions[:, index] * mask
+        ids = torch.where(mask, prefill.ids[index], torch.full_like(index, pad_id))
+        return ids, mask.long(), prefill.positions[:, index] * mask
 
-    split = tree.split
+    split = prefill.split
     shared = batch(split.shared_index, split.shared_mask)
     ids, _, pos = batch(split.tail_index, split.tail_mask)
     return shared, (ids, pos)

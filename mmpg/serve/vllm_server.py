@@ -79,7 +79,8 @@ class Backend:
         kwargs = {"model": args.checkpoint, "dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed,
                   "enable_prefix_caching": True, "limit_mm_per_prompt": {"video": 1, "image": 0},
                   "gpu_memory_utilization": args.gpu_memory_utilization, "logprobs_mode": "raw_logprobs",
-                  "enforce_eager": args.enforce_eager, "worker_extension_cls": "mmpg.serve.worker.WeightFileLoader",
+                  "enforce_eager": args.enforce_eager,
+                  "worker_extension_cls": "mmpg.serve.worker_extension.WeightFileLoader",
                   "disable_log_stats": False}  # vLLM's counters (`COUNTERS`), read per request
         if args.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -97,7 +98,7 @@ class Backend:
         self.lock = threading.Lock()
         self.device = args.device
         self.nccl = bool(args.nccl)
-        self.workers = worker_facts(self.llm.collective_rpc("mmpg_worker_info"))  # mmpg.serve.worker
+        self.workers = worker_facts(self.llm.collective_rpc("mmpg_worker_info"))  # mmpg.serve.worker_extension
 
     def health(self) -> dict:
         return {"instance": self.instance, "version": self.version, "max_model_len": self.max_model_len,
@@ -180,7 +181,7 @@ class Backend:
                                "the trainer and the server on one machine (GPU: the NCCL transfer)")
         t0 = time.perf_counter()
         with self.lock:
-            counts = self.llm.collective_rpc("mmpg_load_weights_file", args=(path,))  # mmpg.serve.worker
+            counts = self.llm.collective_rpc("mmpg_load_weights_file", args=(path,))  # mmpg.serve.worker_extension
             # the reload dropped the workers' vision-encoder outputs: the scheduler must forget them too (else
             # "Encoder cache miss" kills the engine); cached K/V was computed with the old weights
             self.llm.llm_engine.reset_encoder_cache()

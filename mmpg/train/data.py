@@ -15,7 +15,7 @@ encoded and prefilled by one rank; the global batch itself, and so the step's da
     global batch of 8, W = 2, runs  a a a | b | c c | d d      rank 0: a a a b    rank 1: c c d d
                       runs  a a a | b b b | c c                rank 0: a a a c    rank 1: b b b c   (c cut: no room)
 
-Side by side, a video's queries share its prefix in the grouped forward (`mmpg.grouping.tree`: the vision tower and
+Side by side, a video's queries share its prefix in the grouped forward (`mmpg.grouping.shares`: the vision tower and
 every layer see it once); micro-batches keep them together the same way (`mmpg.rl.batch.micro_batches`).
 
 `start` (the stream position) is all a checkpoint needs to continue the data exactly where it stopped, and a run on

@@ -1,5 +1,5 @@
-"""A video shared by its queries in the rollout engine (`mmpg.rollout.shares`, the tree levels of
-`mmpg.rollout.cascade`): adjacent prompts with the same video are prefilled as one packed tree (shared part once,
+"""A video shared by its queries in the rollout engine (`mmpg.rollout.shares`, the shared levels of
+`mmpg.rollout.cascade`): adjacent prompts with the same video are prefilled as one packed row (shared part once,
 each query's tail behind it) and decoded with three cascade levels (shared part | tail | own tokens).
 
 Against the per-query engine — decode="copy", and decode="cascade" on the same prompts permuted so that no two
@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from batches import assert_recompute_matches, text_batch, vl_batch
-from test_grouping_tree import GROUPS, PROMPTS, tree_batch
+from test_grouping_shares import GROUPS, PROMPTS, shared_batch
 from test_rollout_seeds import _OtherRank
 from mmpg.grouping import grouped_logprobs
 from mmpg.rollout import HFEngine, SamplingParams
-from mmpg.rollout.cascade import SharedPrefixCache, TreeSplit
+from mmpg.rollout.cascade import SharedPrefixCache, ShareSplit
 from mmpg.rollout.cascade_attention import decode_attention
 
 VL = ["qwen2_5_vl", "qwen3_vl"]
-# PROMPTS (test_grouping_tree): video a asked 4 times, b once, c twice, a text prompt, c2 (c's size and question,
+# PROMPTS (test_grouping_shares): video a asked 4 times, b once, c twice, a text prompt, c2 (c's size and question,
 # other frames). PERM puts them in an order where no two neighbours have the same video: the per-query reference.
 PERM = [0, 5, 1, 4, 2, 6, 3, 7, 8]
 SEEDS = [5, 17, 23, 31, 42, 57, 61, 77, 89]
@@ -42,7 +42,7 @@ def _lengths(inputs) -> list[int]:
 
 
 def _shared_tokens_by_hand(inputs, prompts) -> int:
-    """Prompt tokens a tree prefill holds: every prompt, less (Q - 1) * L per run of Q adjacent prompts of one video
+    """Prompt tokens a shared prefill holds: every prompt, less (Q - 1) * L per run of Q adjacent prompts of one video
     that agree on their first L token ids (L = the longest common leading part, every tail >= 1 token)."""
     ids = [row[mask.bool()].tolist() for row, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
     total, b = sum(len(r) for r in ids), 0
@@ -62,13 +62,13 @@ def _shared_tokens_by_hand(inputs, prompts) -> int:
 def _three_ways(model, processor, sampling, prompts=PROMPTS, groups=GROUPS, seeds=None, perm=PERM):
     """(shared cascade, copy, per-query cascade (share_videos off) on the batch permuted by `perm`) rollouts and the
     engines' last_stats."""
-    inputs = tree_batch(processor, prompts)
+    inputs = shared_batch(processor, prompts)
     cascade, copy = HFEngine(model, processor, decode="cascade"), HFEngine(model, processor, decode="copy")
     shared = cascade.generate_groups(inputs, groups, sampling, prompt_seeds=seeds)
     shared_stats = cascade.last_stats
     ref = copy.generate_groups(inputs, groups, sampling, prompt_seeds=seeds)
     alone = HFEngine(model, processor, decode="cascade", share_videos=False)  # per query (a video apart is shared)
-    permuted = alone.generate_groups(tree_batch(processor, [prompts[p] for p in perm]), [groups[p] for p in perm],
+    permuted = alone.generate_groups(shared_batch(processor, [prompts[p] for p in perm]), [groups[p] for p in perm],
                                      sampling, prompt_seeds=None if seeds is None else [seeds[p] for p in perm])
     assert alone.last_stats["shared_prompts"] == 0, f"the per-query batch must not share: {alone.last_stats}"
     return inputs, shared, shared_stats, ref, copy.last_stats, permuted, perm
@@ -88,7 +88,8 @@ def test_greedy_shared_equals_per_query(family, load_tiny):
     model, processor = load_tiny(family)
     steps = 8
     free = HFEngine(model, processor, decode="copy").generate_groups(
-        tree_batch(processor, PROMPTS), GROUPS, SamplingParams(max_new_tokens=steps, temperature=0, stop_token_ids=()))
+        shared_batch(processor, PROMPTS), GROUPS,
+        SamplingParams(max_new_tokens=steps, temperature=0, stop_token_ids=()))
     stop_id = int(free.completion_ids[0, 3])
     greedy = SamplingParams(max_new_tokens=steps, temperature=0, stop_token_ids=(stop_id,))
     inputs, shared, stats, ref, copy_stats, permuted, perm = _three_ways(model, processor, greedy)
@@ -130,7 +131,7 @@ def test_vision_tower_once_per_video(family, load_tiny):
     """Videos encoded = rows of the video_grid_thw the vision tower receives: 4 distinct videos (a, b, c, c2) for
     8 prompts with video; the copy path, per query, encodes all 8."""
     model, processor = load_tiny(family)
-    inputs = tree_batch(processor, PROMPTS)
+    inputs = shared_batch(processor, PROMPTS)
     seen = []
 
     def hook(module, args, kwargs, out):
@@ -155,7 +156,7 @@ def test_vision_tower_once_per_video(family, load_tiny):
 def test_identical_text_different_videos_never_share(family, load_tiny):
     """c and c2 have the same size and text but other frames: not shared; c2 asked twice (the same prompt, so the
     tail is its last token): shared; so is c, asked first and last (a video apart in the batch is brought side by
-    side, `mmpg.grouping.tree.share_order`)."""
+    side, `mmpg.grouping.shares.share_order`)."""
     model, processor = load_tiny(family)
     prompts, groups = [("c", 2), ("c2", 2), ("c2", 2), ("c", 2)], [2, 1, 3, 2]
     greedy = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=())
@@ -166,15 +167,16 @@ def test_identical_text_different_videos_never_share(family, load_tiny):
                      "shared_prompts": 2}
     _assert_same_per_prompt(shared, ref, permuted, perm, "c / c2")
     other = HFEngine(model, processor, decode="cascade")
-    other.generate_groups(tree_batch(processor, [("c", 2), ("c2", 2), ("c", 2)]), 2, greedy)
+    other.generate_groups(shared_batch(processor, [("c", 2), ("c2", 2), ("c", 2)]), 2, greedy)
     assert other.last_stats["prefixes"] == 2 and other.last_stats["shared_prompts"] == 1
 
 
 def test_batches_without_repeats_take_the_plain_path(load_tiny, monkeypatch):
-    """Different videos, or text prompts that share only a short chat header: no tree (today's path)."""
+    """Different videos, or text prompts that share only a short chat header: no sharing (today's path)."""
     import mmpg.rollout.hf as hf
 
-    monkeypatch.setattr(hf, "tree_prefill", lambda *a, **k: pytest.fail("a batch without repeats built a tree"))
+    monkeypatch.setattr(hf, "shared_prefill",
+                        lambda *a, **k: pytest.fail("a batch without repeats built a shared prefill"))
     model, processor = load_tiny("qwen2_5_vl")
     engine = HFEngine(model, processor, decode="cascade")
     inputs = vl_batch(processor, "qwen2_5_vl", [(4, 56, 84), None, (6, 56, 112)])
@@ -209,10 +211,10 @@ def test_text_prompts_share_a_long_system_text(load_tiny):
 
 # ---- synced decoding -------------------------------------------------------------------------------------------------
 def test_synced_decoding_with_shares(load_tiny):
-    """ZeRO-3 lockstep with shares: the tree prefill is one forward (as the plain one), then one decode step per
+    """ZeRO-3 lockstep with shares: the shared prefill is one forward (as the plain one), then one decode step per
     call; after this rank's rows are done, one-token idle forwards until the simulated other rank is."""
     model, processor = load_tiny("qwen2_5_vl")
-    inputs = tree_batch(processor, PROMPTS)
+    inputs = shared_batch(processor, PROMPTS)
     decoder = model.model.language_model
     free = HFEngine(model, processor).generate_groups(inputs, GROUPS, SamplingParams(max_new_tokens=8,
                                                       stop_token_ids=()), prompt_seeds=SEEDS)
@@ -230,7 +232,7 @@ def test_synced_decoding_with_shares(load_tiny):
     alone, stats = run(None, log)
     local = max(alone.lengths)
     assert stats["shared_prompts"] == 4 and local <= 3 and len(log) == local  # one prefill + local - 1 steps
-    assert log[0][1] == 1 and log[0][2] == stats["prefix_tokens"]  # the prefill: one packed row of the tree
+    assert log[0][1] == 1 and log[0][2] == stats["prefix_tokens"]  # the prefill: one packed row of the shared prefill
     log = []
     synced, _ = run(_OtherRank(local + 3, log), log)
     assert torch.equal(synced.completion_ids, alone.completion_ids) and torch.equal(synced.logprobs, alone.logprobs)
@@ -239,8 +241,8 @@ def test_synced_decoding_with_shares(load_tiny):
 
 
 # ---- the three-level attention ---------------------------------------------------------------------------------------
-def _tree_cache(shared_lens, tail_lens, query_share, row_query, own_len, hkv=2, d=16, seed=0):
-    """One layer filled as a packed tree prefill leaves it, decoded `own_len` steps. Returns the cache, the packed
+def _shared_cache(shared_lens, tail_lens, query_share, row_query, own_len, hkv=2, d=16, seed=0):
+    """One layer filled as a packed shared prefill leaves it, decoded `own_len` steps. Returns the cache, the packed
     K/V [1, Hkv, T, D], each query's packed key positions, and the own K/V."""
     g = torch.Generator().manual_seed(seed)
     spans, queries, at = [], [], 0
@@ -259,9 +261,9 @@ def _tree_cache(shared_lens, tail_lens, query_share, row_query, own_len, hkv=2, 
         return torch.tensor([a for a, _ in entries])[:, None] + (offs - pad).clamp(min=0), offs >= pad
 
     packed_k, packed_v = (torch.randn(1, hkv, at, d, generator=g) for _ in range(2))
-    split = TreeSplit(*left_padded(spans), *left_padded(tails), torch.tensor(query_share))
+    split = ShareSplit(*left_padded(spans), *left_padded(tails), torch.tensor(query_share))
     cache = SharedPrefixCache(num_layers=1, capacity=own_len + 1)
-    cache.expect_tree(split)
+    cache.expect_shares(split)
     cache.update(packed_k, packed_v, 0)
     cache.start_decode(torch.tensor(row_query))
     for _ in range(own_len):
@@ -269,7 +271,7 @@ def _tree_cache(shared_lens, tail_lens, query_share, row_query, own_len, hkv=2, 
     return cache, packed_k, packed_v, queries, own_k, own_v
 
 
-def _dense_tree(query, packed_k, packed_v, keys_of_row, own_k, own_v, scale):
+def _dense_shared(query, packed_k, packed_v, keys_of_row, own_k, own_v, scale):
     """[n, Hq, 1, D] -> [n, 1, Hq, D] float64: softmax over [row's shared part and tail | own tokens]."""
     rep = query.shape[1] // own_k.shape[1]
     out = []
@@ -286,12 +288,12 @@ def test_three_level_attention_equals_dense(backend):
     rows leave so that query 3 (share 1's only one) and all of share 2 are gone."""
     shared_lens, tail_lens, query_share = [9, 4, 13], [3, 5, 1, 2, 4, 1], [0, 0, 0, 1, 2, 2]
     row_query = [0, 0, 1, 2, 2, 2, 3, 4, 4, 5]
-    cache, pk, pv, queries, own_k, own_v = _tree_cache(shared_lens, tail_lens, query_share, row_query, own_len=3)
+    cache, pk, pv, queries, own_k, own_v = _shared_cache(shared_lens, tail_lens, query_share, row_query, own_len=3)
     query = torch.randn(len(row_query), 4, 1, 16, generator=torch.Generator().manual_seed(1))  # GQA: 4 q / 2 kv
     layer = cache.layers[0]
     got = decode_attention(query, own_k, own_v, layer.prefix_keys, layer.prefix_values, cache, 0.25, backend,
                            layer.tail_keys, layer.tail_values)
-    ref = _dense_tree(query, pk, pv, [queries[q] for q in row_query], own_k, own_v, 0.25)
+    ref = _dense_shared(query, pk, pv, [queries[q] for q in row_query], own_k, own_v, 0.25)
     assert float((got.double() - ref).abs().max()) < 1e-5
     keep = torch.tensor([1, 2, 5])  # rows of queries 0, 1, 2 only: share 1 and share 2 leave, query 0 keeps one row
     full = cache.kv_bytes()
@@ -307,11 +309,11 @@ def test_three_level_attention_equals_dense(backend):
 @pytest.mark.parametrize("backend", ["math", "sdpa"])  # math: what "auto" picks on CUDA
 @pytest.mark.parametrize("family", VL)
 def test_cuda_shared_equals_copy_fp32(family, backend, load_tiny):
-    """The tree path on CUDA in float32 (the packed prefill under the grouped attention's CUDA path, the three levels
+    """The shared path on CUDA in float32 (the packed prefill under the grouped attention's CUDA path, the three levels
     through the cascade kernel `backend`): token-identical to the copy path, logprobs within 1e-4 of the recompute."""
     model, processor = load_tiny(family)
     model = model.to("cuda")
-    inputs = {k: (v.to("cuda") if torch.is_tensor(v) else v) for k, v in tree_batch(processor, PROMPTS).items()}
+    inputs = {k: (v.to("cuda") if torch.is_tensor(v) else v) for k, v in shared_batch(processor, PROMPTS).items()}
     greedy = SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=())
     copy = HFEngine(model, processor, decode="copy").generate_groups(inputs, GROUPS, greedy)
     engine = HFEngine(model, processor, decode="cascade", cascade_backend=backend)

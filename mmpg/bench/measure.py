@@ -1,4 +1,4 @@
-"""Measure one (config, variant) in this process: `python -m mmpg.bench.worker CASE.json RESULT.json`.
+"""Measure one (config, variant) in this process: `python -m mmpg.bench.measure CASE.json RESULT.json`.
 
 The runner starts one fresh process per (config, variant, round), so every measurement begins from a clean
 allocator. In the process:
@@ -35,7 +35,7 @@ import torch
 
 from mmpg.bench.levels import module_for
 from mmpg.bench.memory import measured, sync
-from mmpg.bench.report import atomic_write
+from mmpg.bench.tables import atomic_write
 
 NOT_MEASURED = "not measured (in-process)"
 
@@ -108,7 +108,7 @@ def main(argv: list[str]) -> int:
     memory and writes its own file (`rank_path`); a rank that failed exits 1, so torchrun stops the others instead
     of leaving them waiting in a collective."""
     if len(argv) != 2:
-        print("usage: python -m mmpg.bench.worker CASE.json RESULT.json", file=sys.stderr)
+        print("usage: python -m mmpg.bench.measure CASE.json RESULT.json", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         job = json.load(f)

@@ -4,7 +4,7 @@ Columns (one row per config × variant):
     time_s     median step time (forward + backward; rollout: generation)
     speedup    baseline time / this time            baseline: naive (attention), repeated (model), hf_generate
     %ceil      speedup / ceiling × 100              ceiling: ρ_attn (attention), ρ_flops (model), ρ_lin (rollout)
-    peak_MB    peak extra memory of one step (see `mmpg.bench.worker`); n/a where not measured (--in-process) or
+    peak_MB    peak extra memory of one step (see `mmpg.bench.measure`); n/a where not measured (--in-process) or
                not measurable (the step's RSS did not grow)
     mem_ratio  baseline peak / this peak            compare with ρ_lin, the token ratio; n/a without both peaks
     rho_*      the ceilings of `mmpg.bench.flops`
@@ -121,22 +121,24 @@ def rollout_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-EVAL_COLUMNS = [*(_COLUMN[k] for k in "PS"), ("Q", "Q", 2, "{}"), ("t", "t", 3, "{}"), ("variant", "variant", 11, "{}"),
-                _COLUMN["time_s"], _COLUMN["speedup"], ("rho_eval", "ceil", 5, "{:.2f}"), _COLUMN["pct_ceiling"],
+EVAL_COLUMNS = [("B", "B", 2, "{}"), *(_COLUMN[k] for k in "PS"), ("Q", "Q", 2, "{}"), ("t", "t", 3, "{}"),
+                ("variant", "variant", 11, "{}"), _COLUMN["time_s"], _COLUMN["speedup"],
+                ("rho_eval", "ceil", 5, "{:.2f}"), _COLUMN["pct_ceiling"],
                 ("prefill_s", "prefill_s", 9, "{:.3f}"), ("decode_s", "decode_s", 8, "{:.3f}"),
                 ("prefixes", "prefills", 8, "{}"), ("prefix_tokens", "prefill_tok", 11, "{}"),
-                *(_COLUMN[k] for k in ("peak_MB", "mem_ratio"))]
+                ("same_answers", "same", 4, "{}"), *(_COLUMN[k] for k in ("peak_MB", "mem_ratio"))]
 
 
 def eval_table(rows: list[dict]) -> str:
-    """The eval rows: greedy answers to Q queries of one video; speedup against per-query (mmpg), ceil = the
+    """The eval rows: greedy answers to Q queries of each of B videos; speedup against per-query (mmpg), ceil = the
     layout's FLOPs ceiling (`rho_eval`, the tree's for the tree row), prefills / prefill_tok = the engine's
-    `last_stats` (leading parts prefilled, prompt tokens prefilled)."""
+    `last_stats` (leading parts prefilled, prompt tokens prefilled), same = answers identical to hf_generate's."""
     from mmpg.bench.levels import ceiling_key
 
     rows = [dict(r, rho_eval=r.get(ceiling_key(r, "rho_eval"))) for r in rows if r["level"] == "eval"]
-    return "\n".join(["eval: Q queries of one video, one greedy answer of S tokens each (speedup over mmpg = "
-                      "per query)", _table(rows, EVAL_COLUMNS, na=(), gaps=False)])
+    return "\n".join(["eval: Q queries of one video, one greedy answer of S tokens each, B videos per batch (speedup "
+                      "over mmpg = per query; same = of the B·Q answers, those identical to hf_generate's)",
+                      _table(rows, EVAL_COLUMNS, na=(), gaps=False)])
 
 
 def tree_table(rows: list[dict]) -> str:
@@ -211,7 +213,8 @@ def describe_config(config: dict) -> str:
     lm = (f"{config['family']} hidden {spec['hidden_size']}, {spec['num_layers']} layers, "
           f"{spec['num_heads']}/{spec['num_kv_heads']} heads")
     if config["level"] == "eval":
-        return (f"eval: {lm}, {config.get('dtype', 'float32')}; {config.get('Q', 1)} queries of one video, tails of "
+        videos = "one video" if config.get("B", 1) == 1 else f"each of {config['B']} videos in one batch"
+        return (f"eval: {lm}, {config.get('dtype', 'float32')}; {config.get('Q', 1)} queries of {videos}, tails of "
                 f"{config.get('t', 32)} tokens, one greedy answer of exactly {config['S']} tokens each")
     if config["level"] == "step":
         return (f"step: one GRPO step of {lm}, vision {spec.get('vision_hidden_size', 32)} x "

@@ -6,7 +6,7 @@
     with vision.paused(): ...                    forwards left out (a self-check's repeated forward)
 
 A video asked Q questions is decoded once per batch (`mmpg.data.dataset`), but whether the tower then encodes it
-once or Q times depends on the forward: the grouped forward with sharing (`mmpg.grouping.tree`) and a sharing
+once or Q times depends on the forward: the grouped forward with sharing (`mmpg.grouping.shares`) and a sharing
 rollout engine encode it once, a per-query forward Q times. Counting the rows of `video_grid_thw` / `image_grid_thw`
 handed to the tower (one row per video or image) measures that directly, whatever path did the forward, so training
 (perf/vision_calls) and evaluation report the same figure. The hook only counts; it changes no input or output.

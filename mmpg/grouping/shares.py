@@ -11,7 +11,7 @@ one "group" of the ordinary layout (`mmpg.grouping.layout`): every row sees the 
 tokens, which is exactly what the per-query forward of [prompt_q | r_q,g] computes, because a tail token of prompt q
 sees the shared part and the tail's own earlier tokens in both. Each row keeps the positions of its full prompt (the
 model's own index per prompt, `adapters.prefix_positions`); the shared part's positions are the same in every query
-(checked), which is what makes the tree exact. The LM head scores only the response tokens of each row (the tail's
+(checked), which is what makes sharing exact. The LM head scores only the response tokens of each row (the tail's
 tokens are inputs, `GroupLayout.row_skip`), and the vision tower sees each shared video once.
 
 Where this departs from a true three-level tree: each row repeats its query's tail (G copies of ~30 tokens), so no
@@ -101,7 +101,7 @@ def find_shares(prefixes, visuals: list[dict], banned: list[int], group_sizes: l
     return shares
 
 
-def pack_tree(prefixes, completions, shares: list[Share], device) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+def pack_shares(prefixes, completions, shares: list[Share], device) -> tuple[torch.Tensor, torch.Tensor, list, list]:
     """Packed ids [T], positions [A, T], and per share the row lengths (tail + response) and the tails' lengths."""
     ids, pos, row_lens, row_skip = [], [], [], []
     for share in shares:

@@ -1,4 +1,4 @@
-"""One video, many questions (`mmpg.grouping.tree`): adjacent prompts that begin alike (a video's queries) share that
+"""One video, many questions (`mmpg.grouping.shares`): adjacent prompts that begin alike (a video's queries) share that
 leading part in the grouped forward, found from the inputs alone. Exactness against the per-query repeated forward
 (logprobs within 1e-5, every parameter's gradient, vision tower included, within 1e-4 relative, float32), for videos
 shared by 1, 2 and 4 queries, tails of unequal length, unequal group sizes, left and right padding, shared and unshared
@@ -14,7 +14,7 @@ from batches import completions, processor_batch, random_video
 from grouping_check import compare
 from mmpg.grouping import grouped_logprobs
 from mmpg.grouping.adapters import prefix_positions
-from mmpg.grouping.tree import find_shares
+from mmpg.grouping.shares import find_shares
 
 def _shares(model, inputs, vl: bool, group_sizes):
     from mmpg.grouping.inputs import placeholder_token_ids, split_visuals_per_prompt
@@ -27,7 +27,7 @@ QUESTIONS = ["When does the red circle appear?", "Find the moment the blue squar
              "When is it?", "Where does the yellow triangle first become visible in the frame?"]
 
 
-def tree_batch(processor, prompts, padding_side="left"):
+def shared_batch(processor, prompts, padding_side="left"):
     """prompts: (video key or None, question index); the same key means the same frames (seeded by the key)."""
     texts, videos, metadata = [], [], []
     specs = {"a": (16, 112, 112, 1), "b": (4, 112, 56, 2), "c": (16, 112, 112, 3), "c2": (16, 112, 112, 4)}
@@ -50,20 +50,20 @@ LENGTHS = [3, 5, 2, 4, 6, 1, 2, 3, 5, 4, 4, 2, 6, 3, 5, 2, 4, 1]
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize("padding_side", ["left", "right"])
-def test_tree_equals_the_per_query_forward(load_tiny, family, padding_side):
+def test_shared_video_equals_the_per_query_forward(load_tiny, family, padding_side):
     model, processor = load_tiny(family)
-    inputs = tree_batch(processor, PROMPTS, padding_side)
+    inputs = shared_batch(processor, PROMPTS, padding_side)
     shares = _shares(model, inputs, True, GROUPS)
     assert [s.prompts for s in shares] == [(0, 1, 2, 3), (4,), (5, 6), (7,), (8,)]  # c2 is not c: not shared
     ids, mask = completions(GROUPS, LENGTHS, model.config.text_config.vocab_size)
     logp, grad, grads = compare(model, inputs, ids, mask, GROUPS)
     assert any("visual" in name for name in grads)  # the vision tower's gradients are compared too
-    print(f"{family} {padding_side}: tree vs repeated max logprob diff {logp:.3g}, worst grad {grad:.3g}")
+    print(f"{family} {padding_side}: shared vs repeated max logprob diff {logp:.3g}, worst grad {grad:.3g}")
 
 
 def test_vision_tower_sees_each_shared_video_once(load_tiny):
     model, processor = load_tiny("qwen2_5_vl")
-    inputs = tree_batch(processor, PROMPTS)
+    inputs = shared_batch(processor, PROMPTS)
     rows = (inputs["video_grid_thw"].prod(-1)).tolist()  # a, a, a, a, b, c, c, c2
     seen = []
     handle = model.model.visual.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
@@ -76,10 +76,10 @@ def test_vision_tower_sees_each_shared_video_once(load_tiny):
 
 def test_different_frames_or_text_before_the_video_never_share(load_tiny):
     model, processor = load_tiny("qwen2_5_vl")
-    inputs = tree_batch(processor, [("c", 2), ("c2", 2), ("c", 2)])  # same text, same size; c2's frames differ
+    inputs = shared_batch(processor, [("c", 2), ("c2", 2), ("c", 2)])  # same text, same size; c2's frames differ
     shares = _shares(model, inputs, True, [2, 2, 2])
     assert [s.prompts for s in shares] == [(0,), (1,), (2,)]
-    same = tree_batch(processor, [("c", 2), ("c", 2)])  # the same prompt twice: shared, each tail >= 1 token
+    same = shared_batch(processor, [("c", 2), ("c", 2)])  # the same prompt twice: shared, each tail >= 1 token
     shares = _shares(model, same, True, [2, 3])
     assert [s.prompts for s in shares] == [(0, 1)]
     assert shares[0].length == int(same["attention_mask"][0].sum()) - 1
@@ -91,7 +91,7 @@ def test_sharing_only_where_it_saves_tokens(load_tiny):
     """Tails are repeated per response, so a short common opening before different questions is not shared (3
     tokens of chat header, questions of 10-40 tokens, G 2-3), while the same text prompt twice is."""
     from batches import text_batch
-    from mmpg.grouping.tree import packed_tokens
+    from mmpg.grouping.shares import packed_tokens
 
     assert packed_tokens([2030, 2030, 2040], [8, 8, 8], 2000) == 2000 + 8 * (30 + 30 + 40)  # 2,800 < 6,100 alone
     model, tokenizer = load_tiny("qwen3")
