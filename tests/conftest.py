@@ -14,7 +14,14 @@ import torch
 from mmpg.toy.models import make_tiny
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    # pytest-xdist's loadgroup (scripts/test.sh): each module's tests on one worker, so its module fixtures are made
+    # once, and the modules that share the vLLM server (`qwen25_vllm`) on one worker, so it starts once
+    shared = {item.module.__name__ for item in items if "qwen25_vllm" in item.fixturenames}
+    for item in items:
+        group = "qwen25_vllm" if item.module.__name__ in shared else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -75,3 +82,27 @@ def step_process():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def qwen25_vllm(tmp_path_factory):
+    """The tiny Qwen2.5-VL checkpoint vLLM can serve and one `mmpg vllm-serve` for it, shared by the vllm test modules
+    (`vllm_server.SharedServer`); they take it through the module fixtures `vllm_ckpt` and `server`."""
+    from vllm_server import SharedServer, tiny_vllm_checkpoint
+
+    shared = SharedServer(tiny_vllm_checkpoint("qwen2_5_vl", tmp_path_factory),
+                          tmp_path_factory.mktemp("vllm_log") / "server.log", "Qwen2.5-VL")
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_ckpt(qwen25_vllm):
+    """The tiny Qwen2.5-VL checkpoint the shared vLLM server serves (head_dim 64)."""
+    return qwen25_vllm.checkpoint
+
+
+@pytest.fixture(scope="module")
+def server(qwen25_vllm):
+    """The shared vLLM server, up and holding `vllm_ckpt`'s weights (version 0) when a module starts."""
+    return qwen25_vllm.fresh()

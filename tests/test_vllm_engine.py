@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from batches import vl_batch
-from vllm_server import serving, tiny_vllm_checkpoint, trainer_policy
+from vllm_server import trainer_policy
 
 from mmpg.grouping import grouped_logprobs
 from mmpg.rollout import FINISH_LENGTH, FINISH_STOP, HFEngine, SamplingParams
@@ -29,16 +29,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 VIDEOS = [(4, 56, 84), None, (4, 56, 112)]  # two videos of different sizes and a text-only prompt
 TIE_TOL = 1e-3  # top-2 logprob gap under which a flipped greedy token counts as a tie, not a disagreement
 LOGP_ATOL = 1e-4  # |engine logprob - grouped_logprobs|, float32 (measured max 1e-6, see the module docstring)
-
-
-@pytest.fixture(scope="module")
-def vllm_ckpt(tmp_path_factory):
-    return tiny_vllm_checkpoint("qwen2_5_vl", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(vllm_ckpt, tmp_path_factory):
-    yield from serving(vllm_ckpt, tmp_path_factory, "Qwen2.5-VL")
 
 
 @pytest.fixture(scope="module")

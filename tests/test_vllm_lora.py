@@ -14,23 +14,12 @@ import torch
 from batches import vl_batch
 from lora_utils import peft_policy
 from test_vllm_engine import VIDEOS, _greedy_agreement, _videos, zero3_run_matches_the_server
-from vllm_server import serving, tiny_vllm_checkpoint
 
 from mmpg.rollout import HFEngine, SamplingParams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ADAPTED = ("q_proj", "v_proj", "up_proj")
-
-
-@pytest.fixture(scope="module")
-def vllm_ckpt(tmp_path_factory):
-    return tiny_vllm_checkpoint("qwen2_5_vl", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(vllm_ckpt, tmp_path_factory):
-    yield from serving(vllm_ckpt, tmp_path_factory, "Qwen2.5-VL, LoRA sync")
 
 
 def _merged_greedy(peft_model, processor, inputs, greedy):

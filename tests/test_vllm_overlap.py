@@ -22,23 +22,12 @@ from pathlib import Path
 
 import pytest
 from train_utils import ROOT, env, metrics, overrides, run_cli
-from vllm_server import serving, tiny_vllm_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 LOSS_ATOL = 1e-6  # |actor/loss - hand computation|: float32 sums of a few hundred terms of size <= 2 / N
 LOGP_ATOL = 1e-4  # engine vs trainer logprobs on the same weights (tests/test_vllm_engine.py)
 CAP = 2.0
-
-
-@pytest.fixture(scope="module")
-def vllm_ckpt(tmp_path_factory):
-    return tiny_vllm_checkpoint("qwen2_5_vl", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(vllm_ckpt, tmp_path_factory):
-    yield from serving(vllm_ckpt, tmp_path_factory, "Qwen2.5-VL")
 
 
 @pytest.fixture(scope="module")

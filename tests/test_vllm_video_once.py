@@ -16,7 +16,7 @@ import pytest
 import torch
 from batches import QUESTIONS, random_video
 from test_vllm_engine import _engine
-from vllm_server import serving, tiny_vllm_checkpoint, trainer_policy
+from vllm_server import trainer_policy
 
 from mmpg.rollout import SamplingParams
 from mmpg.serve.wire import WIRE_VERSION, ServerError, call, check_wire, pack
@@ -26,16 +26,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 K = 3  # queries per video (data.queries_per_video)
 VIDEO = (16, 224, 224)  # frames, height, width: 8 x 8 x 8 = 512 video tokens on Qwen2.5-VL (28-pixel merged patches)
 REPEATS = 5  # timed requests per form, each on fresh videos (no cache hit from an earlier request)
-
-
-@pytest.fixture(scope="module")
-def vllm_ckpt(tmp_path_factory):
-    return tiny_vllm_checkpoint("qwen2_5_vl", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server(vllm_ckpt, tmp_path_factory):
-    yield from serving(vllm_ckpt, tmp_path_factory, "Qwen2.5-VL")
 
 
 @pytest.fixture(scope="module")

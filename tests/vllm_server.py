@@ -40,6 +40,34 @@ def tiny_vllm_checkpoint(family: str, tmp_path_factory):
     return make_tiny(family, tmp_path_factory.mktemp(f"vllm_{family}") / family, seed=0, spec=spec)
 
 
+class SharedServer:
+    """One server for a checkpoint, started on first use and shared by the test modules that serve it (a start costs
+    20-30 s). `fresh()` hands it to a module as if new: up (started again if a test stopped it) and holding the
+    checkpoint's weights as weight version 0, whatever an earlier module synced into it."""
+
+    def __init__(self, checkpoint: Path, log: Path, label: str):
+        self.checkpoint, self.log, self.label = checkpoint, log, label
+        self.server: Server | None = None
+
+    def fresh(self) -> Server:
+        from mmpg.serve.wire import call
+
+        if self.server is None:
+            self.server = Server(self.checkpoint, self.log)
+            print(f"\nvLLM server ({self.label}) up in {self.server.wait():.0f} s")
+        elif self.server.proc.poll() is not None:
+            self.server.start()
+            print(f"\nvLLM server ({self.label}) up again in {self.server.wait():.0f} s")
+        else:  # the checkpoint's own file, every tensor: the server's in-place reload, as a weight sync does
+            call(self.server.url, "/update_weights", timeout=300,
+                 payload={"path": str(self.checkpoint / "model.safetensors"), "version": 0})
+        return self.server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
 def serving(checkpoint: Path, tmp_path_factory, label: str):
     """A module fixture's body: a started server, stopped afterwards."""
     srv = Server(checkpoint, tmp_path_factory.mktemp("vllm_log") / "server.log")
