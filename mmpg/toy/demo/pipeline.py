@@ -23,7 +23,7 @@ MODEL_SIZE = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads
 N_VIDEOS, MIN_DURATION, MAX_DURATION, DATA_SEED = 400, 8.0, 20.0, 0
 VIDEO = {"fps": 2.0, "min_pixels": 784, "max_pixels": 784}  # 28 x 28 frames: one video token per second
 EVAL_NEW_TOKENS = 32  # the SFT answer is about 22 tokens; the untrained model writes 32 tokens of noise
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 WORKDIR = "data/generated/demo"  # `mmpg demo --workdir`'s default; configs/*cpu_demo.yaml point into it
 
 
