@@ -28,10 +28,13 @@ fi
 # Two pytest-xdist workers share the machine's cores (MMPG_TEST_WORKERS=N: N, 0: one process). loadgroup keeps a
 # module's tests on one worker (its module fixtures are made once) and the modules sharing the vLLM test server on one
 # worker (tests/conftest.py); most tests wait on child processes (training, launchers, servers) part of the time.
+# Each worker computes on one thread (OMP_NUM_THREADS=1, as the tests' child processes do): two workers with two
+# threads each oversubscribe the cores, and torch's spinning threads made the in-process tests 3x slower.
 workers=${MMPG_TEST_WORKERS:-2}
-if [ "$workers" != 0 ]; then args+=(-n "$workers" --dist loadgroup); fi
+threads=${OMP_NUM_THREADS:-}
+if [ "$workers" != 0 ]; then args+=(-n "$workers" --dist loadgroup); threads=${OMP_NUM_THREADS:-1}; fi
 status=0
-python -m pytest -p no:cacheprovider --durations=30 "${args[@]}" "$@" || status=$?
+env ${threads:+OMP_NUM_THREADS=$threads} python -m pytest -p no:cacheprovider --durations=30 "${args[@]}" "$@" || status=$?
 # The transformers version matrix (scripts/tf_matrix.sh): the grouping, rollout and eval tests again on the oldest
 # supported transformers (and the registry's newest when it is not .venv's), ~2 min. Full runs only;
 # MMPG_SKIP_TF_MATRIX=1 leaves it out.
