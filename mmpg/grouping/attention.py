@@ -117,17 +117,23 @@ def _make_attention(base: str):
     return grouped_attention
 
 
-def register_grouped_attention(base: str) -> str:
-    """Register (once) the grouped function wrapping `base`; returns its registry name."""
-    if base.startswith(PREFIX):
-        return base
-    name = grouped_name(base)
+def register_wrapping(name: str, base: str, make) -> str:
+    """Register (once) under `name` the attention function `make(base)` that wraps `base`, with the mask function the
+    ordinary calls of `base` consume (`_ordinary`: sdpa's for a flash-loaded model); returns `name`. The grouped
+    forward's functions and cascade decoding's (`mmpg.rollout.cascade_attention`) are registered through it."""
     if name not in ALL_ATTENTION_FUNCTIONS:
         if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
             raise ValueError(f"attention implementation {base!r} is not registered in transformers")
-        AttentionInterface.register(name, _make_attention(base))
+        AttentionInterface.register(name, make(base))
         ordinary = _ordinary(base)
         mask = ALL_MASK_ATTENTION_FUNCTIONS[ordinary] if ordinary in ALL_MASK_ATTENTION_FUNCTIONS else (
             eager_mask if ordinary == "eager" else sdpa_mask)
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask)
     return name
+
+
+def register_grouped_attention(base: str) -> str:
+    """Register (once) the grouped function wrapping `base`; returns its registry name."""
+    if base.startswith(PREFIX):
+        return base
+    return register_wrapping(grouped_name(base), base, _make_attention)

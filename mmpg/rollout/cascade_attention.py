@@ -35,12 +35,10 @@ import dataclasses
 import re
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from mmpg.grouping.attention import (
-    LAYOUT_KWARG, _ordinary, base_attention, check_tripwire, register_grouped_attention,
+    LAYOUT_KWARG, base_attention, check_tripwire, register_grouped_attention, register_wrapping,
 )
 from mmpg.grouping.merge import merge_attention
 from mmpg.rollout.cascade import SharedPrefixCache, _Rows
@@ -119,16 +117,7 @@ def register_cascade_attention(base: str) -> str:
     """Register (once) the cascade function wrapping `base`; returns its registry name."""
     if base.startswith(PREFIX):
         return base
-    name = cascade_name(base)
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
-            raise ValueError(f"attention implementation {base!r} is not registered in transformers")
-        AttentionInterface.register(name, _make_attention(base))
-        ordinary = _ordinary(base)  # flash -> sdpa: the mask must be the one the ordinary calls consume
-        mask = ALL_MASK_ATTENTION_FUNCTIONS[ordinary] if ordinary in ALL_MASK_ATTENTION_FUNCTIONS else (
-            eager_mask if ordinary == "eager" else sdpa_mask)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask)
-    return name
+    return register_wrapping(cascade_name(base), base, _make_attention)
 
 
 @contextlib.contextmanager
