@@ -25,14 +25,14 @@ fi
 if [ $quick = 0 ] && [ "${MMPG_SKIP_VLLM:-0}" != 1 ]; then
   bash "$MMPG_ROOT/scripts/env.sh" vllm || echo "[mmpg] could not make .venv-vllm: the vllm tests will be skipped"
 fi
-# Two pytest-xdist workers share the machine's cores (MMPG_TEST_WORKERS=N: N, 0: one process). loadgroup keeps a
-# module's tests on one worker (its module fixtures are made once) and the modules sharing the vLLM test server on one
-# worker (tests/conftest.py); most tests wait on child processes (training, launchers, servers) part of the time.
+# Two pytest-xdist workers share the machine's cores (MMPG_TEST_WORKERS=N: N, 0: one process). loadfile keeps a
+# module's tests on one worker, so its module fixtures are made once (loadgroup's xdist_group marks do not group on
+# pytest 9: every module's fixtures were made on both workers); most tests wait on child processes part of the time.
 # Each worker computes on one thread (OMP_NUM_THREADS=1, as the tests' child processes do): two workers with two
 # threads each oversubscribe the cores, and torch's spinning threads made the in-process tests 3x slower.
 workers=${MMPG_TEST_WORKERS:-2}
 threads=${OMP_NUM_THREADS:-}
-if [ "$workers" != 0 ]; then args+=(-n "$workers" --dist loadgroup); threads=${OMP_NUM_THREADS:-1}; fi
+if [ "$workers" != 0 ]; then args+=(-n "$workers" --dist loadfile); threads=${OMP_NUM_THREADS:-1}; fi
 status=0
 env ${threads:+OMP_NUM_THREADS=$threads} python -m pytest -p no:cacheprovider --durations=30 "${args[@]}" "$@" || status=$?
 # The transformers version matrix (scripts/tf_matrix.sh): the grouping, rollout and eval tests again on the oldest

@@ -14,14 +14,7 @@ import torch
 from mmpg.toy.models import make_tiny
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    # pytest-xdist's loadgroup (scripts/test.sh): each module's tests on one worker, so its module fixtures are made
-    # once, and the modules that share the vLLM server (`qwen25_vllm`) on one worker, so it starts once
-    shared = {item.module.__name__ for item in items if "qwen25_vllm" in item.fixturenames}
-    for item in items:
-        group = "qwen25_vllm" if item.module.__name__ in shared else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
