@@ -29,12 +29,25 @@ fi
 # module's tests on one worker, so its module fixtures are made once (loadgroup's xdist_group marks do not group on
 # pytest 9: every module's fixtures were made on both workers); most tests wait on child processes part of the time.
 # Each worker computes on one thread (OMP_NUM_THREADS=1, as the tests' child processes do): two workers with two
-# threads each oversubscribe the cores, and torch's spinning threads made the in-process tests 3x slower.
+# threads each oversubscribe the cores, and torch's spinning threads made the in-process tests 3x slower. Tests marked
+# `alone` (the demo, on every core as a user runs it) run after the workers, on their own: beside a worker the demo
+# took 430-540 s, alone 153 s.
 workers=${MMPG_TEST_WORKERS:-2}
-threads=${OMP_NUM_THREADS:-}
-if [ "$workers" != 0 ]; then args+=(-n "$workers" --dist loadfile); threads=${OMP_NUM_THREADS:-1}; fi
 status=0
-env ${threads:+OMP_NUM_THREADS=$threads} python -m pytest -p no:cacheprovider --durations=30 "${args[@]}" "$@" || status=$?
+if [ "$workers" != 0 ] && [ $# -eq 0 ]; then
+  select="not alone"; [ $quick = 1 ] && select="not slow and not alone"
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} python -m pytest -p no:cacheprovider --durations=30 -n "$workers" \
+    --dist loadfile -m "$select" || status=$?
+  if [ $quick = 0 ]; then
+    python -m pytest -p no:cacheprovider --durations=5 -m alone || status=1
+  fi
+else
+  # a selection (or MMPG_TEST_WORKERS=0): one pytest run, the `alone` tests inside it
+  threads=${OMP_NUM_THREADS:-}
+  if [ "$workers" != 0 ]; then args+=(-n "$workers" --dist loadfile); threads=${OMP_NUM_THREADS:-1}; fi
+  env ${threads:+OMP_NUM_THREADS=$threads} python -m pytest -p no:cacheprovider --durations=30 "${args[@]}" "$@" \
+    || status=$?
+fi
 # The transformers version matrix (scripts/tf_matrix.sh): the grouping, rollout and eval tests again on the oldest
 # supported transformers (and the registry's newest when it is not .venv's), ~2 min. Full runs only;
 # MMPG_SKIP_TF_MATRIX=1 leaves it out.

@@ -35,6 +35,7 @@ def every_core(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_quick_demo_learns_and_opens_in_the_inspector(tmp_path, capsys, every_core):
     assert run_demo(tmp_path / "demo", preset="quick", seed=0) == 0
     out = capsys.readouterr().out

@@ -126,6 +126,10 @@ def _steps_logged(run_dir: Path) -> int:
     return len(f.read_text().splitlines()) if f.is_file() else 0
 
 
+def _complete_checkpoint(run_dir: Path) -> bool:
+    return any((run_dir / "checkpoints").glob("step_*/COMPLETE"))
+
+
 def test_sigkill_with_a_batch_in_flight_then_resume_loses_and_repeats_nothing(server, data, tmp_path):
     total = 12  # room after each kill: a step of this tiny run can take 0.3 s
     settings = _settings(server, **{"trainer.total_steps": total, "checkpoint.every_n_steps": 1,
@@ -141,7 +145,10 @@ def test_sigkill_with_a_batch_in_flight_then_resume_loses_and_repeats_nothing(se
         before = _steps_logged(run_dir)
         proc = _launch(args, log)
         deadline = time.monotonic() + 900
-        while _steps_logged(run_dir) <= before and proc.poll() is None and time.monotonic() < deadline:
+        # a kill before the first checkpoint is complete leaves nothing to resume (a one-line refusal, tested in
+        # test_demo.py): wait for one, then for a step past what was logged
+        while (_steps_logged(run_dir) <= before or not _complete_checkpoint(run_dir)) and proc.poll() is None \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 0.3))
         if proc.poll() is None:
@@ -233,7 +240,7 @@ def test_an_error_on_one_rank_ends_the_run_at_once(server, data8, tmp_path):
                                  "data.strict": True, "reward.function": "reward_fns:space_share"})
     t0 = time.monotonic()
     res = run_cli(["train"] + overrides(data, tmp_path, "strict", **extra),
-                  timeout=600, procs=2)
+                  timeout=600, procs=2, fresh=True)  # torchrun's own ending of the other rank
     seconds = time.monotonic() - t0
     assert res.returncode != 0
     assert "synth_00003" in res.stderr, res.stderr[-3000:]

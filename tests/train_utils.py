@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from forked_cli import WarmProcess, free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,14 +42,25 @@ def env() -> dict:
     return e
 
 
-def run_cli(args: list[str], timeout: float = 600, procs: int = 1) -> subprocess.CompletedProcess:
-    """`mmpg ...` in a fresh process (or under torchrun with `procs` processes)."""
+def run_cli(args: list[str], timeout: float = 600, procs: int = 1, fresh: bool = False
+            ) -> subprocess.CompletedProcess:
+    """`mmpg ...` as its own process (`procs` ranks of one run when > 1), forked from the worker's warm process
+    (tests/forked_cli.py); `fresh=True`: a cold `python -m mmpg.cli` (under torchrun when procs > 1), for tests about
+    what a cold start or the launcher itself does."""
+    if not fresh:
+        global _warm
+        if _warm is None:
+            _warm = WarmProcess(env())
+        return _warm.run(args, env(), ROOT, timeout, procs)
     if procs > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port",
-               str(29500 + os.getpid() % 1000), "-m", "mmpg.cli"] + args
+               str(free_port()), "-m", "mmpg.cli"] + args
     else:
         cmd = [sys.executable, "-m", "mmpg.cli"] + args
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=ROOT)
+
+
+_warm = None
 
 
 def metrics(run_dir: Path) -> list[dict]:
