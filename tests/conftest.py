@@ -14,7 +14,28 @@ import torch
 from mmpg.toy.models import make_tiny
 
 
+# The modules that take the shared vLLM server (`qwen25_vllm`): scripts/test.sh's xdist workers run them as one unit,
+# on one worker, so the server starts once per run instead of once per worker (~40 s each on 2 cores).
+SHARED_SERVER_MODULES = ("test_vllm_engine.py", "test_vllm_lora.py", "test_vllm_overlap.py",
+                         "test_vllm_video_once.py", "test_vllm_gpu.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedServerFirst(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            module = super()._split_scope(nodeid)
+            return "shared vLLM server" if module.rsplit("/", 1)[-1] in SHARED_SERVER_MODULES else module
+
+    return SharedServerFirst(config, log) if config.getoption("dist") == "loadfile" else None
+
+
 def pytest_collection_modifyitems(config, items):
+    strays = sorted({item.path.name for item in items if "qwen25_vllm" in getattr(item, "fixturenames", ())}
+                    - set(SHARED_SERVER_MODULES))
+    if strays:
+        raise pytest.UsageError(f"tests/conftest.py: add {strays} to SHARED_SERVER_MODULES (they use qwen25_vllm)")
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -153,6 +153,7 @@ def _child(request: dict, env: dict, replies: int):
         sys.argv = [str(CLI)] + request["argv"]
         module, _, function = request["target"].partition(":")
         code = getattr(importlib.import_module(module), function)(request["argv"])
+        code = 0 if code is None else code
     except SystemExit as stop:
         if stop.code is None:
             code = 0

@@ -132,8 +132,9 @@ def cases(family: str, model, processor, model_kv1, processor_kv1):
     yield f"{family}/cut_in_response_odd", model, vl_batch(processor, family, [(2, 56, 56)]), ids, mask, [2]
 
 
-def main() -> None:
-    out_path, wanted = sys.argv[1], set(sys.argv[2:])
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    out_path, wanted = argv[0], set(argv[1:])
     dist.init_process_group("gloo")
     group, sp = dist.group.WORLD, dist.get_world_size()
     torch.manual_seed(0)
@@ -159,4 +160,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

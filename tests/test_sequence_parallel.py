@@ -12,28 +12,21 @@ its share of the frames.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from mmpg.grouping.sequence import _item_order, frame_ranges
 from mmpg.grouping.ulysses import check_heads, kv_repeats
+from train_utils import run_forked
 
 LOGP_ATOL = 1e-5
 GRAD_RTOL = 1e-4
-HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
 def sp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp") / "results.json"
-    env = dict(os.environ, FORCE_QWENVL_VIDEO_READER="decord", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29700 + os.getpid() % 200), str(HERE / "sp_worker.py"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=HERE)
+    proc = run_forked("sp_worker:main", [str(out)], procs=2)  # two ranks, as torchrun starts them
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 

@@ -7,31 +7,21 @@ checks. The run against a real server is in test_vllm_engine.py (test_zero3_two_
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from mmpg.config import load_config
 from mmpg.errors import UserError
 from mmpg.rl.trainer import check_grpo_config
+from train_utils import run_forked
 
-HERE = Path(__file__).parent
 CASES = [f"everything={e},piece_bytes={b}" for e in (False, True) for b in (1, 512 * 2 ** 20)]
 
 
 @pytest.fixture(scope="module")
 def gathered(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero3_sync") / "results.json"
-    env = dict(os.environ, FORCE_QWENVL_VIDEO_READER="decord", OMP_NUM_THREADS="1",
-               TORCH_EXTENSIONS_DIR=str(HERE.parent / ".cache" / "torch_extensions"))
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(29900 + os.getpid() % 90), str(HERE / "zero3_sync_worker.py"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=HERE)
+    proc = run_forked("zero3_sync_worker:main", [str(out)], procs=2)  # two ranks, as torchrun starts them
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 

@@ -63,6 +63,14 @@ def run_cli(args: list[str], timeout: float = 600, procs: int = 1, fresh: bool =
 _warm = None
 
 
+def run_forked(target: str, argv: list[str], procs: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`target(argv)` (a tests/ module's `module:function`) in `procs` forked ranks, torchrun's environment each."""
+    global _warm
+    if _warm is None:
+        _warm = WarmProcess(env())
+    return _warm.run(argv, env(), ROOT / "tests", timeout, procs, target=target)
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -72,7 +72,8 @@ def case(lora: bool, rank: int) -> dict:
     return out
 
 
-def main(path: str) -> None:
+def main(argv: list[str]) -> int:
+    path = argv[0]
     torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
     results = {"lora" if lora else "full": case(lora, rank) for lora in (False, True)}
@@ -86,4 +87,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(main(sys.argv[1:]))
