@@ -50,11 +50,13 @@ _want="$(cat "$MMPG_ROOT/pyproject.toml" | sha256sum | cut -c1-16) $_pip_extras 
 [ -x "$_venv/bin/python" ] || python3 -m venv "$_venv"
 if [ "$(cat "$_venv/.mmpg-installed" 2>/dev/null)" != "$_want" ]; then
   echo "[mmpg] installing into .venv (first time takes a few minutes) ..."
+  _t0=$SECONDS
   "$_venv/bin/python" -m pip install -q --upgrade pip
   # shellcheck disable=SC2086
   "$_venv/bin/python" -m pip install -q $_torch
   "$_venv/bin/python" -m pip install -q -e "$MMPG_ROOT${_pip_extras:+[$_pip_extras]}"
   echo "$_want" > "$_venv/.mmpg-installed"
+  echo "[mmpg] .venv ready in $((SECONDS - _t0)) s"
 fi
 _flash=""
 [[ ",$_extras," == *",gpu-auto,"* ]] && _flash=auto
