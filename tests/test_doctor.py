@@ -1,33 +1,30 @@
-"""`mmpg doctor` on the CPU, run as a user runs it (the installed console script): its report says NOT RUN with the
-reason for every CUDA row, PASS with a figure for every CPU row it ran, and a fault injected into one row makes it
-exit 1 naming that row. The training row and the speed table (about 45 s more) run in the slow test."""
+"""`mmpg doctor` on the CPU, run as its own process (forked from the warm one, tests/forked_cli.py; the installed
+console script is tests/test_cli.py's): its report says NOT RUN with the reason for every CUDA row, PASS with a figure
+for every CPU row it ran, and a fault injected into one row makes it exit 1 naming that row. The training row and the speed table (about 45 s more) run in the slow test."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mmpg.doctor import results, train_check
+from train_utils import env as cli_env
+from train_utils import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _doctor(args: list[str], out: Path, fault: str = "", timeout: float = 300) -> tuple[subprocess.CompletedProcess,
                                                                                         dict]:
-    exe = shutil.which("mmpg", path=str(Path(sys.executable).parent))
-    assert exe, "the mmpg console script is not installed beside this python (pip install -e .)"
-    env = {k: v for k, v in os.environ.items() if k != "MMPG_DOCTOR_FAULT"}
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", FORCE_QWENVL_VIDEO_READER="decord")
+    environ = {k: v for k, v in cli_env().items() if k != "MMPG_DOCTOR_FAULT"}
+    environ.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", FORCE_QWENVL_VIDEO_READER="decord")
     if fault:
-        env["MMPG_DOCTOR_FAULT"] = fault
-    proc = subprocess.run([exe, "doctor", "--out", str(out), *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=timeout)
+        environ["MMPG_DOCTOR_FAULT"] = fault
+    proc = run_cli(["doctor", "--out", str(out), *args], timeout=timeout, environ=environ)
     data = json.loads((out / "doctor.json").read_text()) if (out / "doctor.json").exists() else {}
     return proc, data
 

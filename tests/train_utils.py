@@ -42,22 +42,23 @@ def env() -> dict:
     return e
 
 
-def run_cli(args: list[str], timeout: float = 600, procs: int = 1, fresh: bool = False
+def run_cli(args: list[str], timeout: float = 600, procs: int = 1, fresh: bool = False, environ: dict | None = None
             ) -> subprocess.CompletedProcess:
     """`mmpg ...` as its own process (`procs` ranks of one run when > 1), forked from the worker's warm process
     (tests/forked_cli.py); `fresh=True`: a cold `python -m mmpg.cli` (under torchrun when procs > 1), for tests about
-    what a cold start or the launcher itself does."""
+    what a cold start or the launcher itself does. `environ`: the run's whole environment (default `env()`)."""
     if not fresh:
         global _warm
         if _warm is None:
             _warm = WarmProcess(env())
-        return _warm.run(args, env(), ROOT, timeout, procs)
+        return _warm.run(args, env() if environ is None else environ, ROOT, timeout, procs)
     if procs > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port",
                str(free_port()), "-m", "mmpg.cli"] + args
     else:
         cmd = [sys.executable, "-m", "mmpg.cli"] + args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env() if environ is None else environ,
+                          cwd=ROOT)
 
 
 _warm = None
