@@ -2,8 +2,9 @@
 # The transformers version matrix: the grouped forward's equivalence, positions and contract tests, the self-check,
 # the rollout engine's and the evaluation's tests, run again against the oldest transformers mmpg supports
 # (mmpg.grouping.patch.TRANSFORMERS_RANGE) and the newest on the package registry. Each version lives in a side
-# folder .venv-tf/VERSION put on PYTHONPATH ahead of .venv: only transformers itself (and huggingface_hub when its
-# pin differs), everything else is .venv's. Stamped when it imports; a half-made one is removed; a version equal to
+# folder .venv-tf/VERSION put on PYTHONPATH ahead of .venv: transformers itself and those of its requirements .venv
+# does not satisfy (huggingface_hub for 5.17), everything else is .venv's; a version whose requirements the registry
+# lacks is skipped, saying which. Stamped when it imports; a half-made one is removed; a version equal to
 # .venv's own is covered by the main run; without a registry the versions it cannot fetch are skipped, saying why.
 #   bash scripts/tf_matrix.sh            (scripts/test.sh runs it after the main suite; ~1.5 min when the folders exist)
 set -uo pipefail
@@ -29,22 +30,34 @@ for v in $oldest $newest; do
     if ! python -m pip install -q --target "$dir" --no-deps "transformers==$v" >/dev/null 2>&1; then
       rm -rf "$dir"; echo "[mmpg] tf matrix: could not fetch transformers $v (registry unreachable?): skipped"; continue
     fi
-    # its huggingface_hub pin, when .venv's hub does not satisfy it (5.17 wants < 2.0)
+    # the requirements of this transformers that .venv does not satisfy (5.17 wants huggingface_hub < 2.0, 5.25
+    # wants kernels >= 0.19.1), each into the side folder; a version whose requirements the registry does not offer
+    # is one a user cannot install from it either: skipped, saying which
     hub="$(python - "$dir" <<'PY'
 import sys, glob
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from packaging.requirements import Requirement
 meta = glob.glob(f"{sys.argv[1]}/transformers-*.dist-info/METADATA")[0]
 for line in open(meta, encoding="utf-8"):
     if line.startswith("Requires-Dist:"):
         req = Requirement(line.split(":", 1)[1].strip())
-        if req.name.replace("_", "-") == "huggingface-hub" and not req.marker \
-                and not req.specifier.contains(version("huggingface_hub")):
-            print(f"huggingface_hub{req.specifier}")
+        if req.marker:
+            continue
+        try:
+            ok = req.specifier.contains(version(req.name), prereleases=True)
+        except PackageNotFoundError:
+            ok = False
+        if not ok:
+            print(f"{req.name}{req.specifier}")
 PY
 )"
-    if [ -n "$hub" ] && ! python -m pip install -q --target "$dir" --no-deps "$hub" >/dev/null 2>&1; then
-      rm -rf "$dir"; echo "[mmpg] tf matrix: could not fetch $hub for transformers $v: skipped"; continue
+    missing=""
+    for req in $hub; do
+      python -m pip install -q --target "$dir" --no-deps "$req" >/dev/null 2>&1 || missing="$missing $req"
+    done
+    if [ -n "$missing" ]; then
+      rm -rf "$dir"; echo "[mmpg] tf matrix: transformers $v needs$missing, which the registry does not offer: skipped"
+      continue
     fi
     if ! PYTHONPATH="$dir" python -c "import transformers, sys; sys.exit(transformers.__version__ != '$v')"; then
       rm -rf "$dir"; echo "[mmpg] tf matrix: transformers $v does not import beside .venv: skipped" >&2; status=1
