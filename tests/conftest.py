@@ -23,12 +23,12 @@ SHARED_SERVER_MODULES = ("test_vllm_engine.py", "test_vllm_lora.py", "test_vllm_
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadFileScheduling
 
-    class SharedServerFirst(LoadFileScheduling):
+    class SharedServerUnit(LoadFileScheduling):
         def _split_scope(self, nodeid):
             module = super()._split_scope(nodeid)
             return "shared vLLM server" if module.rsplit("/", 1)[-1] in SHARED_SERVER_MODULES else module
 
-    return SharedServerFirst(config, log) if config.getoption("dist") == "loadfile" else None
+    return SharedServerUnit(config, log) if config.getoption("dist") == "loadfile" else None
 
 
 def pytest_collection_modifyitems(config, items):

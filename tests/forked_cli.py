@@ -21,7 +21,6 @@ import importlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,14 +29,10 @@ import time
 import traceback
 from pathlib import Path
 
+from mmpg.serve.launch import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "mmpg" / "cli.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_envs(env: dict, procs: int) -> list[dict]:

@@ -1,6 +1,7 @@
 """`mmpg doctor` on the CPU, run as its own process (forked from the warm one, tests/forked_cli.py; the installed
 console script is tests/test_cli.py's): its report says NOT RUN with the reason for every CUDA row, PASS with a figure
-for every CPU row it ran, and a fault injected into one row makes it exit 1 naming that row. The training row and the speed table (about 45 s more) run in the slow test."""
+for every CPU row it ran, and a fault injected into one row makes it exit 1 naming that row. The training row and the
+speed table (about 45 s more) run in the slow test."""
 
 from __future__ import annotations
 

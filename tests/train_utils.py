@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forked_cli import WarmProcess, free_port
+from forked_cli import WarmProcess
+from mmpg.serve.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,28 +49,30 @@ def run_cli(args: list[str], timeout: float = 600, procs: int = 1, fresh: bool =
     (tests/forked_cli.py); `fresh=True`: a cold `python -m mmpg.cli` (under torchrun when procs > 1), for tests about
     what a cold start or the launcher itself does. `environ`: the run's whole environment (default `env()`)."""
     if not fresh:
-        global _warm
-        if _warm is None:
-            _warm = WarmProcess(env())
-        return _warm.run(args, env() if environ is None else environ, ROOT, timeout, procs)
+        return _warm_process().run(args, env() if environ is None else environ, ROOT, timeout, procs)
     if procs > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port",
                str(free_port()), "-m", "mmpg.cli"] + args
     else:
         cmd = [sys.executable, "-m", "mmpg.cli"] + args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env() if environ is None else environ,
-                          cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=env() if environ is None else environ, cwd=ROOT)
 
 
 _warm = None
 
 
-def run_forked(target: str, argv: list[str], procs: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`target(argv)` (a tests/ module's `module:function`) in `procs` forked ranks, torchrun's environment each."""
+def _warm_process() -> WarmProcess:
+    """This test process's warm process, started on first use."""
     global _warm
     if _warm is None:
         _warm = WarmProcess(env())
-    return _warm.run(argv, env(), ROOT / "tests", timeout, procs, target=target)
+    return _warm
+
+
+def run_forked(target: str, argv: list[str], procs: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`target(argv)` (a tests/ module's `module:function`) in `procs` forked ranks, torchrun's environment each."""
+    return _warm_process().run(argv, env(), ROOT / "tests", timeout, procs, target=target)
 
 
 def metrics(run_dir: Path) -> list[dict]:
