@@ -24,7 +24,7 @@ for v in $oldest $newest; do
   if [ "$v" = "$installed" ]; then
     echo "[mmpg] tf matrix: transformers $v is .venv's own: the main run covered it"; continue
   fi
-  dir=".venv-tf/$v"
+  dir=".venv-tf/$v"; unmet=""
   if [ ! -f "$dir/.mmpg-ok" ]; then
     rm -rf "$dir"
     if ! python -m pip install -q --target "$dir" --no-deps "transformers==$v" >/dev/null 2>&1; then
@@ -33,7 +33,7 @@ for v in $oldest $newest; do
     # the requirements of this transformers that .venv does not satisfy (5.17 wants huggingface_hub < 2.0, 5.25
     # wants kernels >= 0.19.1), each into the side folder; a version whose requirements the registry does not offer
     # is one a user cannot install from it either: skipped, saying which
-    hub="$(python - "$dir" <<'PY'
+    unmet="$(python - "$dir" <<'PY'
 import sys, glob
 from importlib.metadata import PackageNotFoundError, version
 from packaging.requirements import Requirement
@@ -52,7 +52,7 @@ for line in open(meta, encoding="utf-8"):
 PY
 )"
     missing=""
-    for req in $hub; do
+    for req in $unmet; do
       python -m pip install -q --target "$dir" --no-deps "$req" >/dev/null 2>&1 || missing="$missing $req"
     done
     if [ -n "$missing" ]; then
@@ -65,7 +65,7 @@ PY
     fi
     touch "$dir/.mmpg-ok"
   fi
-  echo "[mmpg] tf matrix: transformers $v${hub:+ with $hub}"
+  echo "[mmpg] tf matrix: transformers $v${unmet:+ with $unmet}"
   t0=$SECONDS
   PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" python -m pytest -p no:cacheprovider -q "${tests[@]}" || status=1
   echo "[mmpg] tf matrix: transformers $v took $((SECONDS - t0)) s"

@@ -132,7 +132,7 @@ def cases(family: str, model, processor, model_kv1, processor_kv1):
     yield f"{family}/cut_in_response_odd", model, vl_batch(processor, family, [(2, 56, 56)]), ids, mask, [2]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     out_path, wanted = argv[0], set(argv[1:])
     dist.init_process_group("gloo")

@@ -72,7 +72,7 @@ def case(lora: bool, rank: int) -> dict:
     return out
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> None:
     path = argv[0]
     torch.distributed.init_process_group("gloo")
     rank = torch.distributed.get_rank()
