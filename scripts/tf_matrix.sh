@@ -7,7 +7,9 @@
 # lacks is skipped, saying which. Stamped when it imports; a half-made one is removed; a version equal to
 # .venv's own is covered by the main run; without a registry the versions it cannot fetch are skipped, saying why.
 #   bash scripts/tf_matrix.sh            (scripts/test.sh runs it after the main suite; ~1.5 min when the folders exist)
+#   bash scripts/tf_matrix.sh --prepare  only make the folders (scripts/test.sh does, beside its other installs)
 set -uo pipefail
+prepare=0; [ "${1:-}" = --prepare ] && prepare=1
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
 cd "$MMPG_ROOT"
 tests=(tests/test_grouping_equivalence.py tests/test_grouping_positions.py tests/test_grouping_contract.py
@@ -15,6 +17,12 @@ tests=(tests/test_grouping_equivalence.py tests/test_grouping_positions.py tests
        tests/test_flash_loaded_models.py tests/test_rollout.py
        tests/test_rollout_seeds.py tests/test_cascade.py tests/test_rollout_shares.py tests/test_eval_run.py
        tests/test_lora.py tests/test_sequence_parallel.py tests/test_prefill_chunks.py tests/test_share_any_order.py)
+# on test.sh's workers (MMPG_TEST_WORKERS, default 2; 0: one process), one thread each
+workers=${MMPG_TEST_WORKERS:-2}
+pytest=(python -m pytest -p no:cacheprovider -q)
+if [ "$workers" != 0 ]; then
+  pytest=(env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "${pytest[@]}" -n "$workers" --dist loadfile)
+fi
 installed="$(python -c 'import transformers; print(transformers.__version__)')"
 oldest="$(python -c 'from mmpg.grouping.patch import TRANSFORMERS_RANGE as r; print(r[0])')"
 newest="$(python -m pip index versions transformers 2>/dev/null | sed -n 's/^transformers (\(.*\))$/\1/p')"
@@ -63,11 +71,13 @@ PY
       rm -rf "$dir"; echo "[mmpg] tf matrix: transformers $v does not import beside .venv: skipped" >&2; status=1
       continue
     fi
-    touch "$dir/.mmpg-ok"
+    echo "$unmet" > "$dir/.mmpg-ok"  # the stamp holds what the folder adds besides transformers
   fi
+  unmet="$(cat "$dir/.mmpg-ok")"
+  if [ "$prepare" = 1 ]; then echo "[mmpg] tf matrix: transformers $v ready"; continue; fi
   echo "[mmpg] tf matrix: transformers $v${unmet:+ with $unmet}"
   t0=$SECONDS
-  PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" python -m pytest -p no:cacheprovider -q "${tests[@]}" || status=1
+  PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "${pytest[@]}" "${tests[@]}" || status=1
   echo "[mmpg] tf matrix: transformers $v took $((SECONDS - t0)) s"
 done
 exit $status

@@ -36,6 +36,8 @@ def pytest_collection_modifyitems(config, items):
                     - set(SHARED_SERVER_MODULES))
     if strays:
         raise pytest.UsageError(f"tests/conftest.py: add {strays} to SHARED_SERVER_MODULES (they use qwen25_vllm)")
+    # a test that stops the shared server goes last: before another module it would cost a second start (~40 s)
+    items.sort(key=lambda item: "stops_server" in item.keywords)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

@@ -129,10 +129,12 @@ def test_prompts_and_frames_match_the_video_grid():
 @pytest.mark.slow
 def test_vllm_variant_end_to_end(monkeypatch):
     # a real server on a saved copy of the config's model (head_dim 64, as tests/test_vllm_engine.py uses)
-    from vllm_server import need_vllm
+    from vllm_server import IN_PROCESS, need_vllm
 
     need_vllm()
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    for key, value in IN_PROCESS.items():  # the bench's server in one process, as the tests' own servers run
+        monkeypatch.setenv(key, value)
     config = dict(TINY_VL, spec={"hidden_size": 256, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
                                  "intermediate_size": 256}, variants=["hf_generate", "mmpg:cascade", "vllm"])
     messages = []

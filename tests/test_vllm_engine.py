@@ -250,12 +250,17 @@ def zero3_run_matches_the_server(server, vllm_ckpt, tmp_path, lora: bool):
     assert gaps["final"] <= LOGP_ATOL < 100 * LOGP_ATOL < gaps["checkpoint"]
 
 
+@pytest.mark.stops_server
 def test_server_restart_is_noticed_and_resynced_and_down_is_an_error(server, policy):
     """A restarted server serves the checkpoint again: the engine notices (new instance id), sends every weight and
     retries, so the answers are the trainer's current ones. A server that is gone is one clear error, at once."""
     from mmpg.serve.wire import ServerError
 
-    model, processor = policy  # weights perturbed and synced by the first test: differ from the checkpoint
+    model, processor = policy
+    with torch.no_grad():  # weights the restarted server does not hold until the engine resyncs them
+        g = torch.Generator().manual_seed(2)
+        for p in (p for p in model.parameters() if p.requires_grad):
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
     inputs, videos = vl_batch(processor, "qwen2_5_vl", VIDEOS), _videos(VIDEOS)
     engine = _engine(server, model, processor)
     greedy = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=())
