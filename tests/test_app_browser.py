@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from mmpg.config import load_config
 from mmpg.plan.memory import predict
 from mmpg.plan.recipe import recipe_from_config
 from mmpg.runs import run_eval_dir
+from mmpg.serve.launch import free_port
 from synthetic_run import (
     SMALL_DURATION, SMALL_EVAL, SMALL_GT, SMALL_PEAK_MB, SMALL_SPANS, make_eval_folder, make_small_run,
     make_small_sft_run,
@@ -33,12 +33,6 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 ARTIFACTS = Path(os.environ.get("MMPG_TEST_ARTIFACTS") or Path(__file__).resolve().parents[1] / "test-artifacts"
                  ) / "inspector"
 TIMEOUT_MS = 60_000  # two shared cores: generous, the usual wait is well under a second
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

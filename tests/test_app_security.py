@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import http.client
 import os
-import socket
 
 import pytest
 
 from mmpg.runs import RunReader
+from mmpg.serve.launch import free_port
 from synthetic_run import make_small_run
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from mmpg.serve.launch import free_port
 from train_utils import env as cli_env
 from train_utils import final_weights, metrics, overrides, run_cli
 
@@ -32,17 +32,11 @@ GRPO = {"data.batch_size": 4, "data.fps": 0.5, "data.min_frames": 2, "data.max_f
         "trainer.total_steps": 2, "rollout.max_new_tokens": 8}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _script(script: str, *args: str, timeout: float = RUN_TIMEOUT_S, **env) -> subprocess.CompletedProcess:
     """`bash scripts/SCRIPT ARGS` as a user types it, with MASTER_PORT free (tests may run side by side)."""
     e = cli_env()
     e.pop("MMPG_EXTRAS", None)
-    e.update({"MASTER_PORT": str(_free_port()), **{k: str(v) for k, v in env.items()}})
+    e.update({"MASTER_PORT": str(free_port()), **{k: str(v) for k, v in env.items()}})
     return subprocess.run(["bash", f"scripts/{script}", *args], cwd=ROOT, env=e, capture_output=True, text=True,
                           timeout=timeout, check=False)
 
@@ -191,7 +185,7 @@ def test_vllm_knob_starts_the_real_server_trains_and_stops_it(grpo_data, tmp_pat
     from vllm_server import tiny_vllm_checkpoint
 
     ckpt = tiny_vllm_checkpoint("qwen2_5_vl", tmp_path_factory)  # skips without .venv-vllm
-    port = _free_port()
+    port = free_port()
     data = {"model": str(ckpt), "synth": grpo_data["synth"]}
     args = ["--config", "configs/cpu_demo.yaml"] + overrides(data, tmp_path, "vllm", **{
         **GRPO, "data.max_frames": 2, "rollout.temperature": 1.0, "rollout.vllm_wait_s": 900})

@@ -305,3 +305,46 @@ def test_a_refusal_on_rank_0_reaches_every_rank(tmp_path):
     assert sorted(got) == [0, 1], f"rank(s) {sorted({0, 1} - set(got))} still waiting: {got}"
     for text in got.values():
         assert text.startswith("UserError: vLLM server at http://127.0.0.1:9 refused a weight update"), got
+
+
+def test_a_client_that_goes_away_costs_one_warning_and_the_server_keeps_serving(caplog, capfd):
+    """A trainer killed (or timed out) while its request runs: the answer cannot be sent. That is one warning line,
+    not an engine failure logged with its traceback, nor socketserver's traceback on stderr."""
+    import http.client
+    import struct
+
+    from mmpg.serve.vllm_server import make_handler
+
+    asked, answer = threading.Event(), threading.Event()
+
+    def generate(body):
+        asked.set()
+        answer.wait(30)
+        return {"outputs": []}
+
+    backend = SimpleNamespace(health=lambda: {"ok": True}, generate=generate)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(backend))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+    try:
+        with caplog.at_level(logging.DEBUG, logger="mmpg.serve.vllm_server"):
+            client = socket.create_connection(("127.0.0.1", port))
+            client.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            assert asked.wait(10)
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()  # gone at once (a reset), before the answer
+            time.sleep(0.2)
+            answer.set()
+            for _ in range(100):
+                if any("went away" in r.getMessage() for r in caplog.records):
+                    break
+                time.sleep(0.05)
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/health")
+            assert conn.getresponse().status == 200  # still serving
+            conn.close()
+    finally:
+        httpd.shutdown()
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert lines == ["the client of POST /generate went away before its answer (200)"], lines
+    assert "Traceback" not in capfd.readouterr().err

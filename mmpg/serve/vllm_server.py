@@ -303,14 +303,19 @@ def make_handler(backend: Backend):
                 return self._send(404, {"error": f"no endpoint {self.command} {self.path}"})
             body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
             try:
-                self._send(200, route(body))
+                status, payload = 200, route(body)
             except Conflict as e:
-                self._send(409, {"error": str(e)})
+                status, payload = 409, {"error": str(e)}
             except (RequestError, KeyError, ValueError) as e:
-                self._send(400, {"error": f"{type(e).__name__}: {e}"})
+                status, payload = 400, {"error": f"{type(e).__name__}: {e}"}
             except Exception as e:  # the engine failed: say so, keep serving
                 log.exception("request %s failed", self.path)
-                self._send(500, {"error": f"{type(e).__name__}: {e}"})
+                status, payload = 500, {"error": f"{type(e).__name__}: {e}"}
+            try:
+                self._send(status, payload)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout, a killed trainer)
+                log.warning("the client of %s %s went away before its answer (%d)", self.command, self.path, status)
+                self.close_connection = True
 
         def do_GET(self):
             self._answer(routes_get)
