@@ -144,3 +144,18 @@ def test_the_docker_images_default_command_is_mmpg_help():
     proc = subprocess.run(["bash", *cmd], capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: mmpg") and "make-tiny" in proc.stdout and "demo" in proc.stdout
+
+
+def test_python_dash_m_mmpg_is_the_command(monkeypatch, capsys):
+    """`python -m mmpg` runs mmpg/__main__.py: the same parser and exit code as the console script."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["mmpg", "make-tiny", "--family", "qwen2", "--out", "x", "--seed", "-1"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("mmpg", run_name="__main__", alter_sys=True)
+    assert exit_.value.code == 2 and "integer >= 0" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["mmpg", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("mmpg", run_name="__main__", alter_sys=True)
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage: mmpg ") and " train " in out

@@ -156,7 +156,7 @@ def test_eval_runs_and_app_do_not_import_the_trainer():
 # and CPU benchmarks. The tools may use it, inside the functions that need it; everything else of mmpg/ and app/ is
 # what a real run needs, and no chain of imports from there reaches it.
 TOY = "mmpg.toy"
-TOOLS = ("mmpg.cli", "mmpg.bench", "mmpg.doctor", "mmpg.plan")
+TOOLS = ("mmpg.cli", "mmpg.__main__", "mmpg.bench", "mmpg.doctor", "mmpg.plan")  # __main__: `python -m mmpg`
 
 
 def _real_run(files) -> list[str]:
