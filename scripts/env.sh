@@ -18,7 +18,7 @@ if [ "${1:-}" = vllm ]; then
   _vtorch="${MMPG_VLLM_TORCH:-torch==2.14.1 torchvision==0.29.1}"
   _vwant="$_vpkg | $_vtorch"
   if [ "$(cat "$_vvenv/.mmpg-installed" 2>/dev/null)" != "$_vwant" ]; then
-    echo "[mmpg] installing $_vpkg into .venv-vllm (first time takes a few minutes: ~7 min on 2 busy cores) ..."
+    echo "[mmpg] installing $_vpkg into .venv-vllm (first time: ~1.5-2 min on 2 cores) ..."
     _t0=$SECONDS
     # Built from scratch each time and stamped only when vllm imports: a half-made venv (a full disk, a network
     # error) is removed, never left for the tests to trip on. They treat an unstamped .venv-vllm as absent.
