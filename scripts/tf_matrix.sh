@@ -32,7 +32,7 @@ for v in $oldest $newest; do
   if [ "$v" = "$installed" ]; then
     echo "[mmpg] tf matrix: transformers $v is .venv's own: the main run covered it"; continue
   fi
-  dir=".venv-tf/$v"; unmet=""
+  dir=".venv-tf/$v"
   if [ ! -f "$dir/.mmpg-ok" ]; then
     rm -rf "$dir"
     if ! python -m pip install -q --target "$dir" --no-deps "transformers==$v" >/dev/null 2>&1; then

@@ -44,6 +44,14 @@ def _videos(inputs_spec):
             for b, s in enumerate(inputs_spec)]
 
 
+def _perturb(model, seed: int) -> None:
+    """Noise (scale 0.05) added in place to the trainable weights."""
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for p in (p for p in model.parameters() if p.requires_grad):
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
 def _engine(server, model, processor):
     from mmpg.rollout.vllm import VLLMEngine
 
@@ -79,10 +87,7 @@ def test_greedy_matches_trainer_before_and_after_weight_sync(server, policy):
     print(f"\ncheckpoint: {report['equal']}/{len(ref.texts)} rows equal, ties {report['ties']}")
     assert not report["bad"], f"vLLM greedy rows differ beyond a near-tie: (row, token, gap) {report['bad']}"
 
-    with torch.no_grad():  # a visible change of the language model only (vision frozen)
-        g = torch.Generator().manual_seed(1)
-        for p in (p for p in model.parameters() if p.requires_grad):
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    _perturb(model, seed=1)  # a visible change of the language model only (vision frozen)
     sent = engine.sync_weights()
     n_trainable = sum(1 for p in model.parameters() if p.requires_grad)
     assert sent["tensors"] == n_trainable < sum(1 for _ in model.parameters())
@@ -257,10 +262,7 @@ def test_server_restart_is_noticed_and_resynced_and_down_is_an_error(server, pol
     from mmpg.serve.wire import ServerError
 
     model, processor = policy
-    with torch.no_grad():  # weights the restarted server does not hold until the engine resyncs them
-        g = torch.Generator().manual_seed(2)
-        for p in (p for p in model.parameters() if p.requires_grad):
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    _perturb(model, seed=2)  # weights the restarted server does not hold until the engine resyncs them
     inputs, videos = vl_batch(processor, "qwen2_5_vl", VIDEOS), _videos(VIDEOS)
     engine = _engine(server, model, processor)
     greedy = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=())

@@ -48,15 +48,15 @@ def run_cli(args: list[str], timeout: float = 600, procs: int = 1, fresh: bool =
     """`mmpg ...` as its own process (`procs` ranks of one run when > 1), forked from the worker's warm process
     (tests/forked_cli.py); `fresh=True`: a cold `python -m mmpg.cli` (under torchrun when procs > 1), for tests about
     what a cold start or the launcher itself does. `environ`: the run's whole environment (default `env()`)."""
+    environ = env() if environ is None else environ
     if not fresh:
-        return _warm_process().run(args, env() if environ is None else environ, ROOT, timeout, procs)
+        return _warm_process().run(args, environ, ROOT, timeout, procs)
     if procs > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port",
                str(free_port()), "-m", "mmpg.cli"] + args
     else:
         cmd = [sys.executable, "-m", "mmpg.cli"] + args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=env() if environ is None else environ, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environ, cwd=ROOT)
 
 
 _warm = None
