@@ -190,10 +190,12 @@ class AlgorithmConfig:
                             "the prompt: in the grouped forward (mmpg.grouping.shares) and the hf rollout's cascade "
                             "prefill and decode (mmpg.rollout.shares; not under rollout.decode=copy, or when "
                             "the cascade kernels all failed their check); false: each prompt alone.")
-    self_check: str = _f("on", "Compare the grouped forward with the repeated one on one real group, in this run's "
-                         "dtype, backend and versions, at the first step and whenever a batch goes past the prompt / "
-                         "response / group sizes checked so far (mmpg.grouping.selfcheck): on (stop the run on a "
-                         "difference above the dtype's bound), warn (log it and go on), off.")
+    self_check: str = _f("on", "Compare the grouped forward with the repeated one on one of the step's own "
+                         "micro-batches (logprobs, a leak probe, and logprobs and gradients with autograd recording), "
+                         "in this run's dtype, backend and versions, at the first step and whenever a batch goes past "
+                         "the prompt / response / group sizes checked so far (mmpg.grouping.selfcheck): on (stop the "
+                         "run on a figure above its bound), warn (log it and go on), off. Stops and warnings go to "
+                         "train.log and run.json's fast_paths.")
 
 
 @dataclass

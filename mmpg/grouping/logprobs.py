@@ -7,6 +7,8 @@ to 1e-5 on logprobs and 1e-4 relative on every gradient in float32).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -38,6 +40,21 @@ def _token_logprobs(lm_head, hidden, targets, temperature):
     return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
+_RECOMPUTE = {"head": True}  # `keep_head_logits` turns the head's recompute off
+
+
+@contextlib.contextmanager
+def keep_head_logits():
+    """Inside: the LM head's chunks keep their logits for backward instead of recomputing them (the self-check's
+    gradient probe: under ZeRO-3 a frozen head's weight, released after its forward, is not gathered again for a
+    recompute run outside the training engine's backward)."""
+    _RECOMPUTE["head"] = False
+    try:
+        yield
+    finally:
+        _RECOMPUTE["head"] = True
+
+
 def head_logprobs(lm_head, hidden, targets, temperature=1.0, chunk_size=2048, *, calls: int | None = None
                   ) -> torch.Tensor:
     """LM head on `hidden` [n, H] only, in chunks of `chunk_size` rows (or in exactly `calls` chunks, some maybe
@@ -48,7 +65,7 @@ def head_logprobs(lm_head, hidden, targets, temperature=1.0, chunk_size=2048, *,
         [(hidden.shape[0] * c // calls, hidden.shape[0] * (c + 1) // calls) for c in range(calls)]
     for start, stop in bounds:
         args = (lm_head, hidden[start:stop], targets[start:stop], temperature)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and _RECOMPUTE["head"]:
             out.append(checkpoint(_token_logprobs, *args, use_reentrant=False))
         else:
             out.append(_token_logprobs(*args))

@@ -318,33 +318,38 @@ class GRPOStep:
             mask = algos.truncation_mask(mask, mb.truncated)
         return mask.float() * (0.0 if mb.dummy else 1.0)
 
-    def self_check(self, groups: list[PromptGroup]) -> dict:
-        """algorithm.self_check: grouped vs repeated logprobs of the groups of one video (the one this rank's batch asks
-        most often: the shared videos the step's grouped forward takes; then its longest), no gradient,
-        when some rank's batch goes past the envelope checked so far (`mmpg.grouping.selfcheck`). Every rank checks
-        then, with the same LM-head chunk count (ZeRO-3 lockstep); the figure is the max over ranks."""
+    def self_check(self, groups: list[PromptGroup], mbs) -> dict:
+        """algorithm.self_check: the grouped forward of one of the step's own micro-batches (the first, or the one
+        holding the group that goes past the envelope checked so far: its groups packed in rows as the update packs
+        them, a video shared by its queries, sequence parallelism where on) against the repeated forward: logprobs,
+        logprobs and layer-input gradients with autograd recording, and the leak probe (`mmpg.grouping.selfcheck`).
+        Runs when some rank's batch goes past the envelope; every rank checks then, in lockstep (ZeRO-3), with the
+        same LM-head chunk count; the figures are the max over ranks. A stop or a step-down is recorded in
+        `mmpg.choices` (run.json's fast_paths) before the error or warning."""
         if self.checker.mode == "off":
             return {}
         dims = [batch_dims(g.inputs, g.completion_mask, [g.size]) for g in groups]
         if dist.all_true(not any(self.checker.needed(self.policy, d) for d in dims), self._coll_device):
             return {}
-        # the path the step takes: a video's queries together, whose grouped forward shares the video;
-        # the video asked most often in this rank's batch, then its longest group
-        keys = [video_key(h.sample) for h in groups]
-        g = groups[max(range(len(groups)), key=lambda i: (keys.count(keys[i]), dims[i][0] + dims[i][1], dims[i][2]))]
-        g = collate_groups([h for h, k in zip(groups, keys) if k == video_key(g.sample)], self.pad_id)
-        rows = int(g.completion_mask.sum())
+        real = [mb for mb in mbs if not mb.dummy] or mbs[:1]
+        first_new = next((g for g, d in zip(groups, dims) if self.checker.needed(self.policy, d)), None)
+        mb = next((m for m in real if any(g is first_new for g in m.groups)), real[0])
+        rows = int(mb.completion_mask.sum())
         count = int(dist.all_max([math.ceil(rows / HEAD_CHUNK)], self._coll_device)[0])
         try:
-            out = self.checker.run(self.policy, g.inputs, g.completion_ids, g.completion_mask, g.group_sizes,
+            out = self.checker.run(self.policy, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
                                    temperature=self.cfg.rollout.temperature, chunk_size=max(1, math.ceil(rows / count)),
                                    reduce_max=lambda x: dist.all_max([x], self._coll_device)[0],
-                                   share=self.cfg.algorithm.share_videos)
+                                   share=self.cfg.algorithm.share_videos, gradients=True)
         except SelfCheckError as e:
+            choices.record("self_check", "stopped", str(e))
             raise UserError(str(e)) from None
         self._record_backend()
+        if self.checker.failure:  # algorithm.self_check=warn: the run goes on, and says so in run.json too
+            choices.record("self_check", "warned", self.checker.failure)
         prompts, parts = getattr(self.policy, "_mmpg_shared", (1, 1))  # what the checked grouped forward shared
         out["check/shared_prompts"] = dist.all_max([prompts - parts], self._coll_device)[0]
+        out["check/groups"] = len(mb.groups)
         return out
 
     def _record_backend(self) -> None:
@@ -365,9 +370,9 @@ class GRPOStep:
     def update(self, groups: list[PromptGroup], timer: Timer) -> dict:
         cfg, alg, engine = self.cfg, self.cfg.algorithm, self.engine
         # the self-check's repeated forward is not the step's work; both of its forwards run without LoRA dropout
-        with timer("self_check"), self.vision.paused(), without_dropout(self.policy):
-            checks = self.self_check(groups)
         mbs = self._micro_batches(groups)
+        with timer("self_check"), self.vision.paused(), without_dropout(self.policy):
+            checks = self.self_check(groups, mbs)
         chunks = self._chunk_sizes(mbs)
         masks = [self._loss_mask(mb) for mb in mbs]
         denom = dist.data_sum([sum(algos.loss_denominator(m, alg.loss_type, cfg.rollout.max_new_tokens)

@@ -10,8 +10,9 @@ Metrics (one `metrics.jsonl` line per step, also TensorBoard), over the whole gl
         rewards are all equal), data/dropped_groups, data/sampling_rounds (dynamic sampling), data/gt_clamped
         (groups of the step whose ground truth ended past the duration and was clamped: sample.raw_span set)
     timing_s/rollout, timing_s/reward, timing_s/logprob, timing_s/update, timing_s/step (slowest rank)
-    check/grouped_vs_repeated_max, check/bound, check/prefix_max|response_max|group_max, timing_s/self_check: on the
-        steps that ran the self-check (algorithm.self_check; mmpg.grouping.selfcheck), the figure and the envelope
+    check/grouped_vs_repeated_max, check/bound, check/leak_max|with_grad_max|gradient_rel_max (each with its _bound),
+        check/groups, check/prefix_max|response_max|group_max, timing_s/self_check: on the steps that ran the
+        self-check (algorithm.self_check; mmpg.grouping.selfcheck), its figures, the micro-batch's groups, the envelope
     alarm/logprob_drift: 1 on a step where actor/logprob_gap_max has been above the dtype's bound for
         DRIFT_STEPS steps in a row (also a warning in train.log and the inspector)
     perf/tokens_per_s (prompt + response tokens of the global batch / step seconds), perf/peak_memory_mb,

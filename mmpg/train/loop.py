@@ -17,6 +17,7 @@ from tqdm import tqdm
 from mmpg.runs import MEDIA_DIR, video_key
 from mmpg.runs.layout import MEDIA_META
 from mmpg import choices, dist
+from mmpg.errors import is_user_error
 from mmpg.train.checkpoint import save_checkpoint
 
 log = logging.getLogger("mmpg.train")
@@ -58,6 +59,18 @@ def _line(step: int, total: int, metrics: dict) -> str:
     keys = [k for k in ("reward/mean", "reward/iou", "reward/format", "sft/loss", "actor/loss", "actor/kl",
                         "actor/grad_norm", "response/length_mean", "timing_s/step") if k in metrics]
     return f"step {step}/{total} " + " ".join(f"{k}={metrics[k]:.4g}" for k in keys)
+
+
+def _record_stop(writer, err: BaseException, recorded) -> None:
+    """A run stopped by an error: what the fast paths chose (a self-check's stop among them) into run.json, and the
+    error's line into train.log — the console gets it once, from the command."""
+    if choices.version() != recorded:
+        writer.set_fast_paths(choices.current())
+    if isinstance(err, Exception) and is_user_error(err):
+        record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "run stopped: %s", (err,), None)
+        for handler in logging.getLogger("mmpg").handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.handle(record)
 
 
 def run_loop(job, session) -> None:
@@ -106,8 +119,10 @@ def run_loop(job, session) -> None:
                                        job.trainer_state(), cfg.checkpoint.keep_last)
                 if session.rank == 0:
                     log.info("checkpoint %s", path)
-    except BaseException:
+    except BaseException as err:
         failed = True
+        if session.rank == 0:
+            _record_stop(writer, err, recorded)
         raise
     finally:
         close = getattr(job, "close", None)
