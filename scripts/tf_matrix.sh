@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The transformers version matrix: the grouped forward's equivalence, positions and contract tests, the self-check,
-# the rollout engine's and the evaluation's tests, run again against the oldest transformers mmpg supports
-# (mmpg.grouping.patch.TRANSFORMERS_RANGE) and the newest on the package registry. Each version lives in a side
-# folder .venv-tf/VERSION put on PYTHONPATH ahead of .venv: transformers itself and those of its requirements .venv
-# does not satisfy (huggingface_hub for 5.17), everything else is .venv's; a version whose requirements the registry
-# lacks is skipped, saying which. Stamped when it imports; a half-made one is removed; a version equal to
-# .venv's own is covered by the main run; without a registry the versions it cannot fetch are skipped, saying why.
+# The transformers version matrix: the grouped forward's equivalence, positions and contract tests, the self-check, the
+# rollout engine's and the evaluation's tests, Qwen3-VL's prompt form, run again against the oldest transformers mmpg
+# supports (mmpg.grouping.patch.TRANSFORMERS_RANGE) and the newest on the package registry. Each version lives in a side
+# folder .venv-tf/VERSION put on PYTHONPATH ahead of .venv: transformers itself and those of its requirements .venv does
+# not satisfy (huggingface_hub for 5.17), everything else is .venv's; a version whose requirements the registry lacks is
+# skipped, saying which. Stamped when it imports; a half-made one is removed; a version equal to .venv's own is covered
+# by the main run; without a registry the versions it cannot fetch are skipped, saying why.
 #   bash scripts/tf_matrix.sh            (scripts/test.sh runs it after the main suite; ~1.5 min when the folders exist)
 #   bash scripts/tf_matrix.sh --prepare  only make the folders (scripts/test.sh does, beside its other installs)
 set -uo pipefail
@@ -16,7 +16,8 @@ tests=(tests/test_grouping_equivalence.py tests/test_grouping_positions.py tests
        tests/test_grouping_layout.py tests/test_grouping_shares.py tests/test_selfcheck.py
        tests/test_flash_loaded_models.py tests/test_rollout.py
        tests/test_rollout_seeds.py tests/test_cascade.py tests/test_rollout_shares.py tests/test_eval_run.py
-       tests/test_lora.py tests/test_sequence_parallel.py tests/test_prefill_chunks.py tests/test_share_any_order.py)
+       tests/test_lora.py tests/test_sequence_parallel.py tests/test_prefill_chunks.py tests/test_share_any_order.py
+       tests/test_qwen3_prompt_form.py)
 # on test.sh's workers (MMPG_TEST_WORKERS, default 2; 0: one process), one thread each
 workers=${MMPG_TEST_WORKERS:-2}
 pytest=(python -m pytest -p no:cacheprovider -q)

@@ -62,25 +62,36 @@ def test_tvgbench_protocol_evaluates_every_record(grpo_data, tmp_path, capsys):
 
 
 def test_timelens_protocol_runs_on_the_fixture(grpo_data, tmp_path, capsys):
-    """TimeLens-Bench's Charades file (4 queries, 3 videos) under `--protocol timelens`: its settings in eval.json,
-    R1 with >= first, every query scored against the file's span (30.5 past the 30.12 s video kept unclamped)."""
+    """TimeLens-Bench's Charades file (4 queries, 3 videos) and a fifth record repeating KWZSA's (its query written
+    with a leading period, the same after TimeLens's parse_query) under `--protocol timelens`: its settings in
+    eval.json, R1 with >= first, every query scored against the file's span (30.5 past the 30.12 s video kept
+    unclamped), the repeat counted once as TimeLens counts it, the every-record figures beside."""
     videos = _videos(tmp_path / "videos", {"3MSZA": 31, "AO8RW": 13, "KWZSA": 30})
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Find the event '{query}'. Answer 'The event happens in <start time> - <end time> seconds'.")
+    bench = json.loads((TIMELENS / "charades-timelens.json").read_text())
+    bench["KWZSA"]["spans"].append([13.4, 30.5])
+    bench["KWZSA"]["queries"].append(".A person sits down at the table")
+    ann = tmp_path / "charades-timelens.json"
+    ann.write_text(json.dumps(bench))
     out = tmp_path / "out"
-    printed = _eval(["--checkpoint", grpo_data["model"], "--annotations", TIMELENS / "charades-timelens.json",
-                     "--videos", videos, "--protocol", "timelens", "--out", out, f"prompt_file={prompt}"] + FAST,
-                    capsys)
+    printed = _eval(["--checkpoint", grpo_data["model"], "--annotations", ann, "--videos", videos, "--protocol",
+                     "timelens", "--out", out, f"prompt_file={prompt}"] + FAST, capsys)
     assert "tIoU >= m (VideoChat-R1)" in printed
     reader = EvalReader(out)
     info, metrics, records = reader.info(), reader.metrics(), reader.predictions()
     s = info["settings"]
     assert (info["protocol"], s["format"], s["scoring"], s["threshold_rule"], s["parser"]) == \
         ("timelens", "timelens", "timelens", "ge", "mmpg.eval.metrics.timelens_span")
-    assert (metrics["count"], metrics["total"], metrics["failed"]) == (4, 4, 0)
+    assert (s["query_clean"], s["duplicates"], s["min_tokens"], s["max_tokens"]) == ("timelens", "once", None, None)
+    assert (s["video"]["min_pixels"], s["video"]["total_pixels"]) == (3136, 12544)  # FAST's pixels replace tokens
+    assert (metrics["count"], metrics["total"], metrics["failed"], metrics["duplicate_records"]) == (4, 4, 0, 1)
+    assert metrics["every_record/count"] == 5
     assert [r.sample_id for r in sorted(records, key=lambda r: r.index)] == ["3MSZA#0", "3MSZA#1", "AO8RW#0",
-                                                                             "KWZSA#0"]
+                                                                             "KWZSA#0", "KWZSA#1"]
     assert sorted(records, key=lambda r: r.index)[3].gt_span == [13.4, 30.5]
     report = (out / "report.md").read_text()
     assert report.index("tIoU >= m (VideoChat-R1) |") < report.index("tIoU > m (Time-R1) |")
     assert "scored against the file's own span (scoring timelens)" in report
+    assert "repeating an earlier one's (video, query, span): **1**; the metrics above count each such key once" \
+        in report and "counting every record instead: 5 scored" in report

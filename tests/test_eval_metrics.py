@@ -101,8 +101,9 @@ def test_settings_merge_protocol_then_overrides(tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text('Where in the video is "{query}"? <answer>START to END</answer>')
     s = load_settings("time_r1", ["max_new_tokens=64", "fps=1", f"prompt_file={prompt}"])
-    assert (s.template, s.scoring, s.total_pixels, s.threshold_rule, s.max_new_tokens, s.fps) == \
-        ("file", "last_span", 3584 * 28 * 28, "gt", 64, 1.0)
+    assert (s.template, s.scoring, s.total_tokens, s.threshold_rule, s.max_new_tokens, s.fps) == \
+        ("file", "last_span", 3584, "gt", 64, 1.0)
+    assert s.video_values_for("qwen2_5_vl")["total_pixels"] == 3584 * 28 * 28  # its code's 3584*28*28
     assert load_settings("videochat_r1", [f"prompt_file={prompt}"]).threshold_rule == "ge"
     assert load_settings().template == "time_r1" and load_settings().bad_videos == "fail"
     assert load_settings().share_videos and not load_settings("default", ["share_videos=false"]).share_videos
@@ -123,13 +124,13 @@ def test_every_protocol_says_where_its_numbers_come_from(tmp_path):
         assert p.summary and "Source:" in p.source
         assert set(p.settings) <= set(FIELDS)
         s = load_settings(p.name, [f"prompt_file={prompt}"] if p.prompt_where else [])
-        eval_template(s.template, s.prompt_file)  # the template exists
+        eval_template(s.template, s.prompt_file, s.query_clean)  # the template exists
         assert (s.scoring == "mmpg") == (p.name == "default")
     for name in ("time_r1", "videochat_r1"):
         source = PROTOCOLS[name].source
         assert "assumed" in source or "Assumed" in source or "constants" in source
         assert "Not reproduced" in source
-        assert {"template", "fps", "max_frames", "total_pixels", "max_new_tokens", "threshold_rule"} <= \
+        assert {"template", "fps", "max_frames", "total_tokens", "max_new_tokens", "threshold_rule"} <= \
             set(PROTOCOLS[name].settings)
 
 
@@ -220,8 +221,8 @@ def test_timelens_protocol_names_its_settings(tmp_path):
     with pytest.raises(UserError, match="GROUNDER_PROMPT"):
         load_settings("timelens")
     s = load_settings("timelens", [f"prompt_file={prompt}"])
-    assert (s.format, s.scoring, s.threshold_rule, s.fps, s.min_pixels, s.total_pixels, s.max_new_tokens) == \
-        ("timelens", "timelens", "ge", 2.0, 64 * 28 * 28, 14336 * 28 * 28, 512)
+    assert (s.format, s.scoring, s.threshold_rule, s.fps, s.min_tokens, s.total_tokens, s.max_new_tokens) == \
+        ("timelens", "timelens", "ge", 2.0, 64, 14336, 512)
     source = PROTOCOLS["timelens"].source
     for text in ("eval_timelens_bench.sh", "compute_metrics.py", "assumed", "Not reproduced", "tIoU >= m"):
         assert text in source, text

@@ -76,8 +76,8 @@ def test_papers_protocols_need_a_prompt_file(name, tmp_path):
     prompt.write_text(OURS)
     s = load_settings(name, [f"prompt_file={prompt}"])
     assert s.template == "file" and s.scoring == "last_span"
-    template = eval_template(s.template, s.prompt_file)
-    assert template.render(_sample()) == ('In this 30.00 s video, when does "a person opens a door" happen? Answer '
+    template = eval_template(s.template, s.prompt_file, s.query_clean)  # their code keeps the final period
+    assert template.render(_sample()) == ('In this 30.00 s video, when does "a person opens a door." happen? Answer '
                                           "as <answer>START to END</answer>.")
 
 

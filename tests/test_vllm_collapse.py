@@ -1,28 +1,43 @@
-"""What the vLLM engine sends for a prompt's videos (no server needed): each video back in the chat template's form
-`<vs> <pad> <ve>`, which vLLM expands again from the frames; each distinct video of a batch once (wire 2), what the
-server makes of both wire forms, and `last_stats` from an answer's counters."""
+"""What the vLLM engine sends for a prompt's videos (no server needed): each video back as the one video token vLLM
+expands again from the frames (Qwen2.5-VL inside its `<vs> <ve>` pair, Qwen3-VL's timestamped frames as a bare
+token); each distinct video of a batch once (wire 2), what the server makes of both wire forms, and `last_stats` from
+an answer's counters."""
 
 from __future__ import annotations
 
-from mmpg.rollout.vllm import _collapse_videos
+from mmpg.rollout.vllm_prompt import collapse_videos
 
 VS, VE, PAD = 1, 2, 9  # vision start, vision end, video token
-T1, T2 = 50, 51  # timestamp text tokens ("<0.3 seconds>", "<1.3 seconds>")
+T1, T2 = [50, 51, 52], [50, 53, 52]  # timestamp text tokens ("<0.3 seconds>", "<1.3 seconds>")
+T10 = [50, 54, 55, 51, 52]  # "<10.3 seconds>": its tail [55, 51, 52] alone is no timestamp
+
+
+def is_ts(ids):
+    return ids in (T1, T2, T10)
 
 
 def test_qwen2_5_vl_run_becomes_one_token():
-    assert _collapse_videos([7, VS, PAD, PAD, PAD, VE, 8], PAD, (VS, VE)) == [7, VS, PAD, VE, 8]
+    assert collapse_videos([7, VS, PAD, PAD, PAD, VE, 8], PAD, (VS, VE)) == [7, VS, PAD, VE, 8]
+    assert collapse_videos([7, VS, PAD, PAD, PAD, VE, 8], PAD, (VS, VE), is_ts) == [7, VS, PAD, VE, 8]
 
 
-def test_qwen3_vl_frames_and_timestamps_go_inside_the_outer_pair():
-    ids = [7, VS, T1, VS, PAD, PAD, VE, T2, VS, PAD, PAD, VE, VE, 8, VS, PAD, VE]  # two videos
-    assert _collapse_videos(ids, PAD, (VS, VE)) == [7, VS, PAD, VE, 8, VS, PAD, VE]
+def test_qwen3_vl_released_frames_become_one_bare_token():
+    """The released form (mmpg's prompts): each frame its timestamp, then <vs> pads <ve>; no pair around them."""
+    ids = [7, *T1, VS, PAD, PAD, VE, *T2, VS, PAD, PAD, VE, *T10, VS, PAD, PAD, VE, 8]
+    assert collapse_videos(ids, PAD, (VS, VE), is_ts) == [7, PAD, 8]
+
+
+def test_qwen3_vl_nested_frames_keep_the_outer_pair():
+    """transformers 5.x's own form, a pair around the frames: the pair stays, vLLM expands the token inside it."""
+    ids = [7, VS, *T1, VS, PAD, PAD, VE, *T2, VS, PAD, PAD, VE, VE, 8, VS, *T1, VS, PAD, VE, VE]  # two videos
+    assert collapse_videos(ids, PAD, (VS, VE), is_ts) == [7, VS, PAD, VE, 8, VS, PAD, VE]
 
 
 def test_text_and_unclosed_pairs_are_kept():
-    assert _collapse_videos([7, VS, 8, VE, 9], PAD, (VS, VE)) == [7, VS, 8, VE, 9]  # a pair without video
-    assert _collapse_videos([7, VS, PAD, PAD], PAD, (VS, VE)) == [7, VS, PAD]  # never closed: runs collapsed only
-    assert _collapse_videos([7, 8], None, None) == [7, 8]  # a text model
+    assert collapse_videos([7, VS, 8, VE, 9], PAD, (VS, VE), is_ts) == [7, VS, 8, VE, 9]  # a pair without video
+    assert collapse_videos([7, VS, PAD, PAD], PAD, (VS, VE), is_ts) == [7, VS, PAD]  # never closed: runs collapsed
+    assert collapse_videos([7, *T1, 8, VS, PAD, VE], PAD, (VS, VE), is_ts) == [7, *T1, 8, VS, PAD, VE]  # not before
+    assert collapse_videos([7, 8], None, None) == [7, 8]  # a text model
 
 
 # ---- a video once per batch (wire 2) ------------------------------------------------------------------------------

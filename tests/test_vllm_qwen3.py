@@ -4,12 +4,14 @@
 LOGP_ATOL of `grouped_logprobs`, float32.
 
 What makes Qwen3-VL work through vLLM:
-- Prompt tokens. transformers >= 5.10 expands the chat template's `<vs><|video_pad|><ve>` to
-  `<vs> <t0 seconds><vs>pad*n<ve> <t1 seconds><vs>pad*n<ve> ... <ve>` (FACTS); vLLM 0.32 on transformers >= 5.10
-  replaces the lone `<|video_pad|>` with the same per-frame text, its timestamps from the metadata's fps and
+- Prompt tokens. The trainer's prompts are in the released form (`mmpg.data.video_form`):
+  `<t0 seconds><vs>pad*n<ve> <t1 seconds><vs>pad*n<ve> ...` with no pair around the frames (transformers 5.x, given
+  the chat template's `<vs><|video_pad|><ve>`, would keep that pair around them). vLLM 0.32 on transformers >= 5.10
+  replaces a lone `<|video_pad|>` with the same per-frame text, its timestamps from the metadata's fps and
   frames_indices (mean of each temporal patch's two frames, `<{t:.1f} seconds>` tokenized on its own, which is what
-  the trainer's tokenizer makes between special tokens). So the engine sends each video collapsed back to
-  `<vs><|video_pad|><ve>`, and vLLM's expansion is the trainer's prompt token for token (checked on every request).
+  the trainer's tokenizer makes between special tokens). So the engine sends each video collapsed to a bare
+  `<|video_pad|>` (`mmpg.rollout.vllm_prompt`), and vLLM's expansion is the trainer's prompt token for token
+  (checked on every request).
 - Positions. Both give each frame its own block (t fixed, h and w from the block's start) and continue the text at
   max + 1; checked here through the logprobs, and directly against vLLM's `_get_mrope_input_positions` while
   writing this: equal. `mmpg.grouping.positions` (Qwen2.5-VL only) has nothing to do for Qwen3-VL.
@@ -30,6 +32,7 @@ from batches import QUESTIONS, random_video
 from test_vllm_engine import LOGP_ATOL, _engine, _greedy_agreement
 from vllm_server import serving, tiny_vllm_checkpoint, trainer_policy
 
+from mmpg.data.video_form import released_video_text
 from mmpg.grouping import grouped_logprobs
 from mmpg.rollout import HFEngine, SamplingParams
 
@@ -59,8 +62,8 @@ def q3_batch(processor, specs):
     texts, frames, metadata, videos = [], [], [], []
     for b, spec in enumerate(specs):
         content = ([{"type": "video"}] if spec else []) + [{"type": "text", "text": QUESTIONS[b % len(QUESTIONS)]}]
-        texts.append(processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                   add_generation_prompt=True))
+        texts.append(released_video_text(processor, processor.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)))
         if spec is None:
             videos.append(None)
             continue
@@ -72,10 +75,12 @@ def q3_batch(processor, specs):
     return inputs, videos
 
 
-def test_prompt_is_timestamped_and_vllm_expands_it_alike(server, policy):
-    """The trainer's prompt holds the per-frame timestamps inside the outer pair; what the engine sends is the chat
-    template's form; vLLM's expansion equals the trainer's (the engine raises otherwise: checked by running it)."""
-    from mmpg.rollout.vllm import _collapse_videos, _prompt_ids, _vision_brackets
+def test_prompt_is_released_and_vllm_expands_it_alike(server, policy):
+    """The trainer's prompt holds the per-frame timestamps with no pair around them (the released form); the engine
+    sends a bare video token; vLLM's expansion equals the trainer's (the engine raises otherwise: checked by running
+    it)."""
+    from mmpg.rollout.vllm import _prompt_ids
+    from mmpg.rollout.vllm_prompt import wire_collapser
 
     model, processor = policy
     inputs, videos = q3_batch(processor, VIDEOS)
@@ -83,14 +88,15 @@ def test_prompt_is_timestamped_and_vllm_expands_it_alike(server, policy):
     text = processor.tokenizer.decode(ids[2])
     # frames_indices 2, 14, 26, 38, 50 at 25 fps; each timestamp the mean of a temporal patch's two frames, the last
     # patch padded with frame 50 again: (2 + 14) / 2 / 25 = 0.32, (26 + 38) / 2 / 25 = 1.28, (50 + 50) / 2 / 25 = 2.0
-    assert "<|vision_start|><0.3 seconds><|vision_start|>" in text
+    assert "user\n<0.3 seconds><|vision_start|><|video_pad|>" in text
     assert "<|vision_end|><1.3 seconds><|vision_start|>" in text and "<2.0 seconds>" in text
-    assert text.count("<|vision_start|>") == 1 + 3 and "<|vision_end|><|vision_end|>" in text  # 5 frames: 3 patches
-    sent = _collapse_videos(ids[2], model.config.video_token_id, _vision_brackets(model))
-    template = processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {
-        "type": "text", "text": QUESTIONS[2]}]}], tokenize=False, add_generation_prompt=True)
-    assert sent == processor.tokenizer(template, add_special_tokens=False)["input_ids"]  # the template's own tokens
-    assert _collapse_videos(ids[1], model.config.video_token_id, _vision_brackets(model)) == ids[1]
+    assert text.count("<|vision_start|>") == 3 and "<|vision_end|><|vision_end|>" not in text  # 5 frames: 3 patches
+    collapse = wire_collapser(model, processor)
+    sent = collapse(ids[2])
+    template = released_video_text(processor, processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "video"}, {"type": "text", "text": QUESTIONS[2]}]}], tokenize=False, add_generation_prompt=True))
+    assert sent == processor.tokenizer(template, add_special_tokens=False)["input_ids"]  # one bare video token
+    assert collapse(ids[1]) == ids[1]
     r = _engine(server, model, processor).generate_groups(inputs, 1, SamplingParams(max_new_tokens=2), videos=videos)
     assert r.completion_ids.shape[0] == 3
 

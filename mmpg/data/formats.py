@@ -160,7 +160,8 @@ def load_annotations(path: str | Path, video_dir: str | Path | None = None, fmt:
             sample_id=rec["sample_id"], video=_video_path(video_dir, rec["video"], fmt, cache),
             duration=rec["duration"], query=rec["query"], span=rec["span"],
             clip_start=rec["clip"][0] if rec["clip"] else None, clip_end=rec["clip"][1] if rec["clip"] else None,
-            origin=where, raw_span=raw, metadata=rec.get("meta", ()), as_written=keep_all))
+            origin=where, raw_span=raw, metadata=rec.get("meta", ()), as_written=keep_all,
+            raw_query=rec.get("raw_query")))
     if result.skipped and log_skips:
         log.warning("%s: skipped %d of %d annotations (first: %s: %s)", path, len(result.skipped),
                     len(result.skipped) + len(result.samples), *result.skipped[0])

@@ -16,6 +16,9 @@ The chat template itself belongs to the model family's processor: messages are i
 `processor.apply_chat_template`. Frames go to the processor as qwen-vl-utils decoded them (`do_resize=False`,
 `do_sample_frames=False`) with their `video_metadata`: Qwen2.5-VL derives `second_per_grid_ts` from it, Qwen3-VL
 the `<t seconds>` timestamps it writes before each temporal patch.
+
+Qwen3-VL's video goes to its processor in the form that makes it write the released prompt on every
+transformers version (`mmpg.data.video_form`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import dataclasses
 import string
 from typing import Any, Sequence
 
+from mmpg.data.queries import QUERY_CLEANINGS, sample_query
 from mmpg.data.samples import GroundingSample
 from mmpg.data.video import DecodedVideo
+from mmpg.data.video_form import check_released_form, released_video_text
 from mmpg.errors import UserError
 
 PLACEHOLDERS = ("query", "duration", "window", "num_frames", "frame_times")
@@ -44,8 +49,12 @@ class PromptTemplate:
     """System prompt, or None to leave the family's default (Qwen2.5-VL adds its own; Qwen3-VL none)."""
     think: bool = True
     """Whether the template asks for <think>...</think> before <answer> (the format reward checks the same)."""
+    query_clean: str = "mmpg"
+    """How {query} is cleaned (`mmpg.data.queries`): mmpg (trailing periods dropped), or a paper's rule."""
 
     def __post_init__(self):
+        if self.query_clean not in QUERY_CLEANINGS:
+            raise UserError(f"query_clean {self.query_clean!r}: choose one of {', '.join(QUERY_CLEANINGS)}")
         for text in (self.user, self.system or ""):
             for _, field, _, _ in string.Formatter().parse(text):
                 if field is not None and field not in PLACEHOLDERS:
@@ -60,7 +69,7 @@ class PromptTemplate:
             hi = sample.clip_end if sample.clip_end is not None else duration
             window = f" (this clip shows seconds {lo:.2f} to {hi:.2f} of it)" if hi is not None else ""
         return {
-            "query": sample.query.strip().rstrip("."),
+            "query": sample_query(sample, self.query_clean),
             "duration": f"{duration:.2f}" if duration is not None else "unknown",
             "window": window,
             "num_frames": len(video.timestamps) if video else "",
@@ -134,11 +143,14 @@ def build_prompt_inputs(processor, samples: Sequence[GroundingSample], videos: S
         if h % factor or w % factor:
             raise UserError(f"{sample.where}: frames are {h}x{w}, not multiples of {factor} for this processor; "
                             "decode with VideoSpec.for_family(<the model family>)")
-    texts = [processor.apply_chat_template(build_messages(s, v, template), tokenize=False, add_generation_prompt=True)
-             for s, v in zip(samples, videos)]
+    texts = [released_video_text(processor, processor.apply_chat_template(
+        build_messages(s, v, template), tokenize=False, add_generation_prompt=True)) for s, v in zip(samples, videos)]
     # Frames are already sized by qwen-vl-utils, so the processor's own per-frame pixel cap (a transformers 5.x
     # option that warns when unset) has nothing to do; set it only where it exists.
     extra = {"cap_pixels_per_frame": True} if hasattr(vp, "cap_pixels_per_frame") else {}
-    return processor(text=texts, videos=[v.frames for v in videos], video_metadata=[dict(v.metadata) for v in videos],
-                     do_sample_frames=False, do_resize=False, padding=True, padding_side=padding_side,
-                     return_tensors="pt", **extra)
+    inputs = processor(text=texts, videos=[v.frames for v in videos],
+                       video_metadata=[dict(v.metadata) for v in videos], do_sample_frames=False, do_resize=False,
+                       padding=True, padding_side=padding_side, return_tensors="pt", **extra)
+    check_released_form(processor, inputs["input_ids"])
+    return inputs
+

@@ -49,13 +49,22 @@ def _text(value: Any, what: str) -> str:
     return value.strip()
 
 
+def _query(value: Any, what: str, squash: bool = False) -> dict:
+    """{"query": the text stripped (whitespace runs made one space when `squash`), "raw_query": the text as the
+    file has it when that differs, else None} (`GroundingSample.raw_query`)."""
+    query = _text(value, what)
+    query = " ".join(query.split()) if squash else query
+    return {"query": query, "raw_query": value if value != query else None}
+
+
 def _meta(entry: dict, used: tuple[str, ...]) -> tuple:
     """The record's fields other than `used`, hashable (`GroundingSample.metadata`)."""
     return tuple((str(k), frozen(v)) for k, v in entry.items() if k not in used)
 
 
 # Each parser yields (where, record) or (where, Bad).
-# A record: dict(sample_id, video, duration, query, span, clip, meta?), span as in the file (checked by the loader).
+# A record: dict(sample_id, video, duration, query, raw_query, span, clip, meta?), span as in the file (checked by the
+# loader), raw_query the query as written when stripping changed it.
 
 def parse_charades(path: Path, text: str) -> Iterator[tuple[str, Any]]:
     seen: Counter = Counter()
@@ -71,7 +80,7 @@ def parse_charades(path: Path, text: str) -> Iterator[tuple[str, Any]]:
         try:
             vid = parts[0]
             rec = dict(sample_id=f"{vid}#{seen[vid]}", video=vid, duration=None, clip=None,
-                       query=_text(sentence, "sentence"),
+                       **_query(sentence, "sentence"),
                        span=(_num(parts[1], "start"), _num(parts[2], "end")))
         except Bad as bad:
             yield where, bad
@@ -115,10 +124,10 @@ def _parse_by_video(path: Path, data: Any, keys: tuple[str, str], names: tuple[s
             if isinstance(stamp, list) and len(stamp) == 1 and isinstance(stamp[0], list):
                 stamp = stamp[0]  # [[s, e]]: one span written as a list of spans
             try:
-                query = _text(text, names[1])
+                query = _query(text, names[1], squash)
                 yield f"{where} {names[1]} {k}", dict(
                     sample_id=f"{vid}#{k}", video=vid, duration=duration, clip=None,
-                    query=" ".join(query.split()) if squash else query, span=_pair(stamp, names[0]), meta=meta)
+                    **query, span=_pair(stamp, names[0]), meta=meta)
             except Bad as bad:
                 yield f"{where} {names[1]} {k}", bad
 
@@ -150,7 +159,7 @@ def time_r1_record(i: int, entry: dict, seen: Counter) -> dict:
         stamp = stamp[0]  # [[s, e]] written as a one-element list of spans
     return dict(sample_id=str(entry.get("id", entry.get("qid", f"{vid}#{seen[vid]}"))), video=video, clip=None,
                 duration=None if entry.get("duration") is None else _num(entry["duration"], "duration"),
-                query=_text(entry.get("sentence", entry.get("query")), "sentence"), span=_pair(stamp, "timestamp"),
+                **_query(entry.get("sentence", entry.get("query")), "sentence"), span=_pair(stamp, "timestamp"),
                 meta=_meta(entry, ("video", "duration", "timestamp", "timestamps", "sentence", "query", "id", "qid")))
 
 
@@ -170,7 +179,7 @@ def tvgbench_record(i: int, entry: dict, seen: Counter) -> dict:
         sample_id = f"{vid}#{seen[vid]}"
     return dict(sample_id=sample_id, video=video, clip=None,
                 duration=None if entry.get("duration") is None else _num(entry["duration"], "duration"),
-                query=_text(entry.get("question"), "question"),
+                **_query(entry.get("question"), "question"),
                 span=(_num(match[1], "answer start"), _num(match[2], "answer end")),
                 meta=_meta(entry, ("path", "question", "answer", "duration", "id", "qid")))
 
@@ -195,7 +204,7 @@ def parse_jsonl(path: Path, text: str) -> Iterator[tuple[str, Any]]:
                 raise Bad(f"clip {clip[0]:g}-{clip[1]:g} needs 0 <= start < end")
             rec = dict(sample_id=str(entry.get("id", f"{vid}#{seen[vid]}")), video=video, clip=clip,
                        duration=None if entry.get("duration") is None else _num(entry["duration"], "duration"),
-                       query=_text(entry.get("query"), "query"), span=_pair(entry.get("span"), "span"))
+                       **_query(entry.get("query"), "query"), span=_pair(entry.get("span"), "span"))
         except Bad as bad:
             yield where, bad
             continue

@@ -62,6 +62,9 @@ class GroundingSample:
         a readable span. A span `span_problem` rejects (zero-length, reversed, a start outside the video, an end
         more than `end_margin` past it) is then kept, not skipped: `span` is the file's span, `raw_span` None, and
         nothing may train on it (`span_problem(span, duration)` says why). Sound spans are clamped as usual.
+    raw_query: the file's text of the query when the loader changed it (whitespace at the ends stripped, or
+        squashed), else None; a protocol that puts the query into its prompt as written uses it
+        (`mmpg.data.queries`).
     """
 
     sample_id: str
@@ -75,6 +78,7 @@ class GroundingSample:
     raw_span: tuple[float, float] | None = None
     metadata: tuple[tuple[str, Any], ...] = ()
     as_written: bool = False
+    raw_query: str | None = None
 
     @property
     def meta(self) -> dict[str, Any]:

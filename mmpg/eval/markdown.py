@@ -60,8 +60,26 @@ def _coverage(info: dict, metrics: dict, settings: dict, preds=()) -> list[str]:
              f"- evaluated: **{info.get('evaluated', loaded)}**"
              + (f" (max_samples={settings.get('max_samples')})" if settings.get("max_samples") else "")
              + f"; scored: **{int(metrics.get('count', 0))}** ({int(metrics.get('failed', 0))} failed videos, "
-             + ("scored 0" if settings.get("bad_videos") == "fail" else "left out") + ")", ""]
+             + ("scored 0" if settings.get("bad_videos") == "fail" else "left out") + ")",
+             *_duplicates(metrics, settings.get("threshold_rule", "gt")), ""]
     return lines
+
+
+def _duplicates(metrics: dict, first: str) -> list[str]:
+    """The Coverage line on records repeating a (video, query, span): which denominator the metrics above use, and
+    the other one's figures (`mmpg.eval.metrics.denominator_metrics`)."""
+    repeats = int(metrics.get("duplicate_records") or 0)
+    if not repeats:
+        return []
+    once = metrics.get("duplicates") == "once"
+    other = "every_record" if once else "counted_once"
+    figures = "/".join(pct(metrics.get(f"{other}/r1@{m}{SUFFIX[first]}")) for m in THRESHOLDS)
+    return [f"- records repeating an earlier one's (video, query, span): **{repeats}**; the metrics above count "
+            + ("each such key once, as TimeLens's compute_metrics.py does (duplicates=once)" if once
+               else "every record (duplicates=count)")
+            + f"; counting {'every record' if once else 'each key once, as TimeLens does'} instead: "
+            f"{int(metrics.get(f'{other}/count') or 0)} scored, R1@{'/'.join(str(m) for m in THRESHOLDS)} "
+            f"{figures} % ({RULES[first][0]}), mIoU {pct(metrics.get(f'{other}/miou'))} %"]
 
 
 def truth_kind(span, duration) -> str | None:
@@ -112,7 +130,9 @@ def _decoding(metrics: dict, share_videos) -> list[str]:
 def _problems(metrics: dict, records, settings: dict) -> list[str]:
     n, total = int(metrics.get("count", 0)), int(metrics.get("total", 0))
     k = int(metrics.get("unparseable_count", 0))
-    lines = [f"Scored samples: **{n}** of {total} evaluated.", "",
+    repeats = int(metrics.get("duplicate_records") or 0) if metrics.get("duplicates") == "once" else 0
+    lines = [f"Scored samples: **{n}** of {total} evaluated"
+             + (f" and counted ({repeats} repeated records counted once)." if repeats else "."), "",
              f"Unparseable answers (scored IoU 0): **{k}** of {n} ({pct(metrics.get('unparseable'))} %)."]
     reasons = Counter()
     for r in records:

@@ -42,14 +42,24 @@ True)`: Time-R1's `load_tvgbench` / `load_charades` and TimeLens's `load_annos` 
 
 A sample whose video could not be used ("failed") scores 0 and counts in the denominator when bad_videos="fail", and
 is left out of it when bad_videos="skip"; either way it is counted apart from the unparseable answers.
+
+Repeated records (the `duplicates` setting). A file may hold the same (video, query, span) twice. Time-R1's and
+VideoChat-R1's code count every record (keyed by a running qid / `{vid}_{sentence_idx}`): `count`. TimeLens's
+`eval_dataloader.py` writes each prediction under the key f"{video file name}>>>{query}>>>{span}", the query as
+its `parse_query` cleaned it, and `compute_metrics.py` merges the lines into one dict, so a repeat counts once (the
+last line's prediction) and `num_annos = len(datas)` is the number of distinct keys: `once` (`once_per_key`). The
+report gives the other denominator's figures beside when the two differ. One difference is not reproduced: its key
+holds the span as Python prints the file's numbers, so [10, 15] and [10.0, 15.0] are two keys there, one here.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from pathlib import PurePath
 from typing import NamedTuple, Sequence
 
+from mmpg.data.queries import clean_query
 from mmpg.rewards import parse_answer, temporal_iou
 
 THRESHOLDS = (0.3, 0.5, 0.7)
@@ -226,3 +236,41 @@ def benchmark_metrics(ious: Sequence[float], unparseable: Sequence[bool], failed
         out[f"r1@{m}"] = recall(values, m, "gt")
         out[f"r1@{m}_ge"] = recall(values, m, "ge")
     return out
+
+
+DUPLICATES = ("count", "once")
+_OTHER = {"count": "counted_once", "once": "every_record"}  # metrics.json prefix of the other denominator's figures
+
+
+def once_per_key(records: Sequence) -> list:
+    """The records TimeLens's compute_metrics.py counts (module docstring): of the records sharing a key (the video's
+    file name, the query cleaned as TimeLens's `parse_query` cleans it, the ground-truth span), the last one; in
+    the order of each key's first record. `records`: anything with .video, .query, .gt_span (PredictionRecord)."""
+    kept: dict = {}
+    for r in records:
+        key = (PurePath(r.video).name, clean_query(r.query, "timelens"), tuple(float(x) for x in r.gt_span))
+        kept[key] = r  # a dict update: a repeated key keeps its place and takes the later record
+    return list(kept.values())
+
+
+def denominator_metrics(records: Sequence, bad_videos: str = "fail", duplicates: str = "count") -> tuple[dict, list]:
+    """(`benchmark_metrics` of the records `duplicates` counts, those records; under "once" its count and total are
+    keys, not records). metrics also holds `duplicates`,
+    `duplicate_records` (records repeating an earlier one's key) and, when that is > 0, the other denominator's
+    count, miou and r1@m under `counted_once/` (duplicates="count") or `every_record/` ("once")."""
+    if duplicates not in DUPLICATES:
+        raise ValueError(f"duplicates must be one of {', '.join(DUPLICATES)}, got {duplicates!r}")
+    unique = once_per_key(records)
+    counted, other = (unique, list(records)) if duplicates == "once" else (list(records), unique)
+    metrics = _record_metrics(counted, bad_videos)
+    metrics.update(duplicates=duplicates, duplicate_records=float(len(records) - len(unique)))
+    if len(unique) != len(records):
+        alt = _record_metrics(other, bad_videos)
+        metrics.update({f"{_OTHER[duplicates]}/{k}": v for k, v in alt.items()
+                        if k in ("count", "miou") or k.startswith("r1@")})
+    return metrics, counted
+
+
+def _record_metrics(records: Sequence, bad_videos: str) -> dict:
+    return benchmark_metrics([r.iou for r in records], [r.error is None and r.pred_span is None for r in records],
+                             [r.error is not None for r in records], bad_videos)

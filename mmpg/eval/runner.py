@@ -26,7 +26,7 @@ from pathlib import Path
 
 from mmpg.errors import UserError
 from mmpg.eval.batches import DecodeCounts, decode_pending
-from mmpg.eval.metrics import benchmark_metrics
+from mmpg.eval.metrics import denominator_metrics
 from mmpg.eval.settings import EvalSettings, numbers_settings
 from mmpg.runs.evals import EvalReader, EvalWriter, check_settings
 
@@ -229,8 +229,8 @@ def evaluate_checkpoint(checkpoint, annotations, videos, out, settings: EvalSett
         session = session or stack.enter_context(eval_session(settings.device))
         bench = load_benchmark(annotations, videos, settings, benchmark)
         model, processor, family, dtype = load_model(checkpoint, settings, session.device)
-        spec = VideoSpec.for_family(family, **settings.video_values())
-        template = eval_template(settings.template, settings.prompt_file)
+        spec = VideoSpec.for_family(family, **settings.video_values_for(family))  # *_tokens scaled per family
+        template = eval_template(settings.template, settings.prompt_file, settings.query_clean)
         result = evaluate_loaded(model, processor, checkpoint, bench, out, settings, session, spec, template,
                                  family=family, dtype=dtype, protocol=protocol, step=step)
         del model
@@ -278,20 +278,18 @@ def finish(folder, n: int, settings: EvalSettings, counts: DecodeCounts | None =
         raise UserError(f"{folder}: {len(missing)} samples have no prediction (first index {missing[0]}); run the "
                         "evaluation again to complete it")
     info = reader.info()
-    failed = [r.error is not None for r in records]
-    metrics = benchmark_metrics([r.iou for r in records], [r.error is None and r.pred_span is None for r in records],
-                                failed, settings.bad_videos)
+    metrics, counted = denominator_metrics(records, settings.bad_videos, settings.duplicates)
     metrics.update(threshold_rule=settings.threshold_rule, bad_videos=settings.bad_videos)
     metrics.update((counts or DecodeCounts()).metrics())
     writer = EvalWriter(folder)
     writer.write_metrics(metrics)
-    scored = [r for r in records if settings.bad_videos == "fail" or r.error is None]
+    scored = [r for r in counted if settings.bad_videos == "fail" or r.error is None]
     ious = [r.iou for r in scored]
     title = f"{info.get('benchmark')} ({info.get('protocol')})"
     plots.recall_plot(writer.plot_path("recall_vs_threshold.png"), ious, settings.threshold_rule, title)
     plots.iou_histogram(writer.plot_path("iou_histogram.png"), ious, sum(r.pred_span is None for r in scored))
     plots.start_end_plot(writer.plot_path("start_end.png"),
-                         [(tuple(r.pred_span), tuple(r.gt_span)) for r in records if r.pred_span is not None])
+                         [(tuple(r.pred_span), tuple(r.gt_span)) for r in counted if r.pred_span is not None])
     protocol = PROTOCOLS.get(info.get("protocol"))
     from mmpg import choices
 

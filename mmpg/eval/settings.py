@@ -6,6 +6,14 @@ OmegaConf does the merge and the type checks, as for the training config (`mmpg.
 is reused): an unknown key is one `UserError` line naming it and the nearest valid names; the CLI prints it and exits
 with status 2. The video fields (fps, frames, pixels) and their checks are the config tree's VideoSettings block, the
 one training's data.* has. `mmpg eval --fields` lists every setting with its default and help, and the protocols.
+
+Pixel budgets in tokens. A visual token covers factor x factor pixels, factor 28 for Qwen2.5-VL (14-pixel patches
+merged 2 x 2) and 32 for Qwen3-VL (16-pixel patches): the same pixel count is 0.77x the tokens on Qwen3-VL. Papers'
+code that runs both families gives its budgets in tokens and multiplies by the checkpoint's factor (TimeLens's
+`evaluation/utils.py`: `min_tokens * 32 * 32` for Qwen3-VL, `* 28 * 28` for Qwen2.5-VL), so the protocols set
+`min_tokens` / `max_tokens` / `total_tokens` and `video_values_for(family)` turns them into pixels once the
+checkpoint's family is known. A `*_pixels` setting is an absolute count for every family; giving one on the command
+line clears its `*_tokens` twin, and the other way round.
 """
 
 from __future__ import annotations
@@ -40,6 +48,24 @@ class EvalSettings(VideoSettings):
                       "the last 'A to B' anywhere) or timelens (TimeLens's code: the first time pair, rounded to "
                       "seconds). Under last_span and timelens the answer and the ground truth are unclamped and "
                       "every record with a readable span is evaluated, as the papers' loaders keep them all.")
+    min_tokens: Optional[int] = _f(None, "Smallest frame in visual tokens: min_pixels = min_tokens x factor^2 for "
+                                   "the checkpoint's family (factor 28 Qwen2.5-VL, 32 Qwen3-VL), as TimeLens's "
+                                   "--min_tokens. Used when min_pixels is null; setting one clears the other.")
+    max_tokens: Optional[int] = _f(None, "Largest frame in visual tokens (max_pixels = max_tokens x factor^2; "
+                                   "qwen-vl-utils' own cap is 768 tokens). Used when max_pixels is null; setting "
+                                   "one clears the other.")
+    total_tokens: Optional[int] = _f(None, "Visual-token budget of a whole video, shared by its frames "
+                                     "(total_pixels = total_tokens x factor^2), as TimeLens's --total_tokens. Used "
+                                     "when total_pixels is null; setting one clears the other.")
+    query_clean: str = _f("mmpg", "How the query's text goes into the prompt (mmpg/data/queries.py): mmpg "
+                          "(whitespace at the ends and trailing periods dropped, as training), strip (whitespace at "
+                          "the ends: Time-R1's Charades-STA / ActivityNet loaders), as_written (the file's text: "
+                          "VideoChat-R1, Time-R1's TVGBench loader) or timelens (whitespace runs made one space, "
+                          "periods stripped at both ends: TimeLens's parse_query).")
+    duplicates: str = _f("count", "Records repeating a (video, query, span): count (each one in the denominators, "
+                         "as Time-R1's and VideoChat-R1's code) or once (as TimeLens's compute_metrics.py, whose "
+                         "predictions are a dict keyed by video>>>query>>>span; the last one kept). The report "
+                         "gives the other denominator's figures beside when they differ.")
     dtype: str = _f("auto", "Weights and compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, "
                     "float16.")
     max_new_tokens: int = _f(256, "Most tokens per answer (greedy decoding); a longer answer is cut and usually "
@@ -77,6 +103,21 @@ class EvalSettings(VideoSettings):
                                "mmpg.grouping): auto (flash on CUDA in bf16/fp16 when a usable flash-attn is "
                                "installed, else sdpa), sdpa, flash, flex; as training's model.grouping_backend.")
 
+    def video_values_for(self, family: str) -> dict:
+        """`video_values()` for a checkpoint of `family` (qwen2_5_vl, qwen3_vl): each budget given in tokens made
+        pixels with that family's token size, e.g. total_tokens 14336 -> 14336 x 32 x 32 = 14,680,064 pixels on
+        Qwen3-VL, 14336 x 28 x 28 = 11,239,424 on Qwen2.5-VL (what `VideoSpec.for_family` takes)."""
+        from mmpg.data.video import PATCH_SIZE
+
+        if family not in PATCH_SIZE:
+            raise UserError(f"unknown model family {family!r}; choose one of {', '.join(PATCH_SIZE)}")
+        values, token = self.video_values(), (2 * PATCH_SIZE[family]) ** 2
+        for pixels in ("min_pixels", "max_pixels", "total_pixels"):
+            tokens = getattr(self, TWINS[pixels])
+            if values[pixels] is None and tokens is not None:
+                values[pixels] = tokens * token
+        return values
+
 
 CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -89,7 +130,12 @@ CHOICES = {
     "self_check": ("on", "warn", "off"),
     "grouping_backend": ("auto", "sdpa", "flash", "flex"),
     "scoring": ("mmpg", "last_span", "timelens"),  # mmpg.eval.metrics.SCORINGS
+    "query_clean": ("mmpg", "strip", "as_written", "timelens"),  # mmpg.data.queries.QUERY_CLEANINGS
+    "duplicates": ("count", "once"),  # mmpg.eval.metrics.DUPLICATES
 }
+# A budget given in pixels and the same one in tokens: giving one (key=value) clears the other.
+TWINS = {f"{k}_pixels": f"{k}_tokens" for k in ("min", "max", "total")}
+TWINS.update({v: k for k, v in TWINS.items()})
 FIELDS = [f.name for f in dataclasses.fields(EvalSettings)]
 
 
@@ -109,7 +155,12 @@ def _validate(s: EvalSettings) -> None:
     for key, allowed in choices.items():
         if getattr(s, key) not in allowed:
             raise UserError(f"eval setting '{key}' is {getattr(s, key)!r}; choose one of {', '.join(allowed)}")
-    checks = video_checks(s) + [
+    for pixels in ("min_pixels", "max_pixels", "total_pixels"):
+        if getattr(s, pixels) is not None and getattr(s, TWINS[pixels]) is not None:
+            raise UserError(f"eval settings '{pixels}' and '{TWINS[pixels]}' are both set ({getattr(s, pixels)} "
+                            f"pixels, {getattr(s, TWINS[pixels])} tokens); give one of them")
+    checks = video_checks(s) + [(k, getattr(s, k) is None or getattr(s, k) > 0, "must be > 0 or null")
+                                for k in ("min_tokens", "max_tokens", "total_tokens")] + [
         ("max_new_tokens", s.max_new_tokens >= 1, "must be >= 1"),
         ("batch_size", s.batch_size >= 1, "must be >= 1"),
         ("max_samples", s.max_samples >= 0, "must be >= 0 (0: all)"),
@@ -142,6 +193,8 @@ def load_settings(protocol: str = "default", overrides: list[str] | tuple[str, .
         except OmegaConfBaseException as e:
             err = omegaconf_error(e, f"override {item!r}", EvalSettings)
             raise UserError(str(err).replace("config key", "eval setting", 1)) from None
+        if key in TWINS:  # min_pixels=N on a protocol that gives min_tokens: the pixel count wins, and vice versa
+            merged[TWINS[key]] = None
     settings = OmegaConf.to_object(merged)
     _validate(settings)
     from mmpg.eval.protocols import check_prompt

@@ -6,10 +6,10 @@
     engine.sync_weights()          # the policy's trainable tensors -> the server (every step)
 
 This process never imports vllm (it runs in its own venv, `mmpg.serve`). Each prompt goes as its token ids (exactly
-what the trainer's processor made: no re-templating) with every video collapsed back to the chat template's
-`<|vision_start|><|video_pad|><|vision_end|>`, plus the decoded frames and their metadata; the server's processor
-turns the frames into patches with `do_resize=False`, as the trainer's did, and vLLM expands the placeholder again:
-Qwen2.5-VL's run of video tokens, or Qwen3-VL's per-frame `<t seconds><|vision_start|>...<|vision_end|>` (timestamps
+what the trainer's processor made: no re-templating) with every video collapsed back to one `<|video_pad|>`
+(`mmpg.rollout.vllm_prompt`), plus the decoded frames and their metadata; the server's processor turns the frames
+into patches with `do_resize=False`, as the trainer's did, and vLLM expands the placeholder again: Qwen2.5-VL's run of
+video tokens, or Qwen3-VL's per-frame `<t seconds><|vision_start|>...<|vision_end|>` in the released form (timestamps
 from the metadata's fps and frames_indices, as transformers computes them). The prompt vLLM ran must equal the
 trainer's token for token, else the request fails (`_check_prompts`). vLLM's prefix cache holds each prompt's K/V
 once for its G samples (`n = G` in one request).
@@ -61,6 +61,7 @@ from mmpg.rollout.engine import (
     group_sizes_for,
 )
 from mmpg.rollout.vllm_nccl import SYNC_TIMEOUT_S, NCCLWeightSender, local_gpu_facts, plan_weight_sync
+from mmpg.rollout.vllm_prompt import wire_collapser
 from mmpg.serve.wire import DEFAULT_URL, WIRE_VERSION, ServerError, call, check_wire, frames_array, pack
 
 log = logging.getLogger("mmpg.rollout.vllm")
@@ -147,7 +148,6 @@ class VLLMEngine(RolloutEngine):
     def _request(self, ids, sizes, seeds, sampling: SamplingParams, prompt_inputs, videos) -> tuple[dict, dict]:
         """The request's JSON part and its frames: each distinct video once (wire 2)."""
         video_token = _video_token_id(self.model)
-        brackets = _vision_brackets(self.model)
         has_video = [video_token is not None and video_token in p for p in ids]
         for b in (b for b, v in enumerate(has_video) if v):
             if videos is None or b >= len(videos) or videos[b] is None:
@@ -155,9 +155,10 @@ class VLLMEngine(RolloutEngine):
                                  "decoded videos: generate_groups(..., videos=batch.videos)")
         table, index = distinct_videos([videos[b] if v else None for b, v in enumerate(has_video)])
         arrays = {f"video_{v}": frames_array(frames) for v, (frames, _) in enumerate(table)}
-        # vLLM expands a video's placeholder itself (from the frames): it gets the chat template's form back
-        prompts = [{"token_ids": _collapse_videos(p, video_token, brackets), "n": g, "seed": int(seed) % (2 ** 63),
-                    "video": v} for p, g, seed, v in zip(ids, sizes, seeds, index)]
+        # vLLM expands a video's placeholder itself (from the frames): each video goes as one video token
+        collapse = wire_collapser(self.model, self.processor)
+        prompts = [{"token_ids": collapse(p), "n": g, "seed": int(seed) % (2 ** 63), "video": v}
+                   for p, g, seed, v in zip(ids, sizes, seeds, index)]
         stop = list(sampling.stop_token_ids) if sampling.stop_token_ids is not None else _eos_ids(self.model)
         meta = {"wire": WIRE_VERSION, "prompts": prompts,
                 "videos": [{"key": f"video_{v}", "metadata": m} for v, (_, m) in enumerate(table)],
@@ -339,48 +340,6 @@ def _prompt_ids(prompt_inputs) -> list[list[int]]:
     return out
 
 
-def _collapse_runs(ids: list[int], token: int | None) -> list[int]:
-    """[P] -> the ids with every run of `token` shortened to one (the chat template's form of a video)."""
-    if token is None:
-        return ids
-    return [t for i, t in enumerate(ids) if t != token or i == 0 or ids[i - 1] != token]
-
-
-def _collapse_videos(ids: list[int], token: int | None, brackets: tuple[int, int] | None) -> list[int]:
-    """[P] -> the prompt as the chat template wrote it, each video one `<|vision_start|><|video_pad|><|vision_end|>`,
-    which vLLM expands again from the frames (it replaces the lone `<|video_pad|>`, as transformers >= 5.10 does).
-
-        Qwen2.5-VL   <vs> pad*n <ve>                                             -> <vs> pad <ve>
-        Qwen3-VL     <vs> <0.2 seconds> <vs> pad*n <ve> <1.2 seconds> <vs> pad*n <ve> <ve>  -> <vs> pad <ve>
-
-    A top-level <vs>...<ve> span that holds the video token keeps its outer pair and gets one video token inside;
-    nested pairs and the timestamp text inside it go (vLLM writes them again). Anything else is kept, runs of the
-    video token outside a span collapsed to one."""
-    if token is None or brackets is None:
-        return _collapse_runs(ids, token)
-    start, end = brackets
-    out, i = [], 0
-    while i < len(ids):
-        close = _matching_end(ids, i, start, end) if ids[i] == start else None
-        if close is not None and token in ids[i + 1: close]:
-            out += [start, token, end]
-            i = close + 1
-        else:
-            out.append(ids[i])
-            i += 1
-    return _collapse_runs(out, token)
-
-
-def _matching_end(ids: list[int], i: int, start: int, end: int) -> int | None:
-    """The index of the <ve> that closes the <vs> at `i` (pairs nest), or None when it is never closed."""
-    depth = 0
-    for j in range(i, len(ids)):
-        depth += (ids[j] == start) - (ids[j] == end)
-        if depth == 0:
-            return j
-    return None
-
-
 def _check_prompts(served: list[list[int]] | None, ids: list[list[int]]) -> None:
     """The prompts vLLM ran (its own video expansion) must be the trainer's, token for token: else every logprob
     would be conditioned on another prompt."""
@@ -392,7 +351,7 @@ def _check_prompts(served: list[list[int]] | None, ids: list[list[int]]) -> None
             raise ServerError(f"prompt {b}: vLLM expanded it to {len(got)} tokens, the trainer's processor to "
                               f"{len(want)} (first difference at token {at}); the two processors disagree on this "
                               "model family's video tokens (checked: Qwen2.5-VL, and Qwen3-VL with transformers >= "
-                              "5.10 on both sides, whose timestamps need the frames' fps and frames_indices); use "
+                              "5.10 on the server, whose timestamps need the frames' fps and frames_indices); use "
                               "rollout.engine=hf")
 
 
@@ -409,12 +368,6 @@ def _frames_and_metadata(video) -> tuple[torch.Tensor, dict]:
 def _video_token_id(model) -> int | None:
     tid = getattr(model.config, "video_token_id", None)
     return int(tid) if tid is not None else None
-
-
-def _vision_brackets(model) -> tuple[int, int] | None:
-    """(<|vision_start|>, <|vision_end|>) ids of a VL model, None for a text model."""
-    start, end = (getattr(model.config, k, None) for k in ("vision_start_token_id", "vision_end_token_id"))
-    return (int(start), int(end)) if start is not None and end is not None else None
 
 
 def _eos_ids(model) -> list[int]:
