@@ -85,6 +85,10 @@ def test_sp2_grpo_trains_what_one_process_trains(grpo_data, tmp_path, one_grpo, 
                                                                              y["perf/row_tokens"])
     log = (tmp_path / "sp2" / "train.log").read_text()
     assert f"{procs // 2} data-parallel x 2 sequence-parallel" in log
+    # the self-check ran the sharded rows: the shards' gradient figures summed over the sp group equal the repeated
+    # forward's (a missing or doubled sum would read 0.5-1)
+    first = metrics(tmp_path / "sp2")[0]
+    assert first["check/gradient_rel_max"] <= 1e-4 and first["check/leak_max"] == 0.0, first
 
 
 @pytest.mark.slow

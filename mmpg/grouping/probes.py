@@ -6,9 +6,10 @@ layer l, and the loss is L = sum_{i,t} w_it logp_it with fixed random weights w.
 
     dL/dd_l = sum over the tokens of the row of dL/dh_l(token)
 
-is the same number in the grouped forward and the repeated one (w is nonzero on the first and last response of every
-group only: every response of the row still shapes the grouped forward, and the reference needs those rows alone): a prefix token the grouped row holds once feeds all G
-responses, so its gradient is the sum of what its G copies receive in the repeated rows. Every attention backward of
+is the same number in the grouped forward and the repeated one: a prefix token the grouped row holds once feeds all
+G responses, so its gradient is the sum of what its G copies receive in the repeated rows. (w is nonzero on the
+first and last response of every group only: every response of the row still shapes the grouped forward, and the
+reference needs those rows alone.) Every attention backward of
 the layers above l (dq, dk, dv) flows into dL/dd_l, and the weights' gradients are built from these by stock layers,
 so a backward that is wrong anywhere (a kernel's backward, a mask applied in forward only, a fault only while
 autograd records) moves it. The probe needs no parameter gradient, so it runs alike under ZeRO 0-3 (partitioned

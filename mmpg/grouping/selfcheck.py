@@ -203,7 +203,7 @@ class SelfCheck:
         except Exception as err:  # noqa: BLE001 - a kernel that raises is a failed check (and maybe a fallback)
             if candidate is not None or named or key[0] == FALLBACK:
                 raise
-            figures.failed(err, precise_bound(model, key[0], key[1])[0])
+            figures.failed(err, precise_bound(model, key[0], key[1])[0], ["logprobs"] + (["leak"] if leak else []))
         return figures.reduced(reduce_max)
 
     def _gradient_figures(self, model, key, args, kwargs, reduce_max, named: bool) -> Figures:
@@ -235,7 +235,7 @@ class SelfCheck:
         except Exception as err:  # noqa: BLE001 - as in `_logprob_figures`
             if named or key[0] == FALLBACK:
                 raise
-            figures.failed(err, bound_for(model, key[1]))
+            figures.failed(err, bound_for(model, key[1]), ["logprobs_with_grad", "gradients"])
             return figures.reduced(reduce_max)
         rows = torch.zeros_like(mask)
         rows[chosen] = 1
@@ -267,7 +267,8 @@ class SelfCheck:
         figures = self._measure(model, key, args, kwargs, candidate, reduce_max, named, gradients)
         why = ""
         if candidate is None and backend is None and key[0] != FALLBACK and not figures.ok:
-            why = f"{key[0]} {figures.failure(short=True)} in the self-check ({str(key[1]).removeprefix('torch.')}, {versions()})"
+            dtype = str(key[1]).removeprefix("torch.")
+            why = f"{key[0]} {figures.failure(short=True)} in the self-check ({dtype}, {versions()})"
             log.warning("self-check: grouped backend %s; falling back to %s", why, FALLBACK)
             set_grouping_options(model, backend=FALLBACK)
             key = self.key(model, FALLBACK)
@@ -342,9 +343,10 @@ class Figures:
         self.items.update(other.items)
         self.error = self.error or other.error
 
-    def failed(self, err: Exception, bound: float) -> None:
+    def failed(self, err: Exception, bound: float, names: list[str]) -> None:
+        """A kernel raised: every figure of `names` is infinite (so every rank reduces the same names in order)."""
         self.error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
-        self.add("logprobs", float("inf"), bound)
+        self.items = {name: (float("inf"), self.items.get(name, (0.0, bound))[1]) for name in names}
 
     def reduced(self, reduce_max) -> "Figures":
         """The max over ranks of every figure (all ranks call this with the same names in the same order)."""
