@@ -66,6 +66,9 @@ PANELS: list[Panel] = [
           ["actor/kl"], "actor/"),
     Panel("clip", "Clip fraction", "share of tokens", "tokens whose ratio was clipped (0 with one update per batch)",
           ["actor/clip_fraction"], "actor/"),
+    Panel("skipped", "Skipped samples", "samples per step", "samples left out of the step: unreadable videos and, "
+          "with vLLM, prompts longer than its server's max_model_len (too_long)", ["data/skipped", "data/too_long"],
+          "data/"),
     Panel("timing", "Time per phase", "seconds per step", "wall time of each phase of a step (slowest rank)",
           lambda keys: sorted(k for k in keys if k.startswith("timing_s/")), "timing_s/"),
 ]

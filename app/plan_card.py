@@ -1,6 +1,9 @@
 """The run summary's memory card: the run's own plan (`mmpg plan`'s memory model on the run's config.yaml, device
 and device count) beside its measured `perf/peak_memory_mb`, and what that measured figure is on the run's device
-(on a GPU the tensors, as the plan counts them; on a CPU the whole process's ru_maxrss, a few hundred MB above).
+(`mmpg.plan.run.measure_of`: on a GPU the tensors; on a CPU the memory above the process's baseline before the
+model, the tensors as the plan's CPU validation measured them, with the verdict against the plan's stated CPU error).
+A CPU run of an older mmpg logged the whole process's ru_maxrss (about 1 GB before any tensor): the card shows it
+and says it does not compare, with no ratio.
 
 The plan depends only on config.yaml and run.json, so it is made once per version of those two files (their size
 and modification time) and kept; a refresh re-reads only the measured figure from the metrics already in memory.
@@ -17,7 +20,7 @@ import html
 import threading
 from pathlib import Path
 
-from mmpg.plan.run import inspect_plan, measured_peak
+from mmpg.plan.run import inspect_plan, measured_peak, verdict
 from mmpg.runs import RunReader
 from mmpg.runs.layout import CONFIG_YAML, RUN_JSON
 
@@ -73,7 +76,7 @@ def plan_card_html(run_dir: Path, info: dict, metrics: list[dict]) -> str:
     if isinstance(p, str):
         return head + f'<div class="mmpg-sub mmpg-plan-why">no plan: {html.escape(p)}</div></div>'
     planned = p["peak_bytes"] / 2 ** 20
-    measured, steps = measured_peak(metrics)  # the newest lines, not the plan's cached copy
+    measured, steps = measured_peak(metrics, p["measured_since"])  # the newest lines, not the plan's cached copy
     where = f"{p['devices']} × {'CPU' if p['device'] == 'cpu' else 'GPU'}"
     parts = ", ".join(f"{k} {_mb(v / 2 ** 20)}" for k, v in list(p["parts"].items())[:TOP_PARTS])
     every = "; ".join(f"{k} {_mb(v / 2 ** 20)}" for k, v in p["parts"].items())
@@ -83,8 +86,9 @@ def plan_card_html(run_dir: Path, info: dict, metrics: list[dict]) -> str:
         rows.append('<tr><td>measured</td><td>—</td><td class="mmpg-sub">no perf/peak_memory_mb logged yet'
                     '</td></tr>')
     else:
+        ratio = verdict(measured, planned, p["device"]) if p["comparable"] else "not comparable with the plan"
         rows.append(f'<tr><td>measured</td><td><b class="mmpg-measured">{_mb(measured)}</b></td>'
-                    f'<td class="mmpg-sub">×{measured / planned:.2f} of the plan; largest of {steps} step(s)</td></tr>')
+                    f'<td class="mmpg-sub">{html.escape(ratio)}; largest of {steps} step(s)</td></tr>')
     notes = [f"measured is {p['measured_means']}"] + ([p["note"]] if p["note"] else [])
     if p["kind"] == "sft":
         notes.append("SFT planned as an update of one target per prompt (an estimate)")

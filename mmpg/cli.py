@@ -255,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
     vllm_server.add_arguments(p)
     p.set_defaults(func=_cmd_vllm_serve)
 
+    from mmpg.rollout import lengths
+
+    p = sub.add_parser("vllm-len", help="print the vLLM server's --max-model-len for a config: its longest prompt + "
+                       "rollout.max_new_tokens + a margin", description=lengths.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    lengths.add_arguments(p)
+    p.set_defaults(func=lengths.run)
+
     from mmpg.doctor import cli as doctor_cli
 
     p = sub.add_parser("doctor", help="check this machine: every path (grouped forward, cascade decoding, training, "

@@ -6,7 +6,8 @@
 #   HOSTFILE=hostfile bash scripts/train_grounding.sh configs/grounding_qwen3vl_8b.yaml    # multi-node
 #   MMPG_EXTRAS=dev NUM_GPUS=2 bash scripts/train_grounding.sh configs/cpu_demo.yaml       # a CPU: 2 processes
 # Knobs (environment):
-#   CONFIG     default configs/grounding_qwen25vl_7b.yaml (first argument wins)
+#   CONFIG     default configs/grounding_qwen25vl_7b.yaml (first argument wins). Its model.path may be a hub id
+#              (Qwen/Qwen2.5-VL-7B-Instruct): downloaded into the Hugging Face cache (HF_HOME) on first use, once a node
 #   NUM_GPUS   processes per node: GPUs (default: all visible), or CPU processes on a machine without GPUs
 #   HOSTFILE   DeepSpeed hostfile ("host slots=8" per line); every node needs the repo, the data and passwordless ssh.
 #              One that names only this machine (localhost, 127.0.0.1 or its hostname) needs no ssh
@@ -28,7 +29,11 @@
 #              use ZeRO-3 offload if the trainer runs short). Weights go to the server by file after each step;
 #              with VLLM_GPUS and VLLM_ARGS=--nccl by NCCL broadcast (colocated: by file, NCCL cannot share a GPU)
 #   TRAIN_GPUS the trainer's GPUs (deepspeed --include localhost:TRAIN_GPUS; instead of NUM_GPUS)
-#   VLLM_PORT  default 8000; VLLM_ARGS: more `mmpg vllm-serve` flags, e.g. "--max-model-len 16384"
+#   VLLM_PORT  default 8000; VLLM_ARGS: more `mmpg vllm-serve` flags, e.g. "--dtype bfloat16"
+#   VLLM_MAX_LEN  the server's --max-model-len. Default: the config's longest prompt (frame cap, pixel budget,
+#              template, system prompt, a 128-token query) + rollout.max_new_tokens + 64, rounded up to a multiple of
+#              256, as `mmpg vllm-len --config CONFIG` prints it (8960 for configs/grounding_qwen25vl_7b.yaml); the
+#              trainer refuses a server below the config's need before the first step
 # Tested on a CPU only (gloo, 2 processes: tests/test_launch_real.py, with the real launcher and vLLM server;
 # tests/test_train_launch.py checks the flags with stand-ins). UNTESTED on GPUs so far (NCCL, the vLLM knobs).
 set -euo pipefail
@@ -79,8 +84,18 @@ if [ "${VLLM:-0}" = 1 ]; then
   fi
   port="${VLLM_PORT:-8000}"
   model="$(mmpg train "${args[@]}" "$@" --get model.path)"
+  # a hub id: its snapshot folder, downloaded here first if the cache lacks it (progress on this terminal); the
+  # server loads that folder and the trainer finds the same revision in the cache
+  model="$(python -m mmpg.models.hub "$model")"
   serve=(--checkpoint "$model" --port "$port")
   if [ -z "${VLLM_GPUS:-}" ]; then serve+=(--gpu-memory-utilization "${VLLM_MEM:-0.3}"); fi
+  # the server's length: the config's longest prompt + rollout.max_new_tokens + a margin (`mmpg vllm-len`, which
+  # says how it got there), unless VLLM_MAX_LEN or a --max-model-len in VLLM_ARGS sets it
+  if [[ "${VLLM_ARGS:-}" != *--max-model-len* ]]; then
+    max_len="${VLLM_MAX_LEN:-}"
+    [ -n "$max_len" ] || max_len="$(mmpg vllm-len --config "$config" "$@" "model.path=$model")"
+    serve+=(--max-model-len "$max_len")
+  fi
   # shellcheck disable=SC2206
   serve+=(${VLLM_ARGS:-})
   mkdir -p runs
@@ -94,8 +109,9 @@ if [ "${VLLM:-0}" = 1 ]; then
   server=$!
   trap 'kill -TERM -- "-$server" 2>/dev/null; wait "$server" 2>/dev/null' EXIT
   set +e
-  "${launcher[@]}" --module mmpg.cli train "${args[@]}" "$@" rollout.engine=vllm \
-    "rollout.vllm_url=http://127.0.0.1:$port"
+  # the trainer's wait for the server ends at once if this process exits, quoting the end of its log
+  MMPG_VLLM_PID="$server" MMPG_VLLM_LOG="$PWD/$log" "${launcher[@]}" --module mmpg.cli train "${args[@]}" "$@" \
+    rollout.engine=vllm "rollout.vllm_url=http://127.0.0.1:$port"
   exit $?
 fi
 # The launcher starts one process per GPU (or NUM_GPUS on a CPU) as `python -m mmpg.cli --local_rank=N train ...`;

@@ -7,6 +7,7 @@ import os
 
 os.environ.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a hub id in a test is read from a cache the test builds, never fetched
 
 import pytest
 import torch

@@ -37,13 +37,35 @@ def test_the_card_sets_the_plan_beside_the_measured_peak(tmp_path):
     measured_mb = max(SMALL_PEAK_MB.values())  # 32950 MB at step 2: the largest, not the last
     assert f'mmpg-planned">{planned_mb / 1024:.2f} GB' in html
     assert f'mmpg-measured">{measured_mb / 1024:.2f} GB' in html and "largest of 3 step(s)" in html
-    assert f"×{measured_mb / planned_mb:.2f} of the plan" in html
     top = sorted(((v, k) for k, v in mem["parts"].items() if v), reverse=True)[:3]
     for v, k in top:  # the largest parts, by name and size
         assert f"{k} {v / 2 ** 30:.2f} GB" in html
+    # a CPU run that did not record its measure logged the whole process's ru_maxrss: shown, never divided
     assert "1 × CPU" in html and "ru_maxrss" in html and "whole process" in html
+    assert "not comparable with the plan" in html and "×" not in html.replace("1 × CPU", "")
     page = summary_html(RunSource(run).metrics(), [], kind="grpo", more=html)
     assert page.index('data-metric="evaluation"') < page.index('data-metric="memory"')  # in the summary row
+
+
+def test_a_cpu_run_that_records_its_measure_is_compared_within_the_stated_error(tmp_path):
+    from mmpg.plan.run import CPU_STATED_ERROR
+
+    run = make_small_run(tmp_path / "run")
+    info = json.loads((run / "run.json").read_text())
+    record = {"measure": "cpu.rss_above_baseline", "baseline_mb": 950.0, "high_water": "VmHWM", "from_step": 1}
+    (run / "run.json").write_text(json.dumps({**info, "peak_memory": record}))
+    cfg = load_config(str(run / "config.yaml"), [])
+    planned_mb = predict(recipe_from_config(cfg, 1, "cpu"))["peak_bytes"] / 2 ** 20
+    html = card(run)
+    ratio = max(SMALL_PEAK_MB.values()) / planned_mb
+    within = "within" if abs(ratio - 1) <= CPU_STATED_ERROR else "outside"
+    assert f"×{ratio:.2f} of the plan, {within} its CPU error (±23.5%)" in html
+    assert "above the process&#x27;s resident set (0.93 GB) before the model was loaded" in html
+    assert "code pages left out" in html and "ru_maxrss" not in html
+    # a run of an older mmpg resumed by this one: its lines before the record's first step are not compared
+    (run / "run.json").write_text(json.dumps({**info, "peak_memory": {**record, "from_step": 3}}))
+    html = card(run)
+    assert f'mmpg-measured">{SMALL_PEAK_MB[3] / 1024:.2f} GB' in html and "largest of 1 step(s)" in html
 
 
 def test_a_gpu_run_is_planned_on_its_recorded_devices(tmp_path):

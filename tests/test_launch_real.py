@@ -201,7 +201,7 @@ def test_vllm_knob_starts_the_real_server_trains_and_stops_it(grpo_data, tmp_pat
     watcher.start()
     try:
         proc = _script("train_grounding.sh", *args[1:], timeout=1500, MMPG_EXTRAS="dev", NUM_GPUS=1, VLLM=1,
-                       VLLM_PORT=port, VLLM_ARGS="--dtype float32 --enforce-eager --max-model-len 1024",
+                       VLLM_PORT=port, VLLM_ARGS="--dtype float32 --enforce-eager",
                        VLLM_CPU_KVCACHE_SPACE=1)
     finally:
         done.set()
@@ -218,4 +218,9 @@ def test_vllm_knob_starts_the_real_server_trains_and_stops_it(grpo_data, tmp_pat
     assert not _alive_in(session), f"server processes outlived the training: {_alive_in(session)}"
     m = metrics(tmp_path / "vllm")
     assert [r["step"] for r in m if "timing_s/weight_sync" in r] == [1, 2]  # sampled through the server
+    from mmpg.config import load_config
+    from mmpg.rollout.lengths import config_worst_prompt
+
+    cfg = load_config(args[1], args[2:])  # the server's length is the config's (`mmpg vllm-len`), not its default
+    assert f"max_model_len {config_worst_prompt(cfg).server_len(cfg.rollout.max_new_tokens)})" in log.read_text()
     log.unlink(missing_ok=True)

@@ -1,6 +1,6 @@
-"""Where `load_policy` / `load_processor` look for a checkpoint: a local folder, or a hub id already in the local
-Hugging Face cache. Anything else is refused at once with one line naming the path, never a download attempt
-(transformers would retry for ~25 s and then blame the network)."""
+"""Where `load_policy` / `load_processor` look for a checkpoint: a local folder, or a hub id's snapshot in the local
+Hugging Face cache (tests/test_hub_models.py: downloaded when missing). Anything else is refused at once with one
+line naming the path (transformers would retry for ~25 s and then blame the network)."""
 
 import time
 
@@ -12,12 +12,12 @@ from mmpg.models.loading import load_policy, load_processor, resolve_checkpoint
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face cache, and an empty working directory (so relative paths surely do not exist)."""
-    import huggingface_hub.constants
-
+    """An empty Hugging Face cache, offline, and an empty working directory (so relative paths surely do not
+    exist)."""
     cache = tmp_path / "hub"
     cache.mkdir()
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
@@ -25,13 +25,15 @@ def hub_cache(tmp_path, monkeypatch):
 
 
 def _cache_model(cache, repo_id):
-    """The layout `huggingface-cli download` leaves: refs/main -> snapshots/<commit>/config.json."""
+    """The layout `hf download` leaves: refs/main -> snapshots/<commit>/ with config.json and the weights."""
     commit = "0" * 40
     repo = cache / f"models--{repo_id.replace('/', '--')}"
     (repo / "snapshots" / commit).mkdir(parents=True)
     (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "snapshots" / commit / "model.safetensors").write_text("")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
 
 
 @pytest.mark.parametrize("load,path", [
@@ -52,17 +54,17 @@ def test_missing_checkpoint_is_refused_at_once(hub_cache, load, path):
 
 
 def test_hub_id_message_says_how_to_download(hub_cache):
-    with pytest.raises(UserError, match=r"Qwen/Qwen2.5-VL-7B-Instruct is not a model in the local Hugging Face "
-                                        r"cache; .*`huggingface-cli download Qwen/Qwen2.5-VL-7B-Instruct`"):
+    with pytest.raises(UserError, match=r"model Qwen/Qwen2.5-VL-7B-Instruct is not in the Hugging Face cache "
+                                        r".*`hf download Qwen/Qwen2.5-VL-7B-Instruct`"):
         resolve_checkpoint("Qwen/Qwen2.5-VL-7B-Instruct")
     with pytest.raises(UserError) as err:
         resolve_checkpoint("models/qwen/q25")
-    assert "huggingface-cli" not in str(err.value)  # cannot be a hub id: no advice to download it
+    assert "download" not in str(err.value)  # cannot be a hub id: no advice to download it
 
 
-def test_cached_hub_id_is_handed_on(hub_cache):
-    _cache_model(hub_cache, "owner/name")
-    assert resolve_checkpoint("owner/name") == "owner/name"
+def test_cached_hub_id_is_its_snapshot_folder(hub_cache):
+    snapshot = _cache_model(hub_cache, "owner/name")
+    assert resolve_checkpoint("owner/name") == str(snapshot)
 
 
 def test_local_folder_wins_and_needs_config(hub_cache):

@@ -205,3 +205,38 @@ def test_run_plan_beside_its_measured_peak(tmp_path, capsys):
     (run / "config.yaml").unlink()
     rc, _, err = _plan_json("--run", str(run), capsys=capsys)
     assert rc == 2 and "no config.yaml" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_cpu_run_is_compared_only_when_it_measured_like_the_plan(tmp_path, capsys):
+    """`mmpg plan --run` on a CPU run: an older run's whole-process ru_maxrss is shown and not divided by the plan;
+    a run that recorded its measure (run.json "peak_memory", `mmpg.train.peak_memory`) gets the ratio and the
+    verdict against the plan's stated CPU error, from the record's first step on."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("model:\n  path: qwen2.5-vl-3b\ntrainer:\n  device: cpu\n  micro_batch_size: 8\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"v": 1, "step": s, "time": 0.0, "perf/peak_memory_mb": mb})
+                                               + "\n" for s, mb in ((1, 990000.0), (2, 41000.0))))
+    info = {"layout_version": 1, "kind": "grpo", "device": "cpu", "devices": 1}
+    (run / "run.json").write_text(json.dumps(info))
+    rc, out, _ = _plan_json("--run", str(run), "--json", capsys=capsys)
+    p = json.loads(out)
+    assert rc == 0 and p["plan"]["device"] == "cpu" and not p["comparable"] and "ru_maxrss" in p["measured_means"]
+    rc, out, _ = _plan_json("--run", str(run), capsys=capsys)
+    assert rc == 0 and "not comparable" in out and "of the plan" not in out
+    record = {"measure": "cpu.rss_above_baseline", "baseline_mb": 1000.0, "high_water": "VmHWM", "from_step": 2}
+    (run / "run.json").write_text(json.dumps({**info, "peak_memory": record}))  # resumed by this mmpg at step 2
+    rc, out, _ = _plan_json("--run", str(run), "--json", capsys=capsys)
+    p = json.loads(out)
+    planned = p["plan"]["peak_bytes"] / 2 ** 20
+    assert p["comparable"] and p["measured_peak_mb"] == 41000.0 and p["steps"] == 1
+    rc, out, _ = _plan_json("--run", str(run), capsys=capsys)
+    within = "within" if abs(41000.0 / planned - 1) <= 0.235 else "outside"
+    assert f"×{41000.0 / planned:.2f} of the plan, {within} its CPU error (±23.5%)" in out
+
+
+def test_the_record_names_match_the_trainer():
+    """The reader's name for the CPU measure is the one the trainer writes (kept apart: readers import no trainer)."""
+    from mmpg.plan.run import CPU_ABOVE_BASELINE
+    from mmpg.train.peak_memory import CPU_ABOVE_BASELINE as WRITTEN
+
+    assert CPU_ABOVE_BASELINE == WRITTEN

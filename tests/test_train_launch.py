@@ -44,7 +44,8 @@ def test_colocated_server_gets_the_model_and_stops_with_training(tmp_path):
     assert res.returncode == 7, res.stderr  # the trainer's status is the script's
     assert trainer.endswith("--module mmpg.cli train --config configs/cpu_demo.yaml model.path=/models/q25 "
                             "trainer.total_steps=3 rollout.engine=vllm rollout.vllm_url=http://127.0.0.1:8000")
-    assert server == "--checkpoint /models/q25 --port 8000 --gpu-memory-utilization 0.3" and gpus == "unset"
+    assert server.startswith("--checkpoint /models/q25 --port 8000 --gpu-memory-utilization 0.3 --max-model-len ")
+    assert gpus == "unset"  # the length derived from the config: tests/test_vllm_lengths.py
     for _ in range(50):
         if not _alive(pid):
             break

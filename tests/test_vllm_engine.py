@@ -198,6 +198,37 @@ def test_grpo_run_with_vllm_engine(server, vllm_ckpt, tmp_path):
     assert call(server.url, "/health", timeout=10)["version"] == version + 4  # at start, then after each step
 
 
+def test_a_prompt_past_the_servers_length_is_a_counted_skip(server, vllm_ckpt, tmp_path):
+    """One query of ~1,400 tokens against the server's max_model_len 1024 (the config's worst prompt plans for a
+    128-token query, so the start check passes): that prompt is skipped, counted in data/too_long and data/skipped,
+    logged naming it, and the 2-step run trains the rest (before: the run ended at the first such prompt)."""
+    import json
+
+    from train_utils import metrics, overrides, run_cli
+
+    from mmpg.toy.videos import generate_dataset
+
+    generate_dataset(tmp_path / "synth", 8, 0, overwrite=True, min_duration=8.0, max_duration=12.0)
+    train = json.loads((tmp_path / "synth" / "train.json").read_text())
+    first = next(iter(train))  # its queries open the unshuffled stream: the long one is in step 1's batch
+    train[first]["sentences"][1] = " ".join(f"then a red circle number {i} moves from left to right" for i in range(80))
+    (tmp_path / "synth" / "train.json").write_text(json.dumps(train))
+    data = {"model": str(vllm_ckpt), "synth": tmp_path / "synth"}
+    extra = {"rollout.engine": "vllm", "rollout.vllm_url": server.url, "rollout.vllm_wait_s": 30,
+             "data.min_frames": 2, "data.max_frames": 2, "data.shuffle": False, "trainer.total_steps": 2}
+    res = run_cli(["train"] + overrides(data, tmp_path / "runs", "long", **extra), timeout=1200)
+    assert res.returncode == 0, res.stderr[-4000:]
+    m = metrics(tmp_path / "runs" / "long")
+    assert [r["step"] for r in m] == [1, 2] and [r["data/too_long"] for r in m] == [1.0, 0.0]
+    assert m[0]["data/skipped"] == 1.0 and "actor/loss" in m[0]  # step 1 trained its other prompt
+    skipped = [line for line in (tmp_path / "runs" / "long" / "train.log").read_text().splitlines()
+               if f"skipped {first}" in line or ("skipped" in line and "max_model_len 1024" in line)]
+    assert len(skipped) == 1 and "exceeds the vLLM server's max_model_len 1024" in skipped[0], skipped
+    strict = run_cli(["train"] + overrides(data, tmp_path / "runs", "strict", **extra, **{"data.strict": True}),
+                     timeout=1200)  # data.strict: a prompt that cannot be used is one error naming it
+    assert strict.returncode == 2 and f"(sample {first}#1): its prompt has" in strict.stderr, strict.stderr[-3000:]
+
+
 def test_zero3_two_rank_grpo_run_syncs_the_whole_weights(server, vllm_ckpt, tmp_path):
     """rollout.engine=vllm under ZeRO-3 (every parameter partitioned) on 2 ranks: each sync gathers the shards piece
     by piece and rank 0 sends them (LoRA: test_vllm_lora.py)."""

@@ -66,7 +66,9 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = _f("", "Checkpoint folder of the policy (HF format: config.json, weights, processor). Required.")
+    path: str = _f("", "The policy: a checkpoint folder (HF format: config.json, weights, processor) or a hub id "
+                   "(Qwen/Qwen2.5-VL-7B-Instruct: its snapshot in the Hugging Face cache, downloaded on first use, "
+                   "once per node; run.json records its commit). Required.")
     dtype: str = _f("auto", "Weights and compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16.")
     attn_implementation: str = _f("sdpa", "transformers attention for ordinary forwards: auto (flash_attention_2 "
                                   "on CUDA when flash-attn imports, else sdpa), sdpa, eager, flash_attention_2 (sdpa "

@@ -1,6 +1,7 @@
 """`mmpg eval`: evaluate a checkpoint, or every checkpoint of a training run, on a grounding benchmark.
 
-    mmpg eval --checkpoint CKPT --annotations charades_sta_test.txt --videos Charades_v1 --protocol time_r1
+    mmpg eval --checkpoint CKPT --annotations charades_sta_test.txt --videos Charades_v1_480 --protocol time_r1 \
+        prompt_file=data/prompts/time_r1.py       the paper's prompt file, fetched once (docs/evaluation.md)
     mmpg eval --run runs/grpo --annotations test.json --videos videos max_samples=200
     torchrun --nproc_per_node 8 -m mmpg.cli eval --checkpoint CKPT --annotations ... --videos ...
     mmpg eval --fields                       every setting with its default and help, and the protocols

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from mmpg.errors import UserError
+from mmpg.eval.paper_prompts import TIME_R1, TIMELENS, VIDEOCHAT_R1, PromptSource
 
 
 def template_names() -> list[str]:
@@ -34,17 +35,22 @@ def template_names() -> list[str]:
 
 
 def read_prompt_file(path: str):
-    """The `PromptTemplate` of a user's prompt file: its whole text is the user turn, with {query} (required) and
-    optionally {duration} (or any of mmpg.data.prompts.PLACEHOLDERS); literal braces are written doubled."""
+    """The `PromptTemplate` of a user's prompt file: the paper's own Python file that holds its prompt (`.py`, read
+    without running it: mmpg.eval.paper_prompts), or a text file whose whole text is the user turn, with {query}
+    (required) and optionally {duration} (or any of mmpg.data.prompts.PLACEHOLDERS); literal braces doubled."""
     import string
     from pathlib import Path
 
     from mmpg.data.prompts import PromptTemplate
+    from mmpg.eval.paper_prompts import read_paper_prompt
 
     file = Path(path).expanduser()
     if not file.is_file():
-        raise UserError(f"prompt_file {path}: not found; pass a text file with the prompt, {{query}} where the "
-                        "sentence goes")
+        raise UserError(f"prompt_file {path}: not found; pass the paper's file that holds its prompt (mmpg eval "
+                        "--fields says which, and how to fetch it) or a text file with {query} where the sentence "
+                        "goes")
+    if file.suffix == ".py":
+        return PromptTemplate(user=read_paper_prompt(file))
     try:
         text = file.read_text(encoding="utf-8-sig").strip()
     except UnicodeDecodeError as e:
@@ -82,7 +88,12 @@ class Protocol:
     summary: str  # one line
     settings: dict  # EvalSettings fields this preset sets
     source: str  # where each number comes from, what is assumed, what mmpg does not reproduce
-    prompt_where: str = ""  # where the paper's own prompt text is (mmpg does not ship it; prompt_file=PATH)
+    prompt: PromptSource | None = None  # the paper's own prompt: the file it is in (mmpg does not ship its text)
+
+    @property
+    def prompt_where(self) -> str:
+        """Where the paper's prompt is ("" for mmpg's own protocol)."""
+        return self.prompt.where if self.prompt else ""
 
 
 # Time-R1's released evaluation (evaluate.py, scripts/test.sh, build_dataloader), shared by time_r1 and tvgbench.
@@ -108,8 +119,9 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in [
         "Time-R1 (arXiv 2503.13377), as its released evaluation code runs Charades-STA / ActivityNet / TVGBench.",
         dict(_TIME_R1, bad_videos="fail", query_clean="strip"),
         "Source: the released code (xiaomi-research/Time-R1), not the paper's text, which was not checked here.\n"
-        "template=file: the prompt is the user's prompt_file (the paper's text: see prompt_where). System prompt: "
-        "its 'You are a helpful assistant.', which is also Qwen2.5-VL's chat-template default, so none is set.\n"
+        "template=file: the prompt is the user's prompt_file (the paper's own file: see the prompt line). System "
+        "prompt: its 'You are a helpful assistant.', which is also Qwen2.5-VL's chat-template default, so none is "
+        "set.\n"
         "query_clean strip: load_charades / load_activitynet in src/vllm_inference/data/data_loader.py take "
         "sentence.strip() and the prompt formats it as is: whitespace at the ends goes, the final period stays "
         "(every Charades-STA query has one).\n"
@@ -130,8 +142,7 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in [
         "bad_videos fail: assumed (the script stops on a missing video).\n"
         "Not reproduced: scripts/test.sh passes --use_nothink (an empty <think> after the generation prompt); vLLM "
         "bf16 decoding.",
-        "xiaomi-research/Time-R1, src/vllm_inference/data/config.py, DEFAULT_TG_PROMPT['r1'] (its event marker "
-        "becomes {query})"),
+        TIME_R1),
     Protocol(
         "tvgbench",
         "Time-R1's TVGBench (tvgbench.json, 800 queries), as its released evaluation code runs it.",
@@ -146,8 +157,7 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in [
         "a space, which stays).\n"
         "bad_videos skip: load_tvgbench leaves a record out when its video file does not exist.\n"
         "scoring last_span, threshold_rule gt: eval_all.py scores tvgbench like charades (compute_IoU, tIoU > m).",
-        "xiaomi-research/Time-R1, src/vllm_inference/data/config.py, DEFAULT_TG_PROMPT['r1'] (its event marker "
-        "becomes {query})"),
+        TIME_R1),
     Protocol(
         "videochat_r1",
         "VideoChat-R1 (arXiv 2504.06958), as its released Charades-STA evaluation script runs.",
@@ -156,7 +166,7 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in [
          "max_new_tokens": 2048, "threshold_rule": "ge", "bad_videos": "skip"},
         "Source: the released code (OpenGVLab/VideoChat-R1, src_eval/evaluate_tg_c8.py, renamed "
         "src_eval/evaluate_grounding.py, and my_qwen_utils.py), not the paper's text, which was not checked here.\n"
-        "template=file: the prompt is the user's prompt_file (the paper's text: see prompt_where); no system "
+        "template=file: the prompt is the user's prompt_file (the paper's own file: see the prompt line); no system "
         "prompt (Qwen2.5-VL's chat template then adds its default one).\n"
         "query_clean as_written: GROUND_TEMPLATE.replace('[EVENT]', sentence), the annotation's text unchanged "
         "(its final period and any space at the ends stay).\n"
@@ -173,8 +183,7 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in [
         "bad_videos skip: a sample whose inference raises is left out of the counts there.\n"
         "Not reproduced: the question comes before the video in its user turn (mmpg puts the video first); bf16 "
         "with flash-attention.",
-        "OpenGVLab/VideoChat-R1, src_eval/evaluate_tg_c8.py, GROUND_TEMPLATE (later src_eval/eval_prompts.py, "
-        "GROUND_TEMPLATE_THINK; its [EVENT] becomes {query})"),
+        VIDEOCHAT_R1),
     Protocol(
         "timelens",
         "TimeLens-Bench (arXiv 2512.14698: Charades-STA, ActivityNet Captions and QVHighlights re-annotated), as "
@@ -193,8 +202,8 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in [
         "duplicates once: eval_dataloader.py keys each prediction f\"{video_name}>>>{query}>>>{span}\" and "
         "compute_metrics.py merges them into a dict, num_annos = len(datas): a repeated (video, query, span) counts "
         "once; the report gives the every-record figures beside.\n"
-        "template=file: the prompt is the user's prompt_file (see prompt_where); no system prompt (the chat "
-        "template's default).\n"
+        "template=file: the prompt is the user's prompt_file (the paper's own file: see the prompt line); no system "
+        "prompt (the chat template's default).\n"
         "scoring timelens: extract_time's first pair (clock times, then 'A - B', then 'A to B', then two numbers), "
         "rounded to whole seconds (UNIT 1.0), against the file's span; iou() as written. threshold_rule ge: "
         "compute_metrics.py counts tIoU >= m; mIoU and R1 over every counted record.\n"
@@ -209,7 +218,7 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in [
         "Not reproduced: TimeLens-7B's own prompt preamble with frame timestamps written between the frames; "
         "a span key printed as the file writes its numbers ([10, 15] and [10.0, 15.0] are two keys there); bf16 "
         "with flash-attention.",
-        "TencentARC/TimeLens, evaluation/utils.py, GROUNDER_PROMPT (its '{}' becomes {query})"),
+        TIMELENS),
 ]}
 
 
@@ -221,13 +230,18 @@ def get_protocol(name: str) -> Protocol:
 
 
 def check_prompt(protocol: Protocol, settings) -> None:
-    """A protocol whose prompt is a file (template=file) without prompt_file: one line saying where the text is."""
+    """A protocol whose prompt is a file (template=file) without prompt_file: one line naming the paper's file, the
+    command that fetches it and what to pass."""
     if settings.template != "file":
         return
     if not settings.prompt_file:
-        where = f" The paper's text is in {protocol.prompt_where}." if protocol.prompt_where else ""
-        raise UserError(f"protocol {protocol.name} uses its paper's own prompt, which mmpg does not ship: pass "
-                        f"prompt_file=PATH, a text file with {{query}} where the sentence goes.{where}")
+        if protocol.prompt is None:
+            raise UserError("template=file needs prompt_file=PATH (a text file with {query} where the sentence goes)")
+        raise UserError(f"protocol {protocol.name} uses its paper's own prompt, which mmpg does not ship: fetch the "
+                        f"file that holds it once ({protocol.prompt.fetch_command()}) and pass "
+                        f"prompt_file={protocol.prompt.save_as} (mmpg reads {protocol.prompt.name} from it without "
+                        f"running it), or prompt_file=PATH, a text file with {{query}} where the sentence goes. The "
+                        f"paper's text is in {protocol.prompt_where}.")
     read_prompt_file(settings.prompt_file)
 
 

@@ -1,7 +1,7 @@
 """Evaluate one checkpoint on a grounding benchmark: greedy answers, per-sample records, metrics, report, plots.
 
-    result = evaluate_checkpoint("runs/x/checkpoints/step_00000040", "charades_sta_test.txt", "Charades_v1",
-                                 "evals/x-40/charades", load_settings("time_r1"))
+    result = evaluate_checkpoint("runs/x/checkpoints/step_00000040", "charades_sta_test.txt", "Charades_v1_480",
+                                 "evals/x-40/charades", load_settings("time_r1", ["prompt_file=time_r1.py"]))
 
     samples (annotation order) --fixed batches (share_videos: whole videos), rank r takes batches r::W-->
        DataLoader workers decode videos (once per batch) and build prompts

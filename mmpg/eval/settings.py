@@ -39,10 +39,12 @@ class EvalSettings(VideoSettings):
     # fps, min_frames, max_frames, min_pixels, max_pixels, total_pixels: VideoSettings' (the same defaults as data.*)
     template: str = _f("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only (mmpg/data/prompts.py), or "
                        "file: the text of prompt_file (what the papers' protocols use).")
-    prompt_file: Optional[str] = _f(None, "A text file holding the user prompt, with {query} (and optionally "
-                                    "{duration}) where the sentence (and the video's length) go; setting it selects "
-                                    "template=file. The time_r1 / videochat_r1 / tvgbench protocols need one: mmpg "
-                                    "does not ship the papers' prompts (mmpg eval --fields says where each is).")
+    prompt_file: Optional[str] = _f(None, "The prompt, from a file; setting it selects template=file. Either the "
+                                    "paper's own Python file that holds its prompt (.py: the string is read, the "
+                                    "file never run; mmpg eval --fields gives each protocol's file and the command "
+                                    "that fetches it) or a text file with {query} (and optionally {duration}) where "
+                                    "the sentence (and the video's length) go. The time_r1 / videochat_r1 / "
+                                    "tvgbench / timelens protocols need one: mmpg does not ship the papers' prompts.")
     scoring: str = _f("mmpg", "How an answer is scored (mmpg/eval/metrics.py): mmpg (the last <answer> span, "
                       "clamped to the video, as training rewards it), last_span (Time-R1's and VideoChat-R1's code: "
                       "the last 'A to B' anywhere) or timelens (TimeLens's code: the first time pair, rounded to "
@@ -220,6 +222,7 @@ def describe() -> str:
         lines.append(f"  {p.name}: {p.summary}")
         lines += [f"      {k} = {v!r}" for k, v in p.settings.items()]
         lines.append("      " + p.source.replace("\n", "\n      "))
-        if p.prompt_where:
-            lines.append(f"      prompt: not shipped; give prompt_file=PATH (the paper's text: {p.prompt_where})")
+        if p.prompt:
+            lines.append(f"      prompt: the paper's own, not shipped: {p.prompt.fetch_command()}, then "
+                         f"prompt_file={p.prompt.save_as} (the paper's text: {p.prompt_where})")
     return "\n".join(lines)

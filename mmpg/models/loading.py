@@ -1,14 +1,13 @@
 """Loading policies and processors the way a real checkpoint is loaded (`from_pretrained`), tiny or not.
 
-`path` is a local checkpoint folder, or a hub id already in the local Hugging Face cache (`resolve_checkpoint`,
-which then hands transformers the hub id as usual). A path that is neither is refused at once with one line naming
-it, instead of a download attempt."""
+`path` is a local checkpoint folder, or a hub id (`owner/name`): its snapshot in the Hugging Face cache, downloaded
+once per node when the cache lacks it (`mmpg.models.hub`), is what transformers loads. A path that is neither is
+refused at once with one line naming it."""
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -30,39 +29,14 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # `name` or `owner/name`
-
-
-def _in_hub_cache(repo_id: str) -> bool:
-    """Whether the local Hugging Face cache holds `repo_id`'s config.json (no network)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
-    except Exception:  # noqa: BLE001 - an id the hub library refuses is not in its cache either
-        return False
-
-
 def resolve_checkpoint(path: str | Path) -> str:
-    """What to hand `from_pretrained` for `path`, decided here at once and without the network.
+    """The local folder to hand `from_pretrained` for `path` (`mmpg.models.hub.resolve_model`): an existing folder
+    with config.json, or a hub id's cached snapshot (downloaded first where needed; once per process). Anything else
+    is one UserError line: transformers would take a missing relative folder such as `models/q25` for a hub id (it
+    has one slash) and retry the download for ~25 s before failing with "couldn't connect to huggingface.co"."""
+    from mmpg.models.hub import resolve_model
 
-    An existing local folder must hold config.json. Otherwise `path` must be a hub id (`owner/name`) already in the
-    local Hugging Face cache. Anything else is refused: transformers would take a missing relative folder such as
-    `models/q25` for a hub id (it has one slash) and retry the download for ~25 s before failing with "couldn't
-    connect to huggingface.co"."""
-    text = str(path)
-    local = Path(text).expanduser()
-    if local.exists():
-        if not (local / "config.json").is_file():
-            raise UserError(f"{text}: no config.json here; point at a checkpoint folder (mmpg make-tiny builds one)")
-        return str(local)
-    if not _HUB_ID.match(text) or ".." in text:
-        raise UserError(f"no checkpoint folder at {text}; point at a local checkpoint folder "
-                        "(mmpg make-tiny builds one)")
-    if not _in_hub_cache(text):
-        raise UserError(f"no checkpoint folder at {text}, and {text} is not a model in the local Hugging Face cache; "
-                        f"give a local checkpoint folder, or download it first with `huggingface-cli download {text}`")
-    return text
+    return resolve_model(path).folder
 
 
 def load_processor(path: str | Path):
@@ -130,13 +104,18 @@ def load_policy(path: str | Path, dtype: str | torch.dtype = "float32", attn_imp
     it once per prompt, under no_grad. Qwen2.5-VL comes with the mRoPE convention its checkpoints were trained with
     (`mmpg.grouping.positions`), also for `generate`. lora: a `mmpg.config.LoraConfig`; with r > 0 the model gets
     peft LoRA adapters in place and only they train (`mmpg.models.lora`), lora_A drawn with `seed`."""
-    path = resolve_checkpoint(path)
+    given, path = path, resolve_checkpoint(path)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(path)
     auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     attn_implementation = resolve_attn_implementation(attn_implementation, device)
-    model = auto.from_pretrained(path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation)
+    # use_kernels=False: from transformers 5.25 (which requires the `kernels` package) from_pretrained swaps layers
+    # for hub kernels by default (RMSNorm, the rotary embedding, apply_rotary_pos_emb in Qwen-VL); a swapped layer
+    # is code the grouped forward's equivalence tests never ran, fetched from the hub. Every version mmpg supports
+    # (>= 5.17) takes the keyword (5.17-5.24: default False).
+    model = auto.from_pretrained(path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation,
+                                 use_kernels=False)
     if device is not None:
         model.to(device)
     if gradient_checkpointing:
@@ -149,8 +128,26 @@ def load_policy(path: str | Path, dtype: str | torch.dtype = "float32", attn_imp
     if lora is not None and lora.r > 0:
         from mmpg.models.lora import apply_lora
 
-        apply_lora(model, lora, path, freeze_vision, seed=seed)
+        apply_lora(model, lora, given, freeze_vision, seed=seed)  # the hub id, not this node's cache folder
+    if gradient_checkpointing:
+        checkpoint_in_eval_mode(model)
     return model
+
+
+def checkpoint_in_eval_mode(model) -> int:
+    """Make gradient checkpointing act on a model that stays in eval mode; returns the layers switched.
+
+    transformers checkpoints a layer only while `layer.training` (GradientCheckpointingLayer), and mmpg trains
+    the policy in eval mode (from_pretrained's): no dropout anywhere, so the update's ratio, the self-check's two
+    forwards and the reference agree exactly. In eval mode `model.gradient_checkpointing=true` did nothing: every
+    layer's activations were kept (a tiny naive run's update: 1.0 GB where its plan, which counts checkpointing,
+    says 0.4 GB). Only the checkpointed layers are flagged as training: their own forward reads no other flag;
+    their attention, MLP and norms (where dropout lives) stay in eval mode. A later `model.train()` / `.eval()`
+    resets the flags with everything else."""
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for layer in layers:
+        layer.training = True
+    return len(layers)
 
 
 def save_model_folder(out: str | Path, model, processor, extra: dict[str, str] | None = None) -> Path:

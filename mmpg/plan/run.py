@@ -1,11 +1,14 @@
 """A run's own plan beside what it measured: `mmpg plan --run RUN_DIR [--gpus N]`.
 
 The plan is made from the run's resolved config (RUN_DIR/config.yaml, through `mmpg.runs`) on the run's device;
-the measured figure is the largest `perf/peak_memory_mb` of its metrics.jsonl. On a GPU that is
-`torch.cuda.max_memory_allocated` (tensors, as the plan counts them); on a CPU it is the process's `ru_maxrss`,
-which also holds the Python process, torch and DeepSpeed themselves (a few hundred MB) — so a CPU run measures above
-its plan by about that much. The inspector shows the same pair on a run's page (`inspect_plan`: the memory only,
-on the device and device count the run recorded in run.json).
+the measured figure is the largest `perf/peak_memory_mb` of its metrics.jsonl, and run.json's "peak_memory" says
+what it is (`mmpg.train.peak_memory`). On a GPU, `torch.cuda.max_memory_allocated`: the tensors, as the plan counts
+them. On a CPU, the process's memory above its baseline before the model was loaded, code pages left out: the
+tensors, as the plan's CPU validation measured them (`mmpg.plan.validate`), so its stated error applies
+(CPU_STATED_ERROR). A CPU run of an older mmpg logged the whole process's ru_maxrss instead (Python, torch and
+DeepSpeed: about 1 GB before any tensor): that figure is shown, never divided by the plan. The inspector shows the
+same pair on a run's page (`inspect_plan`: the memory only, on the device and device count the run recorded in
+run.json).
 
 An SFT run is planned as the GRPO model's update phase with one response per prompt (its target: sft/target_tokens
 per sample, else SFT_TARGET_TOKENS), no rollout and no reference — an estimate not yet checked against measured
@@ -19,14 +22,35 @@ from pathlib import Path
 from mmpg.errors import UserError
 
 SFT_TARGET_TOKENS = 32
-MEASURED = {"cpu": "the process's ru_maxrss: the whole process (Python, torch, DeepSpeed: a few hundred MB above "
-                   "the plan's tensors)",
+# the worst |error| of the CPU plan on the cases measured after its last change (docs/performance.md, "The memory
+# plan against measured runs"): the band within which a CPU run's measured peak is expected to fall
+CPU_STATED_ERROR = 0.235
+CPU_ABOVE_BASELINE = "cpu.rss_above_baseline"  # run.json "peak_memory" "measure" (mmpg.train.peak_memory)
+MEASURED = {"cpu": "the CPU memory above the process's {baseline} before the model was loaded, code pages left out "
+                   "(mmpg.train.peak_memory): the tensors, as the plan counts them, plus modules imported later and "
+                   "the allocator's slack",
+            "cpu_whole": "the whole process's ru_maxrss (an older mmpg's CPU figure: Python, torch and DeepSpeed, "
+                         "about 1 GB before any tensor), not comparable with the plan's tensors",
             "cuda": "torch.cuda.max_memory_allocated: the tensors, as the plan counts them"}
+
+
+def measure_of(info: dict, device: str) -> tuple[str, bool, int]:
+    """(what the run's perf/peak_memory_mb is, whether it compares with the plan, the first step it holds for) from
+    run.json's "peak_memory" record; a CPU run without it logged the whole process's ru_maxrss."""
+    rec = info.get("peak_memory") if isinstance(info.get("peak_memory"), dict) else {}
+    since = rec.get("from_step") if isinstance(rec.get("from_step"), int) else 1
+    if device == "cuda":
+        return MEASURED["cuda"], True, 1
+    if rec.get("measure") != CPU_ABOVE_BASELINE:
+        return MEASURED["cpu_whole"], False, 1
+    base = rec.get("baseline_mb")
+    baseline = f"resident set ({base / 1024:.2f} GB)" if isinstance(base, (int, float)) else "resident set"
+    return MEASURED["cpu"].format(baseline=baseline), True, since
 
 
 def run_plan(run_dir: str, gpus: int, memory: float, hw, device: str | None = None) -> dict:
     """{"plan": `mmpg.plan.whole.plan`'s dict, "measured_peak_mb": the run's largest perf/peak_memory_mb or None,
-    "steps": steps with the metric}."""
+    "steps": steps with the metric, "measured_means", "comparable": whether the figure compares with the plan}."""
     from mmpg.config import load_config
     from mmpg.plan.whole import plan
     from mmpg.runs.layout import CONFIG_YAML
@@ -37,8 +61,20 @@ def run_plan(run_dir: str, gpus: int, memory: float, hw, device: str | None = No
         raise UserError(f"--run {run_dir}: no {CONFIG_YAML} there; give a run directory (RUNS/NAME)")
     cfg = load_config(str(path), [])
     device = device or ("cpu" if cfg.trainer.device == "cpu" else "cuda")
-    peak, steps = measured_peak(RunReader(run_dir).metrics())
-    return {"plan": plan(cfg, gpus, device, memory, hw), "measured_peak_mb": peak, "steps": steps}
+    reader = RunReader(run_dir)
+    means, comparable, since = measure_of(reader.info(), device)
+    peak, steps = measured_peak(reader.metrics(), since)
+    return {"plan": plan(cfg, gpus, device, memory, hw), "measured_peak_mb": peak, "steps": steps,
+            "measured_means": means, "comparable": comparable}
+
+
+def verdict(measured: float, planned: float, device: str) -> str:
+    """measured / planned, and on a CPU whether that is within the plan's stated error."""
+    ratio = measured / planned
+    if device != "cpu":
+        return f"×{ratio:.2f} of the plan"
+    within = "within" if abs(ratio - 1) <= CPU_STATED_ERROR else "outside"
+    return f"×{ratio:.2f} of the plan, {within} its CPU error (±{CPU_STATED_ERROR:.1%})"
 
 
 def render_run(out: dict) -> str:
@@ -47,14 +83,15 @@ def render_run(out: dict) -> str:
     line = f"planned per-device peak {planned:.1f} MB; measured perf/peak_memory_mb "
     if measured is None:
         return line + "(none logged yet)"
-    what = "ru_maxrss, the whole process" if p["device"] == "cpu" else "max_memory_allocated"
-    return line + f"{measured:.1f} MB ({what}; largest of {out['steps']} steps): measured / planned {measured / planned:.2f}"
+    line += f"{measured:.1f} MB (largest of {out['steps']} steps): {out['measured_means']}"
+    return line + (f"; {verdict(measured, planned, p['device'])}" if out["comparable"] else "")  # else: says why
 
 
-def measured_peak(metrics: list[dict]) -> tuple[float | None, int]:
-    """(the largest perf/peak_memory_mb, how many steps logged it) of metrics.jsonl's lines."""
+def measured_peak(metrics: list[dict], since: int = 1) -> tuple[float | None, int]:
+    """(the largest perf/peak_memory_mb, how many steps logged it) of metrics.jsonl's lines from step `since` on."""
     key = "perf/peak_memory_mb"
-    peaks = [float(m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
+    peaks = [float(m[key]) for m in metrics if isinstance(m.get(key), (int, float))
+             and not (isinstance(m.get("step"), int) and m["step"] < since)]
     return (max(peaks) if peaks else None), len(peaks)
 
 
@@ -84,7 +121,8 @@ def sft_config(cfg, metrics: list[dict]):
 def inspect_plan(run_dir: str, info: dict, metrics: list[dict]) -> dict:
     """The memory side of a run's plan for the inspector: {"device", "devices", "note", "kind", "peak_bytes",
     "peak_phase", "parts" (bytes by part at the peak, largest first), "measured_peak_mb", "measured_steps",
-    "measured_means"}. UserError (one line) when the config cannot be planned."""
+    "measured_means", "comparable", "measured_since" (`measure_of`)}. UserError (one line) when the config cannot
+    be planned."""
     from mmpg.config import load_config
     from mmpg.plan.memory import predict
     from mmpg.plan.recipe import recipe_from_config
@@ -97,8 +135,10 @@ def inspect_plan(run_dir: str, info: dict, metrics: list[dict]) -> dict:
     device, devices, note = run_device(info, cfg)
     sft = info.get("kind") == "sft"
     mem = predict(recipe_from_config(sft_config(cfg, metrics) if sft else cfg, devices, device), rollout=not sft)
-    peak, steps = measured_peak(metrics)
+    means, comparable, since = measure_of(info, device)
+    peak, steps = measured_peak(metrics, since)
     parts = dict(sorted(((k, v) for k, v in mem["parts"].items() if v), key=lambda kv: -kv[1]))
     return {"device": device, "devices": devices, "note": note, "kind": "sft" if sft else "grpo",
             "peak_bytes": mem["peak_bytes"], "peak_phase": mem["peak_phase"], "parts": parts,
-            "measured_peak_mb": peak, "measured_steps": steps, "measured_means": MEASURED[device]}
+            "measured_peak_mb": peak, "measured_steps": steps, "measured_means": means,
+            "comparable": comparable, "measured_since": since}

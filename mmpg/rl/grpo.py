@@ -22,6 +22,7 @@ id), so a run on W ranks samples what a one-process run of the same global batch
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import zlib
@@ -38,9 +39,12 @@ from mmpg.rl import algos
 from mmpg.rl.batch import PromptGroup, collate_groups, micro_batches, split_groups
 from mmpg.train.data import packed_shares
 from mmpg.rl.split import generate_split
+from mmpg.rl.too_long import drop_too_long
 from mmpg.rollout import HFEngine, SamplingParams
 from mmpg import choices, dist
 from mmpg.train.engine import stage0_grad_norm
+
+log = logging.getLogger("mmpg.train")
 
 MAX_EMPTY_ROUNDS = 50  # rounds in a row in which some rank had no usable sample at all -> the data is unusable
 HEAD_CHUNK = 2048  # LM-head rows per chunk (before equalising the chunk count across ranks)
@@ -134,12 +138,18 @@ class GRPOStep:
     def _vllm_engine(self, cfg, processor):
         """Connect to the vLLM server (waiting up to rollout.vllm_wait_s) and give it this policy's weights (a resumed
         run's differ from the checkpoint the server loaded)."""
+        from mmpg.rollout.lengths import check_server_len, worst_prompt
         from mmpg.rollout.vllm import VLLMEngine
 
+        def connect():  # the server must hold the config's longest prompt and a whole response (exit 2 if not)
+            engine = VLLMEngine(self.policy, processor, url=cfg.rollout.vllm_url, timeout_s=cfg.rollout.vllm_timeout_s,
+                                wait_s=cfg.rollout.vllm_wait_s, sync_timeout_s=cfg.rollout.vllm_sync_timeout_s)
+            check_server_len(int(engine.health["max_model_len"]), worst_prompt(cfg, processor),
+                             cfg.rollout.max_new_tokens, engine.url)
+            return engine
+
         # every rank connects before any gathers (ZeRO-3), and samples only once the weights are there
-        engine = on_every_rank(lambda: VLLMEngine(
-            self.policy, processor, url=cfg.rollout.vllm_url, timeout_s=cfg.rollout.vllm_timeout_s,
-            wait_s=cfg.rollout.vllm_wait_s, sync_timeout_s=cfg.rollout.vllm_sync_timeout_s))
+        engine = on_every_rank(connect)
         self.sync_weights(engine)
         return engine
 
@@ -208,6 +218,18 @@ class GRPOStep:
             rebuilt, copies = self.rebuild(usable[:1]), 1
         return rebuilt, copies if len(rebuilt) else 0
 
+    def _fit_server(self, batch, info: dict):
+        """The batch without the prompts the vLLM server cannot hold (`mmpg.rl.too_long`): each a logged skip
+        counted in info["too_long"], or in strict mode one error naming it."""
+        batch, skips = drop_too_long(batch, int(self.rollout_engine.health["max_model_len"]),
+                                     self.cfg.rollout.max_new_tokens, self.policy, self.pad_id)
+        if skips and self.cfg.data.strict:
+            raise strict_error(skips[0])
+        for skip in skips:
+            log.warning("skipped %s: %s", skip.where, skip.reason)
+        info["too_long"] += len(skips)
+        return batch
+
     def collect(self, step: int, timer: Timer, gate=None) -> tuple[list[PromptGroup], dict]:
         """This rank's groups of the step, sampled with the weights after step step - 1 (the synchronous loop), or
         with those `gate()` returns once they are on the server (the rollout thread, `mmpg.rl.overlap`: called
@@ -219,8 +241,12 @@ class GRPOStep:
         info = {"skipped": 0, "rounds": 0, "dropped_groups": 0, "empty_rounds": 0, "prefix_tokens": 0}
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        if self.vllm:
+            info["too_long"] = 0
         while True:
             batch = self._pull()
+            if self.vllm:
+                batch = self._fit_server(batch, info)
             info["skipped"] += len(batch.skipped)
             counts = [int(c) for c in dist.gather_data(len(batch))] if self.world > 1 else [len(batch)]
             if sum(counts) == 0:  # the whole global batch is unusable (so it is for one process too)

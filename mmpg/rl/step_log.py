@@ -6,9 +6,11 @@ Metrics (one `metrics.jsonl` line per step, also TensorBoard), over the whole gl
     actor/loss, actor/kl (k3, per token), actor/clip_fraction, actor/entropy (mean -log p of the sampled tokens, the
         sample estimate of the policy entropy), actor/grad_norm, actor/lr,
     actor/logprob_gap_mean, actor/logprob_gap_max (|rollout logprob - training logprob|: the train/inference mismatch)
-    data/skipped (unusable samples this step), data/skipped_total, data/zero_adv_groups (share of groups whose
-        rewards are all equal), data/dropped_groups, data/sampling_rounds (dynamic sampling), data/gt_clamped
-        (groups of the step whose ground truth ended past the duration and was clamped: sample.raw_span set)
+    data/skipped (unusable samples this step), data/skipped_total, data/too_long (rollout.engine=vllm: those of
+        data/skipped whose prompt + max_new_tokens the server's max_model_len could not hold), data/zero_adv_groups
+        (share of groups whose rewards are all equal), data/dropped_groups, data/sampling_rounds (dynamic
+        sampling), data/gt_clamped (groups of the step whose ground truth ended past the duration and was clamped:
+        sample.raw_span set)
     timing_s/rollout, timing_s/reward, timing_s/logprob, timing_s/update, timing_s/step (slowest rank)
     check/grouped_vs_repeated_max, check/bound, check/leak_max|with_grad_max|gradient_rel_max (each with its _bound),
         check/groups, check/prefix_max|response_max|group_max, timing_s/self_check: on the steps that ran the
@@ -30,14 +32,13 @@ Metrics (one `metrics.jsonl` line per step, also TensorBoard), over the whole gl
 
 from __future__ import annotations
 
-import resource
-
 import numpy as np
 import torch
 
 from mmpg.data.dataset import video_key
 from mmpg.rl.rewards import parsed_span
 from mmpg.runs import GroupRecord, ResponseRecord
+from mmpg.train.peak_memory import peak_memory_mb  # the GPU's tensors, or the CPU's memory above its baseline
 
 
 def group_summary(g, step: int) -> dict:
@@ -51,12 +52,6 @@ def group_summary(g, step: int) -> dict:
         "video": video_key(g.sample),
         "staleness": 0 if g.policy_version is None else step - 1 - g.policy_version,
     }
-
-
-def peak_memory_mb(device: str) -> float:
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 2 ** 20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def step_metrics(summaries: list[dict], sums: dict, infos: list[dict], skipped_total: int, device: str) -> dict:
@@ -90,6 +85,8 @@ def step_metrics(summaries: list[dict], sums: dict, infos: list[dict], skipped_t
         m["actor/skipped_update"] = 1.0
     m["data/skipped"] = float(sum(i["skipped"] for i in infos))
     m["data/skipped_total"] = float(skipped_total)
+    if any("too_long" in i for i in infos):  # rollout.engine=vllm: prompts its server could not hold (mmpg.rl.too_long)
+        m["data/too_long"] = float(sum(i.get("too_long", 0) for i in infos))
     m["data/gt_clamped"] = float(sum(s.get("gt_clamped", False) for s in summaries))
     m["data/dropped_groups"] = float(sum(i["dropped_groups"] for i in infos))
     m["data/sampling_rounds"] = float(max(i["rounds"] for i in infos))

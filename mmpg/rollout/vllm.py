@@ -62,6 +62,7 @@ from mmpg.rollout.engine import (
 )
 from mmpg.rollout.vllm_nccl import SYNC_TIMEOUT_S, NCCLWeightSender, local_gpu_facts, plan_weight_sync
 from mmpg.rollout.vllm_prompt import wire_collapser
+from mmpg.rollout.vllm_wait import wait_for_server
 from mmpg.serve.wire import DEFAULT_URL, WIRE_VERSION, ServerError, call, check_wire, frames_array, pack
 
 log = logging.getLogger("mmpg.rollout.vllm")
@@ -310,18 +311,6 @@ def rollout_stats(ids: list[list[int]], index: list[int | None], answer: dict, r
             "processor_runs": (counters["mm_cache_queries"] - counters["mm_cache_hits"]
                                if "mm_cache_queries" in counters and "mm_cache_hits" in counters else None),
             "timing_s": dict(answer.get("timing_s") or {})}
-
-
-def wait_for_server(url: str, wait_s: float, poll_s: float = 2.0) -> dict:
-    """Poll /health until the server answers or `wait_s` seconds pass (then a ServerError saying what to do)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return call(url, "/health", timeout=min(10.0, max(1.0, wait_s)), what="a health check")
-        except ServerError as e:
-            if time.monotonic() + poll_s > deadline:
-                raise ServerError(f"{e} (waited {wait_s:g} s: rollout.vllm_wait_s)") from None
-            time.sleep(poll_s)
 
 
 # ---- model facts (the same rules as HFEngine) ----------------------------------------------------------------------

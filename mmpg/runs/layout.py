@@ -8,7 +8,13 @@ and record); a reader refuses a version newer than its own and says to upgrade m
                                      "command": [argv...], "kind": "grpo" | "sft" | "eval",
                                      "parameters": {"trainable": n, "total": n, "text": "trainable parameters: ...",
                                                     "lora": {"r", "alpha", "dropout", "modules"} | null},
-                                     "device": "cuda" | "cpu", "devices": world size (training runs)}
+                                     "device": "cuda" | "cpu", "devices": world size (training runs),
+                                     "peak_memory": what perf/peak_memory_mb is (training runs,
+                                               mmpg.train.peak_memory): {"measure": "cuda.max_memory_allocated" |
+                                               "cpu.rss_above_baseline" | "cpu.ru_maxrss", "from_step": first step
+                                               it holds for; CPU: "baseline_mb", "high_water", "mmap_threshold"},
+                                     "model": {"path": model.path as given, "folder": what was loaded,
+                                               "repo_id": hub id | null, "revision": commit | null}}
                                                                             written once, atomically
       config.yaml                   the resolved config, as YAML text (rewritten atomically at every start)
       metrics.jsonl                 one line per training step:

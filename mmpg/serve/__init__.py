@@ -10,6 +10,7 @@ and the trainer talks to it over HTTP on 127.0.0.1, as TRL's `trl vllm-serve` do
                                      collective_rpc: every worker loads them into its model; prefix cache reset
                                   --GET /health-->     instance id, weight version, max_model_len, checkpoint, wire
 
-This package imports nothing of mmpg beyond itself (the server's venv has mmpg installed without dependencies), and
-`wire` imports no vllm, so the trainer can use it too.
+This package imports nothing of mmpg beyond itself, `mmpg.errors` and `mmpg.models.hub` (the standard library and
+huggingface_hub only: the server resolves a hub id as the trainer does; the server's venv has mmpg installed without
+dependencies), and `wire` imports no vllm, so the trainer can use it too.
 """

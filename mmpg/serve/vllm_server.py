@@ -345,7 +345,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `mmpg vllm-serve` (also parsed by mmpg.cli, which hands them over unchanged)."""
-    p.add_argument("--checkpoint", required=True, help="HF checkpoint folder (the trainer's model.path)")
+    p.add_argument("--checkpoint", required=True, help="HF checkpoint folder or hub id (the trainer's model.path; a "
+                   "hub id is downloaded into the Hugging Face cache on first use)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-model-len", type=int, default=8192, help="most prompt + response tokens per sequence")
@@ -367,9 +368,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[mmpg vllm-serve] %(message)s")
-    if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
-        print(f"mmpg vllm-serve: error: {args.checkpoint} holds no config.json; give the trainer's model.path",
-              file=sys.stderr)
+    from mmpg.errors import UserError
+    from mmpg.models.hub import resolve_model
+
+    try:  # a folder, or a hub id: its snapshot in the Hugging Face cache, downloaded first where it is missing
+        args.checkpoint = resolve_model(args.checkpoint).folder
+    except UserError as err:
+        print(f"mmpg vllm-serve: error: {err}", file=sys.stderr)
         return 2
     import torch
 

@@ -17,6 +17,7 @@ from mmpg.models.lora import trainable_summary
 from mmpg.runs import METRICS_JSONL, RUN_JSON, TRAIN_LOG, RunWriter
 from mmpg import choices, dist
 from mmpg.train.checkpoint import find_resume, load_checkpoint
+from mmpg.train import peak_memory
 from mmpg.train.engine import build_engine, prepare_deepspeed_env, resolve_device, resolve_dtype_name
 
 log = logging.getLogger("mmpg.train")
@@ -148,6 +149,8 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     dist.set_sequence_parallel(sp)  # groups of sp consecutive ranks share each packed row
     run_dir = _run_dir(cfg)
     resume = resume_point(cfg.checkpoint.resume, run_dir)
+    model_record = same_model_everywhere(cfg)
+    memory = peak_memory.start(device)  # before the model: perf/peak_memory_mb on a CPU counts from here
     model, processor = load_models(cfg, device, dtype)
     family = model_family(model)
     params = trainable_summary(model)  # before DeepSpeed partitions anything
@@ -166,7 +169,7 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     config_yaml = f"{to_yaml(cfg)}# {params['text']}\n"  # the count as a comment: YAML readers skip it
     writer.start(config_yaml, kind=kind, command=command, resume_step=start if resume is not None else None,
                  extra={"parameters": params, "sequence_parallel_size": sp, "device": device,
-                        "devices": world})
+                        "devices": world, "peak_memory": {**memory, "from_step": start + 1}, "model": model_record})
     _setup_logging(run_dir, rank)
     if rank == 0:
         print(f"[mmpg] resolved config ({kind}):\n{config_yaml}", flush=True)
@@ -181,12 +184,33 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
                    sp=sp, start_step=start, state=state)
 
 
+def same_model_everywhere(cfg) -> dict:
+    """run.json's "model" (`mmpg.models.hub.ResolvedModel.record`: model.path, its folder, hub id and commit). A hub
+    id resolves to each node's cached revision: every rank must have the same one, or the ranks would train
+    different weights; one line names them."""
+    from mmpg.models.hub import hub_command, identify
+
+    found = identify(cfg.model.path)
+    revisions = dist.gather_objects(found.revision)
+    if len(set(revisions)) > 1:
+        where = ", ".join(f"{r} on rank {revisions.index(r)}" for r in dict.fromkeys(revisions))
+        fetch = hub_command(f"download {found.repo_id or cfg.model.path} --revision {revisions[0]}")
+        raise UserError(f"model.path {cfg.model.path} resolves to different revisions ({where}): the nodes' "
+                        f"Hugging Face caches differ; run `{fetch}` on every node, or share one cache (HF_HOME)")
+    return found.record()
+
+
 def _model_config(cfg) -> dict | None:
-    """model.path's config.json (nothing loaded), or None when it cannot be read (loading then says why)."""
+    """model.path's config.json (nothing loaded; a hub id's from its snapshot, downloaded first where needed), or None
+    when it cannot be read (loading then says why)."""
     import json
 
+    from mmpg.models.hub import is_hub_id, local_folder
+
+    path = cfg.model.path
+    folder = Path(local_folder(path)) if is_hub_id(path) else Path(path).expanduser()
     try:
-        return json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+        return json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return None
 
@@ -219,13 +243,7 @@ def check_sequence_parallel(cfg, world: int) -> int:
 def check_video_budget(cfg) -> None:
     """The frame and pixel budgets (data.*) checked against the model's patch size (read from model.path's
     config.json, nothing loaded): one line naming the keys and the range, before any video is touched."""
-    import json
-
-    config = Path(cfg.model.path).expanduser() / "config.json"
-    try:
-        family = json.loads(config.read_text()).get("model_type")
-    except (OSError, ValueError):
-        return  # loading the model says what is wrong with it
+    family = (_model_config(cfg) or {}).get("model_type")
     if family not in ("qwen2_5_vl", "qwen3_vl"):
         return
     problem = video_spec(cfg, family).budget_problem("data.")
