@@ -184,3 +184,12 @@ class GroupLayout:
         same_group = group[None, :] == group[:, None]
         visible_key = (resp[None, :] == -1) | (resp[None, :] == resp[:, None])
         return causal & same_group & visible_key
+
+
+def pick_rows(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """hidden[index] ([n, H] of [T, H]), whose backward is the same in every run. `index` names a row more than once
+    (the last prefix token predicts the first token of each of its G responses), so the backward adds several
+    gradients into one row: on a CPU the backward of `hidden[index]` (`index_put_` with accumulate) adds them with
+    atomic adds from all threads in whatever order they come, and two runs of one seed part by ~1e-7; `index_select`'s
+    (`index_add_`) adds them in index order. On CUDA it is the other way round (torch's notes on reproducibility)."""
+    return hidden.index_select(0, index) if hidden.device.type == "cpu" else hidden[index]

@@ -22,7 +22,7 @@ from mmpg.grouping.inputs import (
     select_prompts, split_visuals_per_prompt,
 )
 from mmpg.grouping.backends import compute_dtype, resolve_backend
-from mmpg.grouping.layout import GroupLayout
+from mmpg.grouping.layout import GroupLayout, pick_rows
 from mmpg.grouping.patch import apply_grouped_attention, base_model, model_kind
 from mmpg.grouping.positions import use_qwen_positions
 from mmpg.grouping.sequence import (
@@ -152,8 +152,9 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     model._mmpg_row_tokens = layout.total
     hidden = packed_hidden_states(model, visual_inputs, packed_ids, packed_pos, layout)  # [T, H]
     # with device_map the last layer (and so `hidden`) may sit on another device than the embedding
-    flat = head_logprobs(model.get_output_embeddings(), hidden[layout.for_device(hidden.device).predictor_index],
-                         packed_ids[layout.target_index], temperature, chunk_size)  # [sum L_i]
+    predictors = pick_rows(hidden, layout.for_device(hidden.device).predictor_index)  # [sum L_i, H]
+    flat = head_logprobs(model.get_output_embeddings(), predictors, packed_ids[layout.target_index], temperature,
+                         chunk_size)  # [sum L_i]
     return _scatter_rows(flat, completions)
 
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mmpg.grouping.attention import LAYOUT_KWARG
+from mmpg.grouping.layout import pick_rows
 from mmpg.grouping.ulysses import check_heads
 
 _KINDS = (("image", "image_token_id", "pixel_values", "image_grid_thw", "get_image_features"),
@@ -239,6 +240,7 @@ def sharded_head_logprobs(head_fn, lm_head, hidden, layout, packed_ids, temperat
     targets = packed_ids[layout.target_index]
     own = (pred >= shard.lo) & (pred < shard.hi)
     calls = max(1, math.ceil(pred.numel() / chunk_size))
-    mine = head_fn(lm_head, hidden[pred[own] - shard.lo], targets[own.to(targets.device)], temperature, calls=calls)
+    mine = head_fn(lm_head, pick_rows(hidden, pred[own] - shard.lo), targets[own.to(targets.device)], temperature,
+                   calls=calls)
     flat = torch.zeros(pred.numel(), dtype=mine.dtype, device=mine.device).masked_scatter(own, mine)
     return _SumRanks.apply(flat, shard.group)
