@@ -127,6 +127,21 @@ def test_plan_filters_variants_and_overrides_sizes():
         cli.plan(_args("--levels", "kernel"))
 
 
+def test_the_docs_preset_plans_the_tables_of_docs_performance(capsys, tmp_path):
+    """`--preset docs-cpu` is the one command behind docs/performance.md's headline tables: the attention, model and
+    rollout rows at the cpu-targets shapes and the whole GRPO step; its JSON and header carry the date and commit."""
+    configs = cli.plan(_args("--preset", "docs-cpu"))
+    assert [(c["level"], c["P"], c["S"], c["G"]) for c in configs] == [
+        ("attention", 8192, 128, 16), ("model", 4096, 256, 8), ("rollout", 4096, 256, 8), ("step", 2048, 128, 8)]
+    assert configs[2]["variants"] == ["hf_generate", "mmpg:copy", "mmpg:cascade"]
+    assert cli.plan(_args("--preset", "docs-cpu", "--levels", "step")) == configs[3:]
+    out = tmp_path / "plan.json"
+    assert cli.run(_args("--preset", "docs-cpu", "--dry-run", "--out", str(out))) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["date"] and "commit" in meta
+    assert f"{meta['date']}, commit {meta['commit']}" in capsys.readouterr().out.splitlines()[0]
+
+
 def test_the_levels_table_finds_each_levels_setup():
     # the worker imports a level's module by the name in `levels.LEVELS`; a bad level or variant names the choices
     import importlib

@@ -10,6 +10,8 @@
                                                     S 32, 8 frames 112x112); --vllm adds it to any rollout config
     mmpg bench --preset cpu-targets --levels step      one whole GRPO step per phase: generate + repeated forward
                                                        vs shared-prefix rollout + grouped forward
+    mmpg bench --preset docs-cpu                    docs/performance.md's headline tables in one run (attention,
+                                                    model, rollout and step levels at the cpu-targets shapes)
     mmpg bench --levels async [--S 32 --G 12]       GRPO steps per hour on the vLLM engine, rollout/training overlap
                                                     (rollout.max_staleness 1) vs synchronous, trainer and server
                                                     pinned to one core each (mmpg.bench.overlap; its own table)
@@ -38,7 +40,7 @@ import itertools
 import sys
 
 from mmpg.bench.levels import LEVELS
-from mmpg.bench.presets import PRESETS, ROLLOUT_VARIANTS, build
+from mmpg.bench.presets import PRESET_LEVELS, PRESETS, ROLLOUT_VARIANTS, build
 from mmpg.errors import UserError
 
 
@@ -128,10 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan(args) -> list[dict]:
     """The configs to run: the preset, its levels, overrides and variant filter applied (duplicates dropped)."""
-    built = build(args.preset or DEFAULT_PRESET, args.family)
+    preset = args.preset or DEFAULT_PRESET
+    built = build(preset, args.family)
     own_rollout = any(c["level"] == "rollout" for c in built)  # else rollout rows reuse the model configs
     only = {c["level"] for c in built}
-    levels = args.levels or (list(only) if only in ({"rollout"}, {"step"}) else ["attention", "model"])
+    levels = args.levels or PRESET_LEVELS.get(preset) or (
+        list(only) if only in ({"rollout"}, {"step"}) else ["attention", "model"])
     unknown = set(levels) - set(LEVELS)
     if unknown:
         raise UserError(f"unknown bench level(s) {', '.join(sorted(unknown))}; choose from {', '.join(LEVELS)}")
@@ -231,7 +235,7 @@ def run(args) -> int:
     max_gb = args.max_gb if args.max_gb is not None else default_max_gb()
     out_path = args.out or tables.default_out_path()
     print(f"mmpg bench --preset {args.preset}: {len(configs)} configs, {rounds} rounds x {repeats} repeats "
-          f"(+{warmup} warm-up) per variant, on {env['device']}")
+          f"(+{warmup} warm-up) per variant, on {env['device']}, {env['date']}, commit {env['commit']}")
     for desc in dict.fromkeys(tables.describe_config(c) for c in configs):
         print(f"  {desc}")
     rows = []

@@ -13,6 +13,9 @@
                  of a Qwen2-VL-2B-sized model (LM hidden 1536, 28 layers, 12/2 heads; Qwen2.5-VL's vision tower
                  1280 × 32), random weights, bf16, gradient checkpointing, one video prompt of P ~8192, G 8, S 256
     tiny         seconds-long sizes for smoke tests
+    docs-cpu     the headline tables of docs/performance.md in one run: cpu-targets' attention and model rows, the
+                 rollout at the model row's shape (generate vs the copy and the cascade rollout) and the whole GRPO
+                 step (levels attention,model,rollout,step; about 15 min on 2 idle cores)
     rollout-cpu  the rollout target row alone (`--levels rollout` is implied): P 4096, S 256, G 8, text-only qwen2,
                  hidden 256, 4 layers, 4/2 heads, fp32: generate(num_return_sequences) vs the copy and the cascade
                  shared-prefix rollout (`mmpg.bench.rollout`)
@@ -126,7 +129,7 @@ def _gpu_backends() -> list[str]:
 
 def build(preset: str, family: str = "qwen2") -> list[dict]:
     """The configs of a preset. `family` picks the model-level family (VL families drop the upstream variant)."""
-    if preset == "cpu-targets":
+    if preset in ("cpu-targets", "docs-cpu"):
         return [attention(8192, 128, 16), model(4096, 256, 8, family), step(2048, 128, 8, family),
                 evaluation(2048, 32, family=family)]
     if preset == "cpu-grid":
@@ -166,6 +169,8 @@ def build(preset: str, family: str = "qwen2") -> list[dict]:
 
 
 PRESETS = {  # preset -> the CLI's default (rounds, repeats, warmup)
-    "cpu-targets": (2, 2, 1), "cpu-grid": (1, 2, 1), "gpu": (2, 3, 2), "tiny": (1, 1, 1),
+    "cpu-targets": (2, 2, 1), "docs-cpu": (2, 2, 1), "cpu-grid": (1, 2, 1), "gpu": (2, 3, 2), "tiny": (1, 1, 1),
     "rollout-cpu": (2, 2, 1), "sp-cpu": (1, 1, 1), "rollout-gpu": (1, 2, 1), "rollout-vllm-cpu": (2, 2, 1), "rollout-vllm-gpu": (1, 2, 1),
 }
+# the levels a preset runs without --levels, where they are not those its configs imply (`mmpg.bench.cli.plan`)
+PRESET_LEVELS = {"docs-cpu": ["attention", "model", "rollout", "step"]}

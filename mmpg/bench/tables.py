@@ -233,8 +233,10 @@ def describe_config(config: dict) -> str:
 
 
 def environment() -> dict:
+    """What a measured table states beside its figures: versions, device, threads, the date and the commit."""
     env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "date": datetime.date.today().isoformat(), "commit": source_commit()}
     try:
         import transformers
 
@@ -246,6 +248,22 @@ def environment() -> dict:
     else:
         env["device"] = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     return env
+
+
+def source_commit() -> str:
+    """The short commit of the mmpg checkout being measured, "+" when its files differ from it; "unknown" outside a
+    git checkout (an installed wheel)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+" if changed else "")
 
 
 def default_out_path(root: str = "runs/bench") -> str:
