@@ -15,8 +15,9 @@
 #     its wheel depends on cuda-toolkit 13.0.x), and flash-attn's source build refuses an nvcc of another major;
 #   * the host driver runs that CUDA: CUDA 13.0 needs driver 580 or newer. On an older driver torch sees no GPU;
 #     `mmpg doctor` then says so (driver's CUDA vs torch's) in its CUDA row. For such hosts build with
-#     --build-arg CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04 and a torch for CUDA 12.8 via
-#     --build-arg MMPG_TORCH="torch==2.14.1 torchvision==0.29.1 --index-url <a cu128 wheel index>";
+#     --build-arg CUDA_IMAGE=nvidia/cuda:12.6.3-cudnn-devel-ubuntu24.04 and torch 2.14.1's CUDA 12.6 build (drivers
+#     >= 525; torch 2.14 has no 12.8 build) via --build-arg MMPG_TORCH="torch==2.14.1+cu126 torchvision==0.29.1+cu126
+#     --index-url https://download.pytorch.org/whl/cu126" (docs/install.md, "torch for your driver");
 #   * flash-attn compiles the architectures in FLASH_ATTN_CUDA_ARCHS (it ignores TORCH_CUDA_ARCH_LIST; unset, it
 #     builds four): 80 = A100, 90 = H100/H200. Fewer architectures, shorter build.
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04

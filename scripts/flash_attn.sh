@@ -36,11 +36,17 @@ if [ "$mode" = auto ] && [ "$(head -1 "$stamp" 2>/dev/null)" = "$fingerprint" ];
 why_not=""  # why a build cannot work here (empty: try)
 if [ ${#wheels[@]} -eq 0 ]; then
   torch_cuda="$("$py" -c 'import torch; print(torch.version.cuda or "")')"
-  if [ -z "$torch_cuda" ]; then why_not="torch $torch_version is a CPU build"
+  # each reason says what would let it work: a toolkit of torch's CUDA major, or a wheel built for this torch
+  wheel="or put a flash_attn wheel built for torch $torch_version in wheels/"
+  if [ -z "$torch_cuda" ]; then why_not="torch $torch_version is a CPU build (scripts/env.sh installs a CUDA build"
+    why_not+=" for the NVIDIA driver unless MMPG_TORCH says otherwise)"
   elif [ "$gpus" = 0 ]; then why_not="no GPU visible (nvidia-smi -L lists none)"
-  elif [ -z "$nvcc" ]; then why_not="no nvcc to build it (PATH, CUDA_HOME) and no flash_attn wheel in wheels/"
+  elif [ -z "$nvcc" ]; then
+    why_not="no nvcc to build it (PATH, CUDA_HOME): install the CUDA ${torch_cuda%%.*}.x toolkit and set CUDA_HOME,"
+    why_not+=" $wheel"
   elif [ "${nvcc_cuda%%.*}" != "${torch_cuda%%.*}" ]; then
-    why_not="nvcc $nvcc_cuda ($nvcc) does not match torch's CUDA $torch_cuda"
+    why_not="nvcc $nvcc_cuda ($nvcc) does not match torch's CUDA $torch_cuda: install the CUDA ${torch_cuda%%.*}.x"
+    why_not+=" toolkit and set CUDA_HOME to it (nvcc and torch must share the CUDA major), $wheel"
   fi
 fi
 [ "$mode" = auto ] && [ -n "$why_not" ] && skip "$why_not"

@@ -20,20 +20,27 @@
 #              ZeRO-3 with CPU offload
 #   SP         ranks that share each packed row (parallel.sequence_parallel_size; long videos): divides the GPUs
 #              and the model's attention heads, e.g. SP=4 on 8 GPUs = 2 data-parallel groups of 4
-#   RESUME     auto (continue the run named by trainer.run_name from its latest checkpoint) or a checkpoint folder
+#   RESUME     auto: continue from the latest checkpoint of the run trainer.run_name names, or without a name of the
+#              newest run of this config and job under trainer.output_dir (one line names it, or says a new run
+#              starts: mmpg/train/resume.py); or a checkpoint folder
 #   VLLM       1: sample rollouts with vLLM (rollout.engine=vllm). This script starts `mmpg vllm-serve` on this node
 #              (scripts/vllm_serve.sh; .venv-vllm is made on first use), waits for it inside the trainer
 #              (rollout.vllm_wait_s), and stops it when training ends. One node only (the server binds 127.0.0.1).
-#   VLLM_GPUS  the server's own GPUs, e.g. VLLM_GPUS=7 with TRAIN_GPUS=0,1,2,3,4,5,6. Unset: colocated on the
+#   VLLM_GPUS  the server's own GPU, e.g. VLLM_GPUS=7: the trainer takes TRAIN_GPUS, else every other GPU (0-6 of 8:
+#              7 ranks, so data.batch_size=28, not the 7B config's 32, which 7 do not divide). Unset: colocated on the
 #              trainer's GPUs, the server taking VLLM_MEM of their memory (default 0.3; lower the training batch or
 #              use ZeRO-3 offload if the trainer runs short). Weights go to the server by file after each step;
 #              with VLLM_GPUS and VLLM_ARGS=--nccl by NCCL broadcast (colocated: by file, NCCL cannot share a GPU)
-#   TRAIN_GPUS the trainer's GPUs (deepspeed --include localhost:TRAIN_GPUS; instead of NUM_GPUS)
+#   TRAIN_GPUS the trainer's GPUs (deepspeed --include localhost:TRAIN_GPUS; instead of NUM_GPUS). The layout (ranks
+#              against data.batch_size, trainer.micro_batch_size, rollout.n, SP; VLLM_GPUS apart from these) is checked
+#              before anything starts: one line, exit 2, with the nearest batch sizes and rank counts that work
 #   VLLM_PORT  default 8000; VLLM_ARGS: more `mmpg vllm-serve` flags, e.g. "--dtype bfloat16"
 #   VLLM_MAX_LEN  the server's --max-model-len. Default: the config's longest prompt (frame cap, pixel budget,
 #              template, system prompt, a 128-token query) + rollout.max_new_tokens + 64, rounded up to a multiple of
 #              256, as `mmpg vllm-len --config CONFIG` prints it (8960 for configs/grounding_qwen25vl_7b.yaml); the
 #              trainer refuses a server below the config's need before the first step
+#   DRY_RUN    1: check the layout, resolve the config's model (from the cache only) and the server's length, print
+#              the command lines the launch would run, and start nothing
 # Tested on a CPU only (gloo, 2 processes: tests/test_launch_real.py, with the real launcher and vLLM server;
 # tests/test_train_launch.py checks the flags with stand-ins). UNTESTED on GPUs so far (NCCL, the vLLM knobs).
 set -euo pipefail
@@ -52,6 +59,14 @@ if [ "${FLASH_ATTN:-0}" = 0 ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU' \
 fi
 cd "$MMPG_ROOT"
 job="${MMPG_JOB:-train}"  # sft: scripts/sft_grounding.sh
+quoted() {  # a command line as a shell reads it back (only words that need it quoted)
+  local w out=()
+  for w in "$@"; do
+    if [[ "$w" =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then out+=("$w"); else out+=("$(printf '%q' "$w")"); fi
+  done
+  echo "${out[*]}"
+}
+dry_run() { echo "[mmpg] dry run (DRY_RUN=1), nothing started; the launch would run:"; printf '  %s\n' "$@"; exit 0; }
 config="configs/grounding_qwen25vl_7b.yaml"
 if [ $# -gt 0 ] && [[ "$1" != *=* ]]; then config="$1"; shift; fi
 args=(--config "$config")
@@ -71,10 +86,11 @@ if [ -n "${HOSTFILE:-}" ]; then
 fi
 [ -n "${MASTER_PORT:-}" ] && launcher+=(--master_port "$MASTER_PORT")
 [ -n "${NUM_GPUS:-}" ] && launcher+=(--num_gpus "$NUM_GPUS")
-if [ -n "${TRAIN_GPUS:-}" ]; then
-  [ -n "${NUM_GPUS:-}" ] && { echo "train_grounding.sh: set NUM_GPUS or TRAIN_GPUS, not both" >&2; exit 2; }
-  launcher+=(--include "localhost:$TRAIN_GPUS")
-fi
+# The GPU layout, checked before anything starts (mmpg/train/layout.py): the training ranks against data.batch_size,
+# the micro-batch, rollout.n and SP, VLLM_GPUS against the trainer's GPUs; one line and exit 2 naming the nearest
+# sizes that work. It prints the trainer's GPUs: TRAIN_GPUS, or with VLLM_GPUS alone the GPUs the server leaves.
+train_gpus="$(python -m mmpg.train.layout "$job" "${args[@]}" "$@")" || exit 2
+[ -n "$train_gpus" ] && launcher+=(--include "localhost:$train_gpus")
 if [ "${VLLM:-0}" = 1 ]; then
   [ "$job" = train ] || { echo "train_grounding.sh: VLLM=1 samples GRPO rollouts; mmpg $job has none" >&2; exit 2; }
   if [ -n "${HOSTFILE:-}" ]; then
@@ -86,7 +102,9 @@ if [ "${VLLM:-0}" = 1 ]; then
   model="$(mmpg train "${args[@]}" "$@" --get model.path)"
   # a hub id: its snapshot folder, downloaded here first if the cache lacks it (progress on this terminal); the
   # server loads that folder and the trainer finds the same revision in the cache
-  model="$(python -m mmpg.models.hub "$model")"
+  if [ "${DRY_RUN:-0}" = 1 ]; then  # a dry run downloads nothing: the cached snapshot, else the id as it is
+    model="$(HF_HUB_OFFLINE=1 python -m mmpg.models.hub "$model" 2>/dev/null || echo "$model")"
+  else model="$(python -m mmpg.models.hub "$model")"; fi
   serve=(--checkpoint "$model" --port "$port")
   if [ -z "${VLLM_GPUS:-}" ]; then serve+=(--gpu-memory-utilization "${VLLM_MEM:-0.3}"); fi
   # the server's length: the config's longest prompt + rollout.max_new_tokens + a margin (`mmpg vllm-len`, which
@@ -98,11 +116,15 @@ if [ "${VLLM:-0}" = 1 ]; then
   fi
   # shellcheck disable=SC2206
   serve+=(${VLLM_ARGS:-})
-  mkdir -p runs
   log="runs/vllm-serve-$port.log"
-  echo "[mmpg] starting the vLLM server on 127.0.0.1:$port for $model (GPUs ${VLLM_GPUS:-shared}; log $log)"
   server_cmd=(bash scripts/vllm_serve.sh)
   [ -n "${MMPG_VLLM_SERVE:-}" ] && server_cmd=("$MMPG_VLLM_SERVE")  # tests: a stand-in server
+  [ "${DRY_RUN:-0}" = 1 ] && dry_run \
+    "server:  ${VLLM_GPUS:+CUDA_VISIBLE_DEVICES=$VLLM_GPUS }setsid $(quoted "${server_cmd[@]}" "${serve[@]}") > $log" \
+    "trainer: $(quoted "${launcher[@]}" --module mmpg.cli train "${args[@]}" "$@" rollout.engine=vllm \
+                "rollout.vllm_url=http://127.0.0.1:$port")"
+  mkdir -p runs
+  echo "[mmpg] starting the vLLM server on 127.0.0.1:$port for $model (GPUs ${VLLM_GPUS:-shared}; log $log)"
   # its own process group (setsid), so stopping it also stops the engine processes vLLM spawns
   ( [ -n "${VLLM_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES="$VLLM_GPUS"
     exec setsid "${server_cmd[@]}" "${serve[@]}" ) >"$log" 2>&1 &
@@ -116,4 +138,5 @@ if [ "${VLLM:-0}" = 1 ]; then
 fi
 # The launcher starts one process per GPU (or NUM_GPUS on a CPU) as `python -m mmpg.cli --local_rank=N train ...`;
 # each joins the process group (NCCL, gloo on CPUs) the launcher set up.
+[ "${DRY_RUN:-0}" = 1 ] && dry_run "trainer: $(quoted "${launcher[@]}" --module mmpg.cli "$job" "${args[@]}" "$@")"
 exec "${launcher[@]}" --module mmpg.cli "$job" "${args[@]}" "$@"

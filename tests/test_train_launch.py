@@ -54,10 +54,10 @@ def test_colocated_server_gets_the_model_and_stops_with_training(tmp_path):
 
 
 def test_own_gpus_port_and_extra_flags(tmp_path):
-    res, trainer, (server, gpus), _ = _run(tmp_path, {"VLLM_GPUS": "3", "TRAIN_GPUS": "0,1,2", "VLLM_PORT": "8123",
+    res, trainer, (server, gpus), _ = _run(tmp_path, {"VLLM_GPUS": "3", "TRAIN_GPUS": "0,1", "VLLM_PORT": "8123",
                                                       "VLLM_ARGS": "--max-model-len 16384"})
     assert res.returncode == 0, res.stderr
-    assert trainer.startswith("--include localhost:0,1,2 --module mmpg.cli train")
+    assert trainer.startswith("--include localhost:0,1 --module mmpg.cli train")
     assert trainer.endswith("rollout.vllm_url=http://127.0.0.1:8123")
     assert server == "--checkpoint /models/q25 --port 8123 --max-model-len 16384" and gpus == "3"
 
@@ -65,8 +65,8 @@ def test_own_gpus_port_and_extra_flags(tmp_path):
 @pytest.mark.parametrize("env, message", [({"HOSTFILE": "hosts"}, "one node"),
                                           ({"NUM_GPUS": "2", "TRAIN_GPUS": "0"}, "not both")])
 def test_refusals(tmp_path, env, message):
-    if "HOSTFILE" in env:  # two nodes
-        (tmp_path / env["HOSTFILE"]).write_text("node1 slots=8\nnode2 slots=8\n")
+    if "HOSTFILE" in env:  # two nodes (8 ranks: the config's 8 prompts divide over them)
+        (tmp_path / env["HOSTFILE"]).write_text("node1 slots=4\nnode2 slots=4\n")
         env = {"HOSTFILE": str(tmp_path / env["HOSTFILE"])}
     res, trainer, (server, _), _ = _run(tmp_path, env)
     assert res.returncode == 2 and message in res.stderr
@@ -125,7 +125,7 @@ def test_the_long_video_config_loads_and_fits_its_heads():
 
 
 @pytest.mark.parametrize("hosts, local", [("localhost slots=2", True), ("# this machine\n127.0.0.1 slots=2\n", True),
-                                          ("node1 slots=8\nnode2 slots=8", False),
+                                          ("node1 slots=4\nnode2 slots=4", False),
                                           ("localhost slots=2\nnode2 slots=2", False)])
 def test_a_hostfile_of_this_machine_alone_skips_deepspeeds_ssh(tmp_path, hosts, local):
     """DeepSpeed runs `ssh HOST hostname` for any hostfile (and `ssh HOST hostname -I` for the master address): with
