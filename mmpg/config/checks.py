@@ -20,6 +20,7 @@ CHOICES = {
     "algorithm.self_check": ("on", "warn", "off"),
     "algorithm.scale_rewards": ("group", "batch", "none"),
     "optim.scheduler": ("constant", "cosine"),
+    "checkpoint.optimizer_state": ("last", "all", "none"),  # mmpg.train.checkpoint.OPTIMIZER_STATE
     "trainer.device": ("auto", "cpu", "cuda"),
     "data.template": ("time_r1", "time_r1_frames", "answer_only"),
     # mmpg.data.formats.FORMAT_CHOICES (tests/test_config.py keeps the two equal)

@@ -219,7 +219,8 @@ class TrainerConfig:
                                "whole inside a micro-batch, as the grouped forward needs).")
     seed: int = _f(0, "Seeds data order, sampling and initialisation.")
     output_dir: str = _f("runs", "Where run directories are created.")
-    run_name: str = _f("", "Run directory name under output_dir (empty: a time stamp).")
+    run_name: str = _f("", "Run directory name under output_dir (empty: a time stamp; with checkpoint.resume=auto, "
+                       "the newest run of the same --config and job that has a checkpoint).")
     device: str = _f("auto", "auto (cuda when available), cpu or cuda.")
 
 
@@ -258,7 +259,14 @@ class LoggingConfig:
 class CheckpointConfig:
     every_n_steps: int = _f(50, "Save a checkpoint every N steps (and at the end; 0: only at the end).")
     keep_last: int = _f(2, "Keep the newest K checkpoints (0: keep all).")
-    resume: str = _f("", "'auto' (latest complete checkpoint of this run, if any), a checkpoint folder, or empty.")
+    optimizer_state: str = _f("last", "Which checkpoints keep the optimizer state (AdamW moments + fp32 master "
+                              "copy, 12 bytes per trained parameter; deepspeed/): last (the newest, so a resume "
+                              "continues exactly; older kept ones become weights-only once a newer one is "
+                              "complete), all, or none (weights only: a resume restarts AdamW's moments, and says "
+                              "so). `mmpg plan` prints the sizes and the disk a run needs.")
+    resume: str = _f("", "'auto' (the latest complete checkpoint of the run trainer.run_name names; without a name, "
+                     "of the newest run of the same --config and job under trainer.output_dir, named in one "
+                     "line), a checkpoint folder, or empty.")
 
 
 @dataclass

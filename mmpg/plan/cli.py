@@ -89,6 +89,10 @@ def render(p: dict, where: str) -> str:
         lines.append(f"  {'fits' if row['fits'] else 'no  '}  {_gb(row['peak_bytes'])}  {row['change']}")
     if p["what_fits"]:
         lines.insert(-len(p["what_fits"]), "what would make it fit (each change alone, cheapest first):")
+    if p.get("disk"):
+        from mmpg.plan.disk import render_disk
+
+        lines += render_disk(p["disk"], p["zero"], p["devices"])
     if p.get("note"):
         lines.append(p["note"])
     return "\n".join(lines)

@@ -32,6 +32,9 @@ def plan(cfg, gpus: int, device: str, memory: float, hw, video=None, prompt=None
            "assumed": {"mfu": hw.mfu, "bw_util": hw.bw_util, "tflops": hw.tflops, "bandwidth_tbs": hw.bandwidth_tbs,
                        "usable_fraction": USABLE if device == "cuda" else 1.0},
            "what_fits": [] if mem["peak_bytes"] <= budget else what_fits(r, budget)}
+    from mmpg.plan.disk import disk_plan
+
+    out["disk"] = disk_plan(cfg, r, device)  # a checkpoint's size and what the run's checkpoints need
     if cfg.rollout.engine == "vllm":
         out["note"] = ("rollout.engine=vllm: the rollout's K/V lives in the vLLM server's own memory "
                        "(its gpu_memory_utilization), not counted here")

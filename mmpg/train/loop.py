@@ -116,7 +116,7 @@ def run_loop(job, session) -> None:
                     log.info("eval at step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
             if step == total or (every_ckpt > 0 and step % every_ckpt == 0):
                 path = save_checkpoint(session.run_dir, step, session.engine, session.processor,
-                                       job.trainer_state(), cfg.checkpoint.keep_last)
+                                       job.trainer_state(), cfg.checkpoint.keep_last, cfg.checkpoint.optimizer_state)
                 if session.rank == 0:
                     log.info("checkpoint %s", path)
     except BaseException as err:

@@ -43,8 +43,14 @@ class Session:
     state: dict = dataclasses.field(default_factory=dict)  # trainer state of the resumed checkpoint
 
 
-def _run_dir(cfg) -> Path:
-    name = cfg.trainer.run_name or time.strftime("%Y%m%d-%H%M%S")
+def _run_dir(cfg, kind: str, command: list[str]) -> Path:
+    name = cfg.trainer.run_name
+    if not name and cfg.checkpoint.resume == "auto" and dist.rank() == 0:  # the newest run of this config, said so
+        from mmpg.train.resume import run_to_continue
+
+        name, line = run_to_continue(cfg.trainer.output_dir, kind, command)
+        print(f"[mmpg] {line}", file=sys.stderr, flush=True)
+    name = name or time.strftime("%Y%m%d-%H%M%S")
     name = dist.gather_objects(name)[0]  # every rank uses rank 0's name (time stamps may differ)
     return Path(cfg.trainer.output_dir) / name
 
@@ -116,18 +122,22 @@ def record_grouped_backend(model, device: str) -> str:
     return chosen
 
 
-def load_models(cfg, device: str, dtype: str):
+def load_models(cfg, device: str, dtype: str, resume: Path | None = None):
+    """Policy and processor; a resume from a weights-only checkpoint loads the policy's weights from it."""
     from mmpg.models.loading import load_policy, load_processor
+    from mmpg.train.checkpoint import adopt_weights, policy_weights
 
     folder = Path(cfg.model.path).expanduser()
     if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
         raise UserError(f"model.path: {cfg.model.path} is a LoRA adapter checkpoint, not a model; merge it into "
                         "its base first (mmpg export), or train from its base with model.lora")
     processor = load_processor(cfg.model.path)
-    model = load_policy(cfg.model.path, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
+    weights, adapter = policy_weights(cfg.model.path, resume)
+    model = load_policy(weights, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
                         gradient_checkpointing=cfg.model.gradient_checkpointing,
                         freeze_vision=cfg.model.freeze_vision, device=device, lora=cfg.model.lora,
                         seed=cfg.trainer.seed)
+    adopt_weights(model, resume, adapter)
     return model, processor
 
 
@@ -147,11 +157,11 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     rank, world = dist.init(device, cfg.deepspeed.timeout_minutes)
     sp = cfg.parallel.sequence_parallel_size
     dist.set_sequence_parallel(sp)  # groups of sp consecutive ranks share each packed row
-    run_dir = _run_dir(cfg)
+    run_dir = _run_dir(cfg, kind, command)
     resume = resume_point(cfg.checkpoint.resume, run_dir)
     model_record = same_model_everywhere(cfg)
     memory = peak_memory.start(device)  # before the model: perf/peak_memory_mb on a CPU counts from here
-    model, processor = load_models(cfg, device, dtype)
+    model, processor = load_models(cfg, device, dtype, resume)
     family = model_family(model)
     params = trainable_summary(model)  # before DeepSpeed partitions anything
     grouping_options(model, cfg)
