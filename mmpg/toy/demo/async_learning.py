@@ -97,14 +97,18 @@ def table(out: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="async_learning", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=WORKDIR, help="the demo's workdir (its model, videos and runs)")
     parser.add_argument("--grpo-steps", type=int, default=PRESETS["quick"].grpo_steps, help="GRPO steps per arm")
     parser.add_argument("--sft-steps", type=int, default=PRESETS["quick"].sft_steps)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft-checkpoint", default=None, help="start both arms from this checkpoint (no SFT run)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return run(args.workdir, args.grpo_steps, args.seed, args.sft_steps, args.sft_checkpoint)
     except UserError as err:
