@@ -52,7 +52,8 @@ SCRIPTS = {
 }
 # programs outside mmpg a page shows, and why no test runs them
 EXTERNAL = {
-    "curl": "downloads a paper's prompt file; tests/test_eval_commands.py holds the URLs pinned to the protocols",
+    "curl": ("downloads a paper's prompt file (tests/test_eval_commands.py holds those URLs pinned to the protocols) "
+             "or a public annotation file (tests/test_data_docs.py holds its checksum against the real copy)"),
     "pip": "the package installer (scripts/env.sh is what the tests run)",
     "docker": "builds and runs the image; the image's commands are mmpg's, checked here",
     "ssh": "a port forward to a remote machine",

@@ -36,6 +36,9 @@ KINDS = {  # kind -> title, in report order
 SKIPS = ("malformed", "missing_video", "unreadable_video", "bad_number", "start_ge_end", "outside_duration")
 NOTES = {"clamped": "ends past the duration (kept, clamped for training)"}  # kind -> title; not problems
 MAX_LISTED = 20  # problems (and notes) listed per kind in the text report
+# A stated duration may differ from the video file's by max(1 s, 5 % of the file's) before it is reported: containers
+# round their durations, and re-encoded copies gain or lose a frame or two.
+DURATION_GAP_S, DURATION_GAP_FRACTION = 1.0, 0.05
 
 
 @dataclasses.dataclass
@@ -104,7 +107,7 @@ def _sample_problems(sample: GroundingSample, video_duration: float | None) -> t
                     f"duration ({duration:g} s); trained on {span[0]:g}-{span[1]:g} s", over)
     if sample.duration is not None and video_duration is not None:
         gap = abs(sample.duration - video_duration)
-        if gap > max(1.0, 0.05 * video_duration):
+        if gap > max(DURATION_GAP_S, DURATION_GAP_FRACTION * video_duration):
             out.append(Problem("duration_mismatch", sample.where, f"annotation says {sample.duration:g} s, "
                                f"{sample.video} lasts {video_duration:.2f} s"))
     lo = sample.clip_start if sample.clip_start is not None else 0.0
