@@ -1,7 +1,10 @@
 """Process-group set-up and the few collectives that training and evaluation share (gloo on CPU, NCCL on GPUs).
 
 One process (no launcher) is a world of size 1 and every helper is then a no-op. Under `torchrun` or the `deepspeed`
-launcher the usual RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR variables are read by `init`.
+launcher the usual RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR variables are read by `init`. DeepSpeed's MPI and Slurm
+launchers (scripts/train_grounding.sh's LAUNCHER=openmpi, mvapich, slurm) start each process with mpirun or srun and
+set none of them: `adopt_launcher_ranks` takes the rank, world size and local rank from the launcher's own variables
+(MASTER_ADDR / MASTER_PORT from the launch script), so such a world is never W worlds of one process.
 
 Sequence parallelism (`set_sequence_parallel`): the world of W = dp x sp ranks is cut into dp groups of sp
 consecutive ranks. The ranks of one sequence-parallel group hold the same samples and share each packed row
@@ -23,8 +26,37 @@ import torch
 import torch.distributed as dist
 
 
+# (launcher, rank, world size, local rank) variables of the launchers that set no RANK / WORLD_SIZE / LOCAL_RANK.
+# Slurm: SLURM_STEP_NUM_TASKS, which only a task of srun has (a batch script's own SLURM_NTASKS is not a world).
+LAUNCHER_RANKS = (("Open MPI (mpirun)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+                  ("MVAPICH (mpirun)", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"),
+                  ("Slurm (srun)", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"))
+
+
+def adopt_launcher_ranks(env=None) -> str | None:
+    """Set RANK / WORLD_SIZE / LOCAL_RANK in `env` (default os.environ) from an MPI or srun launch of several
+    processes that set none of them; returns the launcher's name, or None when there is nothing to adopt (a
+    torchrun / DeepSpeed launch, one process). Raises UserError when MASTER_ADDR or MASTER_PORT is missing."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return None
+    for name, rank_key, size_key, local_key in LAUNCHER_RANKS:
+        if all(env.get(k, "").isdigit() for k in (rank_key, size_key, local_key)) and int(env[size_key]) > 1:
+            missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+            if missing:
+                from mmpg.errors import UserError
+
+                raise UserError(f"started by {name} as rank {env[rank_key]} of {env[size_key]} without "
+                                f"{' or '.join(missing)}: set them in every process's environment (the first node's "
+                                "address and a free port; scripts/train_grounding.sh does with HOSTFILE and LAUNCHER)")
+            env.update(RANK=env[rank_key], WORLD_SIZE=env[size_key], LOCAL_RANK=env[local_key])
+            return name
+    return None
+
+
 def init(device: str, timeout_minutes: int = 30) -> tuple[int, int]:
     """Join the process group when launched with several processes. Returns (rank, world_size)."""
+    adopt_launcher_ranks()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if dist.is_initialized():
         return rank(), world_size()

@@ -9,8 +9,16 @@
 #   CONFIG     default configs/grounding_qwen25vl_7b.yaml (first argument wins). Its model.path may be a hub id
 #              (Qwen/Qwen2.5-VL-7B-Instruct): downloaded into the Hugging Face cache (HF_HOME) on first use, once a node
 #   NUM_GPUS   processes per node: GPUs (default: all visible), or CPU processes on a machine without GPUs
-#   HOSTFILE   DeepSpeed hostfile ("host slots=8" per line); every node needs the repo, the data and passwordless ssh.
-#              One that names only this machine (localhost, 127.0.0.1 or its hostname) needs no ssh
+#   HOSTFILE   DeepSpeed hostfile ("host slots=8" per line); every node needs the repo and the data at the same path.
+#              One that names only this machine (localhost, 127.0.0.1 or its hostname) needs no ssh. Several nodes
+#              are started by LAUNCHER from this one, or by a launch on each node with NODE_RANK
+#              (mmpg/train/launcher.py)
+#   LAUNCHER   how DeepSpeed starts the other nodes: pdsh (the default, DeepSpeed's: pdsh and passwordless ssh),
+#              openmpi, mvapich, mpich, impi (mpirun) or slurm (srun, inside an allocation); a missing program is one
+#              line naming what to install. LAUNCHER_ARGS: more flags for it (e.g. "--mca btl_tcp_if_include ib0")
+#   NODE_RANK  this node's line of HOSTFILE (or auto): run this script on every node, no ssh between them (what
+#              scripts/slurm/train_grounding.sbatch does under srun)
+#   MASTER_ADDR  the first node's address, as the others reach it (default: HOSTFILE's first host; pdsh asks it)
 #   MASTER_PORT  the rendezvous port (default 29500); set it to run two jobs on one machine
 #   FLASH_ATTN 1: install flash-attn first where it can work (a wheel in wheels/, else a source build: minutes to an
 #              hour; scripts/flash_attn.sh), else one line and sdpa; must: required (a failed build stops the launch).
@@ -25,7 +33,13 @@
 #              starts: mmpg/train/resume.py); or a checkpoint folder
 #   VLLM       1: sample rollouts with vLLM (rollout.engine=vllm). This script starts `mmpg vllm-serve` on this node
 #              (scripts/vllm_serve.sh; .venv-vllm is made on first use), waits for it inside the trainer
-#              (rollout.vllm_wait_s), and stops it when training ends. One node only (the server binds 127.0.0.1).
+#              (rollout.vllm_wait_s), and stops it when training ends; on 127.0.0.1, so one node only, unless
+#              VLLM_URL names a server started elsewhere. serve: start only the server for this config (its model
+#              and length, VLLM_HOST, VLLM_PORT, VLLM_GPUS, VLLM_ARGS), in the foreground, for VLLM_URL elsewhere
+#   VLLM_URL   http://HOST:PORT of a server started elsewhere (its own node: VLLM=serve there): none is started
+#              here, the trainer of any number of nodes samples from it. MMPG_VLLM_TOKEN: the server's shared token,
+#              sent by every trainer rank (a server off 127.0.0.1 needs one)
+#   VLLM_HOST  the address the server binds (default 127.0.0.1): this node's name on the job's network for VLLM_URL
 #   VLLM_GPUS  the server's own GPU, e.g. VLLM_GPUS=7: the trainer takes TRAIN_GPUS, else every other GPU (0-6 of 8:
 #              7 ranks, so data.batch_size=28, not the 7B config's 32, which 7 do not divide). Unset: colocated on the
 #              trainer's GPUs, the server taking VLLM_MEM of their memory (default 0.3; lower the training batch or
@@ -42,7 +56,9 @@
 #   DRY_RUN    1: check the layout, resolve the config's model (from the cache only) and the server's length, print
 #              the command lines the launch would run, and start nothing
 # Tested on a CPU only (gloo, 2 processes: tests/test_launch_real.py, with the real launcher and vLLM server;
-# tests/test_train_launch.py checks the flags with stand-ins). UNTESTED on GPUs so far (NCCL, the vLLM knobs).
+# tests/test_train_launch.py checks the flags with stand-ins; LAUNCHER, NODE_RANK, VLLM_URL and VLLM=serve:
+# tests/test_multinode_launch.py, test_slurm.py, test_vllm_remote.py). UNTESTED on GPUs and clusters so far (NCCL,
+# the vLLM knobs, several machines).
 set -euo pipefail
 case "${FLASH_ATTN:-0}" in  # flash-attn is never compiled by a launch unless asked
   0) extras="${MMPG_EXTRAS:-dev}" ;;
@@ -73,40 +89,41 @@ args=(--config "$config")
 [ -n "${ZERO:-}" ] && args+=("deepspeed.config=configs/deepspeed/zero${ZERO}.json")
 [ -n "${SP:-}" ] && args+=("parallel.sequence_parallel_size=$SP")
 [ -n "${RESUME:-}" ] && args+=(--resume "$RESUME")
-launcher=("${MMPG_DEEPSPEED:-deepspeed}")
-if [ -n "${HOSTFILE:-}" ]; then
-  [ -f "$HOSTFILE" ] || { echo "train_grounding.sh: HOSTFILE=$HOSTFILE: no such file" >&2; exit 2; }
-  launcher+=(--hostfile "$HOSTFILE")
-  # DeepSpeed checks every hostfile with `ssh HOST hostname` and asks it for the master address; for this machine
-  # alone (the multi-node path on one node) neither is needed, and without an ssh server both fail.
-  hosts="$(awk '$1 !~ /^#/ && NF {print $1}' "$HOSTFILE" | sort -u)"
-  if [[ "$hosts" =~ ^(localhost|127\.0\.0\.1|$(hostname))$ ]]; then
-    launcher+=(--no_ssh_check --master_addr 127.0.0.1)
-  fi
-fi
-[ -n "${MASTER_PORT:-}" ] && launcher+=(--master_port "$MASTER_PORT")
-[ -n "${NUM_GPUS:-}" ] && launcher+=(--num_gpus "$NUM_GPUS")
-# The GPU layout, checked before anything starts (mmpg/train/layout.py): the training ranks against data.batch_size,
-# the micro-batch, rollout.n and SP, VLLM_GPUS against the trainer's GPUs; one line and exit 2 naming the nearest
-# sizes that work. It prints the trainer's GPUs: TRAIN_GPUS, or with VLLM_GPUS alone the GPUs the server leaves.
-train_gpus="$(python -m mmpg.train.layout "$job" "${args[@]}" "$@")" || exit 2
-[ -n "$train_gpus" ] && launcher+=(--include "localhost:$train_gpus")
-if [ "${VLLM:-0}" = 1 ]; then
-  [ "$job" = train ] || { echo "train_grounding.sh: VLLM=1 samples GRPO rollouts; mmpg $job has none" >&2; exit 2; }
-  if [ -n "${HOSTFILE:-}" ]; then
-    echo "train_grounding.sh: VLLM=1 runs on one node (the server binds 127.0.0.1); start \`mmpg vllm-serve\` yourself" \
-         "for several nodes and pass rollout.engine=vllm rollout.vllm_url=..." >&2
+case "${VLLM:-0}" in
+  0) [ -z "${VLLM_URL:-}" ] || { echo "train_grounding.sh: VLLM_URL is the server of VLLM=1: set VLLM=1 too" >&2
+                                  exit 2; } ;;
+  1|serve) [ "$job" = train ] || { echo "train_grounding.sh: VLLM=$VLLM samples GRPO rollouts; mmpg $job has none" >&2
+                                   exit 2; } ;;
+  *) echo "train_grounding.sh: VLLM=$VLLM: use 1 (rollouts by vLLM) or serve (start only its server)" >&2; exit 2 ;;
+esac
+if [ "${VLLM:-0}" = 1 ] && [ -n "${VLLM_URL:-}" ]; then  # the knobs of a server this script starts have no say
+  told=""
+  for knob in VLLM_GPUS VLLM_HOST VLLM_PORT VLLM_ARGS; do  # (its length is checked by the trainer, at /health)
+    [ -n "${!knob:-}" ] && told+=" $knob"
+  done
+  if [ -n "$told" ]; then
+    echo "train_grounding.sh: VLLM_URL=$VLLM_URL names a server started elsewhere;$told set(s) up one this script" \
+         "starts: unset them (or VLLM_URL)" >&2
     exit 2
   fi
-  port="${VLLM_PORT:-8000}"
+elif [ "${VLLM:-0}" = 1 ] && [ -n "${HOSTFILE:-}" ]; then
+  echo "train_grounding.sh: VLLM=1 with a HOSTFILE: the server it starts binds 127.0.0.1, for one node only; start" \
+       "it on a node of its own (VLLM=serve VLLM_HOST=NAME there) and set VLLM_URL=http://NAME:PORT" \
+       "(docs/rollouts.md#a-server-on-its-own-node)" >&2
+  exit 2
+fi
+server_args() {  # the server's flags (serve) and program (server_cmd) for this config
+  local model max_len
   model="$(mmpg train "${args[@]}" "$@" --get model.path)"
   # a hub id: its snapshot folder, downloaded here first if the cache lacks it (progress on this terminal); the
   # server loads that folder and the trainer finds the same revision in the cache
   if [ "${DRY_RUN:-0}" = 1 ]; then  # a dry run downloads nothing: the cached snapshot, else the id as it is
     model="$(HF_HUB_OFFLINE=1 python -m mmpg.models.hub "$model" 2>/dev/null || echo "$model")"
   else model="$(python -m mmpg.models.hub "$model")"; fi
-  serve=(--checkpoint "$model" --port "$port")
-  if [ -z "${VLLM_GPUS:-}" ]; then serve+=(--gpu-memory-utilization "${VLLM_MEM:-0.3}"); fi
+  serve=(--checkpoint "$model")
+  [ -n "${VLLM_HOST:-}" ] && serve+=(--host "$VLLM_HOST")
+  serve+=(--port "$port")
+  if [ "$VLLM" = 1 ] && [ -z "${VLLM_GPUS:-}" ]; then serve+=(--gpu-memory-utilization "${VLLM_MEM:-0.3}"); fi
   # the server's length: the config's longest prompt + rollout.max_new_tokens + a margin (`mmpg vllm-len`, which
   # says how it got there), unless VLLM_MAX_LEN or a --max-model-len in VLLM_ARGS sets it
   if [[ "${VLLM_ARGS:-}" != *--max-model-len* ]]; then
@@ -116,15 +133,57 @@ if [ "${VLLM:-0}" = 1 ]; then
   fi
   # shellcheck disable=SC2206
   serve+=(${VLLM_ARGS:-})
+  server_cmd=("${MMPG_VLLM_SERVE:-bash}")  # tests: a stand-in server
+  [ -n "${MMPG_VLLM_SERVE:-}" ] || server_cmd+=(scripts/vllm_serve.sh)
+}
+port="${VLLM_PORT:-8000}"
+if [ "${VLLM:-0}" = serve ]; then  # this node serves rollouts to a trainer elsewhere (its VLLM_URL); no training here
+  server_args "$@"
+  echo "[mmpg] layout: the vLLM server alone on ${VLLM_HOST:-127.0.0.1}:$port (GPUs ${VLLM_GPUS:-all}), no training" \
+       "ranks on this node" >&2
+  [ "${DRY_RUN:-0}" = 1 ] && dry_run \
+    "server:  ${VLLM_GPUS:+CUDA_VISIBLE_DEVICES=$VLLM_GPUS }$(quoted "${server_cmd[@]}" "${serve[@]}")"
+  [ -n "${VLLM_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES="$VLLM_GPUS"
+  exec "${server_cmd[@]}" "${serve[@]}"
+fi
+launcher=("${MMPG_DEEPSPEED:-deepspeed}")
+entry=(--module mmpg.cli)  # what each process runs: python -m mmpg.cli [--local_rank=N] JOB ...
+if [ -n "${HOSTFILE:-}" ]; then
+  [ -f "$HOSTFILE" ] || { echo "train_grounding.sh: HOSTFILE=$HOSTFILE: no such file" >&2; exit 2; }
+  if [ -n "${LAUNCHER:-}" ] && [ "$LAUNCHER" != pdsh ] && [ -z "${NODE_RANK:-}" ]; then
+    # mpirun / srun start the processes themselves: they read the master's address and port from here
+    export MASTER_ADDR="${MASTER_ADDR:-$(awk '$1 !~ /^#/ && NF {print $1; exit}' "$HOSTFILE")}"
+    export MASTER_PORT="${MASTER_PORT:-29500}"
+  fi
+  # how DeepSpeed reaches the nodes (mmpg/train/launcher.py): this machine alone (no ssh), NODE_RANK (a launch per
+  # node) or LAUNCHER, whose programs must be here: one line naming what to install otherwise
+  ds_flags="$(python -m mmpg.train.launcher "$job")" || exit 2
+  mapfile -t ds_flags <<< "$ds_flags"
+  launcher+=("${ds_flags[@]}")
+  # DeepSpeed's slurm backend runs `python -u SCRIPT` even with --module: the mmpg console script is that script
+  [ "${LAUNCHER:-}" = slurm ] && [ -z "${NODE_RANK:-}" ] && entry=("$(command -v mmpg)")
+fi
+[ -n "${MASTER_PORT:-}" ] && launcher+=(--master_port "$MASTER_PORT")
+[ -n "${NUM_GPUS:-}" ] && launcher+=(--num_gpus "$NUM_GPUS")
+# The GPU layout, checked before anything starts (mmpg/train/layout.py): the training ranks against data.batch_size,
+# the micro-batch, rollout.n and SP, VLLM_GPUS against the trainer's GPUs; one line and exit 2 naming the nearest
+# sizes that work. It prints the trainer's GPUs: TRAIN_GPUS, or with VLLM_GPUS alone the GPUs the server leaves.
+train_gpus="$(python -m mmpg.train.layout "$job" "${args[@]}" "$@")" || exit 2
+[ -n "$train_gpus" ] && launcher+=(--include "localhost:$train_gpus")
+if [ "${VLLM:-0}" = 1 ] && [ -n "${VLLM_URL:-}" ]; then  # a server started elsewhere: none here
+  trainer=("${launcher[@]}" "${entry[@]}" train "${args[@]}" "$@" rollout.engine=vllm "rollout.vllm_url=$VLLM_URL")
+  [ "${DRY_RUN:-0}" = 1 ] && dry_run "trainer: $(quoted "${trainer[@]}")"
+  exec "${trainer[@]}"
+fi
+if [ "${VLLM:-0}" = 1 ]; then
+  server_args "$@"
   log="runs/vllm-serve-$port.log"
-  server_cmd=(bash scripts/vllm_serve.sh)
-  [ -n "${MMPG_VLLM_SERVE:-}" ] && server_cmd=("$MMPG_VLLM_SERVE")  # tests: a stand-in server
   [ "${DRY_RUN:-0}" = 1 ] && dry_run \
     "server:  ${VLLM_GPUS:+CUDA_VISIBLE_DEVICES=$VLLM_GPUS }setsid $(quoted "${server_cmd[@]}" "${serve[@]}") > $log" \
-    "trainer: $(quoted "${launcher[@]}" --module mmpg.cli train "${args[@]}" "$@" rollout.engine=vllm \
+    "trainer: $(quoted "${launcher[@]}" "${entry[@]}" train "${args[@]}" "$@" rollout.engine=vllm \
                 "rollout.vllm_url=http://127.0.0.1:$port")"
   mkdir -p runs
-  echo "[mmpg] starting the vLLM server on 127.0.0.1:$port for $model (GPUs ${VLLM_GPUS:-shared}; log $log)"
+  echo "[mmpg] starting the vLLM server on 127.0.0.1:$port for ${serve[1]} (GPUs ${VLLM_GPUS:-shared}; log $log)"
   # its own process group (setsid), so stopping it also stops the engine processes vLLM spawns
   ( [ -n "${VLLM_GPUS:-}" ] && export CUDA_VISIBLE_DEVICES="$VLLM_GPUS"
     exec setsid "${server_cmd[@]}" "${serve[@]}" ) >"$log" 2>&1 &
@@ -132,11 +191,11 @@ if [ "${VLLM:-0}" = 1 ]; then
   trap 'kill -TERM -- "-$server" 2>/dev/null; wait "$server" 2>/dev/null' EXIT
   set +e
   # the trainer's wait for the server ends at once if this process exits, quoting the end of its log
-  MMPG_VLLM_PID="$server" MMPG_VLLM_LOG="$PWD/$log" "${launcher[@]}" --module mmpg.cli train "${args[@]}" "$@" \
+  MMPG_VLLM_PID="$server" MMPG_VLLM_LOG="$PWD/$log" "${launcher[@]}" "${entry[@]}" train "${args[@]}" "$@" \
     rollout.engine=vllm "rollout.vllm_url=http://127.0.0.1:$port"
   exit $?
 fi
 # The launcher starts one process per GPU (or NUM_GPUS on a CPU) as `python -m mmpg.cli --local_rank=N train ...`;
 # each joins the process group (NCCL, gloo on CPUs) the launcher set up.
-[ "${DRY_RUN:-0}" = 1 ] && dry_run "trainer: $(quoted "${launcher[@]}" --module mmpg.cli "$job" "${args[@]}" "$@")"
-exec "${launcher[@]}" --module mmpg.cli "$job" "${args[@]}" "$@"
+[ "${DRY_RUN:-0}" = 1 ] && dry_run "trainer: $(quoted "${launcher[@]}" "${entry[@]}" "$job" "${args[@]}" "$@")"
+exec "${launcher[@]}" "${entry[@]}" "$job" "${args[@]}" "$@"

@@ -46,6 +46,7 @@ SCRIPTS = {
     "train_grounding.sh": ("tests/test_gpu_layouts.py", "train_grounding.sh"),
     "sft_grounding.sh": ("tests/test_gpu_layouts.py", "sft_grounding.sh"),
     "eval_grounding.sh": ("tests/test_eval_commands.py", "eval_grounding.sh"),
+    "train_grounding.sbatch": ("tests/test_slurm.py", "train_grounding.sbatch"),  # `sbatch scripts/slurm/...`
     # experiments of docs/performance.md (minutes each): run here with mmpg stood in, their mmpg commands checked
     "queries_per_video.sh": ("tests/test_documented_commands.py", "def test_experiment_scripts_commands_parse"),
     "async_learning.sh": ("tests/test_documented_commands.py", "def test_experiment_scripts_commands_parse"),
@@ -63,6 +64,7 @@ EXTERNAL = {
     "python -m pytest": "the test runner",
     "torchrun": "torch's launcher named alone (with `-m mmpg.cli ...` its mmpg command is checked here)",
     "assignment": "a shell variable the next line uses",
+    "export": "an environment variable the next lines use",
 }
 
 
@@ -149,6 +151,9 @@ def rule(command: Command) -> str:
         return ""
     if _mmpg_words(words) is not None and not (words[0] == "docker" and "scripts/" in command.text):
         return "mmpg"
+    if words[0] == "sbatch":  # Slurm's submit: the script is the first word that is not an sbatch option
+        script = next((w for w in words[1:] if w.startswith("scripts/")), "")
+        return f"script:{Path(script).name}" if Path(script).name in SCRIPTS else ""
     if words[0] == "bash" and len(words) > 1 and words[1].startswith("scripts/"):
         name = Path(words[1]).name
         return f"script:{name}" if name in SCRIPTS else ""
@@ -220,6 +225,21 @@ def test_a_bad_mmpg_command_is_caught():
                     "no_such_setting=1"])
 
 
+def test_launch_arguments_load_as_configs():
+    """What a launch script or sbatch passes on (CONFIG key=value ...) loads as `mmpg train` would load it."""
+    checked = 0
+    for c in COMMANDS:
+        words = words_after_env(c.text)[1]
+        script = next((i for i, w in enumerate(words) if re.match(r"scripts/.*grounding\.(sh|sbatch)$", w)), None)
+        if script is None or "eval_grounding" in words[script] or "..." in words:
+            continue
+        rest = _fill(words[script + 1:])
+        config = rest[0] if rest and rest[0].endswith(".yaml") else "configs/grounding_qwen25vl_7b.yaml"
+        check_mmpg(["train", "--config", config] + [w for w in rest if "=" in w])
+        checked += 1
+    assert checked >= 10
+
+
 def test_python_modules_exist():
     for c in COMMANDS:
         if rule(c) == "python-module":
@@ -232,7 +252,7 @@ def test_each_script_is_run_by_its_test():
     assert used <= set(SCRIPTS)
     for name in used:
         test, marker = SCRIPTS[name]
-        assert (ROOT / "scripts" / name).is_file(), name
+        assert list((ROOT / "scripts").rglob(name)), name
         assert marker in (ROOT / test).read_text(), f"{test} does not run scripts/{name}"
 
 

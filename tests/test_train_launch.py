@@ -131,9 +131,15 @@ def test_a_hostfile_of_this_machine_alone_skips_deepspeeds_ssh(tmp_path, hosts, 
     """DeepSpeed runs `ssh HOST hostname` for any hostfile (and `ssh HOST hostname -I` for the master address): with
     no ssh server, `localhost slots=2` failed. Other hostfiles keep DeepSpeed's checks."""
     (tmp_path / "hostfile").write_text(hosts)
-    res, argv = _launch(tmp_path, "scripts/train_grounding.sh", {"HOSTFILE": str(tmp_path / "hostfile")})
+    pdsh = tmp_path / "bin" / "pdsh"  # DeepSpeed's default launcher for several nodes, checked for by the script
+    pdsh.parent.mkdir()
+    pdsh.write_text("#!/bin/sh\n")
+    pdsh.chmod(0o755)
+    res, argv = _launch(tmp_path, "scripts/train_grounding.sh", {"HOSTFILE": str(tmp_path / "hostfile"),
+                                                                 "PATH": f"{pdsh.parent}:{os.environ['PATH']}"})
     assert res.returncode == 0, res.stderr
-    expected = f"--hostfile {tmp_path / 'hostfile'}" + (" --no_ssh_check --master_addr 127.0.0.1" if local else "")
+    expected = f"--hostfile {tmp_path / 'hostfile'}" + (" --no_ssh_check --master_addr 127.0.0.1" if local else
+                                                        " --launcher pdsh")
     assert argv == f"{expected} --module mmpg.cli train --config configs/cpu_demo.yaml"
 
 

@@ -60,7 +60,8 @@ from mmpg.rollout.engine import (
     SamplingParams,
     group_sizes_for,
 )
-from mmpg.rollout.vllm_nccl import SYNC_TIMEOUT_S, NCCLWeightSender, local_gpu_facts, plan_weight_sync
+from mmpg.rollout.vllm_nccl import (SYNC_TIMEOUT_S, NCCLWeightSender, check_weight_path, local_gpu_facts,
+                                     plan_weight_sync)
 from mmpg.rollout.vllm_prompt import wire_collapser
 from mmpg.rollout.vllm_wait import wait_for_server
 from mmpg.serve.wire import DEFAULT_URL, WIRE_VERSION, ServerError, call, check_wire, frames_array, pack
@@ -89,6 +90,7 @@ class VLLMEngine(RolloutEngine):
         self.banned = [int(t) for t in placeholder_token_ids(model)]  # never sampled (HFEngine bans them too)
         self.health = wait_for_server(url, wait_s) if wait_s > 0 else self._health()
         check_wire(self.health, url)
+        check_weight_path(self.health, url)  # a server on another machine: weights by NCCL only
         self.version = int(self.health["version"])  # weight version the server holds (0: its checkpoint)
         self.last_sync: dict = {}
         self.last_stats: dict | None = None  # what the last generate_groups prefilled (module docstring)

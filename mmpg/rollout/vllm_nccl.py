@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -94,6 +95,17 @@ def plan_weight_sync(health: dict, url: str, on_cuda: bool, local_gpu: str | Non
         log.warning("the NCCL version of %s is unknown (here %s, server %s): trying the NCCL weight sync anyway, for "
                     "at most rollout.vllm_sync_timeout_s", url, ours or "unknown", theirs or "unknown")
     return SyncPlan("nccl", workers)
+
+
+def check_weight_path(health: dict, url: str) -> None:
+    """Refuse, before the first step, a server on another machine that can only get weights by file: the file is
+    written here (/dev/shm), where that server cannot read it. Its /health "host" is its machine's name (a server
+    that does not say is not checked)."""
+    theirs, ours = health.get("host"), socket.gethostname()
+    if theirs and theirs != ours and not health.get("nccl"):
+        raise ServerError(f"the vLLM server at {url} runs on {theirs}, this trainer on {ours}, and it was started "
+                          "without --nccl: weights reach another machine only by NCCL (GPUs); restart it with --nccl "
+                          "(VLLM_ARGS=--nccl), or run it on this machine")
 
 
 def _gpu_id(uuid) -> str:

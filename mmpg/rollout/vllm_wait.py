@@ -3,7 +3,8 @@
 The trainer polls the server's /health for up to rollout.vllm_wait_s. A server the launch script started
 (scripts/train_grounding.sh with VLLM=1) is named by $MMPG_VLLM_PID and $MMPG_VLLM_LOG: if that process exits before it
 answers (a checkpoint it cannot load, a length the model does not allow, a GPU without memory), the wait ends at once
-instead of running out, and the error quotes the last lines of the server's log, where vLLM says why.
+instead of running out, and the error quotes the last lines of the server's log, where vLLM says why. A server that
+refuses the client's token (401) ends the wait at once too.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def wait_for_server(url: str, wait_s: float, poll_s: float = 2.0, server_pid: in
         try:
             return call(url, "/health", timeout=min(10.0, max(1.0, wait_s)), what="a health check")
         except ServerError as e:
+            if e.status == 401:  # a server that is up and refuses this client's token: waiting cannot help
+                raise
             if server_pid is not None and not process_running(server_pid):
                 raise ServerError(f"the vLLM server for {url} (pid {server_pid}) exited before it answered"
                                   f"{log_tail(server_log)}") from None

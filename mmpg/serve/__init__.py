@@ -1,7 +1,8 @@
 """The vLLM rollout server (`mmpg vllm-serve`) and the wire format it shares with its client.
 
 vLLM pins its own torch and transformers, so it lives in its own venv (`.venv-vllm`, made by `scripts/env.sh vllm`)
-and the trainer talks to it over HTTP on 127.0.0.1, as TRL's `trl vllm-serve` does:
+and the trainer talks to it over HTTP on 127.0.0.1, as TRL's `trl vllm-serve` does (or on a node of its own, every
+request carrying a shared token: `auth`):
 
     trainer (.venv)                                    server (.venv-vllm, vllm.LLM)
     mmpg.rollout.vllm.VLLMEngine  --POST /generate-->  token ids + each distinct video's frames once -> n = G

@@ -2,10 +2,13 @@
 
     python -m mmpg.serve.vllm_server --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--max-model-len 8192]
 
+A server bound beyond 127.0.0.1 (a node of its own) needs a shared token and answers 401 without it (`mmpg.serve.auth`).
+
 Endpoints (JSON answers; errors are {"error": "..."} with a 4xx/5xx status):
     GET  /health           {"instance", "version", "max_model_len", "checkpoint", "device", "nccl", "wire", "workers",
-                           "worker_gpus", "nccl_version"}: instance is new at every start, so a client notices a
-                           restart; version counts the weight updates applied; wire, the newest request format it
+                           "worker_gpus", "nccl_version", "host"}: instance is new at every start, so a client
+                           notices a restart; host, its machine's name (a weight file reaches one machine only);
+                           version counts the weight updates applied; wire, the newest request format it
                            reads (`mmpg.serve.wire`); workers, worker_gpus, nccl_version: what the NCCL weight sync
                            needs to know (`mmpg.serve.nccl`)
     POST /generate         a `mmpg.serve.wire` blob: per prompt token ids, n, seed, an optional video (wire 2: an index
@@ -44,6 +47,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -53,6 +57,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 
 from mmpg.serve import nccl
+from mmpg.serve.auth import TOKEN_ENV, bind_refusal, refusal
 from mmpg.serve.nccl import worker_facts
 from mmpg.serve.wire import WIRE_VERSION, unpack, video_digest
 
@@ -103,7 +108,7 @@ class Backend:
     def health(self) -> dict:
         return {"instance": self.instance, "version": self.version, "max_model_len": self.max_model_len,
                 "checkpoint": self.checkpoint, "device": self.device, "nccl": self.nccl, "wire": WIRE_VERSION,
-                **self.workers}
+                "host": socket.gethostname(), **self.workers}
 
     # ---- generate -------------------------------------------------------------------------------------------
     def generate(self, blob: bytes) -> dict:
@@ -287,7 +292,8 @@ def _completion(c, want_logprobs: bool) -> dict:
     return {"token_ids": ids, "logprobs": logps, "finish_reason": "stop" if c.finish_reason == "stop" else "length"}
 
 
-def make_handler(backend: Backend):
+def make_handler(backend: Backend, token: str | None = None):
+    """The request handler around `backend`; token: the shared token every request must carry (None: no check)."""
     routes_get = {"/health": lambda _body: backend.health()}
     routes_post = {"/generate": backend.generate,
                    "/update_weights": lambda body: backend.update_weights(json.loads(body)),
@@ -298,6 +304,12 @@ def make_handler(backend: Backend):
         protocol_version = "HTTP/1.1"
 
         def _answer(self, routes):
+            why = refusal(self.headers.get("Authorization"), token)
+            if why is not None:  # the body is read and dropped first, so the client sees the 401, not a reset
+                left = int(self.headers.get("Content-Length", 0) or 0)
+                while left > 0 and (chunk := self.rfile.read(min(left, 1 << 20))):
+                    left -= len(chunk)
+                return self._send(401, {"error": why})
             route = routes.get(self.path)
             if route is None:
                 return self._send(404, {"error": f"no endpoint {self.command} {self.path}"})
@@ -347,7 +359,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `mmpg vllm-serve` (also parsed by mmpg.cli, which hands them over unchanged)."""
     p.add_argument("--checkpoint", required=True, help="HF checkpoint folder or hub id (the trainer's model.path; a "
                    "hub id is downloaded into the Hugging Face cache on first use)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only); "
+                   "another (this node's name, 0.0.0.0) needs a shared token")
+    p.add_argument("--token", default=None, help=f"the shared token every request must carry (Authorization: Bearer; "
+                   f"default ${TOKEN_ENV}, which keeps it out of the process list; the trainer sends its own "
+                   f"${TOKEN_ENV})")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-model-len", type=int, default=8192, help="most prompt + response tokens per sequence")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
@@ -368,6 +384,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[mmpg vllm-serve] %(message)s")
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    why = bind_refusal(args.host, token)
+    if why:
+        print(f"mmpg vllm-serve: error: {why}", file=sys.stderr)
+        return 2
     from mmpg.errors import UserError
     from mmpg.models.hub import resolve_model
 
@@ -381,14 +402,12 @@ def main(argv=None) -> int:
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.gpu_memory_utilization is None:
         args.gpu_memory_utilization = 0.9 if args.device == "cuda" else 0.2
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("serving on %s: anyone who can reach this machine can change the served weights", args.host)
     # SIGTERM ends the server like Ctrl-C: through `finally`, so vLLM's engine process is shut down, not orphaned
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     backend = Backend(args)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(backend))
-    log.info("ready on http://%s:%d (checkpoint %s, max_model_len %d)", args.host, server.server_address[1],
-             backend.checkpoint, backend.max_model_len)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(backend, token))
+    log.info("ready on http://%s:%d (checkpoint %s, max_model_len %d%s)", args.host, server.server_address[1],
+             backend.checkpoint, backend.max_model_len, "; requests need the shared token" if token else "")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

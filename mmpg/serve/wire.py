@@ -17,7 +17,8 @@ A server answers both; a client of version 2 refuses a server of version 1 (`che
 request newer than itself, each with one line saying what to restart.
 
 Errors the client can meet are `ServerError`s whose message says what to do: no server, a timeout, the server
-refusing a request (its message passed on).
+refusing a request (its message passed on; 401: the shared token, which every request carries from $MMPG_VLLM_TOKEN,
+`mmpg.serve.auth`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+
+from mmpg.serve.auth import auth_header
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 REQUEST_KEY = "request"
@@ -113,6 +116,7 @@ def call(url: str, path: str, *, body: bytes | None = None, payload: dict | None
     data, headers = body, {"Content-Type": "application/octet-stream"}
     if payload is not None:
         data, headers = json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    headers.update(auth_header())  # the server's shared token, when $MMPG_VLLM_TOKEN gives one
     req = urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers,
                                  method="GET" if data is None else "POST")
     label = what or path
