@@ -19,7 +19,7 @@ CHOICES = {
     "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
     "algorithm.self_check": ("on", "warn", "off"),
     "algorithm.scale_rewards": ("group", "batch", "none"),
-    "optim.scheduler": ("constant", "cosine"),
+    "optim.scheduler": ("constant", "cosine", "linear"),
     "checkpoint.optimizer_state": ("last", "all", "none"),  # mmpg.train.checkpoint.OPTIMIZER_STATE
     "trainer.device": ("auto", "cpu", "cuda"),
     "data.template": ("time_r1", "time_r1_frames", "answer_only"),
@@ -61,6 +61,10 @@ def validate(cfg) -> None:
             group, name = key.split(".")
             raise UserError(f"config key '{key}' is {getattr(getattr(cfg, group), name)!r}; it {what}")
     _validate_lora(cfg.model.lora)
+    if cfg.model.train_merger and (not cfg.model.freeze_vision or cfg.model.lora.r):
+        why = "model.freeze_vision=false trains the whole tower already" if not cfg.model.freeze_vision else \
+            f"with model.lora.r={cfg.model.lora.r} only the adapters train"
+        raise UserError(f"config key 'model.train_merger' is True; {why}: set model.train_merger=false")
 
 
 def video_checks(v) -> list[tuple[str, bool, str]]:

@@ -89,6 +89,10 @@ class ModelConfig:
     freeze_vision: bool = _f(True, "No gradients for the vision tower (common for grounding RL; it still runs once "
                              "per prompt). With model.lora.r > 0 only adapters train anyway; false lets "
                              "model.lora.target_modules name vision modules.")
+    train_merger: bool = _f(False, "With model.freeze_vision: the vision tower's patch merger (visual.merger, the MLP "
+                            "that maps merged patches to the language model's width) still trains, the rest of the "
+                            "tower stays frozen (Time-R1's fix_vit, TimeLens's freeze_vision_tower with the merger "
+                            "trained). Needs freeze_vision=true and full fine-tuning (model.lora.r=0).")
     ref_path: str = _f("", "Reference policy for the KL penalty (only loaded when algorithm.beta > 0); empty = "
                        "model.path. With LoRA, empty (or model.path itself) means the policy with its adapters "
                        "switched off, no second model loaded; another folder is loaded as the reference.")
@@ -207,8 +211,9 @@ class OptimConfig:
     eps: float = _f(1e-8, "AdamW epsilon.")
     weight_decay: float = _f(0.01, "AdamW weight decay.")
     warmup_steps: int = _f(0, "Linear warm-up optimizer steps.")
-    scheduler: str = _f("constant", "LR after warm-up: constant or cosine (to min_lr_ratio x lr at the end).")
-    min_lr_ratio: float = _f(0.0, "Cosine floor as a fraction of lr.")
+    scheduler: str = _f("constant", "LR after warm-up: constant, cosine or linear (to min_lr_ratio x lr at the "
+                         "end; linear to 0 is the transformers / TRL default).")
+    min_lr_ratio: float = _f(0.0, "Cosine or linear floor as a fraction of lr.")
     max_grad_norm: float = _f(1.0, "Gradient clipping by global norm (0: off).")
 
 

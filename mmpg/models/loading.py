@@ -96,12 +96,13 @@ def attention_summary(model, device: str) -> str:
 
 def load_policy(path: str | Path, dtype: str | torch.dtype = "float32", attn_implementation: str = "sdpa",
                 gradient_checkpointing: bool = False, freeze_vision: bool = False, device: str | None = None,
-                lora=None, seed: int = 0):
+                lora=None, seed: int = 0, train_merger: bool = False):
     """A Qwen-VL (or text-only Qwen) policy from `path`, with the given dtype and attention implementation
     (`resolve_attn_implementation`: "auto", or flash_attention_2 falling back to sdpa where flash-attn cannot run).
 
     freeze_vision: no gradients for the vision tower (common for grounding RL); the grouped forward then still runs
-    it once per prompt, under no_grad. Qwen2.5-VL comes with the mRoPE convention its checkpoints were trained with
+    it once per prompt, under no_grad; with train_merger, for all of it but its patch merger (`visual.merger`), where
+    autograd starts recording. Qwen2.5-VL comes with the mRoPE convention its checkpoints were trained with
     (`mmpg.grouping.positions`), also for `generate`. lora: a `mmpg.config.LoraConfig`; with r > 0 the model gets
     peft LoRA adapters in place and only they train (`mmpg.models.lora`), lora_A drawn with `seed`."""
     given, path = path, resolve_checkpoint(path)
@@ -122,6 +123,8 @@ def load_policy(path: str | Path, dtype: str | torch.dtype = "float32", attn_imp
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if freeze_vision and hasattr(model, "model") and hasattr(model.model, "visual"):
         model.model.visual.requires_grad_(False)
+        if train_merger:
+            model.model.visual.merger.requires_grad_(True)
     from mmpg.grouping.positions import use_qwen_positions
 
     model = use_qwen_positions(model)

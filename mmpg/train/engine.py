@@ -10,7 +10,7 @@ micro-batches may change from step to step (skipped videos, dynamic sampling), s
 boundary itself instead of relying on a fixed `gradient_accumulation_steps`.
 
 Optimizer: torch AdamW handed to DeepSpeed (no op compilation, same maths on CPU and GPU); with `deepspeed.offload`
-DeepSpeed's CPU Adam (the only optimizer ZeRO-Offload accepts). LR: linear warm-up, then constant or cosine.
+DeepSpeed's CPU Adam (the only optimizer ZeRO-Offload accepts). LR: linear warm-up, then constant, cosine or linear.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def deepspeed_config(cfg, world_size: int, micro_batch: int, dtype: str) -> dict
 
 def lr_lambda(total_updates: int, warmup: int, kind: str, min_ratio: float):
     """Multiplier of the peak LR at optimizer update u (0-based): linear warm-up over `warmup` updates, then
-    constant or cosine down to `min_ratio` at the last update."""
+    constant, cosine or linear down to `min_ratio` at the last update (linear with min_ratio 0 and no warm-up:
+    transformers' default `get_linear_schedule_with_warmup`, (T - u) / T, which TRL-based trainers inherit)."""
     def f(u: int) -> float:
         if warmup > 0 and u < warmup:
             return (u + 1) / warmup
@@ -124,6 +125,8 @@ def lr_lambda(total_updates: int, warmup: int, kind: str, min_ratio: float):
             return 1.0
         span = max(1, total_updates - warmup)
         progress = min(1.0, (u - warmup) / span)
+        if kind == "linear":
+            return min_ratio + (1 - min_ratio) * (1 - progress)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
 

@@ -136,7 +136,7 @@ def load_models(cfg, device: str, dtype: str, resume: Path | None = None):
     model = load_policy(weights, dtype=dtype, attn_implementation=cfg.model.attn_implementation,
                         gradient_checkpointing=cfg.model.gradient_checkpointing,
                         freeze_vision=cfg.model.freeze_vision, device=device, lora=cfg.model.lora,
-                        seed=cfg.trainer.seed)
+                        seed=cfg.trainer.seed, train_merger=cfg.model.train_merger)
     adopt_weights(model, resume, adapter)
     return model, processor
 
