@@ -46,6 +46,11 @@ def test_hand_counted_parameters_and_states():
                          "reference": 0.0, "cpu_offload": 0.0}
     z2 = states(dataclasses.replace(r, zero=2))
     assert (z2["weights"], z2["gradients"], z2["master"], z2["optimizer"]) == (2 * 776, 2 * 776 / 4, 776, 2 * 776)
+    # ZeRO-3: each rank holds 1/4 of the weights and of the reference: 2 * 776 / 4 = 388 bytes each. DeepSpeed also
+    # keeps tensors of <= stage3_param_persistence_threshold values whole (all of this model's) while a forward and
+    # backward run, and partitions them again before the step; the plan does not count that copy: on one rank, a
+    # model whose tensors are 96 % persistent (30.5 MB of 31.9) measured +16 MB after set-up and +10 MB after a step
+    # above the partitions alone, not the +30.5 MB a whole copy would add (docs/plan.md, "What the CPU plan adds").
     z3 = states(dataclasses.replace(r, zero=3, reference="copy"))
     assert (z3["weights"], z3["reference"]) == (2 * 776 / 4, 2 * 776 / 4)
     assert z3["master"] == (4 + 8) * 776 / 4  # + ZeRO-3's two flat fp32 gradient buffers
@@ -53,6 +58,7 @@ def test_hand_counted_parameters_and_states():
     assert off["optimizer"] == off["master"] == 0 and off["cpu_offload"] == (8 + 12 + 2) * 776 / 4
     assert off["weights"] == 2 * 608  # one gathered layer
     # float32 on a CPU: no separate master at ZeRO 0 or 3 (the weights are it), a cloned partition at ZeRO-1/2
+    # (measured at ZeRO-3, 9.6M trained parameters: set-up held weights + 8 N_t / W, 73.6 MB, not 12 N_t / W)
     f32 = dataclasses.replace(r, b=4, mixed=False)
     assert states(f32)["master"] == 0 and states(f32)["optimizer"] == 8 * 776
     assert states(dataclasses.replace(f32, zero=2))["master"] == 4 * 776 / 4
@@ -67,6 +73,38 @@ def test_activation_terms_by_hand():
     assert per_token_layer(SMALL) == 128
     # no-grad live set: 2h + max(3I = 48, 3 Hq d + 4 Hkv d = 24 + 16) = 64 values per token
     assert layer_transient(SMALL, 10, 2) == 10 * 2 * 64
+
+
+def test_cpu_terms_by_hand():
+    """What the CPU plan adds (docs/plan.md), each on SMALL by hand, and none of it on a GPU."""
+    from mmpg.plan.memory import (RUNTIME_BYTES, decode_bytes, dense_mask_bytes, frames_bytes, hooked_vision_bytes,
+                                  optimizer_step_bytes)
+
+    g = dataclasses.replace(SMALL, vision=Vision(hidden=4, intermediate=8, depth=1, patch=2, temporal_patch=2,
+                                                 merge=2, out_hidden=8))
+    # P 10 (6 video tokens: 24 patches of 3 * 2 * 2 * 2 = 24 values), G 2, S 2, float32 on the CPU
+    r = Recipe(g, P=10, S=2, G=2, video_tokens=6, b=4, mixed=False, device="cpu")
+    # the naive forward with padded rows: 2 rows x 12 x 12 pairs, a bool byte and a float32 copy each
+    assert dense_mask_bytes(dataclasses.replace(r, grouped=False, ragged=True)) == 2 * 12 * 12 * (1 + 4)
+    assert dense_mask_bytes(dataclasses.replace(r, grouped=False)) == 0  # no padding: no mask (the bench's rows)
+    # frozen tower under checkpointing: 4 values of hv 4 a patch, 24 patches, one video (grouped), float32
+    assert hooked_vision_bytes(dataclasses.replace(r, ckpt=True)) == 4 * 24 * 4 * 4
+    # frames decoded in this process: as many float32 values as the pixel values (24 x 24); decoding: two more
+    here = dataclasses.replace(r, decode_here=True)
+    assert frames_bytes(here) == 24 * 24 * 4 and decode_bytes(here) == {"decode": 2 * 24 * 24 * 4}
+    assert frames_bytes(r) == 0  # a DataLoader worker decoded them: not in this process
+    # AdamW's two float32 temporaries of the largest trained tensor at ZeRO-0 (the MLP's 8 x 16), of the flat
+    # partition at ZeRO-2 (776 LM parameters, the tower frozen), three with ZeRO-3's float32 gradient copy
+    assert optimizer_step_bytes(r) == 2 * 4 * 8 * 16
+    assert optimizer_step_bytes(dataclasses.replace(r, zero=2)) == 2 * 4 * 776
+    assert optimizer_step_bytes(dataclasses.replace(r, zero=3)) == 3 * 4 * 776
+    cpu = predict(dataclasses.replace(r, runtime=RUNTIME_BYTES, self_check=True, decode_here=True))
+    assert cpu["parts"]["runtime"] == RUNTIME_BYTES and {"self_check", "decode"} <= set(cpu["phases"])
+    # none of it on a GPU: the same recipe on "cuda" plans exactly what it planned without these fields
+    gpu = dataclasses.replace(r, device="cuda", runtime=RUNTIME_BYTES, self_check=True, decode_here=True,
+                              ragged=True, ckpt=True, grouped=False, decode="copy")
+    plain = Recipe(g, P=10, S=2, G=2, video_tokens=6, b=4, mixed=False, ckpt=True, grouped=False, decode="copy")
+    assert predict(gpu)["phases"] == predict(plain)["phases"]
 
 
 def test_grouped_rows_and_kv_shrink_as_the_token_ratio():

@@ -3,6 +3,7 @@ fits, and the cheapest changes that make it fit — before a GPU is rented.
 
     mmpg plan --config configs/grounding_qwen25vl_7b.yaml --gpus 8 --gpu a100-80
     mmpg plan --config configs/cpu_demo.yaml --device cpu          # this machine's CPU, float32
+    mmpg plan --config configs/sft_qwen25vl_7b.yaml --gpus 8       # an SFT step (the config's sft: group; --job)
     mmpg plan --published                                          # the plan beside what users reported
     mmpg plan --run runs/NAME --gpus 8                             # a run's plan beside its measured peak
 The memory model is `mmpg.plan.memory` (validated on CPU runs: `python -m mmpg.plan.validate`), the time model
@@ -13,9 +14,28 @@ The memory model is `mmpg.plan.memory` (validated on CPU runs: `python -m mmpg.p
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from mmpg.errors import UserError
 from mmpg.plan.whole import USABLE, plan  # noqa: F401 - the plan's dict, as --json prints it
+
+JOB_LINES = {"train": "GRPO step (mmpg train): rollout, reference logprobs where algorithm.beta > 0, update",
+             "sft": "SFT step (mmpg sft): one target of S tokens per prompt, no rollout, no reference"}
+
+
+def job_of(config: str | None) -> tuple[str, str]:
+    """(job, why) for a config file: "sft" when its YAML has a top-level `sft:` group, else "train"."""
+    if not config:
+        return "train", "no --config"
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(config).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return "train", "the config could not be read here"  # load_config says why in its own words
+    if isinstance(data, dict) and "sft" in data:
+        return "sft", f"{config} has an sft: group, --job train plans it as a GRPO step"
+    return "train", f"{config} has no sft: group, --job sft plans an SFT step"
 
 
 def add_arguments(p) -> None:
@@ -36,6 +56,9 @@ def add_arguments(p) -> None:
     p.add_argument("--bw-util", type=float, default=0.6, help="assumed fraction of memory bandwidth in decoding")
     p.add_argument("--json", action="store_true", help="print JSON (peak_bytes, parts, step_seconds, fits, ...)")
     p.add_argument("--published", action="store_true", help="print the plan beside published users' reports")
+    p.add_argument("--job", choices=("train", "sft"), default=None, help="plan a GRPO step (train) or a supervised "
+                   "one (sft: one target per prompt, no rollout, no reference). Default: sft for a config with an "
+                   "sft: group, else train; with --run, the run's own kind")
     p.add_argument("--run", default=None, metavar="RUN_DIR", help="plan a run from its config.yaml and print it "
                    "beside the run's measured perf/peak_memory_mb")
 
@@ -119,7 +142,7 @@ def run(args) -> int:
             args.device = "cpu"  # a CPU run is planned on this machine's CPU
         devices = info.get("devices") if isinstance(info.get("devices"), int) else 1
         out = run_plan(args.run, devices if args.gpus is None else args.gpus, *_hardware(args)[1:],
-                       device=args.device)
+                       device=args.device, job=args.job)
         print(json.dumps(out, indent=1) if args.json else render(out["plan"], "device") + "\n" + render_run(out))
         return 0
     where, memory, hw = _hardware(args)
@@ -127,9 +150,13 @@ def run(args) -> int:
     for flag in ("video_tokens", "prompt_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 0:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a count >= 0")
-    p = plan(cfg, 1 if args.gpus is None else args.gpus, args.device, memory, hw, args.video_tokens,
-             args.prompt_tokens)
-    print(json.dumps(p, indent=1) if args.json else render(p, where))
+    from mmpg.plan.run import sft_plan
+
+    job, why = (args.job, f"--job {args.job}") if args.job else job_of(args.config)
+    p = (sft_plan if job == "sft" else plan)(cfg, 1 if args.gpus is None else args.gpus, args.device, memory, hw,
+                                             args.video_tokens, args.prompt_tokens)
+    p["job"] = job
+    print(json.dumps(p, indent=1) if args.json else f"{JOB_LINES[job]}; {why}\n" + render(p, where))
     return 0
 
 

@@ -3,7 +3,10 @@
 A case (`mmpg.plan.validate.case`) is the bench's step level: one prompt, G responses of exactly S tokens, one
 micro-batch, the KL term on against a frozen copy (or, with LoRA, the policy with its adapters off), float32, the
 vision tower frozen, DeepSpeed at the case's ZeRO stage in one process (so ZeRO shards over one rank: its stages
-differ here only by what they keep besides the weights).
+differ here only by what they keep besides the weights). Of the CPU plan's own terms (`mmpg.plan.memory`) the case
+carries those its measured step has: not the training run's `runtime` (the bench's baseline is taken after a warm
+step), no decoded frames (its measured peaks hold none beside the pixel values) and no padded naive rows (every
+response is S tokens, so no dense mask).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def case_recipe(case: dict) -> Recipe:
                   reference=("adapters_off" if case.get("ref") == "adapters_off" else "copy")
                   if case.get("beta", 0.04) > 0 else "none",
                   ckpt=bool(case.get("grad_ckpt")), grouped=grouped, decode="cascade" if grouped else "copy",
-                  cold=True)
+                  cold=True, device="cpu", self_check=case.get("self_check", "on") != "off")
 
 
 def predict_case(case: dict) -> int:

@@ -53,6 +53,13 @@ class Vision:
         deep = self.deepstack * (merger + 2 * hv * m2)  # deepstack mergers norm the merged width
         return embed + self.depth * block + merger + merger_norm + self.position_embeddings * hv + deep
 
+    def merger_params(self) -> int:
+        """The patch merger's parameters (`visual.merger`: its norm and two-layer MLP), what model.train_merger
+        trains."""
+        hv, m2 = self.hidden, self.merge ** 2
+        norm = 2 * hv if self.mlp_mats == 2 else hv
+        return norm + (hv * m2) ** 2 + hv * m2 + hv * m2 * self.out_hidden + self.out_hidden
+
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:

@@ -35,6 +35,10 @@ Sequence parallelism divides the update's row (activations; the vision tower's f
 split (the ranks of a sequence-parallel group each roll out whole prompts, B = data.batch_size / devices).
 The peak is the persistent part (states, reference, inputs) plus the largest phase (rollout, reference logprobs,
 update); the update's gradients and a cold step's optimizer states live only from the update on.
+On the CPU (`device="cpu"`, float32 through sdpa, the process's memory is the device's) the plan adds what was
+measured there only (`mmpg train` runs, `mmpg.train.peak_memory`; docs/plan.md, "What the CPU plan adds"): the
+naive forward's dense mask, the frozen vision tower's saves under checkpointing, AdamW's temporaries, the self-check
+phase, the decoded frames when the process decodes its own videos, and the run's own objects (`runtime`).
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ import math
 from mmpg.plan.geometry import Geometry
 
 LOGITS_CHUNK = 2048  # mmpg.grouping.logprobs.head_logprobs' chunk_size
+# A CPU training run's own objects above its baseline, no tensor of the plan: the model's and the processor's Python
+# objects, DeepSpeed's bookkeeping, the data loader's side of its worker. Measured as the run's level before its first
+# rollout less the weights and states there: 4.1-6.8 MB at ZeRO 0-2, 11.9 at ZeRO-3 (eight `mmpg train` runs of tiny
+# and small Qwen2.5-VL models, docs/plan.md); the bench's measured step (`mmpg.plan.validate`) leaves it out.
+RUNTIME_BYTES = 6 * 2 ** 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +73,7 @@ class Recipe:
     sp: int = 1
     lora_r: int = 0
     freeze_vision: bool = True
+    train_merger: bool = False  # the tower frozen but its patch merger (model.train_merger)
     reference: str = "none"  # none | copy | adapters_off
     micro_groups: int = 1  # k: groups per micro-batch
     queries: int = 1  # Q: adjacent queries of one video sharing it (data.queries_per_video, grouped only)
@@ -75,6 +85,11 @@ class Recipe:
     cold: bool = False  # the first step: AdamW's state is allocated at the optimizer step (a CPU measurement's)
     full_logits: bool = False  # logits at every position of every row, kept with their log-softmax (R1-V-derived
     #                            trainers: Video-R1, VideoChat-R1), instead of response positions only
+    device: str = "cuda"  # "cpu": the CPU-only terms below (measured on the CPU only, module docstring)
+    self_check: bool = False  # algorithm.self_check on (grouped runs): its phase, counted on the CPU only
+    decode_here: bool = False  # videos decoded in the training process (data.num_workers 0), not in workers
+    runtime: float = 0.0  # bytes a CPU training process holds besides the planned tensors (RUNTIME_BYTES)
+    ragged: bool = False  # responses of unequal length (a run's, not the bench's S each): the naive rows are padded
 
     @property
     def patches(self) -> int:
@@ -85,7 +100,8 @@ class Recipe:
         g = self.geometry
         if self.lora_r:
             return g.lora_params(self.lora_r)
-        return g.params() - (g.vision.params() if g.vision and self.freeze_vision else 0)
+        frozen = g.vision.params() - (g.vision.merger_params() if self.train_merger else 0) if g.vision else 0
+        return g.params() - (frozen if self.freeze_vision else 0)
 
     def videos(self, groups: int) -> int:
         """Videos among `groups` prompts: one per prompt, or one per Q queries sharing it."""
@@ -181,6 +197,81 @@ def _encode(r: Recipe, train: bool) -> float:
     return vision_bytes(r, 0, r.videos(k) if r.grouped else k * r.G, train)
 
 
+# ---- CPU-only terms: measured on the CPU (`mmpg.plan.validate`, `mmpg train` runs), where the step runs float32
+# through sdpa and the process's memory is the device's; on a GPU each either lives in host memory or has not been
+# measured, so the GPU plan leaves it out (docs/plan.md, "What the CPU plan adds").
+
+def frames_bytes(r: Recipe) -> float:
+    """The decoded frames the batch keeps beside the processor's pixel values (`mmpg.data.video.DecodedVideo`:
+    [T, C, H, W] float32, as many values as the pixel values), when the videos are decoded in the training process
+    (data.num_workers 0). A DataLoader worker hands its batch over in shared memory, and the training process
+    touches the pixel values (counted as `inputs`) but never the frames' pages: they are not in its memory
+    (measured: the update's level +147 MB at P 8k with num_workers 0, +0 with 1)."""
+    v = r.geometry.vision
+    if r.device != "cpu" or not r.decode_here or v is None:
+        return 0.0
+    return r.videos(r.prompts) * r.patches * v.patch_dim * 4
+
+
+def decode_bytes(r: Recipe) -> dict:
+    """Decoding in the training process (data.num_workers 0), beside the frames and the pixel values it makes: the
+    video processor's two float32 working copies (rescaled, then cut into patches; measured 4.1 x the pixel values
+    in all at P 8k)."""
+    return {"decode": 2 * frames_bytes(r)}
+
+
+def dense_mask_bytes(r: Recipe, transient: bool = True) -> float:
+    """The naive forward's attention mask when its rows carry padding (responses of unequal length, `ragged`):
+    transformers builds a bool mask [k G, 1, W, W] (W = P + S) for the whole forward, and each sdpa call converts it
+    to an additive one in the compute dtype (aten's sdpa, freed when the call returns: `transient`). Rows without
+    padding (the bench's responses of exactly S tokens) build none: measured, the bench's naive cases at P 8k are
+    within 8-12 % without it and 2.1x over with it; a run's naive case at P 1k, G 16 needs it (x1.40 -> x1.12).
+    The grouped forward builds none on the CPU."""
+    if r.device != "cpu" or r.grouped or not r.ragged:
+        return 0.0
+    rows, width = r.micro_groups * r.G, r.P + r.S
+    return rows * width * width * (1 + (r.b if transient else 0))
+
+
+def hooked_vision_bytes(r: Recipe) -> float:
+    """Under gradient checkpointing transformers makes the vision tower's patch embedding output require grad
+    (`enable_input_require_grads`), so a frozen tower runs with autograd: besides each checkpointed block's input
+    (`update_bytes`) it keeps the patch embedding's output, its two window reorderings and the merger's input,
+    4 patches x hv values per video of the forward. Measured on the tiny Qwen2.5-VL (vision depth 2, saved-tensor
+    hooks on the frozen tower under checkpointing): 5.6 x hv values a patch, against the plan's depth + 4 = 6."""
+    v = r.geometry.vision
+    if r.device != "cpu" or not (r.ckpt and r.freeze_vision) or v is None:
+        return 0.0
+    copies = r.videos(r.micro_groups) if r.grouped else r.micro_groups * r.G
+    return 4 * copies * r.patches / r.sp * v.hidden * r.b
+
+
+def optimizer_step_bytes(r: Recipe) -> float:
+    """torch AdamW's single-tensor step on the CPU makes two temporaries of each tensor it updates (the square root
+    of v and its quotient): of the flat partition under ZeRO 1-3 (plus ZeRO-3's float32 copy of its gradient,
+    `_prepare_fp32_grad_for_sub_group`), of the largest trained tensor at ZeRO-0. Measured on a warm step of a
+    9.6M-trained-parameter model (36.8 MB): ZeRO-2 +74.6 MB (planned 73.6), ZeRO-3 +114.7 (110.4), ZeRO-0 +7 (4).
+    A cold ZeRO-0 step held ~44 MB more than its new AdamW states, not explained."""
+    if r.device != "cpu" or r.offload:
+        return 0.0
+    shard = r.world if r.zero >= 1 else 1
+    if r.zero >= 1:
+        return (3 if r.zero >= 3 else 2) * 4 * r.trainable() / shard
+    g = r.geometry
+    largest = r.lora_r * max(g.hidden, g.intermediate, g.heads * g.d) if r.lora_r else max(
+        g.vocab * g.hidden, g.hidden * g.intermediate)
+    return 2 * 4 * min(largest, r.trainable())
+
+
+def self_check_bytes(r: Recipe, st: dict) -> dict:
+    """The self-check on one micro-batch (`mmpg.grouping.selfcheck`, at the first step and when the batch grows):
+    the repeated forward of its k G rows without grad (the naive layout's reference forward) beside the grouped
+    one, or the grouped forward and backward with autograd recording, to the layers' inputs (no parameter
+    gradient)."""
+    naive = dataclasses.replace(r, grouped=False, decode="copy", queries=1)
+    return _peak(reference_bytes(naive, st), update_bytes(r, dict(st, gradients=0.0)))
+
+
 def update_bytes(r: Recipe, st: dict) -> dict:
     """The update phase at its peak: encoding the video, the start of backward (activations, logits, gradients),
     or the optimizer step (a cold step: AdamW's state allocated there, after the activations are freed)."""
@@ -200,12 +291,18 @@ def update_bytes(r: Recipe, st: dict) -> dict:
     if r.ckpt and not train_vision and g.vision:  # checkpointed vision blocks keep their inputs even when frozen
         copies = r.videos(r.micro_groups) if r.grouped else r.micro_groups * r.G
         saved_vision = copies * r.patches / r.sp * g.vision.depth * g.vision.hidden * r.b
+    saved_vision += hooked_vision_bytes(r)
     logits = head_bytes(r, rows)
-    # the naive forward's repeated pixels live until it returns, before backward
+    # the naive forward's repeated pixels (and its mask) live until it returns, before backward; a checkpointed
+    # layer's recompute in backward builds its mask again
+    mask = dense_mask_bytes(r)
+    step = {"optimizer": st["optimizer"], "gradients": st["gradients"], "optimizer_step": optimizer_step_bytes(r)}
     return _peak(dict(opt, pixel_copies=_pixel_copies(r), vision=_encode(r, train_vision)),
-                 dict(opt, pixel_copies=_pixel_copies(r), vision=saved_vision, activations=saved, logits=logits),
-                 dict(opt, vision=saved_vision, activations=backward, logits=logits, gradients=st["gradients"]),
-                 {"optimizer": st["optimizer"], "gradients": st["gradients"]})
+                 dict(opt, pixel_copies=_pixel_copies(r), vision=saved_vision, activations=saved, logits=logits,
+                      mask=mask),
+                 dict(opt, vision=saved_vision, activations=backward, logits=logits, gradients=st["gradients"],
+                      mask=mask if r.ckpt else 0.0),
+                 {k: v for k, v in step.items() if v})
 
 
 def reference_bytes(r: Recipe, st: dict) -> dict:
@@ -215,7 +312,7 @@ def reference_bytes(r: Recipe, st: dict) -> dict:
     T = r.update_tokens() / r.sp
     rows = r.micro_groups * r.G * (r.S if r.grouped else r.S + 1)
     opt = {"optimizer": st["optimizer"]} if not r.cold else {}
-    mask = 0.0 if r.grouped else mask_bytes(r.P + r.S, r.P + r.S)
+    mask = 0.0 if r.grouped else (dense_mask_bytes(r) or mask_bytes(r.P + r.S, r.P + r.S))
     lm = layer_transient(g, T, r.b) + 2 * T * r.b * g.hidden + mask
     return _peak(dict(opt, pixel_copies=_pixel_copies(r), vision=_encode(r, False)),
                  dict(opt, pixel_copies=_pixel_copies(r), activations=lm,
@@ -255,9 +352,14 @@ def predict(r: Recipe, rollout: bool = True) -> dict:
     rollout=False: a step without sampling (a supervised step)."""
     st = states(r)
     pixels = r.videos(r.prompts) * r.patches * (r.geometry.vision.patch_dim if r.geometry.vision else 0) * r.b / r.sp
-    persistent = {"weights": st["weights"], "master": st["master"], "reference": st["reference"], "inputs": pixels}
+    persistent = {"weights": st["weights"], "master": st["master"], "reference": st["reference"], "inputs": pixels,
+                  "frames": frames_bytes(r), "runtime": r.runtime if r.device == "cpu" else 0.0}
     phases = {"rollout": rollout_bytes(r, st), "reference_logprobs": reference_bytes(r, st),
               "update": update_bytes(r, st)}
+    if r.self_check and r.grouped and r.device == "cpu":
+        phases["self_check"] = self_check_bytes(r, st)
+    if frames_bytes(r):
+        phases["decode"] = decode_bytes(r)
     if r.reference == "none":
         phases.pop("reference_logprobs")
     if not rollout:

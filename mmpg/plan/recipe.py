@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mmpg.errors import UserError
 from mmpg.plan.geometry import Geometry, resolve
-from mmpg.plan.memory import Recipe
+from mmpg.plan.memory import RUNTIME_BYTES, Recipe
 
 TEXT_TOKENS = 120
 
@@ -96,7 +96,10 @@ def recipe_from_config(cfg, gpus: int, device: str = "cuda", video: int | None =
     decode = "copy" if cfg.rollout.decode == "copy" else "cascade"
     return Recipe(g, P=P, S=cfg.rollout.max_new_tokens, G=G, video_tokens=vt, b=b, mixed=b == 2, zero=zero,
                   offload=offload, world=gpus, sp=sp, lora_r=lora, freeze_vision=cfg.model.freeze_vision,
+                  train_merger=cfg.model.train_merger,
                   reference=ref, micro_groups=mb // G,
                   queries=cfg.data.queries_per_video if cfg.algorithm.share_videos else 1, prompts=math.ceil(cfg.data.batch_size / gpus),
                   ckpt=cfg.model.gradient_checkpointing, grouped=cfg.algorithm.grouping, decode=decode,
-                  prefill_chunk=cfg.rollout.prefill_chunk)
+                  prefill_chunk=cfg.rollout.prefill_chunk, device="cpu" if device == "cpu" else "cuda",
+                  self_check=cfg.algorithm.self_check != "off", decode_here=cfg.data.num_workers == 0,
+                  runtime=RUNTIME_BYTES if device == "cpu" else 0.0, ragged=True)

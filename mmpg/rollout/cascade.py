@@ -42,6 +42,7 @@ kernel is torch's own flash kernel.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -114,7 +115,9 @@ class CascadeLayer(CacheLayerMixin):
 
     def __init__(self, owner: SharedPrefixCache):
         super().__init__()
-        self.owner = owner
+        # a weak reference: layer -> cache -> layer would be a cycle, and the rollout's K/V would stay alive after
+        # the rollout until Python's cyclic collector ran (through the reference logprobs and the update)
+        self.owner = weakref.proxy(owner)
         self.level_keys: list[torch.Tensor] = []
         self.level_values: list[torch.Tensor] = []
         self.own_keys = self.own_values = None  # [n, Hkv, capacity, D]

@@ -3,24 +3,39 @@
     GPU  torch.cuda.max_memory_allocated: the high-water of the live tensors, what the plan counts.
     CPU  torch keeps no count of its CPU tensors, so the process's memory stands in for it, measured as
          `mmpg.plan.validate` measured the plan's CPU peaks (the resident set's high-water above a baseline):
-             peak = max over the run of  VmHWM - RssFile - (RssAnon + RssShmem)(baseline) - imports
+             peak = max over the run of  VmHWM - code - (RssAnon + RssShmem)(baseline) - imports
          The baseline is taken when the session starts, before the model is loaded (torch, transformers and
          DeepSpeed imported, the process group up). Left out, because they are code and not the run's data:
-         RssFile, the file-backed pages (the code of torch, decord and the kernels a first step faults in: ~100 MB
-         on a tiny model's first step), and `imports`, what each module imported after the baseline added to the
-         anonymous memory (DeepSpeed's ZeRO-2 set-up alone imports ~680 modules, torch._inductor and networkx among
-         them: ~55 MB). The high-water is reset after each such import (/proc/self/clear_refs), so a peak before an
-         import is kept whole and one after it is counted without it. What remains: the tensors (weights,
-         reference, optimizer states, the step's activations, the batch), the Python objects of the run's data and
-         the allocator's slack. RssFile only grows, so a peak is at most the anonymous one (exact when no code was
-         paged in after it).
+         code = RssFile - weights, the file-backed pages other than the checkpoint's (the code of torch, decord
+         and the kernels a first step faults in: ~100 MB on a tiny model's first step), and `imports`, what each
+         module imported after the baseline added to the anonymous memory (DeepSpeed's ZeRO-2 set-up alone imports
+         ~680 modules, torch._inductor and networkx among them: ~55 MB). The high-water is reset after each such
+         import (/proc/self/clear_refs), so a peak before an import is kept whole and one after it is counted
+         without it. `weights` are the resident pages of mapped *.safetensors files that the file still backs
+         (/proc/self/smaps: Rss less Anonymous): a float32 checkpoint loaded on the CPU keeps its tensors in the
+         file's pages (mapped, not copied), so the policy's and a loaded reference's weights are file-backed and
+         are the run's data (a small model's policy and reference: 21.6 MB a cold run left out before); a page
+         the run writes (a trained weight) is copied into anonymous memory, where RssAnon counts it once.
+         What remains: the tensors (weights, reference, optimizer states, the step's activations, the batch; a
+         DataLoader worker's batch in shared memory, the pages this process touches), the Python objects of the
+         run's data and what the allocator keeps. Code pages only grow, so a peak is at most the one without
+         them (exact when no code was paged in after it).
 
 The allocator's slack: glibc's mmap threshold starts at 128 KiB and rises to the size of each mapped block freed
-(up to 32 MiB); blocks below it come from the heap and stay there once freed, where a later high-water counts them
-(+30 % over the live tensors on a small model's first step, P 8k, G 16). A CPU run therefore fixes the threshold at
-MMAP_THRESHOLD (mallopt M_MMAP_THRESHOLD): blocks of 1 MiB and more get a mapping of their own, returned when freed.
-The cost is within the noise of a demo step (CPU seconds per step: 0.40-0.47 by default, 0.44 at 1 MiB; 64 KiB, the
-validation's setting, costs 40 %). A MALLOC_MMAP_THRESHOLD_ in the environment is left as the user set it.
+(up to 32 MiB); blocks below it come from the heap and stay there once freed, where a later high-water counts them,
+and a heap fragmented by many small tensors grows from step to step. A CPU run fixes the threshold at
+MMAP_THRESHOLD, 1 MiB (mallopt M_MMAP_THRESHOLD): blocks of 1 MiB and more get a mapping of their own, returned
+when freed, at no cost to a step. `mmpg.plan.validate` measured the plan at 64 KiB (VALIDATION_MMAP_THRESHOLD),
+where the figure follows the live tensors closely but a small model's step is ~50 % slower; set
+MALLOC_MMAP_THRESHOLD_=65536 for a run whose figure is to be compared with the plan within its stated error.
+Measured on configs/cpu_demo.yaml (tiny model, where most tensors are 64 KiB-1 MiB), 2026-12-03, 2 busy cores:
+    threshold   peak after 2 / 12 / 40 steps     seconds a step (median)
+    1 MiB       56 / 66-72 / -  MB               0.38-0.41
+    256 KiB     47 / 52-54 / 61 MB               0.46-0.55
+    64 KiB      43 / 44 / 47 MB                  0.58-0.61
+(the plan: 43.9 MB). A step whose tensors are larger than 1 MiB (the validation grid's P 8k cases, any real model)
+maps them whatever the threshold. A MALLOC_MMAP_THRESHOLD_ in the environment sets the threshold instead, and
+run.json's record says which threshold the figure was taken at.
 
 Where /proc/self/clear_refs cannot be written, the process's ru_maxrss (which cannot be reset) stands for VmHWM and
 imports are subtracted whole (a lower bound); without /proc (not Linux) the figure is the whole process's
@@ -35,7 +50,9 @@ import os
 import resource
 import threading
 
-MMAP_THRESHOLD = 1 << 20
+MMAP_THRESHOLD = 1 << 20  # a CPU run's default (module docstring)
+VALIDATION_MMAP_THRESHOLD = 64 << 10  # what the plan's CPU terms were measured at
+WEIGHT_FILES = ".safetensors"  # checkpoint files transformers maps into memory rather than reading (the weights)
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 CUDA, CPU_ABOVE_BASELINE, WHOLE_PROCESS = "cuda.max_memory_allocated", "cpu.rss_above_baseline", "cpu.ru_maxrss"
 # the CPU baseline of this process: {"held": anonymous + shared bytes at the baseline, "resettable": bool,
@@ -52,6 +69,23 @@ def _status() -> dict[str, int]:
             if key in ("VmHWM", "RssAnon", "RssFile", "RssShmem"):
                 out[key] = int(rest.split()[0]) * 1024
     return out
+
+
+def _weight_pages() -> int:
+    """Resident bytes of the mapped checkpoint files (*.safetensors; /proc/self/maps is read first, which is cheap,
+    and /proc/self/smaps, ~10 ms, only while such a file is mapped)."""
+    with open("/proc/self/maps") as f:
+        if WEIGHT_FILES not in f.read():
+            return 0
+    total, counting = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef":  # a mapping's first line: its addresses ... and its path
+                counting = line.rstrip().endswith(WEIGHT_FILES)
+            elif counting and line.startswith(("Rss:", "Anonymous:")):
+                # a page the run wrote (a trained weight) is copied into anonymous memory, where RssAnon counts it
+                total += int(line.split()[1]) * 1024 * (1 if line[0] == "R" else -1)
+    return total
 
 
 def _anon() -> int:
@@ -81,7 +115,8 @@ def _settle() -> float:
     """Fold the high-water since the last reset into _base["best"] (bytes) and return it."""
     now = _status()
     high = now["VmHWM"] if _base["resettable"] else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    _base["best"] = max(_base["best"], high - now["RssFile"] - _base["held"] - _base["imports"])
+    code = now["RssFile"] - _weight_pages()
+    _base["best"] = max(_base["best"], high - code - _base["held"] - _base["imports"])
     return _base["best"]
 
 
@@ -132,9 +167,12 @@ def start(device: str) -> dict:
     import deepspeed  # noqa: F401 - the engine's library: imported now, its modules are in the baseline
 
     libc = _libc()
-    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    if libc is not None and threshold is None and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD):
-        threshold = str(MMAP_THRESHOLD)
+    asked = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+    # set here even when asked for in the environment: glibc reads that variable only when a process starts, and a
+    # run may be forked from one that started without it
+    threshold = str(int(asked) if asked.isdigit() else MMAP_THRESHOLD)
+    if libc is None or not libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)):
+        threshold = asked or None
     gc.collect()
     if libc is not None:
         libc.malloc_trim(0)  # free pages the allocator kept from the imports: not the run's
@@ -144,7 +182,7 @@ def start(device: str) -> dict:
         _base = None
         return {"measure": WHOLE_PROCESS}
     resettable = _reset_high_water()
-    held = now["RssAnon"] + now.get("RssShmem", 0)
+    held = now["RssAnon"] + now.get("RssShmem", 0) + _weight_pages()  # a checkpoint mapped before: not this run's
     _base = {"held": held, "resettable": resettable, "imports": 0, "best": 0}
     _count_imports()
     return {"measure": CPU_ABOVE_BASELINE, "baseline_mb": round((held + now["RssFile"]) / 2 ** 20, 1),
