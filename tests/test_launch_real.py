@@ -1,17 +1,14 @@
 """The launch scripts with the real launchers on the CPU (gloo, 2 processes, the tiny model, 2 steps): the DeepSpeed
 launcher (`NUM_GPUS=2`, and a hostfile naming only localhost), `mmpg sft` through scripts/sft_grounding.sh,
-scripts/eval_grounding.sh under torchrun, and VLLM=1 with the real `mmpg vllm-serve`. Each 2-process run trains
+scripts/eval_grounding.sh under torchrun (VLLM=1 with the real `mmpg vllm-serve`: tests/test_first_run.py). Each 2-process run trains
 (or evaluates) what one process does on the same global batch, with tests/test_train_distributed.py's bounds.
 GPU / NCCL launches are not run here."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -152,75 +149,3 @@ def test_eval_script_with_two_processes(grpo_data, tmp_path):
     two = EvalReader(tmp_path / "two")
     assert len(rows(tmp_path / "two")) == one.decoded == 11 and rows(tmp_path / "two") == rows(tmp_path / "one")
     assert two.metrics() == one.metrics and two.info()["runtime"]["world_size"] == 2
-
-
-def _server_sessions(port: int) -> set[int]:
-    """Session ids of processes running `mmpg.serve.vllm_server ... --port PORT`."""
-    found = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"mmpg.serve.vllm_server" in cmd and str(port).encode() in cmd:
-                found.add(os.getsid(int(pid)))
-        except (OSError, ProcessLookupError):
-            continue
-    return found
-
-
-def _alive_in(session: int) -> list[int]:
-    alive = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getsid(int(pid)) == session:
-                alive.append(int(pid))
-        except (OSError, ProcessLookupError):
-            continue
-    return alive
-
-
-@pytest.mark.vllm
-def test_vllm_knob_starts_the_real_server_trains_and_stops_it(grpo_data, tmp_path_factory, tmp_path):
-    """`VLLM=1 bash scripts/train_grounding.sh ...`: the script starts `mmpg vllm-serve` (.venv-vllm) on this node,
-    the trainer waits for it, samples 2 steps through it, and the server's whole session is gone afterwards."""
-    from vllm_server import tiny_vllm_checkpoint
-
-    ckpt = tiny_vllm_checkpoint("qwen2_5_vl", tmp_path_factory)  # skips without .venv-vllm
-    port = free_port()
-    data = {"model": str(ckpt), "synth": grpo_data["synth"]}
-    args = ["--config", "configs/cpu_demo.yaml"] + overrides(data, tmp_path, "vllm", **{
-        **GRPO, "data.max_frames": 2, "rollout.temperature": 1.0, "rollout.vllm_wait_s": 900})
-    sessions: set[int] = set()
-    done = threading.Event()
-
-    def watch():  # the server's session id, seen while it runs
-        while not done.is_set():
-            sessions.update(_server_sessions(port))
-            time.sleep(0.5)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        proc = _script("train_grounding.sh", *args[1:], timeout=1500, MMPG_EXTRAS="dev", NUM_GPUS=1, VLLM=1,
-                       VLLM_PORT=port, VLLM_ARGS="--dtype float32 --enforce-eager",
-                       VLLM_CPU_KVCACHE_SPACE=1)
-    finally:
-        done.set()
-        watcher.join()
-    log = ROOT / "runs" / f"vllm-serve-{port}.log"
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + "\nserver log:\n" + \
-        (log.read_text()[-3000:] if log.exists() else "(none)")
-    assert len(sessions) == 1, sessions  # one server, seen running
-    (session,) = sessions
-    for _ in range(60):  # the script's exit trap TERMs the group and waits for the server; its engine follows
-        if not _alive_in(session):
-            break
-        time.sleep(0.5)
-    assert not _alive_in(session), f"server processes outlived the training: {_alive_in(session)}"
-    m = metrics(tmp_path / "vllm")
-    assert [r["step"] for r in m if "timing_s/weight_sync" in r] == [1, 2]  # sampled through the server
-    from mmpg.config import load_config
-    from mmpg.rollout.lengths import config_worst_prompt
-
-    cfg = load_config(args[1], args[2:])  # the server's length is the config's (`mmpg vllm-len`), not its default
-    assert f"max_model_len {config_worst_prompt(cfg).server_len(cfg.rollout.max_new_tokens)})" in log.read_text()
-    log.unlink(missing_ok=True)
