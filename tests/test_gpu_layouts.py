@@ -179,26 +179,12 @@ SCRIPT = re.compile(r"\bbash scripts/(?:train|sft)_grounding\.sh\b")
 
 
 def _doc_launches() -> list[tuple[str, str]]:
-    """(file:line, command) for every launch of train_grounding.sh / sft_grounding.sh in README.md and docs/: the lines
-    of code blocks (joined with their `\\` continuations, comments cut) and the inline `code` of the prose."""
-    found = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        lines, fence, n = path.read_text().splitlines(), False, 0
-        while n < len(lines):
-            line, start = lines[n], n
-            if line.lstrip().startswith("```"):
-                fence = not fence
-            elif fence and SCRIPT.search(line):
-                text = line.split(" #")[0]
-                while text.rstrip().endswith("\\") and n + 1 < len(lines):
-                    n += 1
-                    text = text.rstrip()[:-1] + " " + lines[n].split(" #")[0]
-                found.append((f"{path.name}:{start + 1}", text.strip()))
-            elif not fence:
-                found += [(f"{path.name}:{start + 1}", span) for span in re.findall(r"`([^`]+)`", line)
-                          if SCRIPT.search(span)]
-            n += 1
-    return found
+    """(file:line, command) for every launch of train_grounding.sh / sft_grounding.sh in README.md and docs/, as
+    tests/doc_commands.py collects the pages' commands (shell blocks with their continuations, the prose's code)."""
+    from doc_commands import PAGES, documented_commands
+
+    pages = [p for p in PAGES if p.parent.name != "data"]
+    return [(c.where.rsplit("/", 1)[-1], c.text) for c in documented_commands(pages) if SCRIPT.search(c.text)]
 
 
 def test_every_documented_launch_passes_the_layout_check(tmp_path):
