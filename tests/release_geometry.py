@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from mmpg.plan.geometry import MODELS
+from mmpg.models.geometry import MODELS
 
-# name -> (query heads, key-value heads, head_dim), from the released configs' presets (mmpg.plan.geometry)
+# name -> (query heads, key-value heads, head_dim), from the released configs' presets (mmpg.models.geometry)
 GEOMETRIES = {name: (MODELS[m].heads, MODELS[m].kv_heads, MODELS[m].d)
               for name, m in (("gqa7", "qwen2.5-vl-7b"), ("gqa4", "qwen3-vl-8b"))}
 assert GEOMETRIES == {"gqa7": (28, 4, 128), "gqa4": (32, 8, 128)}

@@ -14,7 +14,7 @@ from mmpg_app.data import RunSource
 from mmpg_app.plan_card import plan_card_html
 from mmpg_app.summary import summary_html
 from mmpg.config import load_config
-from mmpg.plan.geometry import MODELS
+from mmpg.models.geometry import MODELS
 from mmpg.plan.memory import predict
 from mmpg.plan.recipe import recipe_from_config
 from mmpg.plan.run import run_device

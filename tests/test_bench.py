@@ -319,11 +319,10 @@ def test_step_phase_memory_is_relative_to_the_step_start(monkeypatch):
 def test_grpo_step_flops_small_case():
     # the dims of tests/test_flops.py: linear 44 per token, attention 8 per pair, LM head 4 per position;
     # P=4, S=2, G=3 (forward: repeated 1248, grouped 768)
-    from mmpg.bench.flops import (
-        ModelDims, VisionDims, grpo_step_flops, rho_rollout, rho_step, rollout_flops, step_flops,
-    )
+    from mmpg.bench.flops import grpo_step_flops, rho_rollout, rho_step, rollout_flops, step_flops
+    from mmpg.models.geometry import Geometry, Vision
 
-    dims = ModelDims(hidden=2, layers=1, heads=1, kv_heads=1, intermediate=1, vocab=1)
+    dims = Geometry("hand", hidden=2, layers=1, heads=1, kv_heads=1, intermediate=1, vocab=1)
     # prefill of one copy: 44·4 + 8·(4·4/2) + head 4 = 176 + 64 + 4 = 244 (shared: once; generate: 3 copies)
     # decode: G(S-1) = 3 one-token steps, each attending P + 1 = 5 keys: 44·3 + 8·15 + 4·3 = 132 + 120 + 12 = 264
     assert rollout_flops(dims, 4, 2, 3, shared=True) == 244 + 264
@@ -335,8 +334,8 @@ def test_grpo_step_flops_small_case():
     assert grpo_step_flops(dims, 4, 2, 3, grouped=True, reference=False) == 508 + 3 * 768
     assert rho_step(dims, 4, 2, 3) == pytest.approx(5988 / 3580)
     # a frozen vision tower (304 per video, see tests/test_flops.py) runs forward only: 1× instead of 3×
-    v = VisionDims(hidden=2, depth=1, intermediate=1, out_hidden=2, merge=1)
-    vdims = ModelDims(hidden=2, layers=1, heads=1, kv_heads=1, intermediate=1, vocab=1, vision=v)
+    v = Vision(hidden=2, depth=1, intermediate=1, out_hidden=2, merge=1)
+    vdims = Geometry("hand", hidden=2, layers=1, heads=1, kv_heads=1, intermediate=1, vocab=1, vision=v)
     video = {"video_patches": 4, "frame_patches": 2}
     assert step_flops(vdims, 4, 2, 3, False, train_vision=False, **video) == 3 * 1248 + 3 * 304
     assert step_flops(vdims, 4, 2, 3, True, train_vision=False, **video) == 3 * 768 + 304
@@ -439,3 +438,14 @@ def test_no_preset_prints_the_plan_and_runs_nothing(tmp_path, capsys, monkeypatc
     out = capsys.readouterr().out
     assert "nothing measured" in out and "--preset cpu-targets" in out
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("level, words", [("lora", "full vs LoRA (r 16)"), ("async", "2 rounds per arm of 12")])
+def test_dry_run_of_a_separate_level_measures_nothing(level, words, monkeypatch, capsys):
+    import importlib
+
+    module = importlib.import_module(cli.SEPARATE[level][0])
+    monkeypatch.setattr(module, "run", lambda args: pytest.fail(f"--dry-run ran the {level} level"))
+    assert cli.run(_args("--levels", level, "--dry-run")) == 0
+    out = capsys.readouterr().out
+    assert words in out and "measures nothing" in out

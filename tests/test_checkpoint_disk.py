@@ -16,7 +16,7 @@ from mmpg.runs import disk
 from train_utils import ROOT, metrics, overrides, run_cli, run_forked
 
 REAL = ROOT.parent / "shared" / "data" / "real" / "processors"  # tests/conftest.py's real data, when present
-N7, V7 = 8_292_166_656, 676_550_144  # Qwen2.5-VL-7B: all parameters, the vision tower (mmpg.plan.geometry)
+N7, V7 = 8_292_166_656, 676_550_144  # Qwen2.5-VL-7B: all parameters, the vision tower (mmpg.models.geometry)
 
 
 # ---- the formula, by hand ------------------------------------------------------------------------------------------

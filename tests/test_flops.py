@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from mmpg.bench.flops import (
-    QWEN2_5_7B, QWEN2_5_VL_3B, ModelDims, VisionDims, attention_pairs, dims_from_config, paper_reduction, rho_attn,
-    rho_flops, rho_lin, step_flops, vision_flops,
+    attention_pairs, attn_per_pair, linear_per_token, paper_reduction, rho_attn, rho_flops, rho_lin, step_flops,
+    vision_flops,
 )
+from mmpg.models.geometry import MODELS, QWEN2_5_7B, Geometry, Vision
 
 
 @pytest.mark.parametrize("G, ratio, reported", [(8, 32, 6.60), (16, 32, 10.9)])
@@ -20,7 +21,7 @@ def test_paper_reductions_within_3_percent(G, ratio, reported):
 @pytest.mark.parametrize("G, reported", [(8, 6.60), (16, 10.9)])
 def test_paper_reductions_hold_for_other_model_sizes_and_prefix_lengths(G, reported):
     # The reproduction is not tuned to one shape: Qwen2.5-3B- and 7B-sized LMs at P = 4096 and 8192 agree too.
-    for dims in (QWEN2_5_7B, QWEN2_5_VL_3B):
+    for dims in (QWEN2_5_7B, MODELS["qwen2.5-vl-3b"]):
         for P in (4096, 8192):
             got = paper_reduction(G, 32, P=P, dims=dims)
             assert abs(got / reported - 1) < 0.03, (dims, P, got)
@@ -63,8 +64,8 @@ def test_step_flops_small_case():
     # P=4, S=2, G=3 (pairs 54 repeated, 38 grouped; 6 response tokens in both):
     #   repeated forward: 44·18 + 8·54 + 4·6 = 792 + 432 + 24 = 1248
     #   grouped forward:  44·10 + 8·38 + 4·6 = 440 + 304 + 24 = 768
-    dims = ModelDims(hidden=2, layers=1, heads=1, kv_heads=1, intermediate=1, vocab=1)
-    assert dims.linear_per_token() == 44 and dims.attn_per_pair() == 8
+    dims = Geometry("hand", hidden=2, layers=1, heads=1, kv_heads=1, intermediate=1, vocab=1)
+    assert linear_per_token(dims) == 44 and attn_per_pair(dims) == 8
     assert step_flops(dims, 4, 2, 3, grouped=False) == 3 * 1248  # forward + backward = 3 x forward
     assert step_flops(dims, 4, 2, 3, grouped=True) == 3 * 768
     assert rho_flops(dims, 4, 2, 3) == pytest.approx(1248 / 768)  # 1.625
@@ -76,9 +77,9 @@ def test_step_flops_small_case():
 def test_vision_tower_is_encoded_once_when_grouped():
     # vision hidden 2, depth 1, intermediate 1, merge 1, gated MLP, 4 patches attending 2 each:
     #   block: 2·4·(4·4 + 3·2·1) + 4·2·4·2 = 176 + 64 = 240;  merger: 2·4·(2² + 2·2) = 64  -> 304 per video
-    v = VisionDims(hidden=2, depth=1, intermediate=1, out_hidden=2, merge=1)
+    v = Vision(hidden=2, depth=1, intermediate=1, out_hidden=2, merge=1)
     assert vision_flops(v, 4, 2) == 304
-    dims = ModelDims(hidden=2, layers=1, heads=1, kv_heads=1, intermediate=1, vocab=1, vision=v)
+    dims = Geometry("hand", hidden=2, layers=1, heads=1, kv_heads=1, intermediate=1, vocab=1, vision=v)
     # the 3 repeated copies pay 3·304, the grouped forward 304 (on top of the text numbers above)
     assert step_flops(dims, 4, 2, 3, False, video_patches=4, frame_patches=2) == 3 * (1248 + 3 * 304)
     assert step_flops(dims, 4, 2, 3, True, video_patches=4, frame_patches=2) == 3 * (768 + 304)
@@ -90,19 +91,6 @@ def test_ceiling_ordering_for_long_prompts():
     P, S, G = 4096, 256, 8
     lo, hi = rho_attn(P, S, G), rho_lin(P, S, G)
     assert lo < rho_flops(QWEN2_5_7B, P, S, G) < hi
-
-
-def test_dims_from_tiny_configs():
-    from mmpg.toy.models import TinySpec, tiny_config
-    from mmpg.toy.tokenizer import build_tokenizer
-
-    tokenizer = build_tokenizer(2048, 0)
-    spec = TinySpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
-    text = dims_from_config(tiny_config("qwen2", spec, tokenizer))
-    assert (text.hidden, text.layers, text.heads, text.kv_heads, text.intermediate, text.d) == (64, 2, 4, 2, 128, 16)
-    assert text.vocab == len(tokenizer) and text.vision is None
-    vl = dims_from_config(tiny_config("qwen2_5_vl", spec, tokenizer))
-    assert vl.vision is not None and vl.vision.mlp_mats == 3 and vl.vision.depth == spec.vision_depth
 
 
 def test_queries_of_one_video_token_counts_by_hand():
@@ -137,7 +125,7 @@ def test_queries_of_one_video_ceilings_order():
     # one query: the tree is per-query grouping
     from mmpg.bench.flops import ceilings_q, rollout_flops_q
 
-    dims = ModelDims(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512, vocab=1000)
+    dims = Geometry("hand", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512, vocab=1000)
     per = ceilings_q(dims, "per_query", 2048, 32, 128, 8, 3)
     tree = ceilings_q(dims, "tree", 2048, 32, 128, 8, 3)
     for key in per:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mmpg.plan.geometry import MODELS, Geometry, Vision, from_config_dict
+from mmpg.models.geometry import MODELS, Geometry, Vision, from_config_dict
 from mmpg.plan.memory import Recipe, layer_transient, per_token_layer, predict, states
 
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
@@ -185,7 +185,7 @@ def test_time_model_grouped_vs_naive():
     r = Recipe(MODELS["qwen2.5-vl-3b"], P=4096, S=256, G=8, video_tokens=4000)
     g, n = step_seconds(r, hw), step_seconds(dataclasses.replace(r, grouped=False, decode="copy"), hw)
     assert n["update"] / g["update"] == pytest.approx(
-        __import__("mmpg.bench.flops", fromlist=["x"]).rho_flops(r.geometry.flops_dims(), 4096, 256, 8,
+        __import__("mmpg.bench.flops", fromlist=["x"]).rho_flops(r.geometry, 4096, 256, 8,
                                                                     video_patches=16000, frame_patches=1024,
                                                                     train_vision=False), rel=1e-6)
     assert n["rollout_decode"] > g["rollout_decode"] and g["total"] == pytest.approx(

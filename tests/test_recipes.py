@@ -85,7 +85,7 @@ def test_plan_fits_each_big_config_at_its_documented_launch(path, capsys):
 def test_sft_plan_by_hand(capsys):
     """configs/sft_qwen25vl_7b.yaml on 8 GPUs: one 40-token target per prompt, the update phase alone (before: a
     GRPO step of 8 responses with a rollout)."""
-    from mmpg.plan.geometry import MODELS
+    from mmpg.models.geometry import MODELS
 
     p = _plan(capsys, "--config", "configs/sft_qwen25vl_7b.yaml", "--gpus", "8")
     assert (p["job"], p["G"], p["S"], p["P"], p["video_tokens"]) == ("sft", 1, 40, 8192 + 120, 8192)
@@ -189,7 +189,7 @@ def test_merger_params_match_the_model(family):
     from transformers import AutoModelForImageTextToText
 
     from mmpg.bench.model import model_config
-    from mmpg.plan.geometry import from_config_dict
+    from mmpg.models.geometry import from_config_dict
 
     config, _ = model_config({"family": family, "spec": {"hidden_size": 64, "num_layers": 2, "num_heads": 4,
                                                           "num_kv_heads": 2, "intermediate_size": 128}})

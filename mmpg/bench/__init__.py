@@ -17,6 +17,6 @@ runs with the GQA K/V copy and with `enable_gqa`; `python -m mmpg.bench.inspecto
 large synthetic run (`mmpg.bench.inspector_run`).
 """
 
-from mmpg.bench.flops import ModelDims, VisionDims, paper_reduction, rho_attn, rho_flops, rho_lin, step_flops
+from mmpg.bench.flops import paper_reduction, rho_attn, rho_flops, rho_lin, step_flops
 
-__all__ = ["ModelDims", "VisionDims", "paper_reduction", "rho_attn", "rho_flops", "rho_lin", "step_flops"]
+__all__ = ["paper_reduction", "rho_attn", "rho_flops", "rho_lin", "step_flops"]

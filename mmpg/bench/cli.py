@@ -208,21 +208,32 @@ def meta(args, rounds, repeats, warmup, max_gb, env, partial) -> dict:
             "dry_run": args.dry_run, "in_process": args.in_process, "partial": partial, "argv": sys.argv[1:], **env}
 
 
+# the levels with their own program and table: level -> (module, what a run measures)
+SEPARATE = {"lora": ("mmpg.bench.lora", "full vs LoRA (r {lora_r}) training and a reference copy vs adapters off, "
+                     "one GRPO step each in a fresh process, memory per phase"),
+            "async": ("mmpg.bench.overlap", "{async_rounds} rounds per arm of {async_steps} GRPO steps on the vLLM "
+                      "engine, synchronous (k=0) against overlapped (k=1), {async_iterations} update(s) per step")}
+
+
+def _run_separate(args) -> int:
+    (level,) = args.levels
+    module, what = SEPARATE[level]
+    if args.dry_run:
+        print(f"mmpg bench --levels {level} ({module}): {what.format(**vars(args))}; --dry-run measures nothing")
+        return 0
+    import importlib
+
+    return importlib.import_module(module).run(args)
+
+
 def run(args) -> int:
     from mmpg.bench import runner, tables
 
-    if args.levels and "lora" in args.levels:  # its own program and table (mmpg.bench.lora)
-        if args.levels != ["lora"]:
-            raise UserError("--levels lora runs alone (its own table); run the other levels separately")
-        from mmpg.bench.lora import run as run_lora
-
-        return run_lora(args)
-    if args.levels and "async" in args.levels:  # its own program and table (mmpg.bench.overlap)
-        if args.levels != ["async"]:
-            raise UserError("--levels async runs alone (its own table); run the other levels separately")
-        from mmpg.bench.overlap import run as run_async
-
-        return run_async(args)
+    for level in SEPARATE:
+        if args.levels and level in args.levels:  # its own program and table
+            if args.levels != [level]:
+                raise UserError(f"--levels {level} runs alone (its own table); run the other levels separately")
+            return _run_separate(args)
 
     if args.preset is None:
         if args.levels is None and not args.dry_run:

@@ -26,7 +26,7 @@ not depend on it.
 Ceilings printed beside every measurement:
     ρ_lin   = G (P+S) / (P + G S)                               token ratio: the linear layers' (and activations') gain
     ρ_attn  = causal repeated pairs / causal grouped pairs      the attention kernels' gain
-    ρ_flops = step FLOPs repeated / step FLOPs grouped          for a concrete model (its dims), LM head and vision in
+    ρ_flops = step FLOPs repeated / step FLOPs grouped          for a concrete model (its shape), LM head and vision in
 and, for a whole GRPO step (`mmpg bench --levels step`), one ceiling per phase:
     ρ_rollout = generate(num_return_sequences=G) FLOPs / shared-prefix rollout FLOPs    only the prefill differs
     ρ_fwd     = repeated / grouped forward FLOPs                the reference model's no-grad logprobs
@@ -48,53 +48,18 @@ to the printed digit (6.60 needs an attention share < 0.5 %, 10.9 a share of 2�
 
 from __future__ import annotations
 
-import dataclasses
+from mmpg.models.geometry import QWEN2_5_7B, Geometry, Vision
 
 
-@dataclasses.dataclass(frozen=True)
-class VisionDims:
-    """Vision tower sizes. `mlp_mats`: 3 for a gated MLP (Qwen2.5-VL), 2 for a plain one (Qwen3-VL)."""
-
-    hidden: int
-    depth: int
-    intermediate: int
-    out_hidden: int  # the LM hidden size the merger projects to
-    merge: int = 2  # spatial merge: merge² patches per LM token
-    mlp_mats: int = 3
+def linear_per_token(g: Geometry) -> int:
+    """Forward FLOPs of one layer's projections and MLP for one token."""
+    h, d = g.hidden, g.d
+    return 2 * (h * g.heads * d + 2 * h * g.kv_heads * d + g.heads * d * h + 3 * h * g.intermediate)
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelDims:
-    """Decoder sizes. head_dim defaults to hidden // heads."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    head_dim: int | None = None
-    vision: VisionDims | None = None
-
-    @property
-    def d(self) -> int:
-        return self.head_dim or self.hidden // self.heads
-
-    def linear_per_token(self) -> int:
-        """Forward FLOPs of one layer's projections and MLP for one token."""
-        h, d = self.hidden, self.d
-        return 2 * (h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h + 3 * h * self.intermediate)
-
-    def attn_per_pair(self) -> int:
-        """Forward FLOPs of one (query, key) pair in one layer: Q·Kᵀ and P·V over all query heads."""
-        return 4 * self.heads * self.d
-
-
-# Reference shapes (public configs). The Qwen2.5-VL LMs are the Qwen2.5 LMs of the same size.
-QWEN2_5_7B = ModelDims(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064)
-QWEN2_5_VL_3B = ModelDims(
-    hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008, vocab=151936,
-    vision=VisionDims(hidden=1280, depth=32, intermediate=3420, out_hidden=2048))
+def attn_per_pair(g: Geometry) -> int:
+    """Forward FLOPs of one (query, key) pair in one layer: Q·Kᵀ and P·V over all query heads."""
+    return 4 * g.heads * g.d
 
 
 # ---- ceilings that need no model ----------------------------------------------------------------------------------
@@ -116,7 +81,7 @@ def rho_attn(P: float, S: float, G: int, causal: bool = True) -> float:
 
 
 # ---- the model-level FLOPs ------------------------------------------------------------------------------------------
-def vision_flops(v: VisionDims, patches: int, frame_patches: int) -> float:
+def vision_flops(v: Vision, patches: int, frame_patches: int) -> float:
     """Forward FLOPs of the vision tower on one video of `patches` patches, each attending `frame_patches`."""
     per_block = 2 * patches * (4 * v.hidden ** 2 + v.mlp_mats * v.hidden * v.intermediate)
     per_block += 4 * v.hidden * patches * frame_patches
@@ -125,7 +90,7 @@ def vision_flops(v: VisionDims, patches: int, frame_patches: int) -> float:
     return v.depth * per_block + merger
 
 
-def forward_flops(dims: ModelDims, P: int, S: int, G: int, grouped: bool, *, causal: bool = True,
+def forward_flops(dims: Geometry, P: int, S: int, G: int, grouped: bool, *, causal: bool = True,
                   head: str = "responses", video_patches: int = 0, frame_patches: int = 0) -> float:
     """FLOPs of one forward (no backward) for one prompt of P tokens and G responses of S tokens, vision tower in.
 
@@ -136,21 +101,21 @@ def forward_flops(dims: ModelDims, P: int, S: int, G: int, grouped: bool, *, cau
                                                                                 frame_patches)
 
 
-def _lm_forward(dims: ModelDims, P, S, G, grouped: bool, causal: bool, head: str) -> float:
+def _lm_forward(dims: Geometry, P, S, G, grouped: bool, causal: bool, head: str) -> float:
     tokens = P + G * S if grouped else G * (P + S)
-    fwd = dims.layers * (dims.linear_per_token() * tokens
-                         + dims.attn_per_pair() * attention_pairs(P, S, G, grouped, causal))
+    fwd = dims.layers * (linear_per_token(dims) * tokens
+                         + attn_per_pair(dims) * attention_pairs(P, S, G, grouped, causal))
     head_tokens = G * S if head == "responses" else tokens
     return fwd + 2 * dims.hidden * dims.vocab * head_tokens
 
 
-def _vision_forward(dims: ModelDims, G: int, grouped: bool, video_patches: int, frame_patches: int) -> float:
+def _vision_forward(dims: Geometry, G: int, grouped: bool, video_patches: int, frame_patches: int) -> float:
     if not video_patches or dims.vision is None:
         return 0.0
     return (1 if grouped else G) * vision_flops(dims.vision, video_patches, frame_patches or video_patches)
 
 
-def step_flops(dims: ModelDims, P: int, S: int, G: int, grouped: bool, *, causal: bool = True,
+def step_flops(dims: Geometry, P: int, S: int, G: int, grouped: bool, *, causal: bool = True,
                head: str = "responses", video_patches: int = 0, frame_patches: int = 0,
                train_vision: bool = True) -> float:
     """FLOPs of one forward+backward (3× forward) for one prompt of P tokens and G responses of S tokens; arguments
@@ -160,19 +125,19 @@ def step_flops(dims: ModelDims, P: int, S: int, G: int, grouped: bool, *, causal
     return 3 * lm + (3 if train_vision else 1) * _vision_forward(dims, G, grouped, video_patches, frame_patches)
 
 
-def rho_flops(dims: ModelDims, P: int, S: int, G: int, **kwargs) -> float:
+def rho_flops(dims: Geometry, P: int, S: int, G: int, **kwargs) -> float:
     """Combined ceiling: step FLOPs repeated / grouped (causal attention, LM head on responses by default)."""
     return step_flops(dims, P, S, G, False, **kwargs) / step_flops(dims, P, S, G, True, **kwargs)
 
 
-def paper_reduction(G: int, prefix_over_suffix: float, P: int = 4096, dims: ModelDims = QWEN2_5_7B) -> float:
+def paper_reduction(G: int, prefix_over_suffix: float, P: int = 4096, dims: Geometry = QWEN2_5_7B) -> float:
     """The paper's FLOPs reduction at group size G and prefix/suffix ratio (see the module docstring)."""
     S = P / prefix_over_suffix
     return rho_flops(dims, P, S, G, causal=False, head="responses")
 
 
 # ---- one whole GRPO step: rollout + reference forward + update -----------------------------------------------------
-def rollout_flops(dims: ModelDims, P: int, S: int, G: int, shared: bool, *, video_patches: int = 0,
+def rollout_flops(dims: Geometry, P: int, S: int, G: int, shared: bool, *, video_patches: int = 0,
                   frame_patches: int = 0) -> float:
     """FLOPs of sampling G responses of exactly S tokens for one prompt (forward only, KV cache):
 
@@ -185,13 +150,13 @@ def rollout_flops(dims: ModelDims, P: int, S: int, G: int, shared: bool, *, vide
     """
     layers, head = dims.layers, 2 * dims.hidden * dims.vocab
     copies = 1 if shared else G
-    prefill = copies * (layers * (dims.linear_per_token() * P + dims.attn_per_pair() * P * P / 2) + head)
+    prefill = copies * (layers * (linear_per_token(dims) * P + attn_per_pair(dims) * P * P / 2) + head)
     steps = G * (S - 1)
-    decode = layers * (dims.linear_per_token() * steps + dims.attn_per_pair() * steps * (P + S / 2)) + head * steps
+    decode = layers * (linear_per_token(dims) * steps + attn_per_pair(dims) * steps * (P + S / 2)) + head * steps
     return prefill + decode + _vision_forward(dims, 1, True, video_patches, frame_patches)
 
 
-def grpo_step_flops(dims: ModelDims, P: int, S: int, G: int, grouped: bool, *, reference: bool = True,
+def grpo_step_flops(dims: Geometry, P: int, S: int, G: int, grouped: bool, *, reference: bool = True,
                     train_vision: bool = False, video_patches: int = 0, frame_patches: int = 0) -> float:
     """FLOPs of one GRPO step of one prompt: rollout (`rollout_flops`, shared when grouped) + the reference model's
     forward when the KL term is on (`forward_flops`) + the policy's forward and backward (`step_flops`)."""
@@ -201,36 +166,19 @@ def grpo_step_flops(dims: ModelDims, P: int, S: int, G: int, grouped: bool, *, r
     return total + (forward_flops(dims, P, S, G, grouped, **kw) if reference else 0.0)
 
 
-def rho_rollout(dims: ModelDims, P: int, S: int, G: int, **kwargs) -> float:
+def rho_rollout(dims: Geometry, P: int, S: int, G: int, **kwargs) -> float:
     """Rollout ceiling: `generate(num_return_sequences=G)` FLOPs / shared-prefix FLOPs (only the prefill differs)."""
     return rollout_flops(dims, P, S, G, False, **kwargs) / rollout_flops(dims, P, S, G, True, **kwargs)
 
 
-def rho_forward(dims: ModelDims, P: int, S: int, G: int, **kwargs) -> float:
+def rho_forward(dims: Geometry, P: int, S: int, G: int, **kwargs) -> float:
     """No-grad forward ceiling (the reference logprobs): repeated / grouped forward FLOPs."""
     return forward_flops(dims, P, S, G, False, **kwargs) / forward_flops(dims, P, S, G, True, **kwargs)
 
 
-def rho_step(dims: ModelDims, P: int, S: int, G: int, **kwargs) -> float:
+def rho_step(dims: Geometry, P: int, S: int, G: int, **kwargs) -> float:
     """Whole-step ceiling: naive GRPO step FLOPs / mmpg GRPO step FLOPs (`grpo_step_flops`)."""
     return grpo_step_flops(dims, P, S, G, False, **kwargs) / grpo_step_flops(dims, P, S, G, True, **kwargs)
-
-
-def dims_from_config(config) -> ModelDims:
-    """ModelDims of a transformers config (text-only or VL; the VL vision tower included)."""
-    text = config.get_text_config()
-    heads = text.num_attention_heads
-    vision = None
-    vc = getattr(config, "vision_config", None)
-    if vc is not None:
-        gated = getattr(config, "model_type", "") == "qwen2_5_vl"
-        vision = VisionDims(hidden=vc.hidden_size, depth=vc.depth, intermediate=vc.intermediate_size,
-                            out_hidden=getattr(vc, "out_hidden_size", text.hidden_size),
-                            merge=vc.spatial_merge_size, mlp_mats=3 if gated else 2)
-    return ModelDims(hidden=text.hidden_size, layers=text.num_hidden_layers, heads=heads,
-                     kv_heads=getattr(text, "num_key_value_heads", heads), intermediate=text.intermediate_size,
-                     vocab=text.vocab_size, head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-                     vision=vision)
 
 
 # ---- Q queries of one video: per-query grouping vs the tree (`mmpg.grouping.shares`) --------------------------------
@@ -290,11 +238,11 @@ def _encodes(layout: str, G: int, Q: int) -> int:
     return {"naive": Q * G, "per_query": Q, "tree": 1}[layout]
 
 
-def forward_flops_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, video_patches: int = 0,
+def forward_flops_q(dims: Geometry, layout: str, P, t, S, G: int, Q: int, *, video_patches: int = 0,
                     frame_patches: int = 0) -> float:
     """One forward (no backward) of the step's Q·G responses in `layout`, LM head on response positions, vision in."""
-    lm = dims.layers * (dims.linear_per_token() * layout_tokens(layout, P, t, S, G, Q)
-                        + dims.attn_per_pair() * layout_pairs(layout, P, t, S, G, Q))
+    lm = dims.layers * (linear_per_token(dims) * layout_tokens(layout, P, t, S, G, Q)
+                        + attn_per_pair(dims) * layout_pairs(layout, P, t, S, G, Q))
     lm += 2 * dims.hidden * dims.vocab * Q * G * S
     vision = 0.0
     if video_patches and dims.vision is not None:
@@ -302,7 +250,7 @@ def forward_flops_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, vi
     return lm + vision
 
 
-def update_flops_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, train_vision: bool = False,
+def update_flops_q(dims: Geometry, layout: str, P, t, S, G: int, Q: int, *, train_vision: bool = False,
                    **video) -> float:
     """Forward + backward of the policy: 3× the LM forward, the vision tower 3× when trained, else 1×."""
     total = forward_flops_q(dims, layout, P, t, S, G, Q, **video)
@@ -310,12 +258,12 @@ def update_flops_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, tra
     return 3 * (total - vision) + (3 if train_vision else 1) * vision
 
 
-def rollout_flops_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, video_patches: int = 0,
+def rollout_flops_q(dims: Geometry, layout: str, P, t, S, G: int, Q: int, *, video_patches: int = 0,
                     frame_patches: int = 0) -> float:
     """Sampling G responses of exactly S tokens for each of the Q queries (forward only, K/V cache): the prefill
     differs by layout (above), the decode is the same; the video is encoded once per prefill call of a prompt in
     naive and per query (transformers' generate encodes before expanding), once in the tree."""
-    layers, head, lin, attn = dims.layers, 2 * dims.hidden * dims.vocab, dims.linear_per_token(), dims.attn_per_pair()
+    layers, head, lin, attn = dims.layers, 2 * dims.hidden * dims.vocab, linear_per_token(dims), attn_per_pair(dims)
     layout = _layout(layout, Q)
     full = layers * (lin * (P + t) + attn * (P + t) ** 2 / 2)
     if layout == "tree":
@@ -332,7 +280,7 @@ def rollout_flops_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, vi
     return prefill + decode + vision
 
 
-def step_flops_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, reference: bool = True,
+def step_flops_q(dims: Geometry, layout: str, P, t, S, G: int, Q: int, *, reference: bool = True,
                  train_vision: bool = False, **video) -> float:
     """One GRPO step of the Q queries: rollout + reference forward (when the KL term is on) + the update."""
     total = rollout_flops_q(dims, layout, P, t, S, G, Q, **video)
@@ -340,13 +288,13 @@ def step_flops_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, refer
     return total + (forward_flops_q(dims, layout, P, t, S, G, Q, **video) if reference else 0.0)
 
 
-def eval_flops_q(dims: ModelDims, layout: str, P, t, S, Q: int, **video) -> float:
+def eval_flops_q(dims: Geometry, layout: str, P, t, S, Q: int, **video) -> float:
     """Greedy evaluation of Q queries of one video, one answer of S tokens each (the rollout with G = 1; naive is
     per query there: generate with one return sequence prefills each prompt once)."""
     return rollout_flops_q(dims, "per_query" if layout == "naive" else layout, P, t, S, 1, Q, **video)
 
 
-def ceilings_q(dims: ModelDims, layout: str, P, t, S, G: int, Q: int, *, reference: bool = True,
+def ceilings_q(dims: Geometry, layout: str, P, t, S, G: int, Q: int, *, reference: bool = True,
                train_vision: bool = False, **video) -> dict:
     """Per phase, FLOPs of naive / FLOPs of `layout`: rho_rollout, rho_fwd (reference), rho_flops (update),
     rho_step (all), rho_lin (tokens)."""

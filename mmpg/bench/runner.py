@@ -36,6 +36,7 @@ import tempfile
 from mmpg.bench import flops
 from mmpg.bench.levels import LEVELS, ceiling_key
 from mmpg.bench.memory import worker_env
+from mmpg.models.geometry import from_config_dict
 
 
 def split_variant(label: str) -> tuple[str, str | None]:
@@ -63,7 +64,7 @@ def shape_of(config: dict) -> dict:
 
     model_cfg, _ = model_config(config)
     shape = prompt_shape(config["P"], model_cfg, config.get("video"))
-    shape["dims"] = flops.dims_from_config(model_cfg)
+    shape["dims"] = from_config_dict(model_cfg.to_dict(), model_cfg.model_type)
     return shape
 
 

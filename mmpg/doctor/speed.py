@@ -61,9 +61,10 @@ def out_of_memory(fn):
 @out_of_memory
 def forward_row(device: torch.device) -> Row:
     from mmpg.bench.batch import make_inputs
-    from mmpg.bench.flops import dims_from_config, rho_flops
+    from mmpg.bench.flops import rho_flops
     from mmpg.doctor.checks import tiny_model
     from mmpg.grouping import grouped_logprobs, repeated_logprobs
+    from mmpg.models.geometry import from_config_dict
 
     s = _shape(device)
     t0 = time.perf_counter()
@@ -77,7 +78,7 @@ def forward_row(device: torch.device) -> Row:
         return run
 
     grouped, repeated = _time(step(grouped_logprobs), device), _time(step(repeated_logprobs), device)
-    ceiling = rho_flops(dims_from_config(model.config), info["P"], s["S"], s["G"])
+    ceiling = rho_flops(from_config_dict(model.config.to_dict(), "qwen2"), info["P"], s["S"], s["G"])
     figure = (f"grouped {grouped * 1e3:.0f} ms vs repeated {repeated * 1e3:.0f} ms: {repeated / grouped:.2f}x "
               f"(FLOPs ceiling {ceiling:.2f}x)" if ceiling else "")
     return Row("speed", "speed/forward", f"forward + backward, P {info['P']}, S {s['S']}, G {s['G']} "

@@ -1,6 +1,6 @@
 """`mmpg plan`: the memory and time of a GRPO recipe on given devices, before renting them.
 
-    geometry   model presets (released Qwen2.5-VL / Qwen3-VL sizes) or a checkpoint's config.json; GPU presets
+    gpus       GPU presets (memory, bf16 peak, bandwidth); the model's shape is `mmpg.models.geometry`
     memory     the per-device peak by part (model states, reference, activations, logits, vision, rollout K/V)
     timing     the step's seconds by phase from FLOPs (at a stated utilisation) and decode bytes (at a bandwidth)
     fit        the cheapest single changes that make a recipe fit, each with its new peak

@@ -64,7 +64,7 @@ def add_arguments(p) -> None:
 
 
 def _hardware(args):
-    from mmpg.plan.geometry import GPUS, gpu
+    from mmpg.plan.gpus import GPUS, gpu
     from mmpg.plan.timing import Throughput
 
     if not 0 < args.mfu <= 1 or not 0 < args.bw_util <= 1:

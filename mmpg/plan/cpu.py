@@ -17,7 +17,7 @@ from mmpg.plan.memory import Recipe, predict
 def case_recipe(case: dict) -> Recipe:
     from mmpg.bench.batch import prompt_shape
     from mmpg.bench.model import model_config
-    from mmpg.plan.geometry import from_config_dict
+    from mmpg.models.geometry import from_config_dict
 
     config, _ = model_config(case)
     geometry = from_config_dict(config.to_dict(), case.get("name", case["family"]))

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mmpg.plan.geometry import Geometry
+from mmpg.models.geometry import Geometry
 
 LOGITS_CHUNK = 2048  # mmpg.grouping.logprobs.head_logprobs' chunk_size
 # A CPU training run's own objects above its baseline, no tensor of the plan: the model's and the processor's Python

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from mmpg.plan.geometry import GPUS, MODELS, Geometry
+from mmpg.models.geometry import MODELS, Geometry
+from mmpg.plan.gpus import GPUS
 from mmpg.plan.memory import Recipe, predict
 
 LLAMA_8B = Geometry("Llama-3.1-8B", 4096, 32, 32, 8, 14336, 128256)  # ALST's model (public config)

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from mmpg.errors import UserError
-from mmpg.plan.geometry import Geometry, resolve
+from mmpg.models.geometry import Geometry, resolve
 from mmpg.plan.memory import RUNTIME_BYTES, Recipe
 
 TEXT_TOKENS = 120
@@ -33,7 +33,7 @@ def geometry_of(path: str) -> Geometry:
         except Exception:  # noqa: BLE001 - no cache, no hub package, a name it refuses: the presets decide
             pass
     if not path:
-        from mmpg.plan.geometry import MODELS
+        from mmpg.models.geometry import MODELS
 
         raise UserError(f"model.path is empty: give model.path=FOLDER (with config.json) or a preset: "
                         f"{', '.join(MODELS)}")

@@ -33,7 +33,7 @@ class Throughput:
 
 def phase_flops(r: Recipe, mu: int = 1) -> dict:
     """FLOPs of one prompt's phases (decode per step separately: `decode_step_flops`)."""
-    d, P, S, G = r.geometry.flops_dims(), r.P, r.S, r.G
+    d, P, S, G = r.geometry, r.P, r.S, r.G
     video = {"video_patches": r.patches, "frame_patches": 0}
     if r.patches and d.vision is not None:  # per-frame attention: a frame's patches (merge² per token, ~256 tokens)
         video["frame_patches"] = min(r.patches, 1024)

@@ -1,4 +1,11 @@
-"""Model and GPU geometry for `mmpg plan`: a checkpoint's config.json (no weights read) or a built-in preset.
+"""The shape of a model, read from a checkpoint's config.json (no weights) or taken from a released preset.
+
+One `Geometry` (the decoder) with an optional `Vision` (the vision tower) is what every size-dependent number of mmpg
+starts from: the FLOPs ceilings (`mmpg.bench.flops`), the memory and time plan (`mmpg.plan`) and the doctor's speed
+rows. `from_config_dict` is the one reader of a config.json: Qwen2.5-VL and Qwen3-VL (`text_config` +
+`vision_config`) and text-only Qwen2 / Qwen3 (sizes at the top level). `MODELS` holds the released sizes, each
+written once; `QWEN2_5_7B` is the Qwen2.5-VL-7B LM without its vision tower (the Qwen2.5-VL LMs are the Qwen2.5 LMs
+of the same size).
 
 Parameter count of one decoder layer (Qwen2 / Qwen2.5-VL: q, k, v biases; Qwen3 / Qwen3-VL: no biases, q/k RMSNorm
 of head_dim each):
@@ -26,13 +33,15 @@ from mmpg.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class Vision:
+    """Vision tower sizes."""
+
     hidden: int
     depth: int
     intermediate: int
-    out_hidden: int
+    out_hidden: int  # the LM hidden size the merger projects to
     patch: int = 14
     temporal_patch: int = 2
-    merge: int = 2
+    merge: int = 2  # spatial merge: merge² patches per LM token
     mlp_mats: int = 3  # 3: gated MLP (Qwen2.5-VL), 2: plain (Qwen3-VL)
     position_embeddings: int = 0  # Qwen3-VL's learned position table
     deepstack: int = 0  # Qwen3-VL: extra mergers feeding LM layers
@@ -63,6 +72,8 @@ class Vision:
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
+    """Decoder sizes (and the vision tower of a VL model). head_dim 0 means hidden // heads."""
+
     name: str
     hidden: int
     layers: int
@@ -70,7 +81,7 @@ class Geometry:
     kv_heads: int
     intermediate: int
     vocab: int
-    head_dim: int = 0  # 0: hidden // heads
+    head_dim: int = 0
     tied: bool = False
     qk_norm: bool = False  # Qwen3 family: q/k RMSNorm, no q/k/v biases
     vision: Vision | None = None
@@ -97,14 +108,6 @@ class Geometry:
         shapes = {"q_proj": (h, qd), "k_proj": (h, kvd), "v_proj": (h, kvd), "o_proj": (qd, h),
                   "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
         return self.layers * sum(r * sum(shapes[t]) for t in targets if t in shapes)
-
-    def flops_dims(self):
-        from mmpg.bench.flops import ModelDims, VisionDims
-
-        v = self.vision
-        vd = VisionDims(v.hidden, v.depth, v.intermediate, v.out_hidden, v.merge, v.mlp_mats) if v else None
-        return ModelDims(self.hidden, self.layers, self.heads, self.kv_heads, self.intermediate, self.vocab,
-                         self.d, vd)
 
 
 def _q25_vision(out: int) -> Vision:
@@ -135,44 +138,22 @@ MODELS = {
     # text-only, for the long-context point (Qwen3-8B: hidden 4096, 36 layers, 32/8 heads of 128, I 12288)
     "qwen3-8b": Geometry("Qwen3-8B", 4096, 36, 32, 8, 12288, 151936, 128, qk_norm=True),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class GPU:
-    name: str
-    memory_gb: float  # GiB the card has; the plan keeps `headroom` of it free
-    bf16_tflops: float  # dense bf16 tensor-core peak (no sparsity)
-    bandwidth_tbs: float  # HBM/GDDR bandwidth, TB/s
-
-
-GPUS = {  # vendors' data sheets (SXM parts where there are two)
-    "a100-40": GPU("A100 40GB", 40, 312, 1.555), "a100-80": GPU("A100 80GB", 80, 312, 2.039),
-    "h100": GPU("H100 80GB", 80, 989, 3.35), "h200": GPU("H200 141GB", 141, 989, 4.8),
-    "a40": GPU("A40 48GB", 48, 149.7, 0.696), "l40s": GPU("L40S 48GB", 48, 362, 0.864),
-    "4090": GPU("RTX 4090 24GB", 24, 165.2, 1.008),
-}
-
-
-def gpu(name: str) -> GPU:
-    key = name.lower().replace(" ", "").replace("_", "-").replace("gb", "")
-    key = {"a100": "a100-80", "rtx4090": "4090", "a10040": "a100-40", "a10080": "a100-80"}.get(key, key)
-    if key not in GPUS:
-        raise UserError(f"unknown GPU {name!r}; choose one of {', '.join(GPUS)} or give --gpu-memory GB")
-    return GPUS[key]
+# The paper's FLOPs figures are for a Qwen2.5-7B-sized LM (`mmpg.bench.flops.paper_reduction`).
+QWEN2_5_7B = dataclasses.replace(MODELS["qwen2.5-vl-7b"], name="Qwen2.5-7B", vision=None)
 
 
 def from_config_dict(cfg: dict, name: str) -> Geometry:
-    """Geometry of a transformers config.json (VL: text_config + vision_config; text-only: top level)."""
+    """Geometry of a transformers config.json (VL: text_config + vision_config; text-only: top level); `name` names
+    the model in errors and plans. A loaded config object gives its dict by `config.to_dict()`."""
     text = cfg.get("text_config") or cfg
     need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [k for k in need if k not in text]
     if missing:
         raise UserError(f"{name}: config.json lacks {', '.join(missing)}; is it a Qwen-VL or Qwen checkpoint?")
-    mtype = cfg.get("model_type", "")
+    qwen3 = cfg.get("model_type", "").startswith("qwen3")
     vision = None
     vc = cfg.get("vision_config")
     if vc:
-        qwen3 = mtype.startswith("qwen3")
         vision = Vision(hidden=vc.get("hidden_size", vc.get("embed_dim", 1280)), depth=vc["depth"],
                         intermediate=vc.get("intermediate_size", 4 * vc.get("hidden_size", 1280)),
                         out_hidden=vc.get("out_hidden_size", text["hidden_size"]), patch=vc.get("patch_size", 14),
@@ -185,7 +166,7 @@ def from_config_dict(cfg: dict, name: str) -> Geometry:
                     text.get("num_key_value_heads", heads), text["intermediate_size"], text["vocab_size"],
                     text.get("head_dim") or text["hidden_size"] // heads,
                     tied=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-                    qk_norm=mtype.startswith("qwen3"), vision=vision)
+                    qk_norm=qwen3, vision=vision)
 
 
 def resolve(path: str) -> Geometry:
