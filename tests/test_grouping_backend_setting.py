@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mmpg.grouping import grouping_state
+
 from batches import completions, text_batch
 from mmpg.config import load_config
 from mmpg.grouping import grouped_logprobs
@@ -47,7 +49,7 @@ def test_deterministic_setting_reaches_the_model(load_tiny, monkeypatch):
     monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
     model, _ = load_tiny("qwen3")
     grouping_options(model, load_config(None, ["model.deterministic=true"]))
-    assert model._mmpg_deterministic is True
+    assert grouping_state(model).deterministic is True
     import os
 
     assert os.environ["FLASH_ATTENTION_DETERMINISTIC"] == "1"  # transformers' flash_attention_2 reads it
@@ -66,7 +68,7 @@ def test_eval_loads_the_model_with_its_setting(tiny_dirs):
 
     settings = load_settings("default", ["grouping_backend=flex", "dtype=float32"])
     model = load_model(str(tiny_dirs["qwen2_5_vl"]), settings, "cpu")[0]
-    assert model._mmpg_backend == "flex"
+    assert grouping_state(model).backend == "flex"
     with pytest.raises(Exception, match="grouping_backend"):
         load_settings("default", ["grouping_backend=fast"])
 
@@ -89,10 +91,10 @@ def test_grpo_records_the_checks_choice_and_moves_the_reference_along(load_tiny)
         step = types.SimpleNamespace(checker=types.SimpleNamespace(choice=("sdpa", "")), ref=ref, policy=policy)
         before = choices.version()
         GRPOStep._record_backend(step)
-        assert choices.version() == before and ref._mmpg_backend == "flash"
+        assert choices.version() == before and grouping_state(ref).backend == "flash"
         step.checker.choice = ("sdpa", "flash differs by 0.31 > bound 0.027 in the self-check (bfloat16, ...)")
         GRPOStep._record_backend(step)
         assert choices.current()["grouped_backend"] == {"value": "sdpa", "why": step.checker.choice[1]}
-        assert ref._mmpg_backend == "sdpa"
+        assert grouping_state(ref).backend == "sdpa"
     finally:
         choices.reset()

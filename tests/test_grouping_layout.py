@@ -7,6 +7,8 @@ import functools
 
 import pytest
 import torch
+
+from mmpg.grouping import grouping_state
 import torch.nn.functional as F
 
 from mmpg.grouping import GroupLayout, apply_grouped_attention
@@ -121,7 +123,7 @@ def test_patch_is_idempotent_and_text_only(load_tiny):
     assert model.config.text_config._attn_implementation == "mmpg_grouped_sdpa"
     assert model.config.vision_config._attn_implementation == "sdpa"  # the vision tower keeps its own
     apply_grouped_attention(model, backend="lse_reference")
-    assert model._mmpg_backend == "lse_reference"
+    assert grouping_state(model).backend == "lse_reference"
     assert model.config.text_config._attn_implementation == "mmpg_grouped_sdpa"
 
 

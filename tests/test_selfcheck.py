@@ -9,6 +9,8 @@ import logging
 import pytest
 import torch
 
+from mmpg.grouping import grouping_state
+
 from batches import completions, vl_batch
 from mmpg.grouping.selfcheck import SelfCheck, SelfCheckError, batch_dims, bound_for
 
@@ -128,7 +130,7 @@ def test_a_failing_backend_falls_back_to_sdpa_with_one_line(group, monkeypatch, 
         lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("mmpg")]
         assert len(lines) == 1 and lines[0].startswith(f"self-check: grouped backend {words}"), lines
         assert lines[0].endswith("falling back to sdpa") and "flash-attn " in lines[0]
-        assert m["check/grouped_vs_repeated_max"] <= 1e-4 and model._mmpg_backend == "sdpa"
+        assert m["check/grouped_vs_repeated_max"] <= 1e-4 and grouping_state(model).backend == "sdpa"
         assert check.choice[0] == "sdpa" and check.choice[1].startswith(words)
         assert not check.needed(model, batch_dims(inputs, mask, GROUPS))  # the envelope is sdpa's now
     _faulty_backends(monkeypatch, _scaled_responses(0.5, only="flex"))

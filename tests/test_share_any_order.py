@@ -11,7 +11,7 @@ import torch
 
 from batches import completions
 from grouping_check import compare
-from mmpg.grouping import grouped_logprobs
+from mmpg.grouping import grouped_forward
 from mmpg.grouping.inputs import split_visuals_per_prompt
 from mmpg.grouping.shares import share_order
 from mmpg.rollout import HFEngine, SamplingParams
@@ -41,9 +41,9 @@ def test_a_video_apart_in_the_batch_is_encoded_once_and_exact(load_tiny, family)
     logp, grad, _ = compare(model, inputs, ids, mask, GROUPS)
     grid = inputs["video_grid_thw"].prod(-1).tolist()  # a, a, b, a, b
     with torch.no_grad():
-        _, seen = _vision_rows(model, lambda: grouped_logprobs(model, inputs, ids, mask, GROUPS))
+        out, seen = _vision_rows(model, lambda: grouped_forward(model, inputs, ids, mask, GROUPS))
     assert seen == [grid[0] + grid[2]]  # one call: a and b once each
-    assert model._mmpg_shared == (5, 2)  # 5 prompts behind 2 shared parts
+    assert (out.prompts, out.shared_parts, out.shared_prompts) == (5, 2, 3)  # 5 prompts behind 2 shared parts
     print(f"{family}: apart batch vs repeated max logprob diff {logp:.3g}, worst grad {grad:.3g}")
 
 
@@ -53,7 +53,9 @@ def test_the_same_question_twice_then_another_shares_the_video(load_tiny):
     inputs = shared_batch(processor, prompts)
     ids, mask = completions(groups, [3, 4, 2, 5, 1, 3], model.config.text_config.vocab_size)
     compare(model, inputs, ids, mask, groups)
-    assert model._mmpg_shared == (3, 1)
+    with torch.no_grad():
+        out = grouped_forward(model, inputs, ids, mask, groups)
+    assert (out.prompts, out.shared_parts) == (3, 1)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])

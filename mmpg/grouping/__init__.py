@@ -2,6 +2,7 @@
 
     from mmpg.grouping import grouped_logprobs, repeated_logprobs
     logps = grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, group_sizes)  # [N, S] float32
+    out = grouped_forward(...)  # the same logprobs (out.logprobs) and what the forward packed (`GroupedLogprobs`)
 
 Math (Prefix Grouper, arXiv 2506.05433): self-attention of response token j of group b is
 softmax over {prefix_b} ∪ {own earlier response tokens}; splitting the key set into the shared prefix and the own
@@ -14,10 +15,13 @@ leading part too, each row carrying its query's tail before its response (`mmpg.
 """
 
 from mmpg.grouping.layout import GroupLayout
-from mmpg.grouping.logprobs import grouped_logprobs, head_logprobs, repeated_logprobs
-from mmpg.grouping.patch import SUPPORTED_MODEL_TYPES, apply_grouped_attention, set_grouping_options
+from mmpg.grouping.logprobs import GroupedLogprobs, grouped_forward, grouped_logprobs, head_logprobs, repeated_logprobs
+from mmpg.grouping.patch import (
+    SUPPORTED_MODEL_TYPES, GroupingState, apply_grouped_attention, grouping_state, set_grouping_options,
+)
 
 __all__ = [
-    "GroupLayout", "SUPPORTED_MODEL_TYPES", "apply_grouped_attention", "grouped_logprobs", "head_logprobs",
-    "repeated_logprobs", "set_grouping_options",
+    "GroupLayout", "GroupedLogprobs", "GroupingState", "SUPPORTED_MODEL_TYPES", "apply_grouped_attention",
+    "grouped_forward", "grouped_logprobs", "grouping_state", "head_logprobs", "repeated_logprobs",
+    "set_grouping_options",
 ]

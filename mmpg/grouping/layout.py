@@ -40,7 +40,7 @@ class GroupLayout:
     # Ulysses (`mmpg.grouping.ulysses`) on the whole row for this rank's heads; None: the whole row is here
     sequence: object | None = None
     # deterministic attention backward where the backend has a choice (flash-attn's `deterministic=`; the model's
-    # `_mmpg_deterministic`, set by `apply_grouped_attention`)
+    # `GroupingState.deterministic`, set by `apply_grouped_attention`)
     deterministic: bool = False
     # the dtype the attention kernel runs in when the rest computes in float32 (`mmpg.grouping.precise`); None: q/k/v's
     kernel_dtype: torch.dtype | None = None

@@ -1,13 +1,16 @@
-"""`grouped_logprobs` (each prompt once, responses packed behind it) and `repeated_logprobs` (the naive reference).
+"""`grouped_forward` / `grouped_logprobs` (each prompt once, responses packed behind it) and `repeated_logprobs`
+(the naive reference).
 
-Both return [N, S] float32 with entry [i, t] = log p(completion_ids[i, t] | prompt of row i, completion_ids[i, :t])
+The logprobs are [N, S] float32 with entry [i, t] = log p(completion_ids[i, t] | prompt of row i, completion_ids[i, :t])
 and 0 where completion_mask is 0. The grouped forward equals the repeated one up to float rounding (tests hold it
-to 1e-5 on logprobs and 1e-4 relative on every gradient in float32).
+to 1e-5 on logprobs and 1e-4 relative on every gradient in float32). `grouped_forward` returns them with what the
+forward packed (`GroupedLogprobs`); `grouped_logprobs` returns the tensor alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -23,7 +26,7 @@ from mmpg.grouping.inputs import (
 )
 from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.layout import GroupLayout, pick_rows
-from mmpg.grouping.patch import apply_grouped_attention, base_model, model_kind
+from mmpg.grouping.patch import apply_grouped_attention, base_model, grouping_state, model_kind
 from mmpg.grouping.positions import use_qwen_positions
 from mmpg.grouping.sequence import (
     SequenceShard, check_model_heads, group_size, sharded_head_logprobs, sharded_hidden_states,
@@ -91,25 +94,46 @@ def _scatter_rows(flat: torch.Tensor, completions: Completions) -> torch.Tensor:
     return out.masked_scatter(mask, flat)
 
 
-def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, group_sizes, *, backend=None,
-                     temperature: float = 1.0, chunk_size: int = 2048, share: bool = True,
-                     sequence_group=None) -> torch.Tensor:
-    """Each prompt (and its video) forwarded once with its responses packed behind it. Returns [N, S] float32.
+@dataclasses.dataclass
+class GroupedLogprobs:
+    """What one grouped forward returns: the logprobs [N, S] float32, the prompts it forwarded, the parts they were
+    packed behind (fewer than `prompts` where a video's queries shared it) and the tokens of the packed row this rank
+    held (the row, or its sequence-parallel shard)."""
+
+    logprobs: torch.Tensor
+    prompts: int
+    shared_parts: int
+    row_tokens: int
+
+    @property
+    def shared_prompts(self) -> int:
+        """Prompts packed behind another prompt's shared part (perf/shared_prompts)."""
+        return self.prompts - self.shared_parts
+
+
+def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, group_sizes, **options) -> torch.Tensor:
+    """`grouped_forward(...).logprobs`: [N, S] float32."""
+    return grouped_forward(model, prompt_inputs, completion_ids, completion_mask, group_sizes, **options).logprobs
+
+
+def grouped_forward(model, prompt_inputs, completion_ids, completion_mask, group_sizes, *, backend=None,
+                    temperature: float = 1.0, chunk_size: int = 2048, share: bool = True,
+                    sequence_group=None) -> GroupedLogprobs:
+    """Each prompt (and its video) forwarded once with its responses packed behind it (`GroupedLogprobs`).
 
     prompt_inputs: processor output for B prompts (left or right padded). completion_ids/mask: [N, S] right-padded,
     rows of prompt b contiguous and in prompt order. group_sizes: [B] positive ints summing to N.
-    backend: "sdpa" | "flash" | "flex" | "lse_reference"; default: the one chosen by `apply_grouped_attention`.
+    backend: "sdpa" | "flash" | "flex" | "lse_reference"; default: the model's (`GroupingState.backend`).
     share: let adjacent prompts that begin alike (a video's queries) share that part (`mmpg.grouping.shares`); false
     forwards each prompt on its own. Prompts of one video anywhere in the batch share it: they are computed side by
-    side (`mmpg.grouping.shares.share_order`) and the rows given back in the caller's order. What was shared is left in
-    `model._mmpg_shared` (prompts, shared parts), and
-    the tokens of the packed row this rank held (the row, or its shard) in `model._mmpg_row_tokens`.
+    side (`mmpg.grouping.shares.share_order`) and the rows given back in the caller's order.
     sequence_group: a torch.distributed process group of sp ranks that hold the same inputs and share the packed row
-    (`mmpg.grouping.sequence`); default the one given to `apply_grouped_attention`, None or size 1: one rank."""
+    (`mmpg.grouping.sequence`); default the model's (`GroupingState.sequence_group`), None or size 1: one rank."""
     _check_temperature(temperature)
     model = base_model(model)  # a peft PeftModel: the transformers model inside it
+    state = grouping_state(model)
     if sequence_group is None:
-        sequence_group = getattr(model, "_mmpg_sequence_group", None)
+        sequence_group = state.sequence_group
     if group_size(sequence_group) > 1:
         check_model_heads(model, group_size(sequence_group))
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
@@ -117,45 +141,45 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
     apply_grouped_attention(model)
     device = model.get_input_embeddings().weight.device
     prompt_inputs = _on_device(prompt_inputs, device)
-    backend = resolve_backend(backend or model._mmpg_backend, device, compute_dtype(model, device))
+    backend = resolve_backend(backend or state.backend, device, compute_dtype(model, device))
     is_vl = model_kind(model) == "vl"
     visuals = split_visuals_per_prompt(model, prompt_inputs) if is_vl else None
     order = share_order(visuals) if share and is_vl else list(range(len(completions.group_sizes)))
     if order != sorted(order):  # a video's prompts apart in the batch: computed side by side, given back in order
         rows = [i for b in order for i in completions.rows_of(b)]
         pad_id = pad_token_id(model)
-        out = grouped_logprobs(model, select_prompts(model, prompt_inputs, order, pad_id), completion_ids[rows],
-                               completion_mask[rows], [completions.group_sizes[b] for b in order], backend=backend,
-                               temperature=temperature, chunk_size=chunk_size, share=True,
-                               sequence_group=sequence_group)
-        return out[torch.tensor(rows, device=out.device).argsort()]
+        out = grouped_forward(model, select_prompts(model, prompt_inputs, order, pad_id), completion_ids[rows],
+                              completion_mask[rows], [completions.group_sizes[b] for b in order], backend=backend,
+                              temperature=temperature, chunk_size=chunk_size, share=True,
+                              sequence_group=sequence_group)
+        back = torch.tensor(rows, device=out.logprobs.device).argsort()
+        return dataclasses.replace(out, logprobs=out.logprobs[back])
     prefixes = prefix_positions(model, prompt_inputs, visuals)
     visuals = visuals or [{} for _ in prefixes.ids]
     # prompts that begin alike (a video's queries) share that part in the packed row (mmpg.grouping.shares)
     shares = find_shares(prefixes, visuals, placeholder_token_ids(model), completions.group_sizes) if share else \
         [Share((b,), p.numel()) for b, p in enumerate(prefixes.ids)]
-    model._mmpg_shared = (len(prefixes.ids), len(shares))
     packed_ids, packed_pos, row_lens, row_skip = pack(prefixes, completions, shares, device)
     layout = GroupLayout(prefix_lens=[s.length for s in shares], response_lens=row_lens, device=device,
                          backend=backend, row_skip=row_skip if any(any(k) for k in row_skip) else None,
-                         deterministic=bool(getattr(model, "_mmpg_deterministic", False)),
-                         kernel_dtype=getattr(model, "_mmpg_kernel_dtype", None))
+                         deterministic=state.deterministic, kernel_dtype=state.kernel_dtype)
     visual_inputs = leaders_visuals(prompt_inputs, visuals, shares)
     if group_size(sequence_group) > 1:  # the row cut over the sp ranks (mmpg.grouping.sequence)
         layout.sequence = SequenceShard(sequence_group, group_size(sequence_group), dist.get_rank(sequence_group),
                                         layout.total)
-        model._mmpg_row_tokens = layout.sequence.local
         hidden = sharded_hidden_states(model, visual_inputs, packed_ids, packed_pos, layout)  # [T_loc, H]
         flat = sharded_head_logprobs(head_logprobs, model.get_output_embeddings(), hidden, layout, packed_ids,
                                      temperature, chunk_size)
-        return _scatter_rows(flat, completions)
-    model._mmpg_row_tokens = layout.total
-    hidden = packed_hidden_states(model, visual_inputs, packed_ids, packed_pos, layout)  # [T, H]
-    # with device_map the last layer (and so `hidden`) may sit on another device than the embedding
-    predictors = pick_rows(hidden, layout.for_device(hidden.device).predictor_index)  # [sum L_i, H]
-    flat = head_logprobs(model.get_output_embeddings(), predictors, packed_ids[layout.target_index], temperature,
-                         chunk_size)  # [sum L_i]
-    return _scatter_rows(flat, completions)
+        row_tokens = layout.sequence.local
+    else:
+        hidden = packed_hidden_states(model, visual_inputs, packed_ids, packed_pos, layout)  # [T, H]
+        # with device_map the last layer (and so `hidden`) may sit on another device than the embedding
+        predictors = pick_rows(hidden, layout.for_device(hidden.device).predictor_index)  # [sum L_i, H]
+        flat = head_logprobs(model.get_output_embeddings(), predictors, packed_ids[layout.target_index], temperature,
+                             chunk_size)  # [sum L_i]
+        row_tokens = layout.total
+    return GroupedLogprobs(_scatter_rows(flat, completions), prompts=len(prefixes.ids), shared_parts=len(shares),
+                           row_tokens=int(row_tokens))
 
 
 def _repeated_rows(model, prompt_inputs, completions: Completions) -> dict:

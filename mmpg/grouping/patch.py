@@ -8,6 +8,7 @@ no `forward` is replaced: the family adapters in `mmpg.grouping.adapters` call t
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import transformers
@@ -93,17 +94,43 @@ def _check_backend_name(backend: str) -> None:
         raise ValueError(f"unknown grouped attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def set_grouping_options(model, backend: str | None = None, deterministic: bool | None = None):
-    """Record the grouped forward's backend ("auto", "sdpa", ...: what `resolve_backend` reads at each grouped
-    forward and shared prefill) and its deterministic-backward flag on `model` (a peft model: the transformers model
-    inside), without patching its attention: the first grouped forward does that, so a run that never takes the
-    grouped path keeps its own attention untouched. None leaves a setting as it is. Returns the model."""
+@dataclasses.dataclass
+class GroupingState:
+    """The grouped forward's own settings on a model, the one object mmpg keeps there (`grouping_state`).
+
+    backend: "auto" (resolved per call from the device and dtype) or a `BACKENDS` name, read at each grouped forward
+    and shared prefill; deterministic: deterministic attention backward where the backend has a choice;
+    sequence_group: the process group over which each packed row is spread (None: one rank); kernel_dtype: the
+    dtype the grouped attention's kernel runs in when it differs from the run's (`mmpg.grouping.precise`); checked:
+    the transformers features were checked on this model."""
+
+    backend: str = "auto"
+    deterministic: bool = False
+    sequence_group: object = None
+    kernel_dtype: object = None
+    checked: bool = False
+
+
+def grouping_state(model) -> GroupingState:
+    """The `GroupingState` of `model` (a peft model: the transformers model inside), made on first use."""
     inner = base_model(model)
+    state = inner.__dict__.get("mmpg_grouping")
+    if state is None:
+        state = GroupingState()
+        object.__setattr__(inner, "mmpg_grouping", state)  # a plain attribute, not a registered submodule
+    return state
+
+
+def set_grouping_options(model, backend: str | None = None, deterministic: bool | None = None):
+    """Record the grouped forward's backend ("auto", "sdpa", ...) and its deterministic-backward flag in the model's
+    `GroupingState`, without patching its attention: the first grouped forward does that, so a run that never takes
+    the grouped path keeps its own attention untouched. None leaves a setting as it is. Returns the model."""
+    state = grouping_state(model)
     if backend is not None:
         _check_backend_name(backend)
-        inner._mmpg_backend = backend
+        state.backend = backend
     if deterministic is not None:
-        inner._mmpg_deterministic = bool(deterministic)
+        state.deterministic = bool(deterministic)
     return model
 
 
@@ -113,16 +140,17 @@ def apply_grouped_attention(model, backend: str | None = None, sequence_group=No
     one is given). `sequence_group`: a process group of sp ranks over which `grouped_logprobs` spreads each packed
     row from now on (`mmpg.grouping.sequence`). `deterministic`: deterministic attention backward kernels where the
     backend has a choice (flash-attn's `deterministic=`), from now on. Returns the model."""
-    set_grouping_options(model, deterministic=deterministic)
-    model_kind(model)
-    if sequence_group is not None:
-        model._mmpg_sequence_group = sequence_group
-    if not getattr(model, "_mmpg_checked", False):
-        _check_transformers(model)
-        model._mmpg_checked = True
-    use_qwen_positions(model)
     if backend is not None:
         _check_backend_name(backend)
+    set_grouping_options(model, backend=backend, deterministic=deterministic)
+    state = grouping_state(model)
+    model_kind(model)
+    if sequence_group is not None:
+        state.sequence_group = sequence_group
+    if not state.checked:
+        _check_transformers(model)
+        state.checked = True
+    use_qwen_positions(model)
     text_config = model.config.get_text_config()
     current = text_config._attn_implementation or "eager"
     name = register_grouped_attention(current)
@@ -131,6 +159,4 @@ def apply_grouped_attention(model, backend: str | None = None, sequence_group=No
             model.set_attn_implementation(name)
         else:
             model.set_attn_implementation({"text_config": name})
-    if backend is not None or not hasattr(model, "_mmpg_backend"):
-        model._mmpg_backend = backend or "auto"  # "auto" is resolved per call from the device and dtype
     return model

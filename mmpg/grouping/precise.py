@@ -14,7 +14,7 @@ x 4 bytes, 2.2 GB for Qwen2.5-VL-7B), the activations of the checked group are f
 the weights are bit-for-bit the run's own (bf16 -> fp32 is exact, and the original tensors are put back, so views
 into an optimizer's flat buffer stay views). TF32 matmuls are switched off inside (`highest` precision).
 
-`kernel_dtype`: the grouped attention still runs its kernel in the run's dtype (`model._mmpg_kernel_dtype`, read by
+`kernel_dtype`: the grouped attention still runs its kernel in the run's dtype (`GroupingState.kernel_dtype`, read by
 `grouped_logprobs` into the layout): the flash backend has no float32 kernel, and the kernel is part of what is
 checked. Only q/k/v and the attention output of the grouped forward are rounded to 16 bits then; the repeated forward
 attends in float32.
@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from mmpg.grouping.patch import grouping_state
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -69,12 +71,12 @@ def float32_compute(model, kernel_dtype: torch.dtype | None = None):
             params = [p for p in module.parameters(recurse=False) if p.dtype in HALF]
             if params:
                 handles.extend(_hooks(module, params, stashes))
-        model._mmpg_kernel_dtype = kernel_dtype
+        grouping_state(model).kernel_dtype = kernel_dtype
         torch.set_float32_matmul_precision("highest")
         yield model
     finally:
         torch.set_float32_matmul_precision(precision)
-        model._mmpg_kernel_dtype = None
+        grouping_state(model).kernel_dtype = None
         for handle in handles:
             handle.remove()
         for params, stash in stashes:  # a forward that raised inside a module: its own tensors back

@@ -52,7 +52,7 @@ their bf16 size, one module's float32 weights (at most vocab x hidden x 4 bytes:
 float32 matmul time (on a GPU several times the bf16 time) — once per envelope growth, not per step.
 
 Fallback. A `flash` or `flex` backend that raises in the check or fails it is dropped with one warning line (backend,
-figure or error, versions) and the check runs again on `sdpa`, which the model then keeps (`model._mmpg_backend`);
+figure or error, versions) and the check runs again on `sdpa`, which the model then keeps (`GroupingState.backend`);
 the run stops (mode "on") only when sdpa fails too. `choice` holds (backend, why) for the caller to record.
 """
 
@@ -68,8 +68,8 @@ import transformers
 from mmpg.grouping import probes, sequence
 from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.inputs import pad_token_id, select_prompts
-from mmpg.grouping.logprobs import grouped_logprobs, repeated_logprobs
-from mmpg.grouping.patch import base_model, set_grouping_options
+from mmpg.grouping.logprobs import grouped_forward, grouped_logprobs, repeated_logprobs
+from mmpg.grouping.patch import base_model, grouping_state, set_grouping_options
 from mmpg.grouping.precise import float32_compute
 
 log = logging.getLogger("mmpg.grouping")
@@ -167,7 +167,7 @@ class SelfCheck:
     def key(self, model, backend: str | None = None) -> tuple[str, torch.dtype]:
         device = model.get_input_embeddings().weight.device
         dtype = compute_dtype(model, device)
-        return resolve_backend(backend or getattr(base_model(model), "_mmpg_backend", "auto"), device, dtype), dtype
+        return resolve_backend(backend or grouping_state(model).backend, device, dtype), dtype
 
     def needed(self, model, dims: tuple[int, int, int], backend: str | None = None) -> bool:
         """Whether a group of `dims` (P, S, G) lies outside what was checked for this backend and dtype."""
@@ -193,7 +193,8 @@ class SelfCheck:
                 device = model.get_input_embeddings().weight.device
                 scope = float32_compute(base_model(model), kernel) if precise else contextlib.nullcontext()
                 with torch.autocast(device.type, enabled=False) if precise else contextlib.nullcontext(), scope:
-                    grouped = grouped_logprobs(*args, backend=key[0], **kwargs)
+                    result = grouped_forward(*args, backend=key[0], **kwargs)
+                    grouped, figures.shared_prompts = result.logprobs, result.shared_prompts
                     reference = repeated_logprobs(*args, temperature=kwargs["temperature"])
                     figures.add("logprobs", _masked_max(grouped, reference, args[3]), bound)
                     if leak:
@@ -214,7 +215,7 @@ class SelfCheck:
         figures = Figures()
         chosen = probes.end_rows(sizes)  # the loss's rows: the first and last response of every group
         weights = probes.loss_weights(mask, chosen)
-        group = getattr(base_model(model_), "_mmpg_sequence_group", None)
+        group = grouping_state(model_).sequence_group
         sp = sequence.group_size(group)
         try:
             logp, grads = probes.probe_gradients(
@@ -283,7 +284,8 @@ class SelfCheck:
         env.grow(dims)
         diff, bound = figures.get("logprobs")
         metrics = {"check/grouped_vs_repeated_max": diff, "check/bound": bound, "check/prefix_max": env.prefix,
-                   "check/response_max": env.response, "check/group_max": env.group}
+                   "check/response_max": env.response, "check/group_max": env.group,
+                   "check/shared_prompts": figures.shared_prompts}
         for name, metric in (("leak", "leak_max"), ("logprobs_with_grad", "with_grad_max"),
                              ("gradients", "gradient_rel_max")):
             if name in figures.items:
@@ -332,6 +334,7 @@ class Figures:
     def __init__(self):
         self.items: dict[str, tuple[float, float]] = {}
         self.error = ""
+        self.shared_prompts = 0  # prompts the checked grouped forward packed behind another's shared part
 
     def add(self, name: str, diff: float, bound: float) -> None:
         self.items[name] = (float(diff), float(bound))
@@ -342,6 +345,7 @@ class Figures:
     def extend(self, other: "Figures") -> None:
         self.items.update(other.items)
         self.error = self.error or other.error
+        self.shared_prompts = max(self.shared_prompts, other.shared_prompts)
 
     def failed(self, err: Exception, bound: float, names: list[str]) -> None:
         """A kernel raised: every figure of `names` is infinite (so every rank reduces the same names in order)."""

@@ -85,12 +85,13 @@ def attention_summary(model, device: str) -> str:
     """What each attention path of a loaded policy runs on, for the run header: the model's own forwards
     (generation, the vision tower) and the grouped forward's backend (`mmpg.grouping.backends.resolve_backend`)."""
     from mmpg.grouping.backends import resolve_backend
+    from mmpg.grouping.patch import grouping_state
 
     config = model.config
     text = getattr(getattr(config, "text_config", None), "_attn_implementation", None) or config._attn_implementation
     vision = getattr(getattr(config, "vision_config", None), "_attn_implementation", None)
     dtype = model.get_input_embeddings().weight.dtype
-    grouped = resolve_backend(getattr(model, "_mmpg_backend", "auto"), torch.device(device), dtype)
+    grouped = resolve_backend(grouping_state(model).backend, torch.device(device), dtype)
     return f"model {text}{f' (vision tower {vision})' if vision and vision != text else ''}, grouped forward {grouped}"
 
 

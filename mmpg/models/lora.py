@@ -34,7 +34,7 @@ from mmpg.errors import UserError
 
 @dataclasses.dataclass
 class LoraHandle:
-    """What `apply_lora` leaves on the policy (`policy._mmpg_lora`): the peft shell and what was adapted."""
+    """What `apply_lora` leaves on the policy (`policy.mmpg_lora`): the peft shell and what was adapted."""
 
     peft: object  # peft.PeftModel whose base_model.model is the policy
     targets: list[str]  # full module names that got adapters
@@ -96,7 +96,7 @@ def base_reference(path: str | Path) -> str:
 
 
 def apply_lora(model, lora_cfg, base_path: str | Path, freeze_vision: bool, seed: int = 0):
-    """Adapters on `model` in place (peft); returns the same model, with `model._mmpg_lora` set. lora_cfg:
+    """Adapters on `model` in place (peft); returns the same model, with `model.mmpg_lora` set. lora_cfg:
     mmpg.config.LoraConfig with r > 0. peft draws lora_A from the global torch RNG (lora_B starts at 0); that draw
     is seeded with `seed` (trainer.seed) in a forked RNG, so two runs start from the same adapters and the caller's
     RNG stream is left as it was."""
@@ -112,7 +112,7 @@ def apply_lora(model, lora_cfg, base_path: str | Path, freeze_vision: bool, seed
         shell = get_peft_model(model, config, autocast_adapter_dtype=False)
     shell.peft_config["default"].base_model_name_or_path = base
     assert shell.base_model.model is model  # injected in place: the policy stays the transformers model
-    object.__setattr__(model, "_mmpg_lora", LoraHandle(peft=shell, targets=targets, base=base))
+    object.__setattr__(model, "mmpg_lora", LoraHandle(peft=shell, targets=targets, base=base))
     return model
 
 
@@ -137,7 +137,7 @@ def resume_mismatch(policy, adapter_config: dict) -> str | None:
 
 
 def lora_handle(policy) -> LoraHandle | None:
-    return getattr(policy, "_mmpg_lora", None)
+    return getattr(policy, "mmpg_lora", None)
 
 
 def is_lora(policy) -> bool:

@@ -36,6 +36,7 @@ from mmpg.grouping.adapters import Prefixes
 from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.inputs import placeholder_token_ids
 from mmpg.grouping.layout import GroupLayout
+from mmpg.grouping.patch import grouping_state
 from mmpg.grouping.shares import Share, find_shares
 from mmpg.rollout.cascade import ShareSplit
 
@@ -107,7 +108,7 @@ def shared_prefill(model, prefixes: Prefixes, visuals: list[dict] | None, shares
     shared_index, shared_mask = _left_padded(shared_spans, device)
     tail_index, tail_mask = _left_padded(tail_spans, device)
     split = ShareSplit(shared_index, shared_mask, tail_index, tail_mask, torch.tensor(query_share, device=device))
-    backend = resolve_backend(getattr(model, "_mmpg_backend", "auto"), device, compute_dtype(model, device))
+    backend = resolve_backend(grouping_state(model).backend, device, compute_dtype(model, device))
     layout = GroupLayout(prefix_lens=prefix_lens, response_lens=tail_lens, device=device, backend=backend)
     leaders = {}
     for share in shares:

@@ -249,9 +249,10 @@ def policy_weights(model_path: str, resume: Path | None) -> tuple[str, Path | No
     return str(resume), None
 
 
-def adopt_weights(policy, resume: Path | None, adapter_from: Path | None) -> None:
-    """After loading the policy from `policy_weights`: the adapter of a weights-only LoRA checkpoint onto it, and a
-    mark that `load_checkpoint` checks (a weights-only resume must not continue from model.path's weights)."""
+def adopt_weights(policy, resume: Path | None, adapter_from: Path | None) -> Path | None:
+    """After loading the policy from `policy_weights`: the adapter of a weights-only LoRA checkpoint onto it.
+    Returns the weights-only checkpoint the policy now holds (None otherwise), for `load_checkpoint(weights_from=)`:
+    a weights-only resume must not continue from model.path's weights."""
     if adapter_from is not None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -263,8 +264,7 @@ def adopt_weights(policy, resume: Path | None, adapter_from: Path | None) -> Non
         if getattr(result, "unexpected_keys", None):
             raise UserError(f"{adapter_from}: its adapter does not fit this model (e.g. {result.unexpected_keys[0]}); "
                             "resume with the run's own model.path and model.lora settings")
-    if weights_only(resume):
-        policy._mmpg_weights_from = str(resume)
+    return resume if weights_only(resume) else None
 
 
 def find_resume(resume: str, run_dir: Path) -> Path | None:
@@ -281,9 +281,10 @@ def find_resume(resume: str, run_dir: Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, engine) -> dict:
+def load_checkpoint(path: Path, engine, weights_from: Path | None = None) -> dict:
     """Restore module, optimizer, LR schedule and this rank's RNG; returns the trainer state dict. A weights-only
-    checkpoint restores all but AdamW's moments (its weights were loaded with the policy: `policy_weights`)."""
+    checkpoint restores all but AdamW's moments: its weights were loaded with the policy (`policy_weights`), which
+    `weights_from` (what `adopt_weights` returned) must say."""
     state = json.loads((path / STATE_FILE).read_text())
     if state.get("world_size") != dist.world_size():
         raise UserError(f"{path}: saved with {state.get('world_size')} ranks, resumed with {dist.world_size()}; "
@@ -298,7 +299,7 @@ def load_checkpoint(path: Path, engine) -> dict:
             raise UserError(f"{path}: its adapters are not this run's ({mismatch}); resume with the run's own "
                             "model.path and model.lora settings")
     if weights_only(path):
-        if getattr(engine.module.policy, "_mmpg_weights_from", None) != str(path):
+        if weights_from is None or str(weights_from) != str(path):
             raise RuntimeError(f"{path} is weights-only: load the policy through policy_weights / adopt_weights")
         updates = restore_schedule(engine, path)
         if dist.rank() == 0:

@@ -113,7 +113,9 @@ def record_grouped_backend(model, device: str) -> str:
     from mmpg.grouping.backends import compute_dtype, resolve_backend
 
     dev = torch.device(device)
-    name = getattr(model, "_mmpg_backend", "auto")
+    from mmpg.grouping import grouping_state
+
+    name = grouping_state(model).backend
     dtype = compute_dtype(model, dev)
     chosen = resolve_backend(name, dev, dtype)
     where = f"{dev.type} in {str(dtype).removeprefix('torch.')}"
@@ -123,7 +125,8 @@ def record_grouped_backend(model, device: str) -> str:
 
 
 def load_models(cfg, device: str, dtype: str, resume: Path | None = None):
-    """Policy and processor; a resume from a weights-only checkpoint loads the policy's weights from it."""
+    """(policy, processor, the weights-only checkpoint the policy's weights came from or None): a resume from a
+    weights-only checkpoint loads the policy's weights from it."""
     from mmpg.models.loading import load_policy, load_processor
     from mmpg.train.checkpoint import adopt_weights, policy_weights
 
@@ -137,8 +140,7 @@ def load_models(cfg, device: str, dtype: str, resume: Path | None = None):
                         gradient_checkpointing=cfg.model.gradient_checkpointing,
                         freeze_vision=cfg.model.freeze_vision, device=device, lora=cfg.model.lora,
                         seed=cfg.trainer.seed, train_merger=cfg.model.train_merger)
-    adopt_weights(model, resume, adapter)
-    return model, processor
+    return model, processor, adopt_weights(model, resume, adapter)
 
 
 def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_updates: int) -> Session:
@@ -161,7 +163,7 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     resume = resume_point(cfg.checkpoint.resume, run_dir)
     model_record = same_model_everywhere(cfg)
     memory = peak_memory.start(device)  # before the model: perf/peak_memory_mb on a CPU counts from here
-    model, processor = load_models(cfg, device, dtype, resume)
+    model, processor, weights_from = load_models(cfg, device, dtype, resume)
     family = model_family(model)
     params = trainable_summary(model)  # before DeepSpeed partitions anything
     grouping_options(model, cfg)
@@ -173,7 +175,7 @@ def open_session(cfg, kind: str, command: list[str], micro_batch: int, total_upd
     engine = build_engine(model, cfg, world, micro_batch, dtype, total_updates)
     start, state = 0, {}
     if resume is not None:
-        state = load_checkpoint(resume, engine)
+        state = load_checkpoint(resume, engine, weights_from)
         start = int(state["step"])
     writer = RunWriter(run_dir, rank=rank, tensorboard=cfg.logging.tensorboard)
     config_yaml = f"{to_yaml(cfg)}# {params['text']}\n"  # the count as a comment: YAML readers skip it
