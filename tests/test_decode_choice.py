@@ -155,6 +155,7 @@ def test_settings_reach_the_engine(load_tiny, monkeypatch):
     from mmpg.errors import UserError
     from mmpg.eval.settings import load_settings, numbers_settings
     from mmpg.rl import grpo
+    from mmpg.rollout import hf
     from mmpg.train.heldout import heldout_settings
 
     cfg = load_config(None, ["rollout.cascade_backend=math", "rollout.decode_check=on"])
@@ -176,7 +177,7 @@ def test_settings_reach_the_engine(load_tiny, monkeypatch):
         seen.update(kwargs)
         raise Built
 
-    monkeypatch.setattr(grpo, "HFEngine", capture)
+    monkeypatch.setattr(hf, "HFEngine", capture)  # what `mmpg.rollout.build` builds for rollout.engine=hf
     model, processor = load_tiny("qwen2")
     engine = type("E", (), {"module": type("M", (), {"policy": model})()})()
     with pytest.raises(Built):

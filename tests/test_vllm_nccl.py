@@ -256,11 +256,24 @@ def test_worker_facts_from_worker_info():
 
 
 # ---- a refusal on rank 0 reaches every rank ----------------------------------------------------------------------
-class _RefusedEngine:
-    partitioned = False  # not ZeRO-3: only rank 0 calls sync_weights
+def _refused_engine():
+    """An engine whose weight sync rank 0 sends and the server refuses (not ZeRO-3: the other ranks send nothing)."""
+    from mmpg import dist
+    from mmpg.rollout.engine import RolloutEngine
 
-    def sync_weights(self):
-        raise ServerError("vLLM server at http://127.0.0.1:9 refused a weight update (HTTP 500): boom", 500)
+    class Refused(RolloutEngine):
+        def generate_groups(self, prompt_inputs, group_size, sampling=None, *, prompt_seeds=None, videos=None):
+            raise AssertionError("not sampled here")
+
+        def sync_weights(self):
+            if dist.rank() != 0:
+                return {}
+            raise ServerError("vLLM server at http://127.0.0.1:9 refused a weight update (HTTP 500): boom", 500)
+
+        def user_error(self, error, prompts=None):
+            return str(error) if isinstance(error, ServerError) else None
+
+    return Refused()
 
 
 def _rank_main(rank: int, init_file: str, results, leave):
@@ -271,7 +284,7 @@ def _rank_main(rank: int, init_file: str, results, leave):
     from mmpg.rl.grpo import GRPOStep
 
     step = GRPOStep.__new__(GRPOStep)
-    step.device, step.rollout_engine = "cpu", _RefusedEngine()
+    step.device, step.rollout_engine = "cpu", _refused_engine()
     try:
         step.sync_weights()
         results.put((rank, "no error"))

@@ -37,11 +37,13 @@ import copy
 import gc
 import time
 import types
+from collections.abc import Sequence
 
 import torch
 
 from mmpg.bench import memory as probes
 from mmpg.grouping.inputs import pad_token_id
+from mmpg.rollout.engine import FINISH_LENGTH, Rollout, RolloutEngine, SamplingParams
 
 PHASES = ("rollout", "reward", "logprob", "update")
 # the ceiling (a key of the row, see `mmpg.bench.runner.ceilings`) each phase's speed-up is compared with
@@ -49,12 +51,12 @@ PHASE_CEILINGS = {"rollout": "rho_rollout", "reward": None, "logprob": "rho_fwd"
                   "total": "rho_step"}
 
 
-class GenerateEngine:
+class GenerateEngine(RolloutEngine):
     """The naive rollout: `model.generate(num_return_sequences=G, do_sample=True)`, returned in the `Rollout` layout
     of `HFEngine` (rows of a prompt contiguous, completion ids/mask [N, S] right-padded, texts, finish reasons,
     logprobs). generate expands the prompt G times before the prefill; transformers >= 5 runs the vision tower once
     and repeats its output. Benchmark only: one group size for every prompt, and stop_token_ids=() (every row
-    decodes exactly max_new_tokens, as `HFEngine` does with no stop token)."""
+    decodes exactly max_new_tokens, as `HFEngine` does with no stop token); `videos` ignored, as `HFEngine` does."""
 
     def __init__(self, model, tokenizer):
         from mmpg.grouping.inputs import placeholder_token_ids
@@ -62,10 +64,9 @@ class GenerateEngine:
         self.model, self.tokenizer = model, tokenizer
         self.banned = placeholder_token_ids(model) or None  # HFEngine never samples a vision placeholder either
 
-    def generate_groups(self, prompt_inputs, group_size: int, sampling, prompt_seeds=None):
-        from mmpg.rollout import FINISH_LENGTH, Rollout
-
-        if not isinstance(group_size, int) or sampling.stop_token_ids != ():
+    def generate_groups(self, prompt_inputs, group_size: int | Sequence[int], sampling: SamplingParams | None = None,
+                        *, prompt_seeds: Sequence[int] | None = None, videos: Sequence | None = None) -> Rollout:
+        if not isinstance(group_size, int) or sampling is None or sampling.stop_token_ids != ():
             raise ValueError("GenerateEngine takes one int group size and stop_token_ids=() (exactly S tokens)")
         S, n_prompts = sampling.max_new_tokens, int(prompt_inputs["input_ids"].shape[0])
         if prompt_seeds is not None:  # generate draws every row from one stream: seed it from the first prompt
@@ -188,9 +189,8 @@ class StepRunner:
         self.stats: list[dict] = []  # the engine's last_stats of each step (prefills, prefix tokens)
 
     def __call__(self, memory: bool = False) -> dict:
-        from mmpg.grouping.patch import base_model
-        from mmpg.rl.batch import split_groups
-        from mmpg.rl.grpo import prompt_seed
+        from mmpg.train.batch import split_groups
+        from mmpg.rl.collect import prompt_seed
         from mmpg.rollout import SamplingParams
 
         grpo, cfg = self.grpo, self.grpo.cfg
@@ -209,7 +209,7 @@ class StepRunner:
                 for g in groups:
                     g.rewards = [grpo.scorer(text, g.sample) for text in g.texts]
             grpo.advantages(groups)
-            grpo.update(groups, clock)
+            sums = grpo.update(groups, clock)
         missing = [p for p in PHASES if p not in clock.seconds]
         assert not missing, f"phases {missing} did not run (algorithm.beta must be > 0 for the logprob phase)"
         info = {"response_tokens": sum(int(g.completion_mask.sum()) for g in groups),
@@ -217,8 +217,8 @@ class StepRunner:
                 # videos the vision tower encoded over rollout, reference and update (not the self-check), and the
                 # K/V the rollout's cache held after its last decode step (None for generate)
                 "vision_calls": grpo.vision.take(), "kv_bytes": getattr(self.rollout_engine, "last_kv_bytes", None),
-                # tokens of the packed row (or its sequence-parallel shard) this rank's last grouped forward held
-                "row_tokens": getattr(base_model(grpo.policy), "_mmpg_row_tokens", None)}
+                # tokens of the longest packed row (or sequence-parallel shard) the update's grouped forward held
+                "row_tokens": sums.get("row_tokens") if grpo.cfg.algorithm.grouping else None}
         stats = getattr(self.rollout_engine, "last_stats", None)
         if stats:
             info["rollout_stats"] = dict(stats)

@@ -6,7 +6,9 @@
     logps = grouped_logprobs(model, prompt_inputs, rollout.completion_ids, rollout.completion_mask,
                              rollout.group_sizes, temperature=1.0)  # == rollout.logprobs up to float rounding
 
-`RolloutEngine` is the interface (room for a vLLM engine); `HFEngine` samples with the training model itself.
+`RolloutEngine` is the interface; `HFEngine` samples with the training model itself, `mmpg.rollout.vllm.VLLMEngine`
+(imported only where used) with a vLLM server, and `mmpg.rollout.build.make_rollout_engine` builds the one a config
+names.
 By default (`decode="cascade"`, config `rollout.decode`) it keeps each prompt's K/V once and reads it once per step
 for all G rows (`mmpg.rollout.cascade`), and prefills a video asked by several adjacent queries once
 (`mmpg.rollout.shares`); `decode="copy"` copies each prompt's prefill G ways (the A/B reference).

@@ -1,22 +1,30 @@
 """The rollout engine interface: B prompts in, G_b sampled responses per prompt out, laid out for `grouped_logprobs`.
 
-    engine.generate_groups(prompt_inputs, group_size, SamplingParams(...)) -> Rollout
+    engine.generate_groups(prompt_inputs, group_size, SamplingParams(...), prompt_seeds=..., videos=...) -> Rollout
 
 `prompt_inputs` is the processor output for the B prompts (as `grouped_logprobs` takes it); `group_size` is one int for
 every prompt or a list of B ints. The `Rollout` holds N = sum(G_b) responses, the rows of prompt b contiguous and in
 prompt order, so `grouped_logprobs(model, prompt_inputs, r.completion_ids, r.completion_mask, r.group_sizes)` scores
-exactly what was sampled. Engines: `mmpg.rollout.hf.HFEngine` (the training model itself, each prompt prefilled once);
-a vLLM engine can implement the same method later.
+exactly what was sampled. Engines: `mmpg.rollout.hf.HFEngine` (the training model itself, each prompt prefilled once)
+and `mmpg.rollout.vllm.VLLMEngine` (a vLLM server with its own copy of the weights); `mmpg.rollout.build` makes the one
+a config names.
+
+What a trainer asks of an engine besides sampling is on `RolloutEngine` too, in the form an engine that samples with
+the policy itself needs (the HF engine's: nothing to send, no length limit, no errors of a user's making, no overlap);
+an engine that samples elsewhere overrides them. The trainer never asks which engine it holds.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import numbers
 from collections.abc import Sequence
 
 import torch
+
+from mmpg.errors import UserError
 
 FINISH_STOP = "stop"  # the row ended with a stop token (included in the completion, mask 1)
 FINISH_LENGTH = "length"  # the row reached max_new_tokens without a stop token
@@ -79,12 +87,46 @@ class Rollout:
 
 class RolloutEngine(abc.ABC):
     """Samples groups of responses. Implementations must return rows laid out as `Rollout` documents, be
-    reproducible for a fixed `SamplingParams.seed`, and leave the caller's model state (train/eval mode) unchanged."""
+    reproducible for a fixed `SamplingParams.seed` (or `prompt_seeds`), and leave the caller's model state (train/eval
+    mode) unchanged. The members below `generate_groups` have the forms of an engine that samples with the trainer's
+    policy itself; an engine with its own copy of the weights (a server) overrides them."""
+
+    # what the last generate_groups call prefilled (`HFEngine.last_stats`: prompts, prefixes, prefix_tokens,
+    # shared_prompts); None: the engine does not say (`mmpg.models.vision_calls.prefill_tokens` counts every prompt)
+    last_stats: dict | None = None
+    # prompt + response tokens the engine can hold; None: no limit of its own (the policy's memory is the limit).
+    # A trainer leaves longer prompts out of its batches (`mmpg.rl.too_long`)
+    max_model_len: int | None = None
+    # () -> a context manager around forwards the engine runs that are not the rollout's own (the HF engine's decode
+    # check): a caller that counts the policy's forwards pauses its counters there
+    check_scope = contextlib.nullcontext
 
     @abc.abstractmethod
-    def generate_groups(self, prompt_inputs, group_size: int | Sequence[int],
-                        sampling: SamplingParams) -> Rollout:
-        """prompt_inputs: processor output for B >= 1 prompts (left or right padded); group_size: int or B ints."""
+    def generate_groups(self, prompt_inputs, group_size: int | Sequence[int], sampling: SamplingParams | None = None,
+                        *, prompt_seeds: Sequence[int] | None = None, videos: Sequence | None = None) -> Rollout:
+        """prompt_inputs: processor output for B >= 1 prompts (left or right padded); group_size: int or B ints;
+        sampling: None for `SamplingParams()`. prompt_seeds: optional B ints; then prompt b's responses depend only
+        on prompt_seeds[b], not on the other prompts of the batch. videos: the B prompts' decoded videos
+        (`DecodedVideo`, None for a text-only prompt), for an engine that needs the frames themselves; an engine
+        that reads the video from `prompt_inputs` ignores them."""
+
+    def sync_weights(self) -> dict:
+        """After each update, on every rank: give the engine the policy's new weights. Returns what was sent
+        ({"tensors", "bytes", "seconds", "server_seconds"}; {} where nothing was). Here: nothing to send."""
+        return {}
+
+    def overlap_updates(self) -> None:
+        """Get ready to sample (from another thread) while the trainer updates the policy (`rollout.max_staleness`
+        >= 1). An engine that samples with the policy itself cannot: the policy is mid-update then."""
+        raise UserError(f"{type(self).__name__} samples with the trainer's own model, so rollouts cannot overlap the "
+                        "update (rollout.max_staleness >= 1 needs rollout.engine=vllm); use rollout.max_staleness=0")
+
+    def user_error(self, error: Exception, prompts: Sequence[str] | None = None) -> str | None:
+        """The one-line message for an `error` that `generate_groups` or `sync_weights` raised, when its cause is
+        the user's to fix (a server gone or refusing, a prompt it cannot hold), naming the prompt at fault by
+        `prompts` ([B] names, e.g. each sample's file:line); None when it is not (a bug: raise it as it is). Here
+        every error is a bug."""
+        return None
 
 
 def group_sizes_for(group_size: int | Sequence[int], num_prompts: int) -> list[int]:

@@ -44,7 +44,6 @@ generation_config contributes its eos and pad ids, nothing else: no repetition p
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 
@@ -99,8 +98,7 @@ class HFEngine(Prefill, RolloutEngine):
         self.cascade_backend = cascade_backend  # auto, sdpa, flash or math (`mmpg.rollout.cascade_kernels`)
         # decode_check: auto (on for CUDA), on, off: the chosen cascade kernel against copy decoding
         self._path: str | None = None
-        # () -> a context manager around the decode check's forwards (a caller pauses its counters there)
-        self.check_scope = contextlib.nullcontext
+        # the decode check's forwards run inside `self.check_scope()` (`RolloutEngine.check_scope`)
         self.choice = DecodeChoice(resolve_decode(decode, torch.device("cpu")), cascade_backend, decode_check)
         self.last_kv_bytes: int | None = None  # K/V bytes the cache held after the last call's final decode step
         # the last call's prefill, for the trainer and eval (`mmpg.rollout.shares.prefill_stats`): prompts, prefixes
@@ -120,15 +118,15 @@ class HFEngine(Prefill, RolloutEngine):
         # transformers renamed `past_key_values` to `cache` during 5.x; accept either
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
-    def generate_groups(self, prompt_inputs, group_size: int | Sequence[int],
-                        sampling: SamplingParams | None = None, prompt_seeds: Sequence[int] | None = None
-                        ) -> Rollout:
+    def generate_groups(self, prompt_inputs, group_size: int | Sequence[int], sampling: SamplingParams | None = None,
+                        *, prompt_seeds: Sequence[int] | None = None, videos: Sequence | None = None) -> Rollout:
         """Sample G_b responses for each of the B prompts. See `mmpg.rollout.engine.Rollout` for the layout and
         `mmpg.rollout.sampling` for which distribution `Rollout.logprobs` comes from.
 
         prompt_seeds: optional B ints. Then response j of prompt b is drawn from its own generator seeded by
         (prompt_seeds[b], j), so its tokens do not depend on the other prompts of the batch (a trainer that splits
-        a global batch over ranks samples the same responses as one process; `sampling.seed` is then unused)."""
+        a global batch over ranks samples the same responses as one process; `sampling.seed` is then unused).
+        videos: ignored; the policy reads each video from `prompt_inputs` (its pixel_values_videos)."""
         sampling = sampling or SamplingParams()
         if "input_ids" not in prompt_inputs:
             raise ValueError("prompt_inputs needs 'input_ids' (the processor output for the B prompts)")
@@ -142,8 +140,8 @@ class HFEngine(Prefill, RolloutEngine):
         order = self._share_order(prompt_inputs)
         if order != sorted(order):  # a video's prompts apart in the batch: sampled side by side, answered in order
             part = select_prompts(self.model, prompt_inputs, order, pad_token_id(self.model))
-            out = self.generate_groups(part, [sizes[b] for b in order], sampling,
-                                       None if prompt_seeds is None else [prompt_seeds[b] for b in order])
+            seeds = None if prompt_seeds is None else [prompt_seeds[b] for b in order]
+            out = self.generate_groups(part, [sizes[b] for b in order], sampling, prompt_seeds=seeds)
             return _rows_back(out, order, sizes)
         modes = {m: m.training for m in self.model.modules()}
         self.model.eval()

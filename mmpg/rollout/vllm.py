@@ -102,11 +102,13 @@ class VLLMEngine(RolloutEngine):
 
     # ---- sampling -----------------------------------------------------------------------------------------------
     def generate_groups(self, prompt_inputs, group_size: int | Sequence[int], sampling: SamplingParams | None = None,
-                        prompt_seeds: Sequence[int] | None = None, videos: Sequence | None = None) -> Rollout:
+                        *, prompt_seeds: Sequence[int] | None = None, videos: Sequence | None = None) -> Rollout:
         """As `HFEngine.generate_groups`; `videos`: the B prompts' decoded videos (`DecodedVideo`, or (frames
-        [T, C, H, W], metadata) pairs, None for a text-only prompt), needed when the prompts hold a video. Seeds: row
-        j of prompt b comes from the server's generator for (prompt_seeds[b] or sampling.seed + b), so it does not
-        depend on the other prompts of the batch."""
+        [T, C, H, W], metadata) pairs, None for a text-only prompt), required when the prompts hold a video: the
+        server gets the frames themselves, not the trainer's patches (a ValueError naming the prompt without them).
+        Seeds: row j of prompt b comes from the server's generator for (prompt_seeds[b] or sampling.seed + b), so it
+        does not depend on the other prompts of the batch. A prompt longer than `max_model_len` - max_new_tokens
+        raises `PromptTooLongError`, an unreachable or refusing server a `ServerError` (`user_error` words both)."""
         sampling = sampling or SamplingParams()
         if sampling.logprobs and sampling.temperature not in (0, 1):
             raise ValueError(f"VLLMEngine returns vLLM's raw logprobs (temperature 1); temperature "
@@ -117,7 +119,7 @@ class VLLMEngine(RolloutEngine):
         if prompt_seeds is not None and len(prompt_seeds) != len(sizes):
             raise ValueError(f"{len(prompt_seeds)} prompt seeds for {len(sizes)} prompts; give one per prompt")
         seeds = list(prompt_seeds) if prompt_seeds is not None else [sampling.seed + b for b in range(len(sizes))]
-        limit = int(self.health["max_model_len"])
+        limit = self.max_model_len
         for b, p in enumerate(ids):
             if len(p) + sampling.max_new_tokens > limit:
                 raise PromptTooLongError(b, f"prompt {b} has {len(p)} tokens; with max_new_tokens="
@@ -140,7 +142,7 @@ class VLLMEngine(RolloutEngine):
                                   "rank's request: resume the run (--resume auto)") from None
             log.warning("the vLLM server at %s restarted; sending it every weight again", self.url)
             self.health, self._sender, self._plan = self._health(), None, None  # a new server: a new NCCL group too
-            self.sync_weights(everything=True)
+            self._send_weights(everything=True)
             meta["expect"] = {"instance": self.health["instance"], "version": self.version}
             body = pack(meta, arrays)
             answer = call(self.url, "/generate", body=body, timeout=self.timeout_s, what="a rollout request")
@@ -192,8 +194,33 @@ class VLLMEngine(RolloutEngine):
                        finish_reasons=[FINISH_STOP if r["finish_reason"] == "stop" else FINISH_LENGTH for r in rows],
                        logprobs=logps if sampling.logprobs else None)
 
+    # ---- what the trainer asks besides sampling (`RolloutEngine`) ----------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + response tokens the server holds (its --max-model-len; a restarted server's own)."""
+        return int(self.health["max_model_len"])
+
+    def overlap_updates(self) -> None:
+        """Rollouts overlap the update: a server that restarts mid-run is an error, not resynced (the policy is
+        mid-update, not the weights to resend)."""
+        self.resync_on_restart = False
+
+    def user_error(self, error: Exception, prompts: Sequence[str] | None = None) -> str | None:
+        """A `ServerError` (no server, a timeout, a refusal) or a `PromptTooLongError`, the latter under the name of
+        its prompt (`prompts[error.index]`, e.g. the sample's file:line)."""
+        if isinstance(error, PromptTooLongError) and prompts is not None:
+            return f"{prompts[error.index]}: {error}".replace(f"prompt {error.index} has", "the prompt has")
+        return str(error) if isinstance(error, (ServerError, PromptTooLongError)) else None
+
     # ---- weights ------------------------------------------------------------------------------------------------
     def sync_weights(self, everything: bool = False) -> dict:
+        """After an update, on every rank: rank 0 sends the policy's trainable tensors (under ZeRO-3 every rank
+        gathers them with it, `_send_weights`); the others return {}. One process: it sends."""
+        if not self.partitioned and dist.rank() != 0:
+            return {}
+        return self._send_weights(everything)
+
+    def _send_weights(self, everything: bool = False) -> dict:
         """Send the policy's trainable tensors (every tensor with `everything`) to the server; returns
         {"tensors", "bytes", "seconds", "server_seconds"}. The file lives in /dev/shm when there (no disk I/O).
         A LoRA policy sends its adapted modules with the adapters merged, under the plain model's names
