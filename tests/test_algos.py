@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from mmpg.rl.algos import (LOSS_TYPES, aggregate_loss, clipped_policy_loss, group_advantages, keep_groups, kl_k3,
-                           loss_denominator, loss_token_weights, masked_mean, truncation_mask, zero_variance_groups)
+from mmpg.rl.algos import (LOSS_TYPES, aggregate_loss, clipped_policy_loss, group_advantages, kl_k3,
+                           loss_denominator, loss_token_weights, pooled_std, truncation_mask, zero_variance_groups)
 
 # Three groups: [1, 0, 0, 1] (mixed), [2, 2] (all equal), [0.5] (size 1).
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 0.5])
@@ -43,6 +43,19 @@ def test_advantages_batch_scale():
     assert torch.equal(adv[4:], torch.zeros(3))
 
 
+def test_batch_std_from_every_rank_sums():
+    # the trainer sums count, sum and sum of squares over ranks and passes the pooled std: split the 7 rewards over
+    # two "ranks" and the advantages equal the one-batch ones
+    r = REWARDS.double()
+    parts = [r[:3], r[3:]]
+    sums = [sum(float(f(p)) for p in parts) for f in (torch.numel, torch.sum, lambda p: (p ** 2).sum())]
+    std = pooled_std(*sums)
+    assert std == pytest.approx(math.sqrt(59 / 84), rel=1e-12)
+    assert torch.equal(group_advantages(REWARDS, SIZES, scale="batch", eps=0.0, batch_std=std),
+                       group_advantages(REWARDS, SIZES, scale="batch", eps=0.0))
+    assert pooled_std(1, 3.0, 9.0) == 0.0 and pooled_std(0, 0.0, 0.0) == 0.0
+
+
 def test_advantages_no_scale():
     # Dr. GRPO: just r - group mean
     _close(group_advantages(REWARDS, SIZES, scale="none"), [0.5, -0.5, -0.5, 0.5, 0, 0, 0])
@@ -76,18 +89,6 @@ def test_zero_variance_groups():
     r = torch.tensor([1.0, 1.05, 3.0, 0.0])
     assert zero_variance_groups(r, [2, 2], atol=0.1).tolist() == [True, False]  # 0.05 <= 0.1, 3 > 0.1
     assert zero_variance_groups(r, [2, 2]).tolist() == [False, False]
-
-
-def test_keep_groups():
-    # sizes [4, 2, 1]: rows 0-3 | 4-5 | 6
-    assert keep_groups(SIZES, torch.tensor([True, False, True])).tolist() == [0, 1, 2, 3, 6]
-    assert keep_groups([2, 3], torch.tensor([False, True])).tolist() == [2, 3, 4]
-    idx = keep_groups(SIZES, torch.zeros(3, dtype=torch.bool))
-    assert idx.dtype == torch.long and idx.numel() == 0
-    # dynamic sampling end to end: drop the zero-variance groups
-    assert keep_groups(SIZES, ~zero_variance_groups(REWARDS, SIZES)).tolist() == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="shape \\[3\\]"):
-        keep_groups(SIZES, torch.tensor([True, False]))
 
 
 def test_truncation_mask():
@@ -219,13 +220,3 @@ def test_loss_type_errors():
                  lambda: aggregate_loss(PER_TOKEN, MASK, "ppo", 5)):
         with pytest.raises(ValueError, match="grpo, dapo, dr_grpo"):
             call()
-
-
-# ---------------------------------------------------------------- masked mean
-
-def test_masked_mean():
-    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-    # (1 + 3 + 4) / 3 = 8/3
-    assert masked_mean(x, torch.tensor([[1, 0], [1, 1]])).item() == pytest.approx(8 / 3)
-    empty = masked_mean(x, torch.zeros(2, 2, dtype=torch.bool))
-    assert empty.item() == 0.0 and not torch.isnan(empty)

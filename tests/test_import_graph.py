@@ -152,6 +152,24 @@ def test_eval_runs_and_app_do_not_import_the_trainer():
     assert not bad, "imports reaching the trainer:\n" + "\n".join(bad)
 
 
+# The arrows of a run point one way: the commands -> the recipes (mmpg.rl, mmpg.sft) -> the shared trainer
+# (mmpg.train: batches, packing, setup, the loop, checkpoints) -> the engines below it (rollout, grouping, data,
+# models). Nothing below reaches up; the two recipes do not reach each other.
+LAYERS = [("mmpg.train", ("mmpg.rl", "mmpg.sft")),
+          (("mmpg.rollout", "mmpg.grouping", "mmpg.data", "mmpg.models"), ("mmpg.train", "mmpg.rl", "mmpg.sft")),
+          ("mmpg.sft", ("mmpg.rl",)), ("mmpg.rl", ("mmpg.sft",))]
+
+
+@pytest.mark.parametrize("below, above", LAYERS, ids=lambda x: x if isinstance(x, str) else "+".join(x))
+def test_recipes_train_and_engines_import_one_way(below, above):
+    graph = import_graph()
+    below = (below,) if isinstance(below, str) else below
+    starts = [m for m in graph if _inside(m, below)]
+    assert starts, below
+    bad = _chains(graph, starts, above)
+    assert not bad, "imports pointing back up:\n" + "\n".join(bad)
+
+
 # The toy world (mmpg/toy: tiny checkpoints, their tokenizer, synthetic videos, the demo) is built for tests, the demo
 # and CPU benchmarks. The tools may use it, inside the functions that need it; everything else of mmpg/ and app/ is
 # what a real run needs, and no chain of imports from there reaches it.

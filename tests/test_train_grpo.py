@@ -228,7 +228,7 @@ def test_an_existing_run_is_not_overwritten(grpo_data, tmp_path):
 def test_prompt_seeds_depend_on_step_sample_and_round_only():
     """Runs on different numbers of ranks sample the same responses because seeds come from (seed, step, sample id,
     round) and nothing else."""
-    from mmpg.rl.grpo import prompt_seed
+    from mmpg.rl.collect import prompt_seed
 
     assert prompt_seed(0, 1, "a#0", 1) == prompt_seed(0, 1, "a#0", 1)
     seeds = {prompt_seed(0, s, sid, r) for s in range(50) for sid in ("a#0", "a#1", "b#0") for r in (1, 2)}

@@ -13,7 +13,7 @@ from mmpg.data.dataset import GroundingDataset, collate_grounding
 from mmpg.data.samples import GroundingSample
 from mmpg.data.video import DecodedVideo, VideoError, VideoSpec
 from mmpg.eval.batches import _Indexed, fixed_batches, pending_batches, video_batches
-from mmpg.rl.batch import PromptGroup, micro_batches
+from mmpg.train.batch import PromptGroup, micro_batches
 from mmpg.train.data import RankBatchSampler, pack_runs, packed_shares, video_runs
 
 

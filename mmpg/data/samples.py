@@ -90,9 +90,6 @@ class GroundingSample:
         """`origin (sample id)` — what an error message names."""
         return f"{self.origin} (sample {self.sample_id})" if self.origin else f"sample {self.sample_id}"
 
-    def with_duration(self, duration: float) -> GroundingSample:
-        return dataclasses.replace(self, duration=float(duration))
-
 
 class Skip(NamedTuple):
     """A sample or line left out: where it was (`file:line`, `file[index]`, or a sample) and why."""

@@ -243,8 +243,3 @@ def check_prompt(protocol: Protocol, settings) -> None:
                         f"running it), or prompt_file=PATH, a text file with {{query}} where the sentence goes. The "
                         f"paper's text is in {protocol.prompt_where}.")
     read_prompt_file(settings.prompt_file)
-
-
-def protocols_help() -> str:
-    """One paragraph per protocol for `mmpg eval --help`."""
-    return "protocols: " + "; ".join(f"{p.name}: {p.summary}" for p in PROTOCOLS.values())

@@ -87,10 +87,13 @@ def zero_variance_groups(rewards: Tensor, group_sizes: list[int], atol: float = 
     return (hi - lo) <= atol
 
 
-def group_advantages(rewards: Tensor, group_sizes: list[int], scale: str = "group", eps: float = 1e-6) -> Tensor:
+def group_advantages(rewards: Tensor, group_sizes: list[int], scale: str = "group", eps: float = 1e-6,
+                     batch_std: float | None = None) -> Tensor:
     """rewards [N] -> advantages [N] float32, A_i = (r_i - group mean) / s (s per `scale`, see the module docstring).
 
-    Groups of size 1 or with all-equal rewards get exactly 0. Computed in float64, returned as float32."""
+    scale="batch": s = `batch_std` + eps when given (the std of the whole global batch, over every rank: `pooled_std`),
+    else the std of these N rewards. Groups of size 1 or with all-equal rewards get exactly 0. Computed in float64,
+    returned as float32."""
     if scale not in SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}; allowed: {', '.join(SCALES)}")
     if rewards.dim() != 1:
@@ -105,21 +108,20 @@ def group_advantages(rewards: Tensor, group_sizes: list[int], scale: str = "grou
         var = r.new_zeros(b).index_add_(0, gid, centered ** 2) / (sizes - 1).clamp(min=1)  # [B], unbiased
         adv = centered / (var.sqrt()[gid] + eps)
     elif scale == "batch":
-        std = r.std() if n > 1 else r.new_zeros(())  # torch.std of one value is NaN
-        adv = centered / (std + eps)
+        if batch_std is None:
+            batch_std = float(r.std()) if n > 1 else 0.0  # torch.std of one value is NaN
+        adv = centered / (batch_std + eps)
     else:
         adv = centered
     flat = zero_variance_groups(rewards, group_sizes)[gid]  # [N]; size-1 groups are flat too
     return torch.where(flat, torch.zeros_like(adv), adv).float()  # where: a 0/0 with eps=0 never leaks
 
 
-def keep_groups(group_sizes: list[int], keep: Tensor) -> Tensor:
-    """keep [B] bool -> [n_kept_rows] long: the row indices of the kept groups, in order (dynamic sampling)."""
-    if keep.dtype != torch.bool or tuple(keep.shape) != (len(group_sizes),):
-        raise ValueError(f"keep must be a bool tensor of shape [{len(group_sizes)}] (one per group), got "
-                         f"{keep.dtype} {tuple(keep.shape)}")
-    gid = _check_groups(sum(int(g) for g in group_sizes), group_sizes).to(keep.device)  # [N]
-    return keep[gid].nonzero(as_tuple=True)[0]
+def pooled_std(count: float, total: float, total_sq: float) -> float:
+    """The unbiased std of values known by their count, sum and sum of squares (summed over ranks); 0 for one value."""
+    if count <= 1:
+        return 0.0
+    return math.sqrt(max(0.0, (total_sq - total * total / count) / (count - 1)))
 
 
 def truncation_mask(completion_mask: Tensor, truncated: Tensor) -> Tensor:
@@ -207,14 +209,6 @@ def aggregate_loss(per_token: Tensor, completion_mask: Tensor, loss_type: str, m
     if denominator == 0:
         return kept.sum() * 0
     return total / denominator
-
-
-def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """x, mask [...] (same shape) -> scalar mean of x where mask is nonzero; 0 when the mask is empty."""
-    _check_same_shape(x=x, mask=mask)
-    m = mask.bool()
-    kept = torch.where(m, x, torch.zeros_like(x))
-    return kept.sum() / m.sum().clamp(min=1).to(kept.dtype)
 
 
 def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float, mask: Tensor | None = None) -> Tensor:

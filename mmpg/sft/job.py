@@ -26,8 +26,8 @@ from mmpg.data.prompts import get_template
 from mmpg.errors import UserError
 from mmpg.grouping.inputs import pad_token_id
 from mmpg.models.vision_calls import VisionCalls
-from mmpg.rl.batch import PromptGroup, micro_batches
-from mmpg.rl.step_log import peak_memory_mb
+from mmpg.train.batch import PromptGroup, micro_batches
+from mmpg.train.peak_memory import peak_memory_mb
 from mmpg import dist
 from mmpg.train.data import make_train_loader
 from mmpg.train.engine import stage0_grad_norm

@@ -16,7 +16,7 @@ encoded and prefilled by one rank; the global batch itself, and so the step's da
                       runs  a a a | b b b | c c                rank 0: a a a c    rank 1: b b b c   (c cut: no room)
 
 Side by side, a video's queries share its prefix in the grouped forward (`mmpg.grouping.shares`: the vision tower and
-every layer see it once); micro-batches keep them together the same way (`mmpg.rl.batch.micro_batches`).
+every layer see it once); micro-batches keep them together the same way (`mmpg.train.batch.micro_batches`).
 
 `start` (the stream position) is all a checkpoint needs to continue the data exactly where it stopped, and a run on
 W ranks sees the same prompts in each step as a run on one process with the same global batch. The DataLoader's

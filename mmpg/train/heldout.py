@@ -16,7 +16,7 @@ the failures are counted in eval/skipped.
 
 from __future__ import annotations
 
-from mmpg.eval.runner import Session, evaluate_loaded, load_benchmark
+from mmpg.eval.runner import Placement, evaluate_loaded, load_benchmark
 from mmpg.eval.settings import EvalSettings
 from mmpg.runs.evals import run_eval_dir
 
@@ -47,7 +47,7 @@ def evaluate_heldout(job, step: int) -> dict | None:
     bench = job.eval_samples
     out = run_eval_dir(session.run_dir, bench.name, step)
     result = evaluate_loaded(session.model, session.processor, f"{session.run_dir} (step {step}, in training)", bench,
-                             out, settings, Session(session.rank, session.world, session.device),
+                             out, settings, Placement(session.rank, session.world, session.device),
                              video_spec(cfg, session.family), get_template(cfg.data.template),
                              family=session.family, dtype=session.dtype, step=step, lockstep=True)
     if result.metrics is None:

@@ -14,7 +14,7 @@ import logging
 
 from tqdm import tqdm
 
-from mmpg.runs import MEDIA_DIR, video_key
+from mmpg.runs import MEDIA_DIR, media_key
 from mmpg.runs.layout import MEDIA_META
 from mmpg import choices, dist
 from mmpg.errors import is_user_error
@@ -101,7 +101,7 @@ def run_loop(job, session) -> None:
                 every_rollouts = cfg.logging.rollouts_every
                 if out.rollouts and every_rollouts > 0 and step % every_rollouts == 0:
                     for record in out.rollouts:  # thumbnails of a video are written once, at its first step
-                        key = media.get(record.video) or video_key(record.video)
+                        key = media.get(record.video) or media_key(record.video)
                         if (session.run_dir / MEDIA_DIR / key / MEDIA_META).is_file():
                             record.media_key = key
                     writer.write_rollouts(step, out.rollouts)
