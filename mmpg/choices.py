@@ -2,7 +2,7 @@
 report.
 
 A fast path that has not run where it runs now checks itself on the run's first batch against the exact path and
-steps down to the next one in one warning line (STYLE habit 16). Each such decision is recorded here:
+steps down to the next one in one warning line. Each such decision is recorded here:
 
     record("grouped_backend", "sdpa", "flash failed the self-check: max |dlogp| 0.31 > bound 0.05 (flash-attn 2.7.4)")
     record("decode_kernel", "flash")
@@ -10,7 +10,9 @@ steps down to the next one in one warning line (STYLE habit 16). Each such decis
 
 The trainer persists `current()` under run.json's "fast_paths" whenever it changed (`changed_since`), and the
 evaluator writes it into its report. Keys are short snake_case names of a path; values are the chosen
-implementation. The record is process-wide (ranks decide alike, each records its own).
+implementation. Why it is process-wide, like `logging`: a process runs one job, and the decisions are taken deep
+inside the engines (a kernel's first call, a self-check's fallback) that the job reaches through many call paths; each
+rank records its own, and ranks decide alike.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def _cmd_train(args) -> int:
             value = getattr(value, part)
         print(value)
         return 0
-    from mmpg.toy.demo.pipeline import unbuilt_input  # a demo config before `mmpg demo --build-only`: say so
+    from mmpg.config.generated import unbuilt_input  # a demo config before `mmpg demo --build-only`: say so
 
     problem = unbuilt_input(cfg.model.path, cfg.data.train, cfg.data.val, cfg.data.videos)
     if problem:
@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sft-steps", type=_positive_int, default=None, help="override the preset's SFT steps")
     p.add_argument("--grpo-steps", type=_positive_int, default=None, help="override the preset's GRPO steps")
     p.add_argument("--workdir", default="data/generated/demo", help="where the tiny model, videos, runs and "
-                   "results are kept")  # mmpg.toy.demo.pipeline.WORKDIR
+                   "results are kept")  # mmpg.config.generated.DEMO_WORKDIR
     p.add_argument("--build-only", action="store_true", help="only build the tiny model and the videos if missing")
     p.set_defaults(func=_cmd_demo)
     return parser

@@ -159,3 +159,13 @@ def test_python_dash_m_mmpg_is_the_command(monkeypatch, capsys):
         runpy.run_module("mmpg", run_name="__main__", alter_sys=True)
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and out.startswith("usage: mmpg ") and " train " in out
+
+
+def test_a_demo_config_before_the_demo_is_built_names_the_command(tmp_path, monkeypatch, capsys):
+    # the demo's configs point into data/generated/demo; before `mmpg demo --build-only` the run stops with one
+    # line naming that command (from mmpg.config.generated: a real run's path never reaches the toy world)
+    monkeypatch.chdir(tmp_path)
+    config = Path(__file__).resolve().parents[1] / "configs" / "cpu_demo.yaml"
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "data/generated/demo/tiny-qwen2_5_vl does not exist yet" in err and "mmpg demo --build-only" in err

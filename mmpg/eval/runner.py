@@ -36,7 +36,9 @@ VIDEO_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 
 
 @dataclasses.dataclass
-class Session:
+class Placement:
+    """Where this process evaluates: its rank, the world size and its device."""
+
     rank: int = 0
     world: int = 1
     device: str = "cpu"  # "cpu" or "cuda:<local rank>"
@@ -58,7 +60,7 @@ def eval_session(device: str = "auto"):
         dist.init(kind)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     try:
-        yield Session(dist.rank(), dist.world_size(), f"cuda:{local}" if kind == "cuda" else "cpu")
+        yield Placement(dist.rank(), dist.world_size(), f"cuda:{local}" if kind == "cuda" else "cpu")
     finally:
         if started:
             dist.shutdown()
@@ -170,7 +172,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def eval_info(checkpoint, bench: Benchmark, protocol: str, step, settings: EvalSettings, family: str, dtype: str,
-              spec, template, session: Session) -> dict:
+              spec, template, session: Placement) -> dict:
     """What eval.json records: the inputs and every setting that changes the numbers (compared on a rerun)."""
     import torch
     import transformers
@@ -199,7 +201,7 @@ def eval_info(checkpoint, bench: Benchmark, protocol: str, step, settings: EvalS
     }
 
 
-def _open_folder(writer: EvalWriter, info: dict, n: int, session: Session) -> set[int]:
+def _open_folder(writer: EvalWriter, info: dict, n: int, session: Placement) -> set[int]:
     """Rank 0 checks and opens the folder; every rank gets the indices already done (or the same error)."""
     from mmpg import dist
 
@@ -219,7 +221,7 @@ def _open_folder(writer: EvalWriter, info: dict, n: int, session: Session) -> se
 
 def evaluate_checkpoint(checkpoint, annotations, videos, out, settings: EvalSettings, *, protocol: str = "default",
                         benchmark: str | None = None, step: int | None = None,
-                        session: Session | None = None) -> EvalResult:
+                        session: Placement | None = None) -> EvalResult:
     """Evaluate `checkpoint` into the folder `out` (created, or continued when it holds a killed evaluation)."""
     from mmpg.data.video import VideoSpec
     from mmpg.eval.protocols import eval_template
@@ -238,7 +240,7 @@ def evaluate_checkpoint(checkpoint, annotations, videos, out, settings: EvalSett
     return result
 
 
-def evaluate_loaded(model, processor, checkpoint, bench: Benchmark, out, settings: EvalSettings, session: Session,
+def evaluate_loaded(model, processor, checkpoint, bench: Benchmark, out, settings: EvalSettings, session: Placement,
                     spec, template, *, family: str, dtype: str, protocol: str = "default", step: int | None = None,
                     lockstep: bool = False) -> EvalResult:
     """Evaluate a model already in memory into the folder `out` (what `evaluate_checkpoint` and training's held-out

@@ -23,7 +23,7 @@ from mmpg.runs.layout import (
     RUN_JSON,
     TB_DIR,
     TRAIN_LOG,
-    video_key,
+    media_key,
 )
 from mmpg.runs.reader import RunReader, metric_series
 from mmpg.runs.records import GroupRecord, ResponseRecord
@@ -64,5 +64,5 @@ __all__ = [
     "prune_checkpoints",
     "read_jsonl",
     "temp_checkpoint_dir",
-    "video_key",
+    "media_key",
 ]

@@ -23,8 +23,8 @@ and record); a reader refuses a version newer than its own and says to upgrade m
       eval.jsonl                    one line per evaluation during training:
                                       {"v": 1, "step": int, "time": unix seconds, <metrics>}
       rollouts/step_00000012.jsonl  one `GroupRecord` per line (mmpg.runs.records), written atomically per step
-      media/<video_key>/frame_00.jpg, frame_01.jpg, ...   thumbnails of one video, written once per video
-      media/<video_key>/meta.json   {"v": 1, "video": path, "times": [seconds of each thumbnail],
+      media/<media_key>/frame_00.jpg, frame_01.jpg, ...   thumbnails of one video, written once per video
+      media/<media_key>/meta.json   {"v": 1, "video": path, "times": [seconds of each thumbnail],
                                      "frames": [file names, in the order of times]}
       tb/                           TensorBoard event files (same scalars as metrics.jsonl; eval under "eval/")
       checkpoints/step_00000012/    a complete checkpoint: a folder holding the file COMPLETE, written last
@@ -50,7 +50,7 @@ Guarantees a reader can rely on, even after `kill -9`:
   Temp names start with "." and never match the patterns readers list.
 - A resumed run (`RunWriter.start(resume_step=k)`) first drops metric/eval lines and rollout files of steps > k, so
   no step is ever recorded twice by one run. A reader still keeps the last line of a step if it finds duplicates.
-- `video_key` is the video's file stem (made filesystem-safe) plus 12 hex digits of the SHA-1 of its path string.
+- `media_key` is the video's file stem (made filesystem-safe) plus 12 hex digits of the SHA-1 of its path string.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def step_dir_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def video_key(video_path: str | os.PathLike) -> str:
+def media_key(video_path: str | os.PathLike) -> str:
     """A filesystem-safe, stable name for a video's media folder: readable stem + hash of the path string.
 
     The path is hashed as given (no resolving), so the writer's key is the one stored in `GroupRecord.media_key`;

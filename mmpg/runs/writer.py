@@ -51,7 +51,7 @@ from mmpg.runs.layout import (
     TEMP_PREFIX,
     rollout_path,
     rollout_step,
-    video_key,
+    media_key,
 )
 from mmpg.runs.records import GroupRecord
 
@@ -249,12 +249,12 @@ class RunWriter:
     def write_thumbnails(
         self, video_path: str | os.PathLike, frames: Sequence[np.ndarray], times: Sequence[float], quality: int = 85
     ) -> str:
-        """JPEG thumbnails of a video under media/<video_key>/, written once; returns the key on every rank.
+        """JPEG thumbnails of a video under media/<media_key>/, written once; returns the key on every rank.
 
         frames: [T] arrays HxWx3 uint8 (RGB); times: [T] seconds of each frame in the video. Skipped when
         media/<key>/meta.json exists. Written into a temp folder renamed into place, so readers see all or nothing.
         """
-        key = video_key(video_path)
+        key = media_key(video_path)
         if not self.active:
             return key
         media = self.run_dir / MEDIA_DIR

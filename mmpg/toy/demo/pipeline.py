@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from mmpg.config.generated import DEMO_WORKDIR
 from mmpg.errors import UserError
 
 FAMILY = "qwen2_5_vl"
@@ -24,7 +25,7 @@ N_VIDEOS, MIN_DURATION, MAX_DURATION, DATA_SEED = 400, 8.0, 20.0, 0
 VIDEO = {"fps": 2.0, "min_pixels": 784, "max_pixels": 784}  # 28 x 28 frames: one video token per second
 EVAL_NEW_TOKENS = 32  # the SFT answer is about 22 tokens; the untrained model writes 32 tokens of noise
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
-WORKDIR = "data/generated/demo"  # `mmpg demo --workdir`'s default; configs/*cpu_demo.yaml point into it
+WORKDIR = DEMO_WORKDIR  # `mmpg demo --workdir`'s default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,18 +93,6 @@ def ensure_artifacts(paths: Paths) -> list[str]:
                          max_duration=MAX_DURATION, easy=True)
         built.append(f"{N_VIDEOS} synthetic videos")
     return built
-
-
-def unbuilt_input(*paths: str) -> str | None:
-    """The one-line error for a path into the demo's default workdir (its tiny model or easy videos, what the demo
-    configs point at) that does not exist yet, naming the command that builds it; None for any other path."""
-    home = Paths.under(Path(WORKDIR), "")
-    for text in filter(None, paths):
-        path = Path(text).expanduser().resolve()
-        if not path.exists() and (path == home.model or home.data in (path, *path.parents)):
-            return (f"{text} does not exist yet: it is the demo's (tiny model and easy videos); build them with "
-                    "`mmpg demo --build-only` (bash scripts/train_cpu_demo.sh does it first)")
-    return None
 
 
 def load_split(paths: Paths, split: str):
