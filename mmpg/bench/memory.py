@@ -30,12 +30,10 @@ def rss() -> int:
 
 
 def reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    """The high-water mark restarted from now (`mmpg.train.peak_memory.reset_high_water`, the run's own probe)."""
+    from mmpg.train.peak_memory import reset_high_water
+
+    return reset_high_water()
 
 
 def hwm() -> int:

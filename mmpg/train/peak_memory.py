@@ -95,7 +95,8 @@ def _anon() -> int:
     return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _reset_high_water() -> bool:
+def reset_high_water() -> bool:
+    """Restart the process's resident high-water mark (VmHWM) from now; False where the kernel does not allow it."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -149,7 +150,7 @@ def _count_imports() -> None:
                 try:
                     _base["imports"] += max(_anon() - before, 0)
                     if _base["resettable"]:
-                        _reset_high_water()  # the next peak is measured from here, the import's memory left out
+                        reset_high_water()  # the next peak is measured from here, the import's memory left out
                 except Exception:  # noqa: BLE001 - as above
                     pass
 
@@ -181,7 +182,7 @@ def start(device: str) -> dict:
     except (OSError, ValueError):
         _base = None
         return {"measure": WHOLE_PROCESS}
-    resettable = _reset_high_water()
+    resettable = reset_high_water()
     held = now["RssAnon"] + now.get("RssShmem", 0) + _weight_pages()  # a checkpoint mapped before: not this run's
     _base = {"held": held, "resettable": resettable, "imports": 0, "best": 0}
     _count_imports()
