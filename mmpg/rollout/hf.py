@@ -68,7 +68,7 @@ from mmpg.rollout.shares import decode_shares, prefill_stats, shared_prefill
 
 DECODE_MODES = ("auto", "copy", "cascade")
 
-def resolve_decode(decode: str, device: torch.device) -> str:
+def resolve_decode(decode: str) -> str:
     """"auto" -> cascade (on CUDA its kernel is checked against copy decoding first: `mmpg.rollout.decode_choice`);
     others as given."""
     return "cascade" if decode == "auto" else decode
@@ -99,7 +99,7 @@ class HFEngine(Prefill, RolloutEngine):
         # decode_check: auto (on for CUDA), on, off: the chosen cascade kernel against copy decoding
         self._path: str | None = None
         # the decode check's forwards run inside `self.check_scope()` (`RolloutEngine.check_scope`)
-        self.choice = DecodeChoice(resolve_decode(decode, torch.device("cpu")), cascade_backend, decode_check)
+        self.choice = DecodeChoice(resolve_decode(decode), cascade_backend, decode_check)
         self.last_kv_bytes: int | None = None  # K/V bytes the cache held after the last call's final decode step
         # the last call's prefill, for the trainer and eval (`mmpg.rollout.shares.prefill_stats`): prompts, prefixes
         # (prefills of a leading part: one per share, B without sharing), prefix_tokens, shared_prompts
@@ -287,8 +287,7 @@ class HFEngine(Prefill, RolloutEngine):
         """Cascade decoding with shared videos: the prompt order that puts each video's prompts side by side
         (`mmpg.grouping.shares.share_order`); the identity otherwise."""
         n = int(prompt_inputs["input_ids"].shape[0])
-        device = self.model.get_input_embeddings().weight.device
-        if not (self.share_videos and self._is_vl and resolve_decode(self.decode, device) == "cascade"):
+        if not (self.share_videos and self._is_vl and resolve_decode(self.decode) == "cascade"):
             return list(range(n))
         return share_order(split_visuals_per_prompt(self.model, prompt_inputs))
 
