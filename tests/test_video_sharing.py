@@ -14,7 +14,7 @@ from mmpg.data.samples import GroundingSample
 from mmpg.data.video import DecodedVideo, VideoError, VideoSpec
 from mmpg.eval.batches import _Indexed, fixed_batches, pending_batches, video_batches
 from mmpg.train.batch import PromptGroup, micro_batches
-from mmpg.train.data import RankBatchSampler, pack_runs, packed_shares, video_runs
+from mmpg.train.data import RankBatchSampler, pack_runs, packed_slices, video_runs
 
 
 def _sample(video: str, q: int, clip=(None, None)) -> GroundingSample:
@@ -69,8 +69,8 @@ def test_pack_runs_keeps_runs_whole_where_they_fit():
     # [3, 3, 2]: the last run fits in neither bin whole: cut 1 | 1
     assert pack_runs([3, 3, 2], 2, 4) == [[(0, 0, 3), (2, 0, 1)], [(1, 0, 3), (2, 1, 2)]]
     assert pack_runs([5], 2, 3) == [[(0, 0, 3)], [(0, 3, 5)]]  # longer than a bin: split
-    assert packed_shares(list("aaabccdd"), 2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert packed_shares(list("abbb"), 2, 2) == [[0, 1], [2, 3]]  # b cannot be whole: cut where there is room
+    assert packed_slices(list("aaabccdd"), 2, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert packed_slices(list("abbb"), 2, 2) == [[0, 1], [2, 3]]  # b cannot be whole: cut where there is room
     with pytest.raises(ValueError):
         pack_runs([3, 3], 1, 4)
 
@@ -158,7 +158,7 @@ def test_a_videos_queries_apart_in_a_batch_go_to_one_rank():
 
     assert runs_of(list("aaba")) == [[0, 1, 3], [2]]
     # [a a b c a] into 2 ranks of 3: a's three queries (positions 0, 1, 4) on one rank, b and c on the other
-    assert packed_shares(list("aabca"), 2, 3) == [[0, 1, 4], [2, 3]]
+    assert packed_slices(list("aabca"), 2, 3) == [[0, 1, 4], [2, 3]]
     # an epoch boundary inside a global batch: video 0's queries come as two runs (end of epoch 0, start of epoch
     # 1); keyed by video, both land on one rank
     videos = ["v0", "v0", "v1", "v1"]

@@ -188,7 +188,7 @@ def _without(data: dict, tmp_path: Path, *videos: str) -> dict:
 def test_two_ranks_under_zero3_train_what_one_process_trains(server, data8, tmp_path):
     """k = 1 on 2 ranks (ZeRO-3, every parameter partitioned) against 1 process: the same prompts per step, sampled
     with the same weights, the same rewards and losses. The data is tests/test_train_distributed.py's with three
-    videos deleted, so the rollout thread deals a global batch again across ranks (a rank whose whole share failed
+    videos deleted, so the rollout thread deals a global batch again across ranks (a rank whose whole slice failed
     rolls out a weight-0 copy): its collectives run beside the update's."""
     from test_train_distributed import LOSS_ATOL as DIST_LOSS_ATOL
     from test_train_distributed import ZERO3

@@ -63,7 +63,7 @@ def decode_step_bytes(r: Recipe) -> float:
 
 def step_seconds(r: Recipe, hw: Throughput, mu: int = 1) -> dict:
     """Seconds per phase on one rank for its B prompts (B = data.batch_size / devices: under sequence parallelism
-    a rank rolls out its share of whole prompts and holds 1/sp of each of its group's rows), and "total"."""
+    a rank rolls out its part of the whole prompts and holds 1/sp of each of its group's rows), and "total"."""
     f = phase_flops(r, mu)
     rate = hw.tflops * 1e12 * hw.mfu
     out = {k: r.prompts * v / rate for k, v in f.items() if k != "rollout_decode"}

@@ -1,7 +1,7 @@
-"""The collect phase of a GRPO step (`GRPOStep`, `mmpg.rl.grpo`): pull this rank's share of a global batch (dealt
-again across ranks when some rank's share was unusable), sample G responses per prompt with the rollout engine
+"""The collect phase of a GRPO step (`GRPOStep`, `mmpg.rl.grpo`): pull this rank's slice of a global batch (dealt
+again across ranks when some rank's slice was unusable), sample G responses per prompt with the rollout engine
 (seeded per prompt: `prompt_seed`), score them, and with dynamic sampling drop the groups whose rewards are all equal
-and pull more until every rank has its share.
+and pull more until every rank has its slice.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mmpg.rl.split import generate_split
 from mmpg.rl.too_long import drop_too_long
 from mmpg.rollout import SamplingParams
 from mmpg.train.batch import PromptGroup, split_groups
-from mmpg.train.data import packed_shares
+from mmpg.train.data import packed_slices
 
 log = logging.getLogger("mmpg.train")
 
@@ -56,7 +56,7 @@ class Collect:
 
     def _generate(self, batch, sampling, seeds):
         """The batch's rollout. Under sequence parallelism the ranks of a group hold the same batch: each samples
-        its share of the prompts and the group gathers them (`mmpg.rl.split`)."""
+        its part of the prompts and the group gathers them (`mmpg.rl.split`)."""
         if dist.sequence_size() > 1:
             return generate_split(lambda part, part_seeds: self._generate_here(part, sampling, part_seeds),
                                   self.policy, batch, seeds, self.pad_id, dist.sequence_size(),
@@ -84,15 +84,15 @@ class Collect:
         return batch
 
     def _rebalance(self, batch):
-        """Some rank's whole share of this global batch was unusable while others' was not: the usable samples of
+        """Some rank's whole slice of this global batch was unusable while others' was not: the usable samples of
         all ranks, in stream order (the prompts one process trains), are dealt again, each video's whole where it fits
-        (`mmpg.train.data.packed_shares`), each rank
-        decoding its new share here (`rebuild`). A rank left without one (fewer usable samples than ranks) decodes a
+        (`mmpg.train.data.packed_slices`), each rank
+        decoding its new slice here (`rebuild`). A rank left without one (fewer usable samples than ranks) decodes a
         copy of the first, rolled out for lockstep only. Returns (this rank's batch, number of copies at its end)."""
         usable = [s for part in dist.gather_data(list(batch.samples)) for s in part]
-        # at most ceil(n / W) each, a video's queries on one rank where they fit (`packed_shares`)
-        shares = packed_shares([video_key(s) for s in usable], self.world, -(-len(usable) // self.world))
-        mine = [usable[i] for i in shares[dist.data_rank()]]
+        # at most ceil(n / W) each, a video's queries on one rank where they fit (`packed_slices`)
+        slices = packed_slices([video_key(s) for s in usable], self.world, -(-len(usable) // self.world))
+        mine = [usable[i] for i in slices[dist.data_rank()]]
         copies = 0 if mine else 1
         mine = mine or usable[:1]
         if [s.sample_id for s in mine] == [s.sample_id for s in batch.samples]:

@@ -1,9 +1,9 @@
 """One GRPO step: prompts -> shared-prefix rollout -> rewards -> advantages -> grouped logprobs -> loss -> update.
 
-    collect():  (`mmpg.rl.collect`) pull this rank's share of a global batch (refilled past unusable videos),
+    collect():  (`mmpg.rl.collect`) pull this rank's slice of a global batch (refilled past unusable videos),
                 sample G responses per prompt with one prefill each (the HF engine; or a vLLM server,
                 rollout.engine=vllm), score them; with dynamic sampling drop groups whose rewards are all equal and
-                pull more prompts until every rank has its share (or the round cap is hit)
+                pull more prompts until every rank has its slice (or the round cap is hit)
     update():   (`mmpg.rl.update`) advantages; micro-batches of whole groups; per token
                 -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) + beta k3(pi, ref); aggregated as algorithm.loss_type
                 says with the normaliser summed over every micro-batch and rank (`algos.aggregate_loss`), so W ranks x
@@ -61,7 +61,7 @@ class GRPOStep(Collect, Update):
 
     def __init__(self, cfg, engine, ref_model, processor, batches, scorer, device: str, rebuild=None):
         self.cfg, self.engine, self.ref, self.processor = cfg, engine, ref_model, processor
-        self.batches = batches  # iterator of GroundingBatch (this rank's share of each global batch)
+        self.batches = batches  # iterator of GroundingBatch (this rank's slice of each global batch)
         self.rebuild = rebuild  # [GroundingSample] -> GroundingBatch, decoded here (`_rebalance`)
         self.scorer, self.device = scorer, device
         self.world = dist.data_size()  # ranks holding different samples (the world / sequence_parallel_size)

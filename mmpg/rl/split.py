@@ -46,7 +46,7 @@ def join_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
 
 
 def generate_split(generate, model, batch, seeds: list[int], pad_id: int, size: int, rank: int, gather) -> Rollout:
-    """`generate(batch, seeds) -> Rollout` on this rank's share of the batch; `gather(obj) -> [obj of each rank]`
+    """`generate(batch, seeds) -> Rollout` on this rank's slice of the batch; `gather(obj) -> [obj of each rank]`
     over the sequence-parallel group. Returns the whole batch's rollout on every rank of the group."""
     mine = list(share_of(len(batch), size, rank))
     own = generate(sub_batch(model, batch, mine or [0], pad_id), [seeds[i] for i in (mine or [0])])

@@ -8,7 +8,7 @@ tokens of the global batch. The forward is the grouped one with one "response" p
 on target positions. Same config tree, DeepSpeed engine, run directory, step loop, checkpoints and resume as
 `mmpg train` (`mmpg.train`); metrics: sft/loss, sft/target_tokens, actor/grad_norm, actor/lr, timing_s/*, perf/*
 (perf/videos: distinct videos of the step, perf/vision_calls: videos the vision tower encoded, all ranks).
-A rank whose whole share of a global batch is unusable trains a weight-0 stand-in (a blank video) beside the
+A rank whose whole slice of a global batch is unusable trains a weight-0 stand-in (a blank video) beside the
 others' real micro-batches (ZeRO-3 lockstep), so W ranks update as one process does on the usable samples.
 """
 
@@ -98,7 +98,7 @@ class SFTJob:
         return groups
 
     def _stand_in(self) -> list[PromptGroup]:
-        """This rank's whole share of the global batch was unusable: one weight-0 group about a blank video
+        """This rank's whole slice of the global batch was unusable: one weight-0 group about a blank video
         (`stand_in_batch`) keeps it in every forward and backward of the others (ZeRO-3 gathers weights in each).
         Its tokens are in neither the loss nor the token count, so the update is the one of the usable samples,
         as one process computes it on the same global batch."""

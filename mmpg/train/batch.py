@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from mmpg.data.dataset import video_key
 from mmpg.data.samples import GroundingSample
 from mmpg.grouping.inputs import pad_prompts, prompts_alone
-from mmpg.train.data import packed_shares
+from mmpg.train.data import packed_slices
 
 _ROW_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
 
@@ -113,8 +113,8 @@ def micro_batches(groups: list[PromptGroup], size: int, pad_id: int) -> list[Mic
     forward shares the video among them (`mmpg.train.data.pack_runs`; a video too many for the room left is split,
     each part sharing within itself). A micro-batch of dummy groups only is a dummy micro-batch."""
     keys = [video_key(g.sample) for g in groups]
-    shares = packed_shares(keys, -(-len(groups) // size), size) if groups else []
-    out = [collate_groups([groups[i] for i in share], pad_id) for share in shares if share]
+    slices = packed_slices(keys, -(-len(groups) // size), size) if groups else []
+    out = [collate_groups([groups[i] for i in part], pad_id) for part in slices if part]
     for mb in out:
         mb.dummy = all(g.dummy for g in mb.groups)
     return out

@@ -105,7 +105,7 @@ def runs_of(keys: list) -> list[list[int]]:
     return list(out.values())
 
 
-def packed_shares(keys: list, bins: int, capacity: int) -> list[list[int]]:
+def packed_slices(keys: list, bins: int, capacity: int) -> list[list[int]]:
     """Positions of `keys` dealt into `bins` bins of at most `capacity`, the positions of one key whole in one bin
     where they fit (`pack_runs`); per bin its positions, each key's together, keys in order of first appearance."""
     runs = runs_of(keys)
@@ -122,7 +122,7 @@ class RankBatchSampler(Sampler):
             raise UserError("the training set is empty")
         if global_batch % world:
             raise UserError(f"data.batch_size={global_batch} is not divisible by the {world} ranks; every rank "
-                            "must hold whole groups of an equal share")
+                            "must hold whole groups of an equal slice")
         self.n, self.batch, self.rank, self.world = n, global_batch, rank, world
         self.seed, self.shuffle, self.start, self.runs = seed, shuffle, start, runs
         # sample index -> what keeps it with others on one rank: its video (the runs of one video in a global batch,
@@ -134,12 +134,12 @@ class RankBatchSampler(Sampler):
         k = 0
         while True:
             begin = self.start + k * self.batch
-            if self.runs is None:  # i.i.d. order: this rank's consecutive share
+            if self.runs is None:  # i.i.d. order: this rank's consecutive slice
                 yield stream_indices(self.n, self.seed, self.shuffle, begin + self.rank * local, local)
             else:  # whole runs (videos) per rank where they fit
                 batch = stream_indices(self.n, self.seed, self.shuffle, begin, self.batch, self.runs)
-                share = packed_shares([self.run_id[i] for i in batch], self.world, local)[self.rank]
-                yield [batch[j] for j in share]
+                part = packed_slices([self.run_id[i] for i in batch], self.world, local)[self.rank]
+                yield [batch[j] for j in part]
             k += 1
 
     def __len__(self):  # infinite stream; DataLoader only needs this for len(), which the loop never asks
@@ -149,7 +149,7 @@ class RankBatchSampler(Sampler):
 def make_train_loader(samples, spec: VideoSpec, processor, template, *, global_batch: int, rank: int, world: int,
                       seed: int, shuffle: bool, start: int, num_workers: int, strict: bool = False,
                       queries_per_video: int = 1) -> DataLoader:
-    """An endless DataLoader of `GroundingBatch`es (this rank's share of each global batch, left-padded inputs).
+    """An endless DataLoader of `GroundingBatch`es (this rank's slice of each global batch, left-padded inputs).
     Bad videos are never fatal in the workers; the trainer counts `batch.skipped` (or stops in strict mode)."""
     runs = video_runs([video_key(s) for s in samples], queries_per_video)
     videos = [video_key(s) for s in samples]
