@@ -50,7 +50,7 @@ def _video(seed: int, fps: float = 2.0):
 
 
 def test_distinct_videos_by_object_and_by_content():
-    from mmpg.rollout.vllm import distinct_videos
+    from mmpg.rollout.vllm_prompt import distinct_videos
 
     a, b = _video(0), _video(1)
     a_copy = (a[0].clone(), dict(a[1]))  # another object, equal frames and metadata: the same video
@@ -63,7 +63,7 @@ def test_distinct_videos_by_object_and_by_content():
 def test_rollout_stats_counts_hand_worked():
     """[A q1, A q2, text, A q3] of 10, 11, 5, 12 tokens, G = 2: vLLM looked up 2 x 38 = 76 prompt tokens and found
     50 (the other sample of each prompt, and A's video block for q2, q3), so it computed 26."""
-    from mmpg.rollout.vllm import rollout_stats
+    from mmpg.rollout.vllm_prompt import rollout_stats
 
     ids = [[1] * 10, [1] * 11, [2] * 5, [1] * 12]
     answer = {"counters": {"prefix_cache_queries": 76, "prefix_cache_hits": 50, "mm_cache_queries": 3,
@@ -78,7 +78,7 @@ def test_server_builds_one_item_per_video_named_by_content():
     and one content name; wire 1 gives each prompt its own frames and no name (vLLM hashes them)."""
     import numpy as np
 
-    from mmpg.serve.vllm_server import _prompt, _video_table
+    from mmpg.serve.requests import video_table as _video_table, vllm_prompt as _prompt
     from mmpg.serve.wire import frames_array, video_digest
 
     (fa, ma), (fb, mb) = _video(0), _video(1)

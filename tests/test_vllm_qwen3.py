@@ -17,7 +17,7 @@ What makes Qwen3-VL work through vLLM:
   writing this: equal. `mmpg.grouping.positions` (Qwen2.5-VL only) has nothing to do for Qwen3-VL.
 - Pixels. vLLM 0.32 normalizes Qwen3-VL pixels on the device with the *image* processor's mean/std; the tiny
   checkpoint's image processor (CLIP) and video processor (0.5) differ, which moved logprobs by up to 0.2. The server
-  then turns the device path off (`mmpg.serve.vllm_server.normalization_mismatch`).
+  then turns the device path off (`mmpg.serve.requests.normalization_mismatch`).
 
 Frames here are multiples of 32 pixels (patch 16 x merge 2) and processed with do_resize=False, as the data pipeline
 does (qwen-vl-utils sizes them); fps 25 with strided frames_indices and an odd frame count (5: the processor pads
@@ -79,7 +79,7 @@ def test_prompt_is_released_and_vllm_expands_it_alike(server, policy):
     """The trainer's prompt holds the per-frame timestamps with no pair around them (the released form); the engine
     sends a bare video token; vLLM's expansion equals the trainer's (the engine raises otherwise: checked by running
     it)."""
-    from mmpg.rollout.vllm import _prompt_ids
+    from mmpg.rollout.vllm_prompt import prompt_ids as _prompt_ids
     from mmpg.rollout.vllm_prompt import wire_collapser
 
     model, processor = policy

@@ -73,7 +73,7 @@ def wire1(meta: dict, arrays: dict) -> tuple[dict, dict]:
 
 def send(engine, inputs, videos, sampling, seeds, form: int) -> tuple[dict, int]:
     """POST one generate request in wire form 1 or 2 built by the engine; (the answer, bytes sent)."""
-    from mmpg.rollout.vllm import _prompt_ids
+    from mmpg.rollout.vllm_prompt import prompt_ids as _prompt_ids
 
     ids = _prompt_ids(inputs)
     meta, arrays = engine._request(ids, [2] * len(ids), seeds, sampling, inputs, videos)

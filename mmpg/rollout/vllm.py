@@ -11,7 +11,7 @@ what the trainer's processor made: no re-templating) with every video collapsed 
 into patches with `do_resize=False`, as the trainer's did, and vLLM expands the placeholder again: Qwen2.5-VL's run of
 video tokens, or Qwen3-VL's per-frame `<t seconds><|vision_start|>...<|vision_end|>` in the released form (timestamps
 from the metadata's fps and frames_indices, as transformers computes them). The prompt vLLM ran must equal the
-trainer's token for token, else the request fails (`_check_prompts`). vLLM's prefix cache holds each prompt's K/V
+trainer's token for token, else the request fails (`check_prompts`). vLLM's prefix cache holds each prompt's K/V
 once for its G samples (`n = G` in one request).
 
 A video once: the request carries a table of the batch's distinct videos (`mmpg.serve.wire` version 2) and each
@@ -62,7 +62,9 @@ from mmpg.rollout.engine import (
 )
 from mmpg.rollout.vllm_nccl import (SYNC_TIMEOUT_S, NCCLWeightSender, check_weight_path, local_gpu_facts,
                                      plan_weight_sync)
-from mmpg.rollout.vllm_prompt import wire_collapser
+from mmpg.rollout.vllm_prompt import (
+    check_prompts, distinct_videos, eos_ids, prompt_ids, rollout_stats, video_token_id, wire_collapser,
+)
 from mmpg.rollout.vllm_wait import wait_for_server
 from mmpg.serve.wire import DEFAULT_URL, WIRE_VERSION, ServerError, call, check_wire, frames_array, pack
 
@@ -114,7 +116,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"VLLMEngine returns vLLM's raw logprobs (temperature 1); temperature "
                              f"{sampling.temperature} would make them another distribution's: use 1 (or 0, greedy), "
                              "or SamplingParams(logprobs=False)")
-        ids = _prompt_ids(prompt_inputs)
+        ids = prompt_ids(prompt_inputs)
         sizes = group_sizes_for(group_size, len(ids))
         if prompt_seeds is not None and len(prompt_seeds) != len(sizes):
             raise ValueError(f"{len(prompt_seeds)} prompt seeds for {len(sizes)} prompts; give one per prompt")
@@ -146,13 +148,13 @@ class VLLMEngine(RolloutEngine):
             meta["expect"] = {"instance": self.health["instance"], "version": self.version}
             body = pack(meta, arrays)
             answer = call(self.url, "/generate", body=body, timeout=self.timeout_s, what="a rollout request")
-        _check_prompts(answer.get("prompt_token_ids"), ids)
+        check_prompts(answer.get("prompt_token_ids"), ids)
         self.last_stats = rollout_stats(ids, [p["video"] for p in meta["prompts"]], answer, len(body))
         return self._rollout(answer["outputs"], sizes, sampling)
 
     def _request(self, ids, sizes, seeds, sampling: SamplingParams, prompt_inputs, videos) -> tuple[dict, dict]:
         """The request's JSON part and its frames: each distinct video once (wire 2)."""
-        video_token = _video_token_id(self.model)
+        video_token = video_token_id(self.model)
         has_video = [video_token is not None and video_token in p for p in ids]
         for b in (b for b, v in enumerate(has_video) if v):
             if videos is None or b >= len(videos) or videos[b] is None:
@@ -164,7 +166,7 @@ class VLLMEngine(RolloutEngine):
         collapse = wire_collapser(self.model, self.processor)
         prompts = [{"token_ids": collapse(p), "n": g, "seed": int(seed) % (2 ** 63), "video": v}
                    for p, g, seed, v in zip(ids, sizes, seeds, index)]
-        stop = list(sampling.stop_token_ids) if sampling.stop_token_ids is not None else _eos_ids(self.model)
+        stop = list(sampling.stop_token_ids) if sampling.stop_token_ids is not None else eos_ids(self.model)
         meta = {"wire": WIRE_VERSION, "prompts": prompts,
                 "videos": [{"key": f"video_{v}", "metadata": m} for v, (_, m) in enumerate(table)],
                 "expect": {"instance": self.health["instance"], "version": self.version},
@@ -298,98 +300,3 @@ class VLLMEngine(RolloutEngine):
         health = call(self.url, "/health", timeout=min(self.timeout_s, 30.0), what="a health check")
         check_wire(health, self.url)
         return health
-
-
-def distinct_videos(videos: Sequence) -> tuple[list[tuple[torch.Tensor, dict]], list[int | None]]:
-    """[B] videos (None: no video) -> the distinct ones as (frames [T, C, H, W], metadata) and each prompt's index
-    into them (None for none). Distinct means another object whose frames or metadata differ: the same object is one
-    video (the loader hands a video's queries one `DecodedVideo`), and so are two objects with equal metadata and
-    equal frames (compared exactly, only when shapes and metadata already agree)."""
-    table: list[tuple[torch.Tensor, dict]] = []
-    seen: dict[int, int] = {}  # id(video) -> index
-    index: list[int | None] = []
-    for video in videos:
-        if video is None:
-            index.append(None)
-            continue
-        if id(video) not in seen:
-            frames, meta = _frames_and_metadata(video)
-            same = (v for v, (f, m) in enumerate(table)
-                    if m == meta and f.shape == frames.shape and f.dtype == frames.dtype and torch.equal(f, frames))
-            seen[id(video)] = next(same, len(table))
-            if seen[id(video)] == len(table):
-                table.append((frames, meta))
-        index.append(seen[id(video)])
-    return table, index
-
-
-def rollout_stats(ids: list[list[int]], index: list[int | None], answer: dict, request_bytes: int) -> dict:
-    """`VLLMEngine.last_stats` from the server's answer (module docstring). ids: [B] the prompts' token ids; index:
-    [B] each prompt's video in the request's table (None: none)."""
-    firsts = {v: b for b, v in reversed(list(enumerate(index))) if v is not None}  # each video's first prompt
-    shared = sum(1 for b, v in enumerate(index) if v is not None and firsts[v] != b)
-    counters = dict(answer.get("counters") or {})
-    if "prefix_cache_queries" in counters and "prefix_cache_hits" in counters:  # vLLM's own count, every sample's
-        cached = int(counters["prefix_cache_hits"])
-        computed = int(counters["prefix_cache_queries"]) - cached
-    else:  # an older vLLM: one sample's figure per prompt
-        cached = sum(int(c) for c in answer.get("cached_tokens") or [])
-        computed = sum(map(len, ids)) - cached
-    return {"prompts": len(ids), "prefixes": len(ids) - shared, "prefix_tokens": computed, "shared_prompts": shared,
-            "cached_tokens": cached, "videos": len(firsts), "request_bytes": int(request_bytes),
-            "processor_runs": (counters["mm_cache_queries"] - counters["mm_cache_hits"]
-                               if "mm_cache_queries" in counters and "mm_cache_hits" in counters else None),
-            "timing_s": dict(answer.get("timing_s") or {})}
-
-
-# ---- model facts (the same rules as HFEngine) ----------------------------------------------------------------------
-def _prompt_ids(prompt_inputs) -> list[list[int]]:
-    """[B] lists of the prompts' token ids without padding (either side)."""
-    if "input_ids" not in prompt_inputs:
-        raise ValueError("prompt_inputs needs 'input_ids' (the processor output for the B prompts)")
-    ids = prompt_inputs["input_ids"]  # [B, P]
-    mask = prompt_inputs.get("attention_mask")
-    mask = torch.ones_like(ids) if mask is None else mask  # [B, P]
-    out = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-    group_sizes_for(1, len(out))  # refuses an empty batch
-    for b, p in enumerate(out):
-        if not p:
-            raise ValueError(f"prompt {b} is empty (all-zero attention_mask); drop it from the batch")
-    return out
-
-
-def _check_prompts(served: list[list[int]] | None, ids: list[list[int]]) -> None:
-    """The prompts vLLM ran (its own video expansion) must be the trainer's, token for token: else every logprob
-    would be conditioned on another prompt."""
-    if served is None:
-        raise ServerError("the vLLM server did not return its prompt token ids; is it an older mmpg vllm-serve?")
-    for b, (got, want) in enumerate(zip(served, ids)):
-        if got != want:
-            at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
-            raise ServerError(f"prompt {b}: vLLM expanded it to {len(got)} tokens, the trainer's processor to "
-                              f"{len(want)} (first difference at token {at}); the two processors disagree on this "
-                              "model family's video tokens (checked: Qwen2.5-VL, and Qwen3-VL with transformers >= "
-                              "5.10 on the server, whose timestamps need the frames' fps and frames_indices); use "
-                              "rollout.engine=hf")
-
-
-def _frames_and_metadata(video) -> tuple[torch.Tensor, dict]:
-    """A DecodedVideo or (frames, metadata) -> frames [T, C, H, W] and the metadata the processor needs."""
-    frames, meta = (video.frames, dict(video.metadata)) if hasattr(video, "frames") else (video[0], dict(video[1]))
-    meta.setdefault("total_num_frames", int(frames.shape[0]))
-    meta.setdefault("frames_indices", list(range(int(frames.shape[0]))))
-    if "fps" not in meta:
-        raise ValueError("video metadata needs 'fps' (frames per second of the source); qwen-vl-utils gives it")
-    return frames, {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in meta.items()}
-
-
-def _video_token_id(model) -> int | None:
-    tid = getattr(model.config, "video_token_id", None)
-    return int(tid) if tid is not None else None
-
-
-def _eos_ids(model) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        raise ValueError("the model's generation_config has no eos_token_id; pass SamplingParams(stop_token_ids=)")
-    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]

@@ -1,4 +1,5 @@
-"""The prompt ids the vLLM engine sends: the trainer's prompt with each video back as the one token vLLM expands.
+"""What the vLLM engine sends and checks: the trainer's prompt ids with each video back as the one token vLLM expands,
+each distinct video once, the check that vLLM's expansion is the trainer's prompt, and the request's figures.
 
 vLLM gets the trainer's own token ids (no re-templating) and the decoded frames, and writes each video's tokens again
 from the frames, replacing the placeholder its transformers' processor replaces: the lone `<|video_pad|>` on
@@ -18,7 +19,13 @@ each other directly and become one video token (the engine sends one video per p
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Callable
+
+import torch
+
+from mmpg.rollout.engine import group_sizes_for
+from mmpg.serve.wire import ServerError
 
 TIMESTAMP = re.compile(r"<\d+(?:\.\d+)? seconds>")
 MAX_TIMESTAMP_TOKENS = 16  # "<", the digits one by one, ".", a digit, " seconds", ">": 12 tokens up to 10^6 s
@@ -80,3 +87,97 @@ def _timed_frames(ids: list[int], token: int, brackets: tuple[int, int],
             floor = e + 1
         k = e
     return frames
+
+
+def distinct_videos(videos: Sequence) -> tuple[list[tuple[torch.Tensor, dict]], list[int | None]]:
+    """[B] videos (None: no video) -> the distinct ones as (frames [T, C, H, W], metadata) and each prompt's index
+    into them (None for none). Distinct means another object whose frames or metadata differ: the same object is one
+    video (the loader hands a video's queries one `DecodedVideo`), and so are two objects with equal metadata and
+    equal frames (compared exactly, only when shapes and metadata already agree)."""
+    table: list[tuple[torch.Tensor, dict]] = []
+    seen: dict[int, int] = {}  # id(video) -> index
+    index: list[int | None] = []
+    for video in videos:
+        if video is None:
+            index.append(None)
+            continue
+        if id(video) not in seen:
+            frames, meta = frames_and_metadata(video)
+            same = (v for v, (f, m) in enumerate(table)
+                    if m == meta and f.shape == frames.shape and f.dtype == frames.dtype and torch.equal(f, frames))
+            seen[id(video)] = next(same, len(table))
+            if seen[id(video)] == len(table):
+                table.append((frames, meta))
+        index.append(seen[id(video)])
+    return table, index
+
+
+def rollout_stats(ids: list[list[int]], index: list[int | None], answer: dict, request_bytes: int) -> dict:
+    """`VLLMEngine.last_stats` from the server's answer (module docstring). ids: [B] the prompts' token ids; index:
+    [B] each prompt's video in the request's table (None: none)."""
+    firsts = {v: b for b, v in reversed(list(enumerate(index))) if v is not None}  # each video's first prompt
+    shared = sum(1 for b, v in enumerate(index) if v is not None and firsts[v] != b)
+    counters = dict(answer.get("counters") or {})
+    if "prefix_cache_queries" in counters and "prefix_cache_hits" in counters:  # vLLM's own count, every sample's
+        cached = int(counters["prefix_cache_hits"])
+        computed = int(counters["prefix_cache_queries"]) - cached
+    else:  # an older vLLM: one sample's figure per prompt
+        cached = sum(int(c) for c in answer.get("cached_tokens") or [])
+        computed = sum(map(len, ids)) - cached
+    return {"prompts": len(ids), "prefixes": len(ids) - shared, "prefix_tokens": computed, "shared_prompts": shared,
+            "cached_tokens": cached, "videos": len(firsts), "request_bytes": int(request_bytes),
+            "processor_runs": (counters["mm_cache_queries"] - counters["mm_cache_hits"]
+                               if "mm_cache_queries" in counters and "mm_cache_hits" in counters else None),
+            "timing_s": dict(answer.get("timing_s") or {})}
+
+
+def prompt_ids(prompt_inputs) -> list[list[int]]:
+    """[B] lists of the prompts' token ids without padding (either side)."""
+    if "input_ids" not in prompt_inputs:
+        raise ValueError("prompt_inputs needs 'input_ids' (the processor output for the B prompts)")
+    ids = prompt_inputs["input_ids"]  # [B, P]
+    mask = prompt_inputs.get("attention_mask")
+    mask = torch.ones_like(ids) if mask is None else mask  # [B, P]
+    out = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    group_sizes_for(1, len(out))  # refuses an empty batch
+    for b, p in enumerate(out):
+        if not p:
+            raise ValueError(f"prompt {b} is empty (all-zero attention_mask); drop it from the batch")
+    return out
+
+
+def check_prompts(served: list[list[int]] | None, ids: list[list[int]]) -> None:
+    """The prompts vLLM ran (its own video expansion) must be the trainer's, token for token: else every logprob
+    would be conditioned on another prompt."""
+    if served is None:
+        raise ServerError("the vLLM server did not return its prompt token ids; is it an older mmpg vllm-serve?")
+    for b, (got, want) in enumerate(zip(served, ids)):
+        if got != want:
+            at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+            raise ServerError(f"prompt {b}: vLLM expanded it to {len(got)} tokens, the trainer's processor to "
+                              f"{len(want)} (first difference at token {at}); the two processors disagree on this "
+                              "model family's video tokens (checked: Qwen2.5-VL, and Qwen3-VL with transformers >= "
+                              "5.10 on the server, whose timestamps need the frames' fps and frames_indices); use "
+                              "rollout.engine=hf")
+
+
+def frames_and_metadata(video) -> tuple[torch.Tensor, dict]:
+    """A DecodedVideo or (frames, metadata) -> frames [T, C, H, W] and the metadata the processor needs."""
+    frames, meta = (video.frames, dict(video.metadata)) if hasattr(video, "frames") else (video[0], dict(video[1]))
+    meta.setdefault("total_num_frames", int(frames.shape[0]))
+    meta.setdefault("frames_indices", list(range(int(frames.shape[0]))))
+    if "fps" not in meta:
+        raise ValueError("video metadata needs 'fps' (frames per second of the source); qwen-vl-utils gives it")
+    return frames, {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in meta.items()}
+
+
+def video_token_id(model) -> int | None:
+    tid = getattr(model.config, "video_token_id", None)
+    return int(tid) if tid is not None else None
+
+
+def eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        raise ValueError("the model's generation_config has no eos_token_id; pass SamplingParams(stop_token_ids=)")
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
