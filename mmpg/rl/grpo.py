@@ -74,7 +74,11 @@ class GRPOStep(Collect, Update):
         # the engine rollout.engine names: every rank connects before any gathers (ZeRO-3), and samples only once
         # the weights are there (a vLLM server: a resumed run's differ from the checkpoint it loaded)
         self.rollout_engine = on_every_rank(lambda: make_rollout_engine(cfg, self.policy, processor, sync))
-        self.sync_weights()
+        # an engine with its own copy of the weights gets them after each update (none for one that samples with
+        # the policy: no collective, no weight_sync timing)
+        self.sends_weights = not self.rollout_engine.samples_with_policy
+        if self.sends_weights:
+            self.sync_weights()
         self.batches_pulled = 0  # global batches pulled from the loader
         self.batches_trained = 0  # those of the steps trained (the data position is start + this * batch_size)
         # rollout.max_staleness >= 1: the next steps' groups are sampled while this one trains (`mmpg.rl.overlap`)
@@ -151,8 +155,9 @@ class GRPOStep(Collect, Update):
         if self.prefetcher is not None:  # the rollouts that must not see this step's weights finish first
             with timer("rollout_wait"):
                 self.prefetcher.quiesce(step)
-        with timer("weight_sync"):
-            info["weight_sync"] = self.sync_weights()
+        if self.sends_weights:
+            with timer("weight_sync"):
+                info["weight_sync"] = self.sync_weights()
         if self.prefetcher is not None:
             self.prefetcher.published(step)
         timer.seconds["step"] = time.perf_counter() - t0

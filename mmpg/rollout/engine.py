@@ -100,6 +100,8 @@ class RolloutEngine(abc.ABC):
     # () -> a context manager around forwards the engine runs that are not the rollout's own (the HF engine's decode
     # check): a caller that counts the policy's forwards pauses its counters there
     check_scope = contextlib.nullcontext
+    # True: the engine samples with the trainer's policy itself, so an update reaches it without `sync_weights`
+    samples_with_policy = True
 
     @abc.abstractmethod
     def generate_groups(self, prompt_inputs, group_size: int | Sequence[int], sampling: SamplingParams | None = None,

@@ -100,6 +100,7 @@ class VLLMEngine(RolloutEngine):
         self._plan = None  # how weights reach this server (`vllm_nccl.plan_weight_sync`), decided on first sync
         self._device: torch.device | None = None  # where the synced tensors live (the NCCL sender's device)
         self.partitioned = is_partitioned(model)  # ZeRO-3: the weight sync is a collective of every rank
+        self.samples_with_policy = False  # the server holds its own copy of the weights: `sync_weights` after updates
         self.resync_on_restart = True  # a restarted server gets every weight again (False: an error, see GRPOStep)
 
     # ---- sampling -----------------------------------------------------------------------------------------------
