@@ -17,10 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(tmp_path, extra_env: dict, *args: str, trainer_rc: int = 0):
     """(completed process, trainer argv, server argv + its CUDA_VISIBLE_DEVICES, server pid)."""
     trainer = tmp_path / "deepspeed"
-    trainer.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/trainer.args\nsleep 1\nexit {trainer_rc}\n')
+    # the stand-in trainer ends once the server has written what it records (the script stops the server then)
+    trainer.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/trainer.args\n'
+                       f'for i in $(seq 300); do [ -f {tmp_path}/server.pid ] && break; sleep 0.1; done\n'
+                       f'exit {trainer_rc}\n')
     server = tmp_path / "serve"
     server.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/server.args\necho "${{CUDA_VISIBLE_DEVICES:-unset}}" > '
-                      f'{tmp_path}/server.gpus\necho $$ > {tmp_path}/server.pid\nexec sleep 300\n')
+                      f'{tmp_path}/server.gpus\necho $$ > {tmp_path}/server.tmp\n'
+                      f'mv {tmp_path}/server.tmp {tmp_path}/server.pid\nexec sleep 300\n')
     trainer.chmod(0o755)
     server.chmod(0o755)
     env = dict(os.environ, MMPG_EXTRAS="dev", MMPG_DEEPSPEED=str(trainer), MMPG_VLLM_SERVE=str(server), VLLM="1",

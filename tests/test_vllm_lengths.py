@@ -137,11 +137,16 @@ def test_vllm_len_prints_the_servers_length_for_a_config():
 
 def _launch(tmp_path, config: str, *overrides: str, **env) -> tuple[str | None, dict]:
     """scripts/train_grounding.sh with VLLM=1, a stand-in launcher (it records its environment) and a stand-in
-    server (it records its flags): (the server's flags, the trainer's MMPG_VLLM_* environment)."""
+    server (it records its flags): (the server's flags, the trainer's MMPG_VLLM_* environment). The stand-in trainer
+    waits for the server to have written them, as the real one waits for its /health: the script stops the server
+    when the trainer exits."""
     trainer, server = tmp_path / "deepspeed", tmp_path / "serve"
-    trainer.write_text(f"#!/bin/sh\nenv | grep '^MMPG_VLLM_' > {tmp_path}/trainer.env\nexit 0\n")
-    server.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/server.args\necho $$ > {tmp_path}/server.pid\n'
-                      "exec sleep 300\n")
+    for stale in ("server.args", "server.pid", "trainer.env"):
+        (tmp_path / stale).unlink(missing_ok=True)
+    trainer.write_text(f"#!/bin/sh\nenv | grep '^MMPG_VLLM_' > {tmp_path}/trainer.env\n"
+                       f"for i in $(seq 300); do [ -f {tmp_path}/server.pid ] && break; sleep 0.1; done\nexit 0\n")
+    server.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/server.args\necho $$ > {tmp_path}/server.tmp\n'
+                      f"mv {tmp_path}/server.tmp {tmp_path}/server.pid\nexec sleep 300\n")
     trainer.chmod(0o755)
     server.chmod(0o755)
     e = dict(os.environ, MMPG_EXTRAS="dev", MMPG_DEEPSPEED=str(trainer), MMPG_VLLM_SERVE=str(server), VLLM="1",
