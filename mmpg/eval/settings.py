@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mmpg.config import VideoSettings, omegaconf_error, quote_text, video_checks
-from mmpg.config import setting as _f
+from mmpg.config import setting
 from mmpg.errors import UserError
 
 # Settings that change the numbers (stored in eval.json and the report, compared on a rerun). The others only change
@@ -37,73 +37,79 @@ RUNTIME_ONLY = ("batch_size", "share_videos", "num_workers", "device", "self_che
 @dataclass
 class EvalSettings(VideoSettings):
     # fps, min_frames, max_frames, min_pixels, max_pixels, total_pixels: VideoSettings' (the same defaults as data.*)
-    template: str = _f("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only (mmpg/data/prompts.py), or "
-                       "file: the text of prompt_file (what the papers' protocols use).")
-    prompt_file: Optional[str] = _f(None, "The prompt, from a file; setting it selects template=file. Either the "
-                                    "paper's own Python file that holds its prompt (.py: the string is read, the "
-                                    "file never run; mmpg eval --fields gives each protocol's file and the command "
-                                    "that fetches it) or a text file with {query} (and optionally {duration}) where "
-                                    "the sentence (and the video's length) go. The time_r1 / videochat_r1 / "
-                                    "tvgbench / timelens protocols need one: mmpg does not ship the papers' prompts.")
-    scoring: str = _f("mmpg", "How an answer is scored (mmpg/eval/metrics.py): mmpg (the last <answer> span, "
-                      "clamped to the video, as training rewards it), last_span (Time-R1's and VideoChat-R1's code: "
-                      "the last 'A to B' anywhere) or timelens (TimeLens's code: the first time pair, rounded to "
-                      "seconds). Under last_span and timelens the answer and the ground truth are unclamped and "
-                      "every record with a readable span is evaluated, as the papers' loaders keep them all.")
-    min_tokens: Optional[int] = _f(None, "Smallest frame in visual tokens: min_pixels = min_tokens x factor^2 for "
-                                   "the checkpoint's family (factor 28 Qwen2.5-VL, 32 Qwen3-VL), as TimeLens's "
-                                   "--min_tokens. Used when min_pixels is null; setting one clears the other.")
-    max_tokens: Optional[int] = _f(None, "Largest frame in visual tokens (max_pixels = max_tokens x factor^2; "
-                                   "qwen-vl-utils' own cap is 768 tokens). Used when max_pixels is null; setting "
-                                   "one clears the other.")
-    total_tokens: Optional[int] = _f(None, "Visual-token budget of a whole video, shared by its frames "
-                                     "(total_pixels = total_tokens x factor^2), as TimeLens's --total_tokens. Used "
-                                     "when total_pixels is null; setting one clears the other.")
-    query_clean: str = _f("mmpg", "How the query's text goes into the prompt (mmpg/data/queries.py): mmpg "
-                          "(whitespace at the ends and trailing periods dropped, as training), strip (whitespace at "
-                          "the ends: Time-R1's Charades-STA / ActivityNet loaders), as_written (the file's text: "
-                          "VideoChat-R1, Time-R1's TVGBench loader) or timelens (whitespace runs made one space, "
-                          "periods stripped at both ends: TimeLens's parse_query).")
-    duplicates: str = _f("count", "Records repeating a (video, query, span): count (each one in the denominators, "
-                         "as Time-R1's and VideoChat-R1's code) or once (as TimeLens's compute_metrics.py, whose "
-                         "predictions are a dict keyed by video>>>query>>>span; the last one kept). The report "
-                         "gives the other denominator's figures beside when they differ.")
-    dtype: str = _f("auto", "Weights and compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, "
-                    "float16.")
-    max_new_tokens: int = _f(256, "Most tokens per answer (greedy decoding); a longer answer is cut and usually "
-                             "unparseable.")
-    threshold_rule: str = _f("gt", "Which R1@m convention the report shows first: gt (tIoU > m, Time-R1) or ge "
-                             "(tIoU >= m, VideoChat-R1). Both are always computed.")
-    swap_reversed: bool = _f(False, "Read an answer 'END to START' as START to END instead of unparseable.")
-    bad_videos: str = _f("fail", "A sample whose video is missing or corrupt: fail (scored IoU 0, counted) or skip "
-                         "(left out of the metrics, counted).")
-    max_samples: int = _f(0, "Evaluate only the first N samples of the benchmark (0: all).")
-    format: str = _f("auto", "Annotation format: auto, charades, captions, time_r1, tvgbench, timelens, jsonl "
-                   "(data/README.md).")
-    batch_size: int = _f(8, "Prompts per greedy decoding batch (per rank).")
-    share_videos: bool = _f(True, "Batch a video's queries together, side by side (whole videos packed up to "
-                            "batch_size queries; a video with more is split), so the video is decoded once per "
-                            "batch and can be prefilled and encoded once for all its questions; false: fixed "
-                            "batches of batch_size queries in annotation order (mmpg/eval/batches.py).")
-    prefill_chunk: int = _f(8192, "A prompt longer than this many tokens is prefilled in chunks of it, its video "
-                            "encoded in frame chunks (as training's rollout.prefill_chunk): memory follows the chunk, "
-                            "not the video; the same answers. 0: one forward per batch.")
-    num_workers: int = _f(2, "DataLoader workers decoding videos (0: in the main process).")
-    device: str = _f("auto", "auto (cuda when available), cpu or cuda.")
-    decode: str = _f("auto", "How answers are decoded behind the shared prompt, as training's rollout.decode: auto / "
-                     "cascade (each prompt's K/V read once per step for all its rows), copy (the reference).")
-    cascade_backend: str = _f("auto", "Cascade decoding's kernel, as training's rollout.cascade_backend: auto (CUDA: "
-                              "flash if usable, else sdpa, else math; CPU: sdpa), flash, sdpa, math.")
-    decode_check: str = _f("auto", "Check the cascade kernel against copy decoding on the first batch and when "
-                           "prompts or groups grow, stepping down the chain on a disagreement (one warning line), "
-                           "as training's rollout.decode_check: auto (on for CUDA), on, off.")
-    self_check: str = _f("on", "Compare the decode engine's logprobs of the first batch's answers (and of any later "
-                         "batch with longer prompts or answers) with the repeated forward, in this dtype and "
-                         "backend (mmpg.grouping.selfcheck): on (stop on a difference above the dtype's bound), "
-                         "warn, off.")
-    grouping_backend: str = _f("auto", "Attention backend of the shared prefill (a video's queries prefilled once, "
-                               "mmpg.grouping): auto (flash on CUDA in bf16/fp16 when a usable flash-attn is "
-                               "installed, else sdpa), sdpa, flash, flex; as training's model.grouping_backend.")
+    template: str = setting("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only (mmpg/data/prompts.py), "
+                            "or file: the text of prompt_file (what the papers' protocols use).")
+    prompt_file: Optional[str] = setting(None, "The prompt, from a file; setting it selects template=file. Either the "
+                                         "paper's own Python file that holds its prompt (.py: the string is read, the "
+                                         "file never run; mmpg eval --fields gives each protocol's file and the "
+                                         "command that fetches it) or a text file with {query} (and optionally "
+                                         "{duration}) where the sentence (and the video's length) go. The time_r1 / "
+                                         "videochat_r1 / tvgbench / timelens protocols need one: mmpg does not ship "
+                                         "the papers' prompts.")
+    scoring: str = setting("mmpg", "How an answer is scored (mmpg/eval/metrics.py): mmpg (the last <answer> span, "
+                           "clamped to the video, as training rewards it), last_span (Time-R1's and VideoChat-R1's "
+                           "code: the last 'A to B' anywhere) or timelens (TimeLens's code: the first time pair, "
+                           "rounded to seconds). Under last_span and timelens the answer and the ground truth are "
+                           "unclamped and every record with a readable span is evaluated, as the papers' loaders keep "
+                           "them all.")
+    min_tokens: Optional[int] = setting(None, "Smallest frame in visual tokens: min_pixels = min_tokens x factor^2 "
+                                        "for the checkpoint's family (factor 28 Qwen2.5-VL, 32 Qwen3-VL), as "
+                                        "TimeLens's --min_tokens. Used when min_pixels is null; setting one clears "
+                                        "the other.")
+    max_tokens: Optional[int] = setting(None, "Largest frame in visual tokens (max_pixels = max_tokens x factor^2; "
+                                        "qwen-vl-utils' own cap is 768 tokens). Used when max_pixels is null; setting "
+                                        "one clears the other.")
+    total_tokens: Optional[int] = setting(None, "Visual-token budget of a whole video, shared by its frames "
+                                          "(total_pixels = total_tokens x factor^2), as TimeLens's --total_tokens. "
+                                          "Used when total_pixels is null; setting one clears the other.")
+    query_clean: str = setting("mmpg", "How the query's text goes into the prompt (mmpg/data/queries.py): mmpg "
+                               "(whitespace at the ends and trailing periods dropped, as training), strip (whitespace "
+                               "at the ends: Time-R1's Charades-STA / ActivityNet loaders), as_written (the file's "
+                               "text: VideoChat-R1, Time-R1's TVGBench loader) or timelens (whitespace runs made one "
+                               "space, periods stripped at both ends: TimeLens's parse_query).")
+    duplicates: str = setting("count", "Records repeating a (video, query, span): count (each one in the "
+                              "denominators, as Time-R1's and VideoChat-R1's code) or once (as TimeLens's "
+                              "compute_metrics.py, whose predictions are a dict keyed by video>>>query>>>span; the "
+                              "last one kept). The report gives the other denominator's figures beside when they "
+                              "differ.")
+    dtype: str = setting("auto", "Weights and compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32, "
+                         "bfloat16, float16.")
+    max_new_tokens: int = setting(256, "Most tokens per answer (greedy decoding); a longer answer is cut and usually "
+                                  "unparseable.")
+    threshold_rule: str = setting("gt", "Which R1@m convention the report shows first: gt (tIoU > m, Time-R1) or ge "
+                                  "(tIoU >= m, VideoChat-R1). Both are always computed.")
+    swap_reversed: bool = setting(False, "Read an answer 'END to START' as START to END instead of unparseable.")
+    bad_videos: str = setting("fail", "A sample whose video is missing or corrupt: fail (scored IoU 0, counted) or "
+                              "skip (left out of the metrics, counted).")
+    max_samples: int = setting(0, "Evaluate only the first N samples of the benchmark (0: all).")
+    format: str = setting("auto", "Annotation format: auto, charades, captions, time_r1, tvgbench, timelens, jsonl "
+                          "(data/README.md).")
+    batch_size: int = setting(8, "Prompts per greedy decoding batch (per rank).")
+    share_videos: bool = setting(True, "Batch a video's queries together, side by side (whole videos packed up to "
+                                 "batch_size queries; a video with more is split), so the video is decoded once per "
+                                 "batch and can be prefilled and encoded once for all its questions; false: fixed "
+                                 "batches of batch_size queries in annotation order (mmpg/eval/batches.py).")
+    prefill_chunk: int = setting(8192, "A prompt longer than this many tokens is prefilled in chunks of it, its video "
+                                 "encoded in frame chunks (as training's rollout.prefill_chunk): memory follows the "
+                                 "chunk, not the video; the same answers. 0: one forward per batch.")
+    num_workers: int = setting(2, "DataLoader workers decoding videos (0: in the main process).")
+    device: str = setting("auto", "auto (cuda when available), cpu or cuda.")
+    decode: str = setting("auto", "How answers are decoded behind the shared prompt, as training's rollout.decode: "
+                          "auto / cascade (each prompt's K/V read once per step for all its rows), copy (the "
+                          "reference).")
+    cascade_backend: str = setting("auto", "Cascade decoding's kernel, as training's rollout.cascade_backend: auto "
+                                   "(CUDA: flash if usable, else sdpa, else math; CPU: sdpa), flash, sdpa, math.")
+    decode_check: str = setting("auto", "Check the cascade kernel against copy decoding on the first batch and when "
+                                "prompts or groups grow, stepping down the chain on a disagreement (one warning "
+                                "line), as training's rollout.decode_check: auto (on for CUDA), on, off.")
+    self_check: str = setting("on", "Compare the decode engine's logprobs of the first batch's answers (and of any "
+                              "later batch with longer prompts or answers) with the repeated forward, in this dtype "
+                              "and backend (mmpg.grouping.selfcheck): on (stop on a difference above the dtype's "
+                              "bound), warn, off.")
+    grouping_backend: str = setting("auto", "Attention backend of the shared prefill (a video's queries prefilled "
+                                    "once, mmpg.grouping): auto (flash on CUDA in bf16/fp16 when a usable flash-attn "
+                                    "is installed, else sdpa), sdpa, flash, flex; as training's "
+                                    "model.grouping_backend.")
 
     def video_values_for(self, family: str) -> dict:
         """`video_values()` for a checkpoint of `family` (qwen2_5_vl, qwen3_vl): each budget given in tokens made
