@@ -181,7 +181,7 @@ def test_settings_reach_the_engine(load_tiny, monkeypatch):
     model, processor = load_tiny("qwen2")
     engine = type("E", (), {"module": type("M", (), {"policy": model})()})()
     with pytest.raises(Built):
-        grpo.GRPOStep(cfg, engine, None, processor, iter(()), None, "cpu")
+        grpo.GRPOStep(cfg, engine, None, processor, (), None, "cpu")
     assert seen["cascade_backend"] == "math" and seen["decode_check"] == "on"
 
 

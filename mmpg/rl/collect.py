@@ -86,9 +86,9 @@ class Collect:
     def _rebalance(self, batch):
         """Some rank's whole slice of this global batch was unusable while others' was not: the usable samples of
         all ranks, in stream order (the prompts one process trains), are dealt again, each video's whole where it fits
-        (`mmpg.train.data.packed_slices`), each rank
-        decoding its new slice here (`rebuild`). A rank left without one (fewer usable samples than ranks) decodes a
-        copy of the first, rolled out for lockstep only. Returns (this rank's batch, number of copies at its end)."""
+        (`mmpg.train.data.packed_slices`), each rank decoding its new slice here (`TrainLoader.decode`). A rank left
+        without one (fewer usable samples than ranks) decodes a copy of the first, rolled out for lockstep only.
+        Returns (this rank's batch, number of copies at its end)."""
         usable = [s for part in dist.gather_data(list(batch.samples)) for s in part]
         # at most ceil(n / W) each, a video's queries on one rank where they fit (`packed_slices`)
         slices = packed_slices([video_key(s) for s in usable], self.world, -(-len(usable) // self.world))
@@ -97,11 +97,9 @@ class Collect:
         mine = mine or usable[:1]
         if [s.sample_id for s in mine] == [s.sample_id for s in batch.samples]:
             return batch, copies  # already here (also when this rank's one sample is the copy)
-        if self.rebuild is None:
-            raise RuntimeError("GRPOStep needs `rebuild` to deal a global batch again across ranks")
-        rebuilt = self.rebuild(mine)
+        rebuilt = self.loader.decode(mine)
         if len(rebuilt) == 0 and not copies:  # its videos decoded on their own ranks but not here: a copy stands in
-            rebuilt, copies = self.rebuild(usable[:1]), 1
+            rebuilt, copies = self.loader.decode(usable[:1]), 1
         return rebuilt, copies if len(rebuilt) else 0
 
     def _fit_server(self, batch, info: dict):

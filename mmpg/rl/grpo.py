@@ -59,10 +59,10 @@ def on_every_rank(fn, engine=None):
 class GRPOStep(Collect, Update):
     """Holds what a step needs; `run(step)` does one step and returns (metrics on rank 0, groups of this rank)."""
 
-    def __init__(self, cfg, engine, ref_model, processor, batches, scorer, device: str, rebuild=None):
+    def __init__(self, cfg, engine, ref_model, processor, loader, scorer, device: str):
         self.cfg, self.engine, self.ref, self.processor = cfg, engine, ref_model, processor
-        self.batches = batches  # iterator of GroundingBatch (this rank's slice of each global batch)
-        self.rebuild = rebuild  # [GroundingSample] -> GroundingBatch, decoded here (`_rebalance`)
+        self.loader = loader  # `mmpg.train.data.TrainLoader`: this rank's slice of each global batch; its `decode`
+        self.batches = iter(loader)  # builds a slice dealt again (`_rebalance`)
         self.scorer, self.device = scorer, device
         self.world = dist.data_size()  # ranks holding different samples (the world / sequence_parallel_size)
         self.local_batch = cfg.data.batch_size // self.world

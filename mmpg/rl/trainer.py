@@ -97,9 +97,8 @@ class GRPOJob:
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
                                    num_workers=cfg.data.num_workers, strict=cfg.data.strict,
                                    queries_per_video=cfg.data.queries_per_video)
-        self.step_fn = GRPOStep(cfg, session.engine, self.ref, session.processor, iter(loader),
-                                make_scorer(cfg.reward, template.think), session.device,
-                                rebuild=lambda chosen: decode_here(loader, chosen))
+        self.step_fn = GRPOStep(cfg, session.engine, self.ref, session.processor, loader,
+                                make_scorer(cfg.reward, template.think), session.device)
         self.skipped_total = int(session.state.get("skipped_total", 0))  # unusable samples so far, all ranks
         from mmpg.grouping.backends import compute_dtype
         from mmpg.grouping.selfcheck import bound_for
@@ -173,15 +172,6 @@ def split_videos(summaries: list[list[dict]]) -> int:
         for s in part:
             ranks.setdefault(s["video"], set()).add(r)
     return sum(len(r) > 1 for r in ranks.values())
-
-
-def decode_here(loader, samples):
-    """A GroundingBatch of `samples` decoded in this process with the loader's spec and collator (a global batch
-    dealt again across ranks, `GRPOStep._rebalance`)."""
-    from mmpg.data.dataset import GroundingDataset
-
-    dataset = GroundingDataset(samples, loader.dataset.spec)
-    return loader.collate_fn(dataset.__getitems__(list(range(len(samples)))))  # each video decoded once
 
 
 def vllm_metrics(infos: list[dict]) -> dict:

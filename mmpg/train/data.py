@@ -26,9 +26,9 @@ workers decode videos (qwen-vl-utils, decord) and build processor inputs; the ma
 from __future__ import annotations
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import Sampler
 
-from mmpg.data.dataset import GroundingCollator, GroundingDataset, VideoDataLoader, video_key
+from mmpg.data.dataset import GroundingBatch, GroundingCollator, GroundingDataset, VideoDataLoader, video_key
 from mmpg.data.video import VideoSpec
 from mmpg.errors import UserError
 
@@ -148,12 +148,21 @@ class RankBatchSampler(Sampler):
 
 def make_train_loader(samples, spec: VideoSpec, processor, template, *, global_batch: int, rank: int, world: int,
                       seed: int, shuffle: bool, start: int, num_workers: int, strict: bool = False,
-                      queries_per_video: int = 1) -> DataLoader:
+                      queries_per_video: int = 1) -> TrainLoader:
     """An endless DataLoader of `GroundingBatch`es (this rank's slice of each global batch, left-padded inputs).
     Bad videos are never fatal in the workers; the trainer counts `batch.skipped` (or stops in strict mode)."""
     runs = video_runs([video_key(s) for s in samples], queries_per_video)
     videos = [video_key(s) for s in samples]
     sampler = RankBatchSampler(len(samples), global_batch, rank, world, seed, shuffle, start, runs, videos)
-    return VideoDataLoader(GroundingDataset(samples, spec, strict=False), batch_sampler=sampler,
-                           num_workers=num_workers, collate_fn=GroundingCollator(processor, template, strict=strict),
-                           persistent_workers=False, prefetch_factor=2 if num_workers > 0 else None)
+    return TrainLoader(GroundingDataset(samples, spec, strict=False), batch_sampler=sampler,
+                       num_workers=num_workers, collate_fn=GroundingCollator(processor, template, strict=strict),
+                       persistent_workers=False, prefetch_factor=2 if num_workers > 0 else None)
+
+
+class TrainLoader(VideoDataLoader):
+    """The training stream's loader; `decode` builds a batch of other samples the same way, in this process (a
+    global batch dealt again across ranks when a rank's whole slice was unusable, `GRPOStep._rebalance`)."""
+
+    def decode(self, samples) -> GroundingBatch:
+        dataset = GroundingDataset(samples, self.dataset.spec)
+        return self.collate_fn(dataset.__getitems__(list(range(len(samples)))))  # each video decoded once
