@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from mmpg_app.curves import long_frame
-from mmpg_app.data import RunSource
+from mmpg_app.run_source import RunSource
 from mmpg_app.summary import EVAL_KEYS, run_eval_points, trend
 from mmpg.errors import UserError
 from mmpg.runs import METRICS_JSONL, RUN_JSON

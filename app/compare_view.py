@@ -11,9 +11,9 @@ import pandas as pd
 from mmpg_app.compare import COMPARE_PANELS, compare_rows, overlay
 from mmpg_app.curves import SMOOTHING, metric_keys
 from mmpg_app.curves_view import smoothing_weight
-from mmpg_app.data import RunSource
 from mmpg_app.guard import guarded
 from mmpg_app.render import message_html
+from mmpg_app.run_source import RunSource
 
 
 class CompareView:

@@ -57,7 +57,7 @@ class CurvesView:
                                 elem_id=f"curve-{p.id}", label=p.title, show_label=False, y_title=p.unit,
                                 x_title="step", color_title="series")
             self.any_key = gr.Dropdown(label="Any logged metric", choices=[], elem_id="any-metric",
-                                       allow_custom_value=True)  # choices change under it (see run_view.picker)
+                                       allow_custom_value=True)  # choices change under it (see widgets.picker)
             self.any_plot = gr.LinePlot(x="step", y="value", color="series", height=260, elem_id="curve-any",
                                         show_label=False, visible=False)
 

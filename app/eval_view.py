@@ -15,13 +15,12 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from mmpg_app.data import _fmt
 from mmpg_app.evals import EvalSource, headline_html, metrics_rows, prediction_rows, sample_header, worst_first
 from mmpg_app.frames import decoded_items, event_frames, frame_src, strip_html
 from mmpg_app.guard import guarded
-from mmpg_app.render import message_html, text_parts_html
-from mmpg_app.run_view import SORT_HINT, as_int, picker
+from mmpg_app.render import fmt, message_html, text_parts_html
 from mmpg_app.timeline import Bar, timeline_data, timeline_svg
+from mmpg_app.widgets import SORT_HINT, as_int, picker
 from mmpg.errors import UserError
 
 
@@ -120,7 +119,7 @@ class EvalView:
             self.body: gr.update(visible=True),
         }
         worst = worst_first(records)
-        choices = [(f"#{r.index} · IoU {_fmt(r.iou)} · {r.query[:50]}", r.index) for r in worst[:2000]]
+        choices = [(f"#{r.index} · IoU {fmt(r.iou)} · {r.query[:50]}", r.index) for r in worst[:2000]]
         out[self.sample] = gr.update(choices=choices, value=choices[0][1] if choices else None)
         out.update(self.sample_out(src, worst[0].index) if worst else
                    {self.header: message_html("no predictions written yet", "note")})
@@ -164,7 +163,7 @@ class EvalView:
         items, note = decoded_items(record.video) if not record.error else ([], "")
         bar = Bar("pred", record.pred_span, record.iou,
                   ("prediction " + (f"{record.pred_span[0]:.2f}–{record.pred_span[1]:.2f} s"
-                                    if record.pred_span else "unparsed") + f", IoU {_fmt(record.iou)}"))
+                                    if record.pred_span else "unparsed") + f", IoU {fmt(record.iou)}"))
         return {
             self.header: sample_header(record),
             self.gallery: strip_html(items),

@@ -12,7 +12,9 @@ import os
 import threading
 from pathlib import Path
 
-from mmpg_app.data import _fmt, _stat, answer_verdict
+from mmpg_app.answers import answer_fate
+from mmpg_app.render import fmt
+from mmpg_app.run_source import stat_key
 from mmpg.errors import UserError
 from mmpg.runs import EvalReader, PredictionRecord, list_run_evals
 from mmpg.runs.evals import PREDICTIONS_JSONL
@@ -28,7 +30,7 @@ class EvalSource:
         self._lock = threading.Lock()
 
     def predictions(self) -> list[PredictionRecord]:
-        key = _stat(self.folder / PREDICTIONS_JSONL)
+        key = stat_key(self.folder / PREDICTIONS_JSONL)
         with self._lock:
             if self._cache is not None and self._cache[0] == key:
                 return self._cache[1]
@@ -64,7 +66,7 @@ def status(r: PredictionRecord) -> str:
     """failed: why; or what became of the answer: ok, unparsed, out of range: RAW, clamped from RAW."""
     if r.error:
         return f"failed: {r.error}"
-    return answer_verdict(r.text, r.pred_span, "stop", r.duration).text()
+    return answer_fate(r.text, r.pred_span, "stop", r.duration).text()
 
 
 def prediction_rows(records: list[PredictionRecord], limit: int = 2000) -> tuple[list[str], list[list]]:
@@ -105,15 +107,15 @@ def headline_html(metrics: dict | None) -> str:
     keys = headline_keys(metrics or {})
     cards = "".join(f'<div class="mmpg-card" data-metric="{html.escape(k)}"><div class="mmpg-card-name">'
                     f'{html.escape(k.replace("r1@", "R1@").replace("miou", "mIoU"))}</div><div class="mmpg-card-now">'
-                    f"{_fmt(metrics[k], 3)}</div></div>" for k in keys if isinstance(metrics[k], (int, float)))
+                    f"{fmt(metrics[k], 3)}</div></div>" for k in keys if isinstance(metrics[k], (int, float)))
     return f'<div class="mmpg-cards">{cards}</div>' if cards else ""
 
 
 def sample_header(r: PredictionRecord) -> str:
     ps = r.pred_span
-    facts = [f"<b>ground truth</b> {_fmt(r.gt_span[0], 2)} – {_fmt(r.gt_span[1], 2)} s",
-             "<b>prediction</b> " + (f"{_fmt(ps[0], 2)} – {_fmt(ps[1], 2)} s" if ps else "none"),
-             f"<b>IoU</b> {_fmt(r.iou)}", f"<b>duration</b> {_fmt(r.duration, 2)} s", f"<b>index</b> {r.index}",
+    facts = [f"<b>ground truth</b> {fmt(r.gt_span[0], 2)} – {fmt(r.gt_span[1], 2)} s",
+             "<b>prediction</b> " + (f"{fmt(ps[0], 2)} – {fmt(ps[1], 2)} s" if ps else "none"),
+             f"<b>IoU</b> {fmt(r.iou)}", f"<b>duration</b> {fmt(r.duration, 2)} s", f"<b>index</b> {r.index}",
              f"<b>sample</b> {html.escape(r.sample_id)}"]
     out = [f'<div class="mmpg-query">{html.escape(r.query)}</div>',
            f'<div class="mmpg-facts">{" · ".join(facts)}</div>',

@@ -1,15 +1,14 @@
 """The run summary's memory card: the run's own plan (`mmpg plan`'s memory model on the run's config.yaml, device
-and device count) beside its measured `perf/peak_memory_mb`, and what that measured figure is on the run's device
+and device count) beside its measured `perf/peak_memory_mb`, and what that figure is on the run's device
 (`mmpg.plan.run.measure_of`: on a GPU the tensors; on a CPU the memory above the process's baseline before the
-model, the tensors as the plan's CPU validation measured them, with the verdict against the plan's stated CPU error).
-A CPU run of an older mmpg logged the whole process's ru_maxrss (about 1 GB before any tensor): the card shows it
-and says it does not compare, with no ratio.
+model, held against the plan's stated CPU error). A CPU run that logged the whole process's ru_maxrss (as mmpg once
+did) is shown with no ratio, as not comparable.
 
 The plan depends only on config.yaml and run.json, so it is made once per version of those two files (their size
-and modification time) and kept; a refresh re-reads only the measured figure from the metrics already in memory.
-Planning takes 0.1-0.3 s the first time (most of it importing omegaconf for the config) and imports no model code;
-`prefetch` starts it in a thread when the page is built, so the page's first open does not wait for it. A run whose config cannot be planned (a model
-path that no longer exists and is no preset, a config of an older mmpg) gets one line saying why.
+and modification time); a refresh re-reads only the measured figure. Planning imports no model code, and `prefetch`
+starts it in a thread when the page is built, so the page's first open does not wait for it. A run whose config
+cannot be planned (a model path that no longer exists and is no preset, a config of an older mmpg) gets one line
+saying why.
 
     html = plan_card_html(run_dir, info, metrics)
 """
@@ -33,7 +32,8 @@ def _mb(x: float) -> str:
     return f"{x / 1024:.2f} GB" if x >= 1024 else f"{x:.0f} MB"
 
 
-def _version(run_dir: Path) -> tuple:
+def _plan_key(run_dir: Path) -> tuple:
+    """What the plan is made from: the run directory and the size and modification time of config.yaml, run.json."""
     out = [str(run_dir.resolve())]
     for name in (CONFIG_YAML, RUN_JSON):
         try:
@@ -47,7 +47,7 @@ def _version(run_dir: Path) -> tuple:
 def run_plan_cached(run_dir: Path, info: dict, metrics: list[dict]) -> dict | str:
     """inspect_plan's dict, or the one line why the run cannot be planned; once per version of config.yaml and
     run.json (an SFT plan also reads the target length from the metrics of its first planning)."""
-    key = _version(run_dir)
+    key = _plan_key(run_dir)
     with _LOCK:
         if key not in _CACHE:
             try:

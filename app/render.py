@@ -1,11 +1,12 @@
-"""Small HTML pieces of the inspector: the full text of a response (its <think> and <answer> parts set apart),
-status messages, and the page's CSS. Every piece of run data is HTML-escaped."""
+"""Small HTML pieces of the inspector: numbers as the page shows them, the full text of a response (its <think> and
+<answer> parts set apart), status messages, and the page's CSS. Every piece of run data is HTML-escaped."""
 
 from __future__ import annotations
 
 import html
+import math
+import re
 
-from mmpg_app.data import Verdict, _fmt, split_response
 from mmpg.runs import ResponseRecord
 
 CSS = """
@@ -48,16 +49,22 @@ CSS = """
 """
 
 _TAGS = {"think": "think", "answer": "answer", "text": "outside the tags"}
+_TAG = re.compile(r"<(think|answer)>(.*?)(?:</\1>|$)", re.S)
 
 
-def response_html(index: int, r: ResponseRecord, v: Verdict | None = None) -> str:
-    """A response with its facts on top (what went wrong first, when something did) and each part (<think>,
-    <answer>, other text) in its own box."""
-    span = f"{_fmt(r.parsed_span[0], 2)} – {_fmt(r.parsed_span[1], 2)} s" if r.parsed_span else "did not parse"
-    failure = (f'<div class="mmpg-error mmpg-verdict"><b>{html.escape(v.label)}</b>: {html.escape(v.why)}</div>'
-               if v is not None and v.failed else "")
-    rewards = ", ".join(f"{k} {_fmt(v)}" for k, v in r.rewards.items())
-    facts = (f"<b>Response #{index}</b> · parsed span {span} · {rewards} · advantage {_fmt(r.advantage)} · "
+def fmt(x, digits: int = 3) -> str:
+    """A number in running text: fixed digits, '—' for a missing or non-finite value."""
+    return "—" if x is None or not math.isfinite(float(x)) else f"{float(x):.{digits}f}"
+
+
+def response_html(index: int, r: ResponseRecord, fate=None) -> str:
+    """A response with its facts on top (what went wrong first, when something did: `fate`, its
+    `mmpg_app.answers.AnswerFate`) and each part (<think>, <answer>, other text) in its own box."""
+    span = f"{fmt(r.parsed_span[0], 2)} – {fmt(r.parsed_span[1], 2)} s" if r.parsed_span else "did not parse"
+    failure = (f'<div class="mmpg-error mmpg-fate"><b>{html.escape(fate.label)}</b>: {html.escape(fate.why)}</div>'
+               if fate is not None and fate.failed else "")
+    rewards = ", ".join(f"{k} {fmt(v)}" for k, v in r.rewards.items())
+    facts = (f"<b>Response #{index}</b> · parsed span {span} · {rewards} · advantage {fmt(r.advantage)} · "
              f"{r.length} tokens · finish: {html.escape(r.finish_reason)}"
              + (" (hit max_new_tokens: truncated)" if r.finish_reason == "length" else ""))
     return failure + f'<div class="mmpg-response-facts">{facts}</div>' + text_parts_html(r.text)
@@ -68,6 +75,20 @@ def text_parts_html(text: str) -> str:
         return '<div class="mmpg-info">(empty response)</div>'
     return "".join(f'<div class="mmpg-part mmpg-{kind}"><div class="tag">{_TAGS[kind]}</div>'
                    f"<pre>{html.escape(part)}</pre></div>" for kind, part in split_response(text))
+
+
+def split_response(text: str) -> list[tuple[str, str]]:
+    """[(kind, text)] with kind 'think', 'answer' or 'text', in order. A tag left open (a truncated response) runs
+    to the end of the text."""
+    parts, pos = [], 0
+    for m in _TAG.finditer(text):
+        if m.start() > pos and text[pos:m.start()].strip():
+            parts.append(("text", text[pos:m.start()]))
+        parts.append((m.group(1), m.group(2)))
+        pos = m.end()
+    if text[pos:].strip() or not parts:
+        parts.append(("text", text[pos:]))
+    return parts
 
 
 def message_html(text: str, kind: str = "info") -> str:

@@ -14,63 +14,21 @@ import datetime
 import gradio as gr
 import pandas as pd
 
+from mmpg_app.answers import response_fate, span_iou
 from mmpg_app.curves_view import CurvesView
-from mmpg_app.data import (
-    FILTERS, REWARD_HELP, SCOPES, RunSource, _fmt, count_matches, drift_note, filter_groups, group_header,
-    parse_group_key, response_rows, span_iou, verdict,
-)
 from mmpg_app.frames import event_frames, event_strip, frame_items, frame_src, strip_html
+from mmpg_app.groups import (
+    FILTERS, REWARD_HELP, SCOPES, count_matches, filter_groups, group_header, parse_group_key, response_rows,
+)
 from mmpg_app.guard import guarded
 from mmpg_app.plan_card import plan_card_html, prefetch
-from mmpg_app.render import message_html, response_html
+from mmpg_app.render import fmt, message_html, response_html
+from mmpg_app.run_source import RunSource
 from mmpg_app.staleness import asynchronous, configured_staleness, group_staleness_html, rollouts_card_html
-from mmpg_app.summary import run_eval_points, summary_html
+from mmpg_app.summary import drift_note, run_eval_points, summary_html
 from mmpg_app.timeline import Bar, timeline_data, timeline_svg
+from mmpg_app.widgets import SORT_HINT, as_int, empty_table, highlighted, picker
 from mmpg.errors import UserError
-
-
-def picker(label: str, elem_id: str, **kwargs) -> gr.Dropdown:
-    """A dropdown whose choices the server changes. It takes any value (allow_custom_value): a timer tick can carry
-    the old value while new choices are on their way, and Gradio's own check would then pop an error. The
-    handlers check every value they get."""
-    return gr.Dropdown(label=label, choices=[], elem_id=elem_id, allow_custom_value=True, **kwargs)
-
-
-def as_int(value, what: str = "a step number") -> int | None:
-    """A number from the browser (int, or text typed in a box); None for nothing; UserError for anything else."""
-    if value is None or value == "":
-        return None
-    try:
-        return int(str(value).strip())
-    except ValueError:
-        raise UserError(f"{value!r} is not {what}") from None
-
-
-as_step = as_int
-
-
-SORT_HINT = "{what}; to sort or filter, open a column's ⋮ menu (on its header)"
-
-
-def empty_table() -> pd.DataFrame:
-    return pd.DataFrame({"#": pd.Series(dtype="int64")})
-
-
-FAILED_ROW = "background-color: #fde2e1; color: #7a1c16"
-
-
-def highlighted(frame: pd.DataFrame, rows: list[int]):
-    """The table with the failed responses' rows tinted red (a pandas Styler, which Gradio draws with its styles)."""
-    styles = [[FAILED_ROW if i in rows else ""] * frame.shape[1] for i in range(len(frame))]
-    return (frame.style.apply(lambda _: pd.DataFrame(styles, index=frame.index, columns=frame.columns), axis=None)
-            .format(_cell))
-
-
-def _cell(v) -> str:
-    """A cell as the table shows it: 10.0 as '10', 0.25 as '0.25', a missing value empty."""
-    if v is None or (isinstance(v, float) and v != v):
-        return ""
-    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
 class RunView:
@@ -150,7 +108,7 @@ class RunView:
     # ----------------------------------------------------------------------------------------------- handlers
     def on_pick(self, step, filt, scope, keep: str | None = None, progress=gr.Progress()) -> dict:
         """Step, filter or scope changed: list the matching groups and show `keep` if listed, else the first."""
-        step = as_step(step)
+        step = as_int(step)
         try:
             choices, note = self.group_choices(step, filt, scope,
                                                lambda i, n: progress((i, n), desc="reading step files", unit="steps"))
@@ -171,7 +129,7 @@ class RunView:
 
     def move(self, step, filt, scope, delta: int) -> dict:
         """The step before / after `step` among the steps with rollouts (stays at the ends)."""
-        steps, step = self.src.steps(), as_step(step)
+        steps, step = self.src.steps(), as_int(step)
         if not steps:
             raise UserError("no rollouts written yet")
         if step in steps:
@@ -212,7 +170,7 @@ class RunView:
         """Pick up new steps and metrics; re-render only what changed (everything when `force`)."""
         seen = dict(seen or {})
         try:
-            step = as_step(step)
+            step = as_int(step)
         except UserError:
             step = None  # half-typed text in the step box: treat as no step chosen
         problem = self.src.problem()
@@ -287,11 +245,11 @@ class RunView:
         summary = self.src.summaries(step)[position]
         items, note = frame_items(self.src.reader(), g.media_key, g.video)
         headers, rows = response_rows(g)
-        verdicts = [verdict(r, g.duration) for r in g.responses]
-        failed = [i for i, v in enumerate(verdicts) if v.failed]
+        fates = [response_fate(r, g.duration) for r in g.responses]
+        failed = [i for i, v in enumerate(fates) if v.failed]
         first = failed[0] if failed else 0  # open the offending answer first
-        svg, frames_note = self.timeline_html(g, first, verdicts)
-        choices = [(f"#{i} · reward {_fmt(r.rewards.get('overall'))} · {r.finish_reason}", i)
+        svg, frames_note = self.timeline_html(g, first, fates)
+        choices = [(f"#{i} · reward {fmt(r.rewards.get('overall'))} · {r.finish_reason}", i)
                    for i, r in enumerate(g.responses)]
         return {
             self.step: step,  # in sync when the group came from a filter over all steps
@@ -303,7 +261,7 @@ class RunView:
             self.event_strip: "",
             self.table: highlighted(pd.DataFrame(rows, columns=headers), failed),
             self.response: gr.update(choices=choices, value=first if choices else None),
-            self.text: (response_html(first, g.responses[first], verdicts[first]) if g.responses
+            self.text: (response_html(first, g.responses[first], fates[first]) if g.responses
                         else message_html("no responses", "note")),
         }
 
@@ -312,15 +270,15 @@ class RunView:
         k = configured_staleness(self.src)
         return group_staleness_html(g, k, asynchronous(k, self.src.metrics(), groups))
 
-    def timeline_html(self, g, chosen: int | None, verdicts=None) -> tuple[str, str]:
+    def timeline_html(self, g, chosen: int | None, fates=None) -> tuple[str, str]:
         """(svg, note): the group's spans coloured by tIoU, with the frames that show the truth and the span of
         response `chosen` on the same time axis."""
-        verdicts = verdicts or [verdict(r, g.duration) for r in g.responses]
+        fates = fates or [response_fate(r, g.duration) for r in g.responses]
         bars = [Bar(f"#{i}", r.parsed_span, span_iou(r, g.gt_span),
                     f"#{i}: " + (f"{r.parsed_span[0]:.2f}–{r.parsed_span[1]:.2f} s" if r.parsed_span else v.label)
-                    + f", tIoU {_fmt(span_iou(r, g.gt_span))}, reward {_fmt(r.rewards.get('overall'))}, advantage "
-                    f"{_fmt(r.advantage)}" + (f" ({v.why})" if v.why else ""), "" if v.label == "ok" else v.text())
-                for i, (r, v) in enumerate(zip(g.responses, verdicts))]
+                    + f", tIoU {fmt(span_iou(r, g.gt_span))}, reward {fmt(r.rewards.get('overall'))}, advantage "
+                    f"{fmt(r.advantage)}" + (f" ({v.why})" if v.why else ""), "" if v.label == "ok" else v.text())
+                for i, (r, v) in enumerate(zip(g.responses, fates))]
         pred = g.responses[chosen].parsed_span if chosen is not None and chosen < len(g.responses) else None
         frames, note = event_frames(self.src.reader(), g.media_key, g.video, g.gt_span, pred, g.duration)
         svg = timeline_svg(timeline_data(g.gt_span, g.duration, bars), uid="run",
@@ -341,7 +299,7 @@ class RunView:
         i = as_int(index, "a response number")
         if i is None or not 0 <= i < len(responses):
             raise UserError(f"this group has {len(responses)} responses; there is no #{i}")
-        return response_html(i, responses[i], verdict(responses[i], groups[position].duration))
+        return response_html(i, responses[i], response_fate(responses[i], groups[position].duration))
 
     def curves(self, smoothing: float = 0.0, log: bool = False) -> dict:
         return self.cv.curves(smoothing, log)

@@ -22,11 +22,11 @@ import gradio as gr  # noqa: E402
 
 from mmpg_app.compare import find_runs, is_run_dir  # noqa: E402
 from mmpg_app.compare_view import CompareView  # noqa: E402
-from mmpg_app.data import RunSource  # noqa: E402
 from mmpg_app.eval_view import EvalView  # noqa: E402
 from mmpg_app.evals import run_evals  # noqa: E402
 from mmpg_app.guard import guarded  # noqa: E402
 from mmpg_app.render import CSS  # noqa: E402
+from mmpg_app.run_source import RunSource  # noqa: E402
 from mmpg_app.run_view import RunView  # noqa: E402
 from mmpg.errors import UserError  # noqa: E402
 

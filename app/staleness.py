@@ -8,9 +8,9 @@ before the field existed, read as synchronous), and
 
 metrics.jsonl carries rollout/staleness_mean and rollout/staleness_max of each step's groups. A run is shown as
 asynchronous when its config sets k > 0 or anything it wrote is stale (a logged max above 0, a group of the step on
-show); a synchronous run's page looks as it did before the overlap existed. Staleness is no success: nothing here
-is painted green, and a group staler than the run's own bound (or sampled by weights newer than the step) is shown
-as an error.
+show); a synchronous run's groups carry no staleness line and its card says "synchronous". Staleness is no
+success: nothing here is painted green, and a group staler than the run's own bound (or sampled by weights newer
+than the step) is shown as an error.
 
     k = configured_staleness(src)                    # rollout.max_staleness of config.yaml; None when unknown
     group_staleness_html(group, k, asynchronous(k, metrics, groups))

@@ -10,7 +10,8 @@ the window (20 steps, or half the steps logged when fewer than 2W):
 
 A change is coloured by whether it is good for that metric (the zero-advantage share and the loss should fall).
 The evaluation row sets the latest held-out evaluation (mIoU, R1@0.5, R1@0.7) beside the first one, the run's
-starting point: eval.jsonl (training's held-out evaluation) first, else the run's evaluation folders.
+starting point: eval.jsonl (training's held-out evaluation) first, else the run's evaluation folders. The page's
+title carries the trainer's logprob-drift alarm (`drift_note`).
 
     html = summary_html(metrics, evals, kind="grpo")
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import html
 import math
 
+from mmpg_app.render import fmt
 from mmpg.errors import UserError
 from mmpg.runs import EvalReader, list_run_evals, metric_series
 
@@ -106,13 +108,13 @@ def spark_svg(steps: list[int], values: list[float], raw: list[float] | None = N
             f'xmlns="http://www.w3.org/2000/svg" font-size="10" font-family="sans-serif">'
             + (line(raw, 'stroke="#b9c6dd" stroke-width="1"') if raw else "")
             + line(values, 'stroke="#3b6fd8" stroke-width="1.8"')
-            + f'<text x="{left - 3}" y="10" fill="#666" text-anchor="end">{_num(hi)}</text>'
-            f'<text x="{left - 3}" y="{height - 14}" fill="#666" text-anchor="end">{_num(lo)}</text>'
+            + f'<text x="{left - 3}" y="10" fill="#666" text-anchor="end">{_short_number(hi)}</text>'
+            f'<text x="{left - 3}" y="{height - 14}" fill="#666" text-anchor="end">{_short_number(lo)}</text>'
             f'<text x="{left}" y="{height - 2}" fill="#666">step {steps[0]}</text>'
             f'<text x="{width - 2}" y="{height - 2}" fill="#666" text-anchor="end">{steps[-1]}</text></svg>')
 
 
-def _num(x: float) -> str:
+def _short_number(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
 
 
@@ -132,7 +134,7 @@ def _card(name: str, what: str, t: dict, better: int, big: bool = False) -> str:
                       130 if big else 48)
     return (f'<div class="mmpg-card" data-metric="{html.escape(name)}" title="{html.escape(what)}">'
             f'<div class="mmpg-card-name">{html.escape(name)}</div>'
-            f'<div class="mmpg-card-now">{_num(t["now"])}</div><div>{change}</div>{spark}</div>')
+            f'<div class="mmpg-card-now">{_short_number(t["now"])}</div><div>{change}</div>{spark}</div>')
 
 
 def _eval_card(points: list[tuple[int, dict]]) -> str:
@@ -176,3 +178,14 @@ def summary_html(metrics: list[dict], eval_lines: list[dict], folder_metrics: li
             f'<span class="mmpg-sub">(each figure: the mean of the last {window} steps; ▲▼ its change against the '
             f'{window} before, green when good; the line: smoothed; every curve in Curves)</span></div>'
             f'<div class="mmpg-cards">{"".join(cards)}</div></div>')
+
+
+def drift_note(metrics: list[dict]) -> str:
+    """The warning line for the steps the trainer flagged with alarm/logprob_drift (empty when none)."""
+    flagged = [m for m in metrics if m.get("alarm/logprob_drift")]
+    if not flagged:
+        return ""
+    last = flagged[-1]
+    return (f"logprob drift: {len(flagged)} step(s) flagged, the last at step {last.get('step')} "
+            f"(actor/logprob_gap_max {fmt(last.get('actor/logprob_gap_max'), 3)} for several steps in a row): the "
+            "rollout engine samples from another distribution than the training forward scores; see train.log")

@@ -15,14 +15,15 @@ from urllib.parse import unquote
 
 import pytest
 
+from mmpg_app.answers import response_fate
 from mmpg_app.curves import curve_frames, folded, long_frame
-from mmpg_app.data import (
-    FILTERS, RunSource, count_matches, filter_groups, parse_group_key, response_rows, split_response, verdict,
-)
 from mmpg_app.evals import EvalSource, headline_html, metrics_rows, prediction_rows, worst_first
 from mmpg_app.frames import (
     decoded_items, event_frames, event_strip, event_times, frame_items, strip_html, thumbnail_items,
 )
+from mmpg_app.groups import FILTERS, count_matches, filter_groups, parse_group_key, response_rows
+from mmpg_app.render import split_response
+from mmpg_app.run_source import RunSource
 from mmpg_app.summary import ema, summary_html, trend
 from mmpg_app.timeline import Bar, colour, frame_slots, nice_ticks, timeline_data, timeline_svg
 from mmpg.errors import UserError
@@ -83,16 +84,16 @@ def test_response_rows_show_each_response(small):
 def test_each_failure_is_named_with_the_raw_answer(small):
     src = RunSource(small["run"])
     g21, g31, g11 = src.groups(2)[1], src.groups(3)[1], src.groups(1)[1]
-    clamped, outside = verdict(g21.responses[3], g21.duration), verdict(g31.responses[3], g31.duration)
+    clamped, outside = response_fate(g21.responses[3], g21.duration), response_fate(g31.responses[3], g31.duration)
     assert (clamped.label, clamped.raw, clamped.text()) == ("clamped", "16.0 to 24.0", "clamped from 16.0 to 24.0")
     assert (outside.label, outside.text()) == ("out of range", "out of range: 24.0 to 30.0")
     assert g31.responses[3].rewards["format"] == 1.0  # the format reward alone still pays it
-    assert verdict(g11.responses[2], g11.duration).label == "unparsed"
-    assert verdict(src.groups(2)[0].responses[2], 12.0).label == "truncated"
-    assert verdict(g21.responses[0], g21.duration).label == "ok"
+    assert response_fate(g11.responses[2], g11.duration).label == "unparsed"
+    assert response_fate(src.groups(2)[0].responses[2], 12.0).label == "truncated"
+    assert response_fate(g21.responses[0], g21.duration).label == "ok"
     negative = g11.responses[0].__class__(text="<answer>-5 to -1</answer>", parsed_span=None, rewards={},
                                           advantage=0.0, length=3, finish_reason="stop")
-    assert verdict(negative, 20.0).label == "out of range"
+    assert response_fate(negative, 20.0).label == "out of range"
     assert [s.out_of_range for s in src.summaries(2)] == [0, 1] and "1 out of range" in src.summaries(3)[1].label(1)
 
 

@@ -313,7 +313,7 @@ def test_each_failure_has_its_label_and_the_step_box_follows(browser, run_url):
     wait_rows(page, "responses", count=4, first_cell_pattern="out of range: 24.0 to 30.0")
     assert page.locator("#step input").input_value() == "3"
     wait_text(page, "response-text", "Response #3")  # the offending answer opens first, named
-    assert "out of range" in page.inner_text("#response-text .mmpg-verdict")
+    assert "out of range" in page.inner_text("#response-text .mmpg-fate")
     row = page.locator("#responses [role=row].virtual-row").nth(3).locator("[role=gridcell]").first
     assert "253, 226, 225" in row.evaluate("c => getComputedStyle(c).backgroundColor + c.getAttribute('style')"
                                            " + getComputedStyle(c.parentElement).backgroundColor")
@@ -324,7 +324,7 @@ def test_each_failure_has_its_label_and_the_step_box_follows(browser, run_url):
     assert page.locator("#step input").input_value() == "2"
     pick(page, "filter", "truncated responses")
     wait_rows(page, "responses", count=4, first_cell_pattern="truncated")
-    assert "hit max_new_tokens" in page.inner_text("#response-text .mmpg-verdict")
+    assert "hit max_new_tokens" in page.inner_text("#response-text .mmpg-fate")
     no_error_page(page)
     page.screenshot(path=str(ARTIFACTS / "rollouts_failures.png"), full_page=True)
     page.close()

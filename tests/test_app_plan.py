@@ -10,7 +10,7 @@ import time
 import pytest
 
 import mmpg_app.plan_card as plan_card
-from mmpg_app.data import RunSource
+from mmpg_app.run_source import RunSource
 from mmpg_app.plan_card import plan_card_html
 from mmpg_app.summary import summary_html
 from mmpg.config import load_config
@@ -131,6 +131,6 @@ def test_prefetch_plans_in_the_background_and_the_page_reuses_it(tmp_path, monke
     monkeypatch.setattr(plan_card, "inspect_plan", lambda *a: calls.append(a) or real(*a))
     plan_card.prefetch(run)
     deadline = time.monotonic() + 30
-    while plan_card._version(run) not in plan_card._CACHE and time.monotonic() < deadline:
+    while plan_card._plan_key(run) not in plan_card._CACHE and time.monotonic() < deadline:
         time.sleep(0.02)
     assert len(calls) == 1 and "mmpg-planned" in card(run) and len(calls) == 1

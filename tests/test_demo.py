@@ -62,7 +62,7 @@ def test_quick_demo_learns_and_opens_in_the_inspector(tmp_path, capsys, every_co
         assert f"{folder}/report.md" in out
 
     # the inspector opens the GRPO run: its page is served, its steps and its test evaluation are listed
-    from mmpg_app.data import RunSource
+    from mmpg_app.run_source import RunSource
     from mmpg_app.evals import run_evals
     from mmpg_app.server import launch
 

@@ -1,4 +1,4 @@
-"""Tests for mmpg.toy.videos: decodable files, spans visible exactly where annotated, determinism,
+"""Tests for mmpg.toy.videos and mmpg.toy.scenes: decodable files, spans visible exactly where annotated, determinism,
 splits, and bad input that leaves nothing behind.
 
 Settings are tiny (128x96, 8 fps, 4-8 s) so the whole file runs in seconds on 2 CPU cores.
@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from mmpg.errors import UserError  # noqa: E402
-from mmpg.toy import render, videos  # noqa: E402
+from mmpg.toy import render, scenes, videos  # noqa: E402
 
 SMALL = dict(min_duration=4.0, max_duration=8.0, sizes=((128, 96),), fps_choices=(8.0,))
 N = 6
@@ -165,13 +165,13 @@ def test_span_check_catches_spans_shifted_by_two_seconds(dataset):
 def test_events_are_distinct_and_well_formed(dataset):
     for video_id, info in _load(dataset, "events").items():
         events = info["events"]
-        assert 1 <= len(events) <= videos.MAX_EVENTS, video_id
+        assert 1 <= len(events) <= scenes.MAX_EVENTS, video_id
         colours = [e["colour"] for e in events] + [e["to_colour"] for e in events if e["to_colour"]]
         assert len(set(colours)) == len(colours), (video_id, colours)
         for e in events:
-            assert e["end"] - e["start"] >= videos.MIN_SPAN_S - 1e-9, (video_id, e)
+            assert e["end"] - e["start"] >= scenes.MIN_SPAN_S - 1e-9, (video_id, e)
             assert 0 <= e["start"] and e["end"] <= info["duration"], (video_id, e)
-            assert e["motion"] in videos.MOTIONS and e["shape"] in render.SHAPES
+            assert e["motion"] in scenes.MOTIONS and e["shape"] in render.SHAPES
             assert tuple(e["rgb"]) == render.PALETTE[e["colour"]]
 
 

@@ -43,7 +43,8 @@ def _timed(fn, repeat: int = 1) -> float:
 def server_side(run: Path, seed: int = 0) -> dict[str, float]:
     import gradio as gr
 
-    from mmpg_app.data import FILTERS, SCOPES, RunSource
+    from mmpg_app.groups import FILTERS, SCOPES
+    from mmpg_app.run_source import RunSource
     from mmpg_app.run_view import RunView
 
     def view() -> RunView:

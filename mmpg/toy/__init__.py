@@ -3,7 +3,8 @@ or a dataset.
 
     models.py     tiny, seeded, random-weight Qwen checkpoints (Qwen2.5-VL, Qwen3-VL, Qwen2, Qwen3)    mmpg make-tiny
     tokenizer.py  their byte-level BPE tokenizer trained here, shaped like Qwen's
-    videos.py     synthetic grounding videos with exact ground truth (a shape drawn only in its span)  mmpg synth
+    videos.py     synthetic grounding datasets, exact ground truth (a shape drawn only in its span)    mmpg synth
+    scenes.py     what each synthetic video shows: its events, their spans and motions
     render.py     the drawing and H.264 encoding behind videos.py
     demo/         the default job: a tiny model learns grounding on easy videos on a CPU               mmpg demo
 

@@ -1,4 +1,4 @@
-"""Synthetic temporal-grounding videos with exact ground truth, for tests and smoke runs.
+"""Synthetic temporal-grounding datasets with exact ground truth, for tests, the demo and smoke runs.
 
 `generate_dataset(out, n, seed)` writes
 
@@ -6,22 +6,9 @@
     out/{train,val,test}.json       {video_id: {"duration", "timestamps": [[s, e], ...], "sentences": [...]}}
     out/events.json                 machine-readable truth per video (see `_video_truth`)
 
-Each video has a muted, gently textured background and 1-3 events. An event is one object of a
-named colour and shape that is drawn ONLY while `start <= frame_index / fps < end` (the annotated
-span, seconds) and not at all outside it. Motions:
-
-    appears                          stays still where it appeared
-    left_to_right, right_to_left,    the centre moves linearly from `centre_start` (at `start`) to
-    top_to_bottom, bottom_to_top     `centre_end` (at `end`)
-    changes_colour                   stays still; drawn in `colour` before the span midpoint
-                                     (start + end) / 2 and in `to_colour` from the midpoint on
-
-Every colour (including `to_colour`) is used by at most one event of a video, so a pixel colour
-identifies its event. Each event owns one column of the frame (k events -> k equal columns), so
-objects never overlap even when spans do. Spans last >= 2 s and lie inside [0, duration].
-
-Determinism: video i uses `default_rng(seed).spawn(n)[i]`, the split uses `default_rng(seed)`; no
-clock or global randomness, so the same (n, seed, parameters) give the same bytes in every file.
+What a video shows (its events, their spans and motions) is `mmpg.toy.scenes`; how a frame is painted and encoded
+is `mmpg.toy.render`. Determinism: video i uses `default_rng(seed).spawn(n)[i]`, the split uses `default_rng(seed)`;
+no clock or global randomness, so the same (n, seed, parameters) give the same bytes in every file.
 """
 
 from __future__ import annotations
@@ -29,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -37,73 +23,9 @@ import numpy as np
 
 from mmpg.errors import UserError
 from mmpg.toy import render
+from mmpg.toy.scenes import EASY_PHRASINGS, MIN_SPAN_S, Scene, easy_scene, random_scene
 
-MIN_SPAN_S = 2.0
-MAX_EVENTS = 3
-MOTIONS: tuple[str, ...] = (
-    "appears", "left_to_right", "right_to_left", "top_to_bottom", "bottom_to_top", "changes_colour",
-)
 SPLIT_NAMES = ("train", "val", "test")
-
-
-@dataclass(frozen=True)
-class Event:
-    """One annotated event. Coordinates are luma pixels, times seconds."""
-
-    colour: str
-    shape: str
-    motion: str
-    start: float
-    end: float
-    size: float
-    centre_start: tuple[float, float]
-    centre_end: tuple[float, float]
-    to_colour: str | None = None  # only for motion == "changes_colour"
-
-    def sentence(self) -> str:
-        """The query text, e.g. "a red circle moves from left to right"."""
-        article = "an" if self.colour[0] in "aeiou" else "a"
-        subject = f"{article} {self.colour} {self.shape}"
-        if self.motion == "appears":
-            return f"{subject} appears"
-        if self.motion == "changes_colour":
-            return f"{subject} turns {self.to_colour}"
-        src, dst = self.motion.split("_to_")
-        return f"{subject} moves from {src} to {dst}"
-
-    def colour_at(self, t: float) -> str | None:
-        """Colour name drawn at time t, or None where the event is not visible."""
-        if not self.start <= t < self.end:
-            return None
-        if self.motion == "changes_colour" and t >= (self.start + self.end) / 2:
-            return self.to_colour
-        return self.colour
-
-    def sprite_at(self, t: float) -> render.Sprite | None:
-        """What to paint at time t (None outside the span)."""
-        colour = self.colour_at(t)
-        if colour is None:
-            return None
-        p = (t - self.start) / (self.end - self.start)
-        (x0, y0), (x1, y1) = self.centre_start, self.centre_end
-        yuv = render.colour_yuv(render.PALETTE[colour])
-        return render.Sprite(self.shape, x0 + p * (x1 - x0), y0 + p * (y1 - y0), self.size, yuv)
-
-
-@dataclass(frozen=True)
-class VideoPlan:
-    """Everything needed to draw one video; `duration == n_frames / fps` (rounded to ms)."""
-
-    video_id: str
-    fps: float
-    width: int
-    height: int
-    n_frames: int
-    duration: float
-    events: tuple[Event, ...]
-    # easy mode with queries > 1: the video's one event asked about in several wordings (each its own query, the
-    # same span), as several annotators describe one moment of a Charades-STA video; () = each event's sentence
-    phrasings: tuple[str, ...] = ()
 
 
 def generate_dataset(
@@ -125,7 +47,7 @@ def generate_dataset(
     easy: the task a tiny model can learn on a CPU in minutes — one large white circle or square on black, in the
     middle of a 64x64 frame at 2 fps, visible only while start <= t < end; whole-second durations (min..max) and
     spans (2 s to 60 % of the duration); `sizes` and `fps_choices` are then ignored. queries (easy only): each
-    video asked about in 2..queries wordings of its one moment (1: one query per video, as before).
+    video asked about in 2..queries wordings of its one moment (1: one query per video).
 
     Everything is written to a hidden sibling folder first and renamed into place at the end, so a
     failure or Ctrl-C never leaves a half-written `out` (with overwrite, the old folder is removed
@@ -141,13 +63,13 @@ def generate_dataset(
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)  # a stale one from a crashed run with our pid
     try:
-        plans, split_counts = _write_all(tmp, n, seed, min_duration, max_duration, sizes, fps_choices, splits,
-                                         easy, queries)
+        scenes, split_counts = _write_all(tmp, n, seed, min_duration, max_duration, sizes, fps_choices, splits,
+                                          easy, queries)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return _summary(out, plans, split_counts)
+    return _dataset_summary(out, scenes, split_counts)
 
 
 def _check_args(n, seed, min_duration, max_duration, sizes, fps_choices, splits) -> None:
@@ -228,112 +150,42 @@ def _move_children(tmp: Path, out: Path) -> None:
 
 
 def _write_all(tmp, n, seed, min_duration, max_duration, sizes, fps_choices, splits, easy=False, queries=1):
-    """Plan, draw and encode every video into `tmp`, then write the JSON files.
+    """Draw, paint and encode every video into `tmp`, then write the JSON files.
 
-    Returns (plans, {split name: number of videos}).
+    Returns (scenes, {split name: number of videos}).
     """
     (tmp / "videos").mkdir(parents=True)
     width = max(5, len(str(n - 1)))
     rngs = np.random.default_rng(seed).spawn(n)
-    plans = []
+    scenes = []
     for i, rng in enumerate(rngs):
         vid = f"synth_{i:0{width}d}"
-        plan = plan_easy_video(rng, vid, min_duration, max_duration, queries) if easy else \
-            plan_video(rng, vid, min_duration, max_duration, sizes, fps_choices)
-        _encode_plan(tmp / "videos" / f"{plan.video_id}.mp4", plan, rng, black=easy)
-        plans.append(plan)
-    assignment = split_ids([p.video_id for p in plans], splits, np.random.default_rng(seed))
-    by_id = {p.video_id: p for p in plans}
+        scene = easy_scene(rng, vid, min_duration, max_duration, queries) if easy else \
+            random_scene(rng, vid, min_duration, max_duration, sizes, fps_choices)
+        _encode_scene(tmp / "videos" / f"{scene.video_id}.mp4", scene, rng, black=easy)
+        scenes.append(scene)
+    assignment = split_ids([sc.video_id for sc in scenes], splits, np.random.default_rng(seed))
+    by_id = {sc.video_id: sc for sc in scenes}
     for name, ids in assignment.items():
         _write_json(tmp / f"{name}.json", {vid: _annotation(by_id[vid]) for vid in ids})
-    _write_json(tmp / "events.json", {p.video_id: _video_truth(p) for p in plans})
-    return plans, {name: len(ids) for name, ids in assignment.items()}
+    _write_json(tmp / "events.json", {sc.video_id: _video_truth(sc) for sc in scenes})
+    return scenes, {name: len(ids) for name, ids in assignment.items()}
 
 
-def plan_video(rng: np.random.Generator, video_id: str, min_duration: float, max_duration: float,
-               sizes: Sequence[tuple[int, int]], fps_choices: Sequence[float]) -> VideoPlan:
-    """Draw frame rate, size, duration and 1-3 events for one video from its own rng."""
-    fps = float(fps_choices[rng.integers(len(fps_choices))])
-    width, height = (int(v) for v in sizes[rng.integers(len(sizes))])
-    n_frames = max(1, round(rng.uniform(min_duration, max_duration) * fps))
-    duration = round(n_frames / fps, 3)
-    k = int(rng.integers(1, MAX_EVENTS + 1))
-    names = [str(c) for c in rng.permutation(list(render.PALETTE))]  # distinct colours per video
-    columns = rng.permutation(k)
-    events = []
-    for j in range(k):
-        motion = str(MOTIONS[rng.integers(len(MOTIONS))])
-        to_colour = names.pop() if motion == "changes_colour" else None
-        region = (int(columns[j]) * width // k, 0, (int(columns[j]) + 1) * width // k, height)
-        events.append(_plan_event(rng, names.pop(0), motion, to_colour, duration, region, (width, height)))
-    events.sort(key=lambda e: (e.start, e.end))
-    return VideoPlan(video_id, fps, width, height, n_frames, duration, tuple(events))
-
-
-EASY_FPS, EASY_SIZE = 2.0, 64
-
-
-EASY_PHRASINGS = ("a white {shape} appears", "the white {shape} is visible", "a {shape} is shown",
-                  "the {shape} can be seen", "a bright {shape} shows up")
-
-
-def plan_easy_video(rng: np.random.Generator, video_id: str, min_duration: float, max_duration: float,
-                    queries: int = 1) -> VideoPlan:
-    """One large white circle or square in the middle of a black 64x64 frame, 2 fps, whole seconds. queries > 1:
-    2..queries wordings of it (`EASY_PHRASINGS`, drawn after everything else, so queries=1 draws what it always
-    drew)."""
-    duration = int(rng.integers(int(np.ceil(min_duration)), int(np.floor(max_duration)) + 1))
-    longest = max(int(MIN_SPAN_S), int(0.6 * duration))
-    length = int(rng.integers(int(MIN_SPAN_S), longest + 1))
-    start = int(rng.integers(0, duration - length + 1))
-    shape = ("circle", "square")[int(rng.integers(2))]
-    centre = (EASY_SIZE / 2, EASY_SIZE / 2)
-    event = Event("white", shape, "appears", float(start), float(start + length), 0.6 * EASY_SIZE, centre, centre)
-    phrasings: tuple[str, ...] = ()
-    if queries > 1:
-        k = int(rng.integers(2, queries + 1))
-        phrasings = tuple(EASY_PHRASINGS[i].format(shape=shape) for i in sorted(
-            rng.choice(len(EASY_PHRASINGS), size=k, replace=False).tolist()))
-    return VideoPlan(video_id, EASY_FPS, EASY_SIZE, EASY_SIZE, int(duration * EASY_FPS), float(duration), (event,),
-                     phrasings)
-
-
-def _plan_event(rng: np.random.Generator, colour: str, motion: str, to_colour: str | None,
-                duration: float, region: tuple[int, int, int, int], frame: tuple[int, int]) -> Event:
-    """Span (>= MIN_SPAN_S, inside the video, rounded to 10 ms) and path inside `region` for one event."""
-    # Round the length up and the start down to 10 ms so the span stays >= MIN_SPAN_S and <= duration.
-    length = min(np.ceil(rng.uniform(MIN_SPAN_S, max(MIN_SPAN_S, 0.5 * duration)) * 100), np.floor(duration * 100))
-    start_cs = np.floor(rng.uniform(0.0, duration * 100 - length))
-    start, end = round(float(start_cs) / 100, 2), round(float(start_cs + length) / 100, 2)
-    x0, y0, x1, y1 = region
-    size = float(max(8, round(min(0.22 * min(frame), 0.8 * min(x1 - x0, y1 - y0)))))
-    lo_x, hi_x, lo_y, hi_y = x0 + size / 2, x1 - size / 2, y0 + size / 2, y1 - size / 2
-    here = (round(float(rng.uniform(lo_x, hi_x)), 1), round(float(rng.uniform(lo_y, hi_y)), 1))
-    paths = {
-        "left_to_right": ((lo_x, here[1]), (hi_x, here[1])),
-        "right_to_left": ((hi_x, here[1]), (lo_x, here[1])),
-        "top_to_bottom": ((here[0], lo_y), (here[0], hi_y)),
-        "bottom_to_top": ((here[0], hi_y), (here[0], lo_y)),
-    }
-    centre_start, centre_end = paths.get(motion, (here, here))
-    shape = str(render.SHAPES[rng.integers(len(render.SHAPES))])
-    return Event(colour, shape, motion, start, end, size, centre_start, centre_end, to_colour)
-
-
-def _encode_plan(path: Path, plan: VideoPlan, rng: np.random.Generator, black: bool = False) -> None:
-    """Draw the background from the video's rng (or plain black) and encode every frame of `plan` to `path`."""
-    background = np.zeros((plan.height, plan.width, 3), np.uint8) if black else \
-        render.make_background(rng, plan.width, plan.height)
+def _encode_scene(path: Path, scene: Scene, rng: np.random.Generator, black: bool = False) -> None:
+    """Draw the background from the video's rng (or plain black) and encode every frame of `scene` to `path`."""
+    background = np.zeros((scene.height, scene.width, 3), np.uint8) if black else \
+        render.make_background(rng, scene.width, scene.height)
     planes = render.background_planes(background)
 
     def frames() -> Iterator[np.ndarray]:
-        for i in range(plan.n_frames):
-            t = i / plan.fps
-            sprites = [s for s in (e.sprite_at(t) for e in plan.events) if s is not None]
+        for i in range(scene.n_frames):
+            t = i / scene.fps
+            sprites = [s for s in (e.sprite_at(t) for e in scene.events) if s is not None]
             yield render.render_frame(planes, sprites)
 
-    written = render.encode_video(path, frames(), plan.width, plan.height, plan.fps)
-    assert written == plan.n_frames, f"{path}: wrote {written} frames, planned {plan.n_frames}"
+    written = render.encode_video(path, frames(), scene.width, scene.height, scene.fps)
+    assert written == scene.n_frames, f"{path}: wrote {written} frames, expected {scene.n_frames}"
 
 
 def split_ids(ids: Sequence[str], fractions: Sequence[float], rng: np.random.Generator) -> dict[str, list[str]]:
@@ -352,31 +204,31 @@ def split_ids(ids: Sequence[str], fractions: Sequence[float], rng: np.random.Gen
     return {name: sorted(order[bounds[j]:bounds[j + 1]]) for j, name in enumerate(SPLIT_NAMES)}
 
 
-def _annotation(plan: VideoPlan) -> dict:
+def _annotation(scene: Scene) -> dict:
     """Charades-STA / ActivityNet-Captions style entry for one video."""
-    if plan.phrasings:
-        (e,) = plan.events
-        return {"duration": plan.duration, "timestamps": [[e.start, e.end] for _ in plan.phrasings],
-                "sentences": list(plan.phrasings)}
+    if scene.phrasings:
+        (e,) = scene.events
+        return {"duration": scene.duration, "timestamps": [[e.start, e.end] for _ in scene.phrasings],
+                "sentences": list(scene.phrasings)}
     return {
-        "duration": plan.duration,
-        "timestamps": [[e.start, e.end] for e in plan.events],
-        "sentences": [e.sentence() for e in plan.events],
+        "duration": scene.duration,
+        "timestamps": [[e.start, e.end] for e in scene.events],
+        "sentences": [e.sentence() for e in scene.events],
     }
 
 
-def _video_truth(plan: VideoPlan) -> dict:
+def _video_truth(scene: Scene) -> dict:
     """events.json entry: what was drawn, in enough detail for tests to check pixels."""
     events = []
-    for e in plan.events:
+    for e in scene.events:
         events.append({
             "colour": e.colour, "rgb": list(render.PALETTE[e.colour]),
             "to_colour": e.to_colour, "to_rgb": list(render.PALETTE[e.to_colour]) if e.to_colour else None,
             "shape": e.shape, "motion": e.motion, "start": e.start, "end": e.end, "size": e.size,
             "centre_start": list(e.centre_start), "centre_end": list(e.centre_end), "sentence": e.sentence(),
         })
-    return {"duration": plan.duration, "fps": plan.fps, "width": plan.width, "height": plan.height,
-            "n_frames": plan.n_frames, "events": events}
+    return {"duration": scene.duration, "fps": scene.fps, "width": scene.width, "height": scene.height,
+            "n_frames": scene.n_frames, "events": events}
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -395,14 +247,14 @@ def _dumps(obj, indent: str = "") -> str:
     return json.dumps(obj)
 
 
-def _summary(out: Path, plans: list[VideoPlan], split_counts: dict[str, int]) -> dict:
+def _dataset_summary(out: Path, scenes: list[Scene], split_counts: dict[str, int]) -> dict:
     """Counts and paths for the CLI to print."""
     return {
         "out": str(out),
-        "n_videos": len(plans),
-        "n_events": sum(len(p.events) for p in plans),
-        "n_queries": sum(len(p.phrasings) or len(p.events) for p in plans),
-        "total_duration_s": round(sum(p.duration for p in plans), 3),
+        "n_videos": len(scenes),
+        "n_events": sum(len(sc.events) for sc in scenes),
+        "n_queries": sum(len(sc.phrasings) or len(sc.events) for sc in scenes),
+        "total_duration_s": round(sum(sc.duration for sc in scenes), 3),
         "splits": split_counts,
         "files": {"videos": str(out / "videos"), "events": str(out / "events.json"),
                   **{name: str(out / f"{name}.json") for name in SPLIT_NAMES}},

@@ -245,7 +245,7 @@ def run_demo(workdir: str | Path = "data/generated/demo", preset: str | Preset =
         result = evaluate(grpo_ckpt, paths, eval_out(grpo_ckpt), p)
     rows.add("grpo", f"SFT + GRPO ({p.grpo_steps} steps)", result)
 
-    report = summary.Report(p, seed, paths, rows, clock, sft_run, grpo_run, diff)
+    report = summary.DemoReport(p, seed, paths, rows, clock, sft_run, grpo_run, diff)
     report.write()
     print(report.text(), flush=True)
     return 0 if diff <= 1e-4 else 1

@@ -127,7 +127,9 @@ def reward_plot(path: Path, metrics: list[dict]) -> Path | None:
 
 
 @dataclasses.dataclass
-class Report:
+class DemoReport:
+    """The demo's results: written by `write` to summary.md, summary.json and reward.png, printed as `text`."""
+
     preset: object
     seed: int
     paths: object
