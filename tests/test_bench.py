@@ -119,22 +119,22 @@ def test_skipped_config_says_why():
 
 
 def test_plan_filters_variants_and_overrides_sizes():
-    configs = cli.plan(_args("--preset", "cpu-targets", "--levels", "attention", "--P", "1024,2048",
+    configs = cli.planned_configs(_args("--preset", "cpu-targets", "--levels", "attention", "--P", "1024,2048",
                              "--variants", "naive,mmpg"))
     assert [(c["P"], c["S"], c["G"], c["variants"]) for c in configs] == [
         (1024, 128, 16, ["naive", "mmpg"]), (2048, 128, 16, ["naive", "mmpg"])]
     with pytest.raises(UserError, match="unknown bench level"):
-        cli.plan(_args("--levels", "kernel"))
+        cli.planned_configs(_args("--levels", "kernel"))
 
 
 def test_the_docs_preset_plans_the_tables_of_docs_performance(capsys, tmp_path):
     """`--preset docs-cpu` is the one command behind docs/performance.md's headline tables: the attention, model and
     rollout rows at the cpu-targets shapes and the whole GRPO step; its JSON and header carry the date and commit."""
-    configs = cli.plan(_args("--preset", "docs-cpu"))
+    configs = cli.planned_configs(_args("--preset", "docs-cpu"))
     assert [(c["level"], c["P"], c["S"], c["G"]) for c in configs] == [
         ("attention", 8192, 128, 16), ("model", 4096, 256, 8), ("rollout", 4096, 256, 8), ("step", 2048, 128, 8)]
     assert configs[2]["variants"] == ["hf_generate", "mmpg:copy", "mmpg:cascade"]
-    assert cli.plan(_args("--preset", "docs-cpu", "--levels", "step")) == configs[3:]
+    assert cli.planned_configs(_args("--preset", "docs-cpu", "--levels", "step")) == configs[3:]
     out = tmp_path / "plan.json"
     assert cli.run(_args("--preset", "docs-cpu", "--dry-run", "--out", str(out))) == 0
     meta = json.loads(out.read_text())["meta"]
@@ -143,13 +143,18 @@ def test_the_docs_preset_plans_the_tables_of_docs_performance(capsys, tmp_path):
 
 
 def test_the_levels_table_finds_each_levels_setup():
-    # the worker imports a level's module by the name in `levels.LEVELS`; a bad level or variant names the choices
+    # the worker imports a measured level's module by the name in `levels.LEVELS`, a level that runs alone is a
+    # program (`run(args)`); a bad level or variant names the choices
     import importlib
 
-    from mmpg.bench.levels import LEVELS, module_for
+    from mmpg.bench.levels import ALONE, LEVELS, MEASURED, module_for
 
-    for name, level in LEVELS.items():
-        assert callable(importlib.import_module(module_for({"level": name, "variant": level.baseline})).setup)
+    for name in MEASURED:
+        assert callable(importlib.import_module(module_for({"level": name, "variant": LEVELS[name].baseline})).setup)
+    for name in ALONE:
+        assert callable(importlib.import_module(LEVELS[name].module).run)
+    with pytest.raises(ValueError, match="unknown bench level 'lora'"):
+        module_for({"level": "lora", "variant": ""})
     with pytest.raises(ValueError, match="unknown step variant 'repeated'; choose one of naive, mmpg"):
         module_for({"level": "step", "variant": "repeated"})
     with pytest.raises(ValueError, match="unknown bench level 'kernel'"):
@@ -344,7 +349,7 @@ def test_grpo_step_flops_small_case():
 
 
 def test_queries_per_video_adds_the_tree_to_step_configs_only():
-    configs = cli.plan(_args("--preset", "tiny", "--levels", "model,step", "--queries-per-video", "1,3",
+    configs = cli.planned_configs(_args("--preset", "tiny", "--levels", "model,step", "--queries-per-video", "1,3",
                              "--tail", "5"))
     steps = [c for c in configs if c["level"] == "step"]
     assert [(c.get("Q"), c["variants"]) for c in steps] == [(None, ["naive", "mmpg"]),
@@ -444,7 +449,9 @@ def test_no_preset_prints_the_plan_and_runs_nothing(tmp_path, capsys, monkeypatc
 def test_dry_run_of_a_separate_level_measures_nothing(level, words, monkeypatch, capsys):
     import importlib
 
-    module = importlib.import_module(cli.SEPARATE[level][0])
+    from mmpg.bench.levels import LEVELS
+
+    module = importlib.import_module(LEVELS[level].module)
     monkeypatch.setattr(module, "run", lambda args: pytest.fail(f"--dry-run ran the {level} level"))
     assert cli.run(_args("--levels", level, "--dry-run")) == 0
     out = capsys.readouterr().out

@@ -22,11 +22,11 @@ def _args(*argv):
 
 
 def test_plan_adds_an_sp_copy_of_each_step_config_without_naive():
-    configs = cli.plan(_args("--preset", "tiny", "--levels", "step", "--sp", "2"))
+    configs = cli.planned_configs(_args("--preset", "tiny", "--levels", "step", "--sp", "2"))
     assert [(c.get("sp", 1), c["variants"]) for c in configs] == [(1, ["naive", "mmpg"]), (2, ["mmpg"])]
     with pytest.raises(UserError, match="--sp 2: .* step level alone"):
-        cli.plan(_args("--preset", "tiny", "--levels", "model,step", "--sp", "2"))
-    assert [c["level"] for c in cli.plan(_args("--preset", "sp-cpu"))] == ["step"] * 4  # step implied
+        cli.planned_configs(_args("--preset", "tiny", "--levels", "model,step", "--sp", "2"))
+    assert [c["level"] for c in cli.planned_configs(_args("--preset", "sp-cpu"))] == ["step"] * 4  # step implied
 
 
 def _rank(times, peaks, row_tokens):

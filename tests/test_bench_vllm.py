@@ -26,27 +26,27 @@ def _args(preset, *, levels=None, family="qwen2", variants=None, vllm=False, url
 
 def test_vllm_variant_is_planned_only_when_asked():
     # opt-in: the plain rollout plans never start a server
-    (plain,) = cli.plan(_args("cpu-targets", levels=["rollout"]))
+    (plain,) = cli.planned_configs(_args("cpu-targets", levels=["rollout"]))
     assert "vllm" not in plain["variants"] and "vllm_url" not in plain
-    (flagged,) = cli.plan(_args("cpu-targets", levels=["rollout"], vllm=True))
+    (flagged,) = cli.planned_configs(_args("cpu-targets", levels=["rollout"], vllm=True))
     assert flagged["variants"] == ["hf_generate", "mmpg:copy", "mmpg:cascade", "vllm"]
     # vllm in --variants asks for it too, and filters the rest as --variants always does
-    (named,) = cli.plan(_args("rollout-cpu", variants=["hf_generate", "vllm"]))
+    (named,) = cli.planned_configs(_args("rollout-cpu", variants=["hf_generate", "vllm"]))
     assert named["variants"] == ["hf_generate", "vllm"]
     # --vllm-url implies --vllm and travels in the config; other levels never get the variant
-    planned = cli.plan(_args("cpu-targets", levels=["model", "rollout"], url="http://127.0.0.1:9"))
+    planned = cli.planned_configs(_args("cpu-targets", levels=["model", "rollout"], url="http://127.0.0.1:9"))
     assert [c["level"] for c in planned] == ["model", "rollout"]
     assert "vllm" not in planned[0]["variants"] and "vllm_url" not in planned[0]
     assert planned[1]["variants"][-1] == "vllm" and planned[1]["vllm_url"] == "http://127.0.0.1:9"
 
 
 def test_vllm_presets():
-    (cpu,) = cli.plan(_args("rollout-vllm-cpu"))
+    (cpu,) = cli.planned_configs(_args("rollout-vllm-cpu"))
     assert (cpu["family"], cpu["B"], cpu["G"], cpu["S"], cpu["video"]) == ("qwen2_5_vl", 2, 8, 32, [8, 112, 112])
     assert cpu["variants"] == ["hf_generate", "mmpg:copy", "mmpg:cascade", "vllm"]
     assert runner.shape_of(cpu)["P"] == 102 and runner.shape_of(cpu)["grid"] == (4, 8, 8)
     assert rollout_vllm.skip_reason(cpu, python="/some/python") is None  # head_dim 64: servable
-    (gpu,) = cli.plan(_args("rollout-vllm-gpu"))
+    (gpu,) = cli.planned_configs(_args("rollout-vllm-gpu"))
     assert gpu["family"] == "qwen2_5_vl" and gpu["dtype"] == "bfloat16" and gpu["variants"][-1] == "vllm"
 
 
@@ -65,7 +65,7 @@ def test_skip_reasons():
 
 def test_checkpoint_of_another_size_is_refused(tmp_path):
     config = dict(TINY_VL, variants=["vllm"])
-    rollout_vllm.save_checkpoint(config, tmp_path / "same")
+    rollout_vllm.save_served_model(config, tmp_path / "same")
     assert rollout_vllm.checkpoint_mismatch(config, tmp_path / "same") is None
     wider = dict(config, spec=dict(config["spec"], hidden_size=128, num_heads=4))
     assert rollout_vllm.checkpoint_mismatch(wider, tmp_path / "same") == "hidden_size 64 vs 128"

@@ -13,7 +13,7 @@ from batches import assert_recompute_matches, text_batch, vl_batch
 from mmpg.rollout import HFEngine, SamplingParams
 from mmpg.rollout.cascade import SharedPrefixCache
 from mmpg.rollout.cascade_attention import PREFIX, decode_attention
-from mmpg.rollout.cascade_kernels import attend, resolve_backend
+from mmpg.rollout.cascade_kernels import attend, resolve_cascade_kernel
 
 VL = ["qwen2_5_vl", "qwen3_vl"]
 VIDEOS = [(4, 56, 84), None, (6, 56, 112)]  # two videos of different sizes and a text-only prompt
@@ -97,9 +97,9 @@ def test_flash_call_site_with_a_standin(monkeypatch):
 
 def test_auto_backend_is_torchs_kernel():
     """The per-run chain with its check (flash first on CUDA) is tests/test_decode_choice.py."""
-    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
-    assert resolve_backend("auto", torch.device("cuda", 0)) == "sdpa"
-    assert resolve_backend("flash", torch.device("cuda", 0)) == "flash"
+    assert resolve_cascade_kernel("auto", torch.device("cpu")) == "sdpa"
+    assert resolve_cascade_kernel("auto", torch.device("cuda", 0)) == "sdpa"
+    assert resolve_cascade_kernel("flash", torch.device("cuda", 0)) == "flash"
 
 
 def test_rows_and_prompts_leave_the_cache():

@@ -33,10 +33,10 @@ def test_rollout_presets_plan_three_variants():
         return argparse.Namespace(preset=preset, levels=levels, family="qwen2", P=None, S=None, G=None,
                                   variants=None)
 
-    (cpu,) = cli.plan(args("rollout-cpu"))
+    (cpu,) = cli.planned_configs(args("rollout-cpu"))
     assert (cpu["level"], cpu["P"], cpu["S"], cpu["G"]) == ("rollout", 4096, 256, 8)
     assert cpu["variants"] == ["hf_generate", "mmpg:copy", "mmpg:cascade"] and cpu["spec"]["hidden_size"] == 256
-    (gpu,) = cli.plan(args("rollout-gpu"))
+    (gpu,) = cli.planned_configs(args("rollout-gpu"))
     assert gpu["dtype"] == "bfloat16" and gpu["G"] == 16
-    derived = [c for c in cli.plan(args("cpu-targets", ["rollout"]))]
+    derived = [c for c in cli.planned_configs(args("cpu-targets", ["rollout"]))]
     assert [c["variants"] for c in derived] == [["hf_generate", "mmpg:copy", "mmpg:cascade"]]

@@ -12,7 +12,7 @@ from mmpg.bench.step import setup
 
 
 def _tiny_step_case() -> dict:
-    case = next(c for c in presets.build("tiny", "qwen2_5_vl") if c["level"] == "step")
+    case = next(c for c in presets.preset_configs("tiny", "qwen2_5_vl") if c["level"] == "step")
     return dict(case, variant="mmpg", self_check="off")
 
 

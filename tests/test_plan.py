@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from mmpg.models.geometry import MODELS, Geometry, Vision, from_config_dict
-from mmpg.plan.memory import Recipe, layer_transient, per_token_layer, predict, states
+from mmpg.plan.memory import layer_transient, per_token_layer, predict, states
+from mmpg.plan.recipe import Recipe
 
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
 # h 8, 1 layer, 2/1 heads of 4, I 16, V 10, untied, Qwen2 biases
@@ -77,8 +78,9 @@ def test_activation_terms_by_hand():
 
 def test_cpu_terms_by_hand():
     """What the CPU plan adds (docs/plan.md), each on SMALL by hand, and none of it on a GPU."""
-    from mmpg.plan.memory import (RUNTIME_BYTES, decode_bytes, dense_mask_bytes, frames_bytes, hooked_vision_bytes,
+    from mmpg.plan.memory import (decode_bytes, dense_mask_bytes, frames_bytes, hooked_vision_bytes,
                                   optimizer_step_bytes)
+    from mmpg.plan.recipe import RUNTIME_BYTES
 
     g = dataclasses.replace(SMALL, vision=Vision(hidden=4, intermediate=8, depth=1, patch=2, temporal_patch=2,
                                                  merge=2, out_hidden=8))
@@ -195,13 +197,12 @@ def test_time_model_grouped_vs_naive():
 @pytest.mark.slow  # ~30 s on 2 busy cores: DeepSpeed's import and a warm-up step in a fresh process
 def test_one_measured_cpu_point():
     """The smallest validation case, measured in its own process as `mmpg.plan.validate` does: within 25 %."""
-    from mmpg.plan.cpu import predict_case
-    from mmpg.plan.validate import case
+    from mmpg.plan.validate import case, predict_case
 
     c = case("tiny", 0, 0, 4, 1024, False, "mmpg")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 * 1024), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "mmpg.plan.measure", json.dumps(c)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "mmpg.plan.validate", "--case", json.dumps(c)], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     measured = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])["peak_bytes"]
     predicted = predict_case(c)

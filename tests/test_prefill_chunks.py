@@ -195,9 +195,9 @@ def test_chunk_attention_against_a_dense_softmax(backend):
 
 @pytest.mark.slow
 def test_prefill_bench_runs_and_chunking_lowers_the_peak():
-    from mmpg.bench.prefill import compare, table
+    from mmpg.bench.prefill import table, whole_vs_chunked
 
-    row = compare(2048, 256, "qwen2_5_vl", "cpu")
+    row = whole_vs_chunked(2048, 256, "qwen2_5_vl", "cpu")
     assert row["dlogp"] <= ATOL and "| 2" in table([row])
 
 

@@ -70,7 +70,7 @@ def test_plan_fits_each_big_config_at_its_documented_launch(path, capsys):
     """On 80 GB GPUs (72 usable) at the launch's GPU count, as the plan's own memory model computes it."""
     from mmpg.plan.memory import predict
     from mmpg.plan.recipe import recipe_from_config
-    from mmpg.plan.run import sft_config
+    from mmpg.plan.whole import sft_config
 
     gpus, job = _launch(path)
     p = _plan(capsys, "--config", str(path), "--gpus", str(gpus))

@@ -7,8 +7,8 @@ import pytest
 
 from mmpg.data.samples import GroundingSample
 from mmpg.errors import UserError
-from mmpg.rewards import (call_reward, format_reward, grounding_reward, iou_v2, load_reward_fn, sample_reward,
-                          temporal_iou)
+from mmpg.rewards import (call_reward, format_reward, grounding_reward, iou_v2, load_reward_fn, parse_answer,
+                          sample_reward, temporal_iou)
 
 GOOD = "<think>the door opens late</think>\n<answer>{}</answer>"
 
@@ -140,3 +140,31 @@ def test_load_and_call_user_reward(user_module):
 def test_load_reward_fn_errors(user_module, spec, message):
     with pytest.raises(UserError, match=message):
         load_reward_fn(spec)
+
+
+def test_the_trainer_scores_and_records_an_answer_from_one_parse(user_module, monkeypatch):
+    """The trainer's scorer parses each answer once: the built-in reward scores that parse, and the same parse gives
+    the span the rollout record shows (before, step_log parsed every answer a second time); a user's function still
+    gets the span recorded from mmpg's parse."""
+    import mmpg.rewards.grounding as grounding
+    import mmpg.rl.rewards as rl_rewards
+    from mmpg.config import load_config
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return parse_answer(*args, **kwargs)
+
+    monkeypatch.setattr(grounding, "parse_answer", counting)
+    monkeypatch.setattr(rl_rewards, "parse_answer", counting)
+    sample = GroundingSample("v#0", "v.mp4", 20.0, "q", (4.0, 8.0))
+    cfg = load_config(None, ["reward.swap_reversed=true"])
+    scored = rl_rewards.make_scorer(cfg.reward, think=True)(GOOD.format("6 to 2"), sample)
+    assert len(calls) == 1
+    assert scored.span == [2.0, 6.0] and scored.rewards == sample_reward(GOOD.format("2 to 6"), sample)
+    unparsed = rl_rewards.make_scorer(cfg.reward, think=True)("<answer>soon</answer>", sample)
+    assert unparsed.span is None and unparsed.rewards["parsed"] == 0.0
+    user = load_config(None, [f"reward.function={user_module}:as_dict"])
+    scored = rl_rewards.make_scorer(user.reward, think=True)(GOOD.format("2 to 6"), sample)
+    assert scored.rewards == {"overall": 2.0, "bonus": 1.0} and scored.span == [2.0, 6.0]

@@ -1,6 +1,6 @@
-"""The self-check (`mmpg.grouping.selfcheck`): a 0.04 nat fault caught at 28 layers in bf16, the fallback to sdpa,
-its envelope, a passing check on the real forward, a wrong forward caught with the one-line error (mode on) or a
-warning (mode warn), and the engine check used by evaluation."""
+"""The self-check (`mmpg.grouping.selfcheck`, its bounds in `mmpg.grouping.bounds`): a 0.04 nat fault caught at 28
+layers in bf16, the fallback to sdpa, its envelope, a passing check on the real forward, a wrong forward caught with
+the one-line error (mode on) or a warning (mode warn), and the engine check used by evaluation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from mmpg.grouping import grouping_state
 
 from batches import completions, vl_batch
-from mmpg.grouping.selfcheck import SelfCheck, SelfCheckError, batch_dims, bound_for
+from mmpg.grouping.bounds import bound_for
+from mmpg.grouping.selfcheck import SelfCheck, SelfCheckError, batch_dims
 
 VIDEOS, GROUPS, LENGTHS = [(8, 56, 84)], [4], [3, 6, 2, 5]
 
@@ -95,10 +96,10 @@ def test_a_16_bit_kernel_is_checked_within_its_bound(deep_bf16, monkeypatch):
     """flash / flex keep their kernel in bf16 inside the float32 check (bound 0.25 u L = 0.027 at 28 layers): the
     correct kernel (sdpa's, standing in) passes with a tenfold margin, the 0.04 nat fault of the test above does
     not."""
-    import mmpg.grouping.selfcheck as selfcheck
+    import mmpg.grouping.bounds as bounds
 
     model, inputs, ids, mask = deep_bf16
-    monkeypatch.setattr(selfcheck, "FLOAT32_KERNELS", ("lse_reference",))  # sdpa's kernel kept in bf16 here
+    monkeypatch.setattr(bounds, "FLOAT32_KERNELS", ("lse_reference",))  # sdpa's kernel kept in bf16 here
     m = SelfCheck("on").run(model, inputs, ids, mask, GROUPS)
     bound = m["check/bound"]
     assert 0 < 10 * m["check/grouped_vs_repeated_max"] < bound  # the 16-bit kernel rounds, far under its bound

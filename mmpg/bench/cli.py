@@ -1,50 +1,35 @@
 """`mmpg bench`: measure the repeated baseline, the upstream `prefix_grouper` package and mmpg's grouped forward.
 
+Parses the arguments, plans the configs (a preset, its levels, the overrides) and dispatches through the levels'
+table alone (`mmpg.bench.levels.LEVELS`: what runs a level, how it expands, what it prints). Prints a fixed-width
+table and writes JSON (default runs/bench/<timestamp>.json). A program, never a test.
+
     mmpg bench --preset cpu-targets                 the two judged rows (attention level and model level)
     mmpg bench --preset cpu-grid --dry-run          the grid with its ceilings and memory estimates, nothing run
     mmpg bench --preset gpu --out $OUT/bench.json   on one GPU
-    mmpg bench --preset cpu-targets --levels rollout   generate(num_return_sequences) vs the copy and the cascade
-                                                       shared-prefix rollout, with prefill/decode time and K/V memory
-    mmpg bench --preset rollout-cpu                 the rollout target row alone (P 4096, S 256, G 8); rollout-gpu
-    mmpg bench --preset rollout-vllm-cpu            the vLLM engine beside the HF engine and generate (B 2, G 8,
-                                                    S 32, 8 frames 112x112); --vllm adds it to any rollout config
-    mmpg bench --preset cpu-targets --levels step      one whole GRPO step per phase: generate + repeated forward
-                                                       vs shared-prefix rollout + grouped forward
-    mmpg bench --preset docs-cpu                    docs/performance.md's headline tables in one run (attention,
-                                                    model, rollout and step levels at the cpu-targets shapes)
-    mmpg bench --levels async [--S 32 --G 12]       GRPO steps per hour on the vLLM engine, rollout/training overlap
-                                                    (rollout.max_staleness 1) vs synchronous, trainer and server
-                                                    pinned to one core each (mmpg.bench.overlap; its own table)
-    mmpg bench --levels lora [--lora-r 16]          memory of full vs LoRA training and of the KL reference (frozen
-                                                    copy vs adapters off), one GRPO step each (mmpg.bench.lora)
-
+    mmpg bench --preset docs-cpu                    docs/performance.md's headline tables in one run
+    mmpg bench --preset rollout-vllm-cpu            the vLLM engine beside the HF engine and generate
     mmpg bench --preset cpu-targets --levels step,eval --queries-per-video 3
-                                                       Q queries of one video: naive, per-query grouping and the
-                                                       tree (the video's part once for all Q), per phase; eval:
-                                                       one greedy answer per query, per query vs the tree
-    mmpg bench --levels eval --queries-per-video 1 --videos-per-batch 1,8
-                                                       greedy answers to 1 and 8 videos per batch, the engine vs
-                                                       generate, with the answers identical to generate's
-    mmpg bench --levels lora                           memory of full vs LoRA training (`mmpg.bench.lora`)
-    mmpg bench --preset sp-cpu --sp 2                  one GRPO step with the packed row spread over 2 gloo
-                                                       processes beside one process, P 2K..16K: per-rank peak
-                                                       memory and time with their ceilings (`mmpg.bench.sp`)
-
-Prints a fixed-width table and writes JSON (default runs/bench/<timestamp>.json). A program, never a test.
+                                                    Q queries of one video: per query vs the tree (the video once)
+    mmpg bench --preset sp-cpu --sp 2               one GRPO step with its row spread over 2 gloo processes
+    mmpg bench --levels lora [--lora-r 16]          memory of full vs LoRA training (its own table)
+    mmpg bench --levels async [--S 32 --G 12]       GRPO steps per hour, rollout/training overlap vs synchronous
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import sys
 
-from mmpg.bench.levels import LEVELS
-from mmpg.bench.presets import PRESET_LEVELS, PRESETS, ROLLOUT_VARIANTS, build
+from mmpg.bench.levels import ALONE, LEVELS, MEASURED
+from mmpg.bench.presets import PRESET_LEVELS, PRESETS, preset_configs
 from mmpg.errors import UserError
 
 
 DEFAULT_PRESET = "cpu-targets"  # what scripts/bench.sh runs, and what `mmpg bench` alone describes
+DEFAULT_LEVELS = ["attention", "model"]  # a preset's levels without --levels, when its configs are of several
 
 
 def _int_list(text: str) -> list[int]:
@@ -66,11 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan to run; without it (and without --levels) mmpg bench prints what cpu-targets would "
                              "run and measures nothing (a run takes minutes)")
     parser.add_argument("--levels", type=_str_list, default=None,
-                        help="comma list of attention,model,rollout,step,eval, or lora or async alone (default: "
-                             "attention,model); rollout reuses the preset's model configs; step times one whole GRPO "
-                             "step per phase (rollout, reward, logprob, update) on the trainer's code (the gpu "
-                             "preset's step is untested); eval answers Q queries of one video greedily, per query vs "
-                             "the tree")
+                        help=f"comma list of {','.join(MEASURED)}, or {' or '.join(ALONE)} alone (default: "
+                             f"{','.join(DEFAULT_LEVELS)}); rollout reuses the preset's model configs; step times one "
+                             "whole GRPO step per phase (rollout, reward, logprob, update) on the trainer's code (the "
+                             "gpu preset's step is untested); eval answers Q queries of one video greedily, per query "
+                             "vs the tree")
     parser.add_argument("--family", default="qwen2", help="model family for model/rollout levels (qwen2, qwen3, "
                         "qwen2_5_vl, qwen3_vl; VL families have no upstream variant); the step level takes a VL "
                         "family and uses qwen2_5_vl for a text-only one")
@@ -128,71 +113,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure in this process (smoke tests; no memory columns: they need a fresh process)")
 
 
-def plan(args) -> list[dict]:
-    """The configs to run: the preset, its levels, overrides and variant filter applied (duplicates dropped)."""
+def planned_configs(args) -> list[dict]:
+    """The configs to run: the preset, its levels, overrides and variant filter applied (duplicates dropped), each
+    level's configs expanded by its `expand` (`mmpg.bench.levels`), in the table's order."""
     preset = args.preset or DEFAULT_PRESET
-    built = build(preset, args.family)
-    own_rollout = any(c["level"] == "rollout" for c in built)  # else rollout rows reuse the model configs
-    only = {c["level"] for c in built}
-    levels = args.levels or PRESET_LEVELS.get(preset) or (
-        list(only) if only in ({"rollout"}, {"step"}) else ["attention", "model"])
-    unknown = set(levels) - set(LEVELS)
-    if unknown:
-        raise UserError(f"unknown bench level(s) {', '.join(sorted(unknown))}; choose from {', '.join(LEVELS)}")
-    sp = getattr(args, "sp", 1) or 1
-    if sp < 1 or (sp > 1 and set(levels) != {"step"}):
-        raise UserError(f"--sp {sp}: a positive size, for the step level alone (--levels step); got levels "
-                        f"{','.join(levels)}")
-    vllm = {k: getattr(args, f"vllm_{k}", None) for k in ("url", "checkpoint")}
-    want_vllm = bool(getattr(args, "vllm", False) or vllm["url"] or "vllm" in (args.variants or []))
-    configs = []
-    for config in built:
-        if config["level"] == "model" and "rollout" in levels and not own_rollout:
-            rollout = dict(config, level="rollout", variants=list(ROLLOUT_VARIANTS), grad_ckpt=False)
-            configs.append(rollout)
-        if config["level"] in levels:
-            configs.append(config)
-    configs = [_with_vllm(c, want_vllm, vllm) for c in configs]
-    configs.sort(key=lambda c: list(LEVELS).index(c["level"]))
+    built = preset_configs(preset, args.family)
+    levels = _levels(args, preset, built)
     out, seen = [], set()
-    for config in configs:
-        queries = {"step": getattr(args, "Q", None) or [1], "eval": getattr(args, "Q", None) or [config.get("Q", 1)]
-                   }.get(config["level"], [1])
-        videos = (getattr(args, "B", None) or [config.get("B", 1)]) if config["level"] == "eval" else [None]
-        for P, S, G, Q, B in itertools.product(args.P or [config["P"]], args.S or [config["S"]],
-                                               args.G or [config["G"]], queries, videos):
-            c = dict(config, P=P, S=S, G=G)
-            if config["level"] == "eval":  # Q queries of B videos answered once each; a lone query has no tree
-                c.update(Q=Q, B=B, t=getattr(args, "tail", None) or c["t"])
-                c["variants"] = [v for v in c["variants"] if v != "tree" or Q > 1]
-            elif Q > 1:  # Q queries of one video, each with its own tail: per query (mmpg) vs the tree
-                c.update(Q=Q, t=getattr(args, "tail", None) or 32, variants=[*c["variants"], "tree"])
-            if args.variants:
-                c["variants"] = [v for v in c["variants"] if v in args.variants or v.split(":")[0] in args.variants]
-            key = repr(sorted((k, repr(v)) for k, v in c.items()))
-            if c["variants"] and key not in seen:
-                seen.add(key)
-                out.append(c)
-    return [x for c in out for x in (c, *_spread(c, sp))]  # each config's sp 1, then its sp N
+    for name, level in LEVELS.items():
+        if name not in levels:
+            continue
+        own = [c for c in built if c["level"] == name] or [c for c in built if c["level"] == level.borrows]
+        for config in own:
+            for P, S, G in itertools.product(args.P or [config["P"]], args.S or [config["S"]],
+                                             args.G or [config["G"]]):
+                sized = dict(config, P=P, S=S, G=G)
+                for c in level.expand(sized, args) if level.expand else [sized]:
+                    if args.variants:
+                        c["variants"] = [v for v in c["variants"]
+                                         if v in args.variants or v.split(":")[0] in args.variants]
+                    key = repr(sorted((k, repr(v)) for k, v in c.items()))
+                    if c["variants"] and key not in seen:
+                        seen.add(key)
+                        out.append(c)
+    return out
 
 
-def _spread(config: dict, sp: int) -> list[dict]:
-    """The step config again with its row spread over sp ranks (`mmpg.bench.sp`), without the naive variant (the
-    repeated forward does not spread); [] for sp 1."""
-    variants = [v for v in config["variants"] if v.split(":")[0] != "naive"]
-    return [dict(config, sp=sp, variants=variants)] if sp > 1 and variants else []
-
-
-def _with_vllm(config: dict, want: bool, given: dict) -> dict:
-    """A rollout config with the vllm variant appended when asked (opt-in: a server start costs minutes), and the
-    --vllm-url / --vllm-checkpoint it uses (keys vllm_url, vllm_checkpoint; only when given)."""
-    if config["level"] != "rollout":
-        return config
-    if want and "vllm" not in config["variants"]:
-        config = dict(config, variants=[*config["variants"], "vllm"])
-    if "vllm" in config["variants"]:
-        config = dict(config, **{f"vllm_{k}": v for k, v in given.items() if v})
-    return config
+def _levels(args, preset: str, built: list[dict]) -> list[str]:
+    """--levels, else the preset's own (`PRESET_LEVELS`), else its configs' one level, else DEFAULT_LEVELS; checked,
+    --sp with them."""
+    only = {c["level"] for c in built}
+    levels = args.levels or PRESET_LEVELS.get(preset) or (list(only) if len(only) == 1 else DEFAULT_LEVELS)
+    unknown = set(levels) - set(MEASURED)
+    if unknown:
+        raise UserError(f"unknown bench level(s) {', '.join(sorted(unknown))}; choose from {', '.join(MEASURED)}")
+    sp, spreading = getattr(args, "sp", 1) or 1, [n for n in MEASURED if LEVELS[n].spreads]
+    if sp < 1 or (sp > 1 and not set(levels) <= set(spreading)):
+        raise UserError(f"--sp {sp}: a positive size, for the {' and '.join(spreading)} level alone (--levels "
+                        f"{','.join(spreading)}); got levels {','.join(levels)}")
+    return levels
 
 
 def default_max_gb() -> float:
@@ -208,32 +167,24 @@ def meta(args, rounds, repeats, warmup, max_gb, env, partial) -> dict:
             "dry_run": args.dry_run, "in_process": args.in_process, "partial": partial, "argv": sys.argv[1:], **env}
 
 
-# the levels with their own program and table: level -> (module, what a run measures)
-SEPARATE = {"lora": ("mmpg.bench.lora", "full vs LoRA (r {lora_r}) training and a reference copy vs adapters off, "
-                     "one GRPO step each in a fresh process, memory per phase"),
-            "async": ("mmpg.bench.overlap", "{async_rounds} rounds per arm of {async_steps} GRPO steps on the vLLM "
-                      "engine, synchronous (k=0) against overlapped (k=1), {async_iterations} update(s) per step")}
-
-
-def _run_separate(args) -> int:
-    (level,) = args.levels
-    module, what = SEPARATE[level]
+def _run_alone(args, name: str) -> int:
+    """A level with its own program and table (`Level.alone`): its dry run says what a run would measure."""
+    level = LEVELS[name]
     if args.dry_run:
-        print(f"mmpg bench --levels {level} ({module}): {what.format(**vars(args))}; --dry-run measures nothing")
+        print(f"mmpg bench --levels {name} ({level.module}): {level.alone.format(**vars(args))}; --dry-run measures "
+              "nothing")
         return 0
-    import importlib
-
-    return importlib.import_module(module).run(args)
+    return importlib.import_module(level.module).run(args)
 
 
 def run(args) -> int:
     from mmpg.bench import runner, tables
 
-    for level in SEPARATE:
-        if args.levels and level in args.levels:  # its own program and table
-            if args.levels != [level]:
-                raise UserError(f"--levels {level} runs alone (its own table); run the other levels separately")
-            return _run_separate(args)
+    alone = [name for name in ALONE if name in (args.levels or ())]
+    if alone:
+        if args.levels != alone[:1]:
+            raise UserError(f"--levels {alone[0]} runs alone (its own table); run the other levels separately")
+        return _run_alone(args, alone[0])
 
     if args.preset is None:
         if args.levels is None and not args.dry_run:
@@ -241,8 +192,8 @@ def run(args) -> int:
         args.preset = DEFAULT_PRESET
     rounds, repeats, warmup = (v if v is not None else d
                                for v, d in zip((args.rounds, args.repeats, args.warmup), PRESETS[args.preset]))
-    configs = plan(args)
-    env = tables.environment()
+    configs = planned_configs(args)
+    env = tables.provenance()
     max_gb = args.max_gb if args.max_gb is not None else default_max_gb()
     out_path = args.out or tables.default_out_path()
     print(f"mmpg bench --preset {args.preset}: {len(configs)} configs, {rounds} rounds x {repeats} repeats "
@@ -267,16 +218,12 @@ def run(args) -> int:
         tables.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=True))
     runner.add_ratios(rows)
     print(tables.format_table(rows))
-    if any(r["level"] == "rollout" for r in rows) and not args.dry_run:
-        print("\n" + tables.rollout_table(rows))
-    if any(r["variant"] == "tree" and r["level"] == "step" for r in rows):
-        print("\n" + tables.tree_table(rows))
-    if any(r["level"] == "eval" for r in rows) and not args.dry_run:
-        print("\n" + tables.eval_table(rows))
-    if getattr(args, "sp", 1) > 1 and not args.dry_run:
-        from mmpg.bench.sp import sp_table
-
-        print("\n" + sp_table(rows))
+    present = {r["level"] for r in rows}
+    for table in (t for name, level in LEVELS.items() if name in present for t in level.tables):
+        module, _, function = table.function.partition(":")
+        text = "" if args.dry_run and not table.dry_run else getattr(importlib.import_module(module), function)(rows)
+        if text:
+            print("\n" + text)
     path = tables.write_json(out_path, rows, meta(args, rounds, repeats, warmup, max_gb, env, partial=False))
     print(f"wrote {path}")
     failed = [r for r in rows if (r.get("note") or "").split(":")[0] not in ("", "OOM", "n/a", "skipped")
@@ -287,7 +234,7 @@ def run(args) -> int:
 def _no_preset(args) -> int:
     """`mmpg bench` with neither --preset nor --levels: the plan of the default preset, nothing run or written."""
     args.preset = DEFAULT_PRESET
-    configs = plan(args)
+    configs = planned_configs(args)
     print(f"mmpg bench: nothing measured. --preset {DEFAULT_PRESET} would run {len(configs)} configs "
           f"({', '.join(sorted({c['level'] for c in configs}))} levels; minutes on a CPU):")
     for c in configs:
@@ -298,7 +245,7 @@ def _no_preset(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m mmpg.bench.cli`) until `mmpg bench` is wired in mmpg/cli.py."""
+    """`python -m mmpg.bench.cli ...`, the same program as `mmpg bench ...` (scripts/bench.sh runs it so)."""
     parser = argparse.ArgumentParser(prog="mmpg bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

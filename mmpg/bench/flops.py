@@ -1,49 +1,23 @@
-"""FLOPs model of one GRPO training step (forward + backward) with and without the shared-prefix grouping.
+"""FLOPs model of one GRPO training step (forward + backward) with and without the shared-prefix grouping, and the
+ceilings printed beside every bench measurement. One prompt of P tokens (video placeholders included), G responses
+of S tokens: repeated = G rows [prompt | response], T = G (P + S) tokens; grouped = one row [prompt | r_1 | ... |
+r_G], T = P + G S. Per decoder layer, forward FLOPs (a multiply-add = 2):
 
-One prompt of P tokens (video placeholders included) with G responses of S tokens each:
-
-    repeated  G rows of [prompt | response]              T_rep = G (P + S) tokens
-    grouped   one row [prompt | r_1 | ... | r_G]         T_grp = P + G S tokens
-
-Per decoder layer, forward FLOPs = linear part + attention part (a multiply-add = 2 FLOPs):
-
-    linear     2 T (h·Hq·d + 2 h·Hkv·d + Hq·d·h + 3 h·I)       q, k, v, o projections and the gated MLP
-    attention  4 Hq·d · pairs                                   Q·Kᵀ and P·V over the (query, key) pairs computed
-    LM head    2 h V per position whose logits are taken        only response-predicting positions, in both variants
-
-    pairs, causal (what exact kernels compute):
-        repeated  G (P+S)²/2
-        grouped   P²/2 + G (S P + S²/2)                         prefix causal; each response: whole prefix + own past
-    pairs, dense (the masked half counted too, as FLOPs counters and padded-mask kernels do):
-        repeated  G (P+S)²
-        grouped   P² + G S (P+S)
-
-A vision tower (VL families) encodes the video's patches G times when repeated and once when grouped:
-    per block  2 n (4 h_v² + 3 h_v I_v) + 4 h_v · n · f          n patches, each attending f patches (its frame)
-plus the patch merger. Backward costs 2× forward for every term, so step FLOPs = 3 × forward and the ratios below do
-not depend on it.
-
-Ceilings printed beside every measurement:
-    ρ_lin   = G (P+S) / (P + G S)                               token ratio: the linear layers' (and activations') gain
-    ρ_attn  = causal repeated pairs / causal grouped pairs      the attention kernels' gain
-    ρ_flops = step FLOPs repeated / step FLOPs grouped          for a concrete model (its shape), LM head and vision in
-and, for a whole GRPO step (`mmpg bench --levels step`), one ceiling per phase:
-    ρ_rollout = generate(num_return_sequences=G) FLOPs / shared-prefix rollout FLOPs    only the prefill differs
-    ρ_fwd     = repeated / grouped forward FLOPs                the reference model's no-grad logprobs
-    ρ_step    = naive / mmpg FLOPs of rollout + reference forward + update
-
-The paper's figures (arXiv 2506.05433; README of the upstream package: FLOPs at prefix lengths 4096/8192/16384 over
-prefix/suffix ratios) are reproduced by `paper_reduction`: the step-FLOPs ratio of a Qwen2.5-7B-sized LM
-(h 3584, 28 layers, 28 q / 4 kv heads, I 18944) at P = 4096 with the attention scores counted **dense** and the LM
-head on response positions — e.g. G = 8, P/S = 32: 6.54× (paper 6.60×, −1.0 %); G = 16: 10.78× (paper 10.9×,
-−1.1 %). Derivation: with P/S = 32 the token ratio alone is 8·33/40 = 6.60 and 16·33/48 = 11.0, so the paper's
-numbers are the token ratio pulled down slightly by terms that do not shrink with grouping (the response×prefix
-attention block, the LM head on responses); a dense score count keeps the attention ratio above the causal one
-(G=16: 11.2 dense vs 8.4 causal), which is what keeps 10.9 so close to 11.0. No single accounting reproduces both
-to the printed digit (6.60 needs an attention share < 0.5 %, 10.9 a share of 2–6 %); the dense count with any
-3B–72B Qwen2.5 shape stays within 1.5 % of both. Where we depart: our own ceiling `rho_flops` counts causal pairs
-(the exact kernels skip the masked half in both variants), which is stricter — 6.45× and 10.56× for the same model
-— because the response×prefix block is not halved by causality while the repeated prefix's self-attention is.
+    linear     2 T (h·Hq·d + 2 h·Hkv·d + Hq·d·h + 3 h·I)     q, k, v, o projections and the gated MLP
+    attention  4 Hq·d · pairs                                 pairs, causal (what exact kernels compute): repeated
+                                                              G (P+S)²/2, grouped P²/2 + G (S P + S²/2); dense (the
+                                                              masked half counted too): G (P+S)², P² + G S (P+S)
+    LM head    2 h V per position whose logits are taken      response-predicting positions only, in both variants
+    vision     per block 2 n (4 h_v² + 3 h_v I_v) + 4 h_v n f, plus the merger: n patches, each attending the f of
+               its frame; G times repeated, once grouped
+Backward costs 2 × forward for every term, so no ratio depends on it. The ceilings:
+    ρ_lin   = G (P+S) / (P + G S)      the token ratio: the linear layers' (and activations') gain
+    ρ_attn  = causal pairs, repeated / grouped
+    ρ_flops = step FLOPs, repeated / grouped, for a concrete model (`Geometry`), LM head and vision included
+    ρ_rollout, ρ_fwd, ρ_step: per phase of a whole GRPO step (`--levels step`): generate(num_return_sequences=G) over
+              the shared-prefix rollout (only the prefill differs), the reference's no-grad forward, and all three
+`paper_reduction` is the paper's accounting (arXiv 2506.05433: dense attention, a Qwen2.5-7B-sized LM); `rho_flops`
+counts causal pairs, as the exact kernels compute, which is stricter (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -131,7 +105,9 @@ def rho_flops(dims: Geometry, P: int, S: int, G: int, **kwargs) -> float:
 
 
 def paper_reduction(G: int, prefix_over_suffix: float, P: int = 4096, dims: Geometry = QWEN2_5_7B) -> float:
-    """The paper's FLOPs reduction at group size G and prefix/suffix ratio (see the module docstring)."""
+    """The paper's FLOPs reduction at group size G and prefix/suffix ratio: the step-FLOPs ratio with attention scores
+    counted dense and the LM head on response positions, of a Qwen2.5-7B-sized LM at P = 4096 (6.54× at G 8 and
+    10.78× at G 16 for P/S = 32, against the paper's 6.60× and 10.9×; why no accounting gives both: docs/notes.md)."""
     S = P / prefix_over_suffix
     return rho_flops(dims, P, S, G, causal=False, head="responses")
 

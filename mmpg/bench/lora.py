@@ -6,7 +6,7 @@
     lora+off     the same adapters                             the policy with its adapters disabled: no copy
 
 Each variant runs in a fresh process (`python -m mmpg.bench.lora CASE.json RESULT.json`, the step level's
-`mmpg.bench.step.setup` with case lora_r / ref, `mmpg.bench.lora_step`). Columns:
+`mmpg.bench.step.setup` with case lora_r / ref). Columns:
 
     trainable   parameters with requires_grad
     optim_MB    AdamW's state after the step (exp_avg, exp_avg_sq, step), exact tensor bytes
@@ -151,7 +151,7 @@ def run(args) -> int:
         print(f"  measuring {size} {name} ...", file=sys.stderr, flush=True)
         rows.append(dict(_in_fresh_process(case, args.timeout), size=size, variant=name, case=case))
     print(format_table(rows))
-    env = tables.environment()
+    env = tables.provenance()
     path = tables.write_json(args.out or tables.default_out_path(), rows,
                              {"level": "lora", "argv": sys.argv[1:], **env})
     print(f"wrote {path}")

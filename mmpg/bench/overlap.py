@@ -4,34 +4,16 @@
     mmpg bench --levels async [--async-steps 12] [--async-rounds 2] [--warmup 2] [--S 32] [--G 12]
                               [--async-frames 4] [--async-pixels 3136] [--async-iterations 1] [--out F.json]
 
-Set-up: a tiny Qwen2.5-VL that vLLM serves (hidden 256, 4 heads, 2 K/V heads: head_dim 64, float32), synthetic videos
-(`mmpg.toy.videos`), one `mmpg vllm-serve` pinned to --server-core and one `mmpg train` per arm pinned to
---trainer-core (`taskset -c`, OMP_NUM_THREADS=1 for both). Both arms use rollout.tis_cap 2, so that they differ in
-the staleness alone. Each arm runs --async-rounds times, in the order 0, 1, 1, 0, ... (a drift of the machine
-cancels); the server is restarted before each run, so none finds another's videos in vLLM's processor cache.
-Everything else is one config (`train_overrides`): 2 prompts x G responses of up to S tokens, 4 frames of 56 x 56.
-
-What is measured, per arm, over the steps after --warmup (the first step holds the self-check and first-call costs)
-and before the run's last (at k = 1 no rollout is in flight after it: it waits for none, and would flatter k = 1):
-    the run's metrics.jsonl: timing_s/rollout (k = 1: in the rollout thread), rollout_wait, logprob + update,
-        weight_sync and step, as the trainer logs them
-    the step period: wall seconds between two metrics lines, seen by polling the file (so logging and the
-        checkpoint-free bookkeeping between steps count too); steps per hour = 3600 / its mean
-    the server's work: its rollout request (timing_s/rollout: the HTTP round trip, nearly all of it the server's
-        engine time) plus its side of the weight sync (perf/weight_sync_server_s); server idle = 1 - work / period
-    the trainer's idle share: 1 - its process's CPU seconds / period (/proc/PID/task/*/schedstat); it sees every
-        wait, also what rollout_wait (the wait for the groups and, before a sync, for the rollout in flight) leaves
-        out
-    server CPU seconds: of the server's process group (API server, engine core, worker), within each period; more
-        than its work, as vLLM's processes poll each other while a request runs (the idle server's own share,
-        measured before the first run, is printed beside)
-    queued seconds: per period, how long the trainer's and the server's threads were ready to run but waited for
-        their core (schedstat, summed over threads): what other processes on the same core, or the process's own
-        other threads and processes, took from them
-
-The ceiling: with rollout R and update U (logprob + update) of the synchronous arm, overlapping them perfectly takes
-max(R, U) per step instead of R + U: (R + U) / max(R, U), 2x when equal. Weight sync, reward and the bookkeeping stay
-serial in both arms and are left out of the ceiling.
+One tiny Qwen2.5-VL that vLLM serves (head_dim 64, float32), synthetic videos, one `mmpg vllm-serve` on
+--server-core and one `mmpg train` per arm on --trainer-core (`taskset -c`, one thread each); both arms differ in the
+staleness alone (one config, `train_overrides`; rollout.tis_cap 2 in both). Arms alternate over --async-rounds (0, 1,
+1, 0, ...: the machine's drift cancels), the server restarted before each run (no cached videos carry over).
+Per arm, means over the steps after --warmup and before the last (at k = 1 nothing is in flight after it): the
+trainer's timings from metrics.jsonl; the period between two metrics lines (steps per hour = 3600 / period); the
+server's work (its rollout request and its side of the weight sync) and idle share; the trainer's idle share from
+its CPU seconds (/proc schedstat, every wait included); the server's CPU seconds and both sides' queued seconds
+(ready but waiting for their core). Ceiling: (R + U) / max(R, U) from the synchronous arm's rollout R and update U
+(logprob + update); weight sync, reward and bookkeeping stay serial. The table's columns: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -283,6 +265,6 @@ def run(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"arms": arms, "runs": runs, "ceiling": ceiling(arms[0]), "speed_up": speed,
                                "idle_server_cpu_share": idle_share, "warmup": args.warmup,
-                               "environment": tables.environment()}, indent=1, default=str))
+                               "environment": tables.provenance()}, indent=1, default=str))
     print(f"wrote {out}")
     return 0

@@ -68,7 +68,7 @@ def _child(P: int, chunk: int, family: str, device: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def compare(P: int, chunk: int, family: str, device: str) -> dict:
+def whole_vs_chunked(P: int, chunk: int, family: str, device: str) -> dict:
     """One row of the table: both variants, each in its own process."""
     whole, chunked = _child(P, 0, family, device), _child(P, chunk, family, device)
     if whole["token"] != chunked["token"]:
@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     if args.one:
         print(json.dumps(run_one(args.P[0], args.chunk, args.family, args.device)))
         return
-    rows = [compare(P, args.chunk, args.family, args.device) for P in args.P]
+    rows = [whole_vs_chunked(P, args.chunk, args.family, args.device) for P in args.P]
     print(f"prefill peak memory, {args.family} (hidden {SPEC['hidden_size']}, MLP {SPEC['intermediate_size']}, "
           f"{SPEC['num_layers']} layers), {args.device}, {rows[0]['method']}")
     print(table(rows))

@@ -1,52 +1,21 @@
-"""Named plans: lists of configs (dicts) for `mmpg.bench.runner.run_config`.
+"""Named plans: the configs (dicts) a preset gives `mmpg.bench.cli.planned_configs`, before its overrides, for
+`mmpg.bench.runner.run_config`. Each preset's branch of `preset_configs` says what it measures; docs/performance.md
+holds what each has measured.
 
-    cpu-targets  the two rows the project is judged on (2 CPU cores):
-                   attention  P 8192, S 128, G 16, fp32, 4 heads of 64: naive vs upstream vs mmpg (sdpa)
-                   model      P 4096, S 256, G 8, text-only qwen2, hidden 256, 4 layers, 4/2 heads, I 512
-                 and, with --levels step, one whole GRPO step (naive vs mmpg) of a Qwen2.5-VL model with that LM
-                 (tiny vision tower: hidden 32, depth 2), one video prompt of P 2059 (2048 video tokens), G 8, S 128
-    cpu-grid     P ∈ {1024, 4096, 8192} × G ∈ {4, 8, 16} × S ∈ {128, 512}, both levels, same shapes; configs whose
-                 naive variant would exceed --max-gb are skipped and say so
-    gpu          P 16K, S 512, G 16: attention with Qwen2.5-VL-3B's attention shape (16 q / 2 kv heads of 128, bf16)
-                 and a Qwen2.5-VL-3B-sized LM (random weights, bf16, gradient checkpointing); mmpg with every
-                 backend that imports (flash, flex); with --levels step (UNTESTED: never run yet) one GRPO step
-                 of a Qwen2-VL-2B-sized model (LM hidden 1536, 28 layers, 12/2 heads; Qwen2.5-VL's vision tower
-                 1280 × 32), random weights, bf16, gradient checkpointing, one video prompt of P ~8192, G 8, S 256
-    tiny         seconds-long sizes for smoke tests
-    docs-cpu     the headline tables of docs/performance.md in one run: cpu-targets' attention and model rows, the
-                 rollout at the model row's shape (generate vs the copy and the cascade rollout) and the whole GRPO
-                 step (levels attention,model,rollout,step; about 15 min on 2 idle cores)
-    rollout-cpu  the rollout target row alone (`--levels rollout` is implied): P 4096, S 256, G 8, text-only qwen2,
-                 hidden 256, 4 layers, 4/2 heads, fp32: generate(num_return_sequences) vs the copy and the cascade
-                 shared-prefix rollout (`mmpg.bench.rollout`)
-    rollout-gpu  the same on one GPU (UNTESTED: never run yet): P 16K, S 256, G 16, a Qwen2.5-VL-3B-sized LM
-                 (random weights, bf16, vocab 151936), cascade with each CUDA kernel: math (the engine's auto
-                 choice off the CPU), sdpa (torch's memory-efficient kernel) and flash (when flash-attn imports)
-    rollout-vllm-cpu  the vLLM engine beside them (`mmpg.bench.rollout_vllm`): qwen2_5_vl with the cpu-targets LM
-                 (head_dim 64: vllm-cpu refuses 16), B 2 prompts of 8 frames 112x112 (64 video tokens, P 102),
-                 G 8, S 32, fp32: generate, copy, cascade and vllm (a `mmpg vllm-serve` started for it, eager)
-    rollout-vllm-gpu  (UNTESTED: never run yet) rollout-gpu's shape and variants on qwen2_5_vl (Qwen2.5-VL-3B-sized,
-                 bf16) plus vllm (server with CUDA graphs, 40 % of the GPU, beside the other variants' workers)
-    sp-cpu       the step level (`--levels step` is implied) at P 2K, 4K, 8K, 16K, S 64, G 4, the cpu-targets
-                 model (qwen2_5_vl, LM hidden 256, 4 layers, 4/2 heads, tiny vocab; vision 32 x 2, frozen), for
-                 `--sp N`: the prefix dominates the row; naive at P <= 4K only (time); one round of one timed step;
-                 the trainer's first-step self-check off (a repeated forward that is not the step's work; at 16K it
-                 would dominate the measured cold step, on every rank); memory measured as live memory: freed
-                 pages given back before each phase and blocks >= 64 KiB mapped on their own (`mmpg.bench.memory.
-                 release`, `worker_env`), so an RSS peak does not count what glibc keeps of freed tensors
-`--vllm` adds the vllm variant to any rollout config (e.g. `--preset rollout-cpu --family qwen2_5_vl --vllm`);
-text-only families are skipped with the reason in the row.
+A config: "level", "P", "S", "G", "variants" (labels `name[:backend]`, `mmpg.bench.levels.LEVELS`), and per level
+its model ("family", "spec", "dtype", ...). Random weights: only shapes matter. A preset marked UNTESTED has never
+run yet. `--vllm` adds the vllm variant to any rollout config (e.g. `--preset rollout-cpu --family qwen2_5_vl
+--vllm`); text-only families are skipped with the reason in the row.
 """
 
 from __future__ import annotations
 
 import itertools
 
-from mmpg.bench.levels import LEVELS
+from mmpg.bench.levels import LEVELS, ROLLOUT_VARIANTS
 from mmpg.errors import UserError
 
 ATTN_VARIANTS, MODEL_VARIANTS, STEP_VARIANTS = (list(LEVELS[k].variants) for k in ("attention", "model", "step"))
-ROLLOUT_VARIANTS = ["hf_generate", "mmpg:copy", "mmpg:cascade"]  # vllm is opt-in: a server start costs minutes
 
 CPU_ATTN = {"heads": 4, "kv_heads": 4, "head_dim": 64, "dtype": "float32"}
 CPU_MODEL_SPEC = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512}
@@ -127,14 +96,22 @@ def _gpu_backends() -> list[str]:
     return out or ["mmpg:sdpa"]
 
 
-def build(preset: str, family: str = "qwen2") -> list[dict]:
+def preset_configs(preset: str, family: str = "qwen2") -> list[dict]:
     """The configs of a preset. `family` picks the model-level family (VL families drop the upstream variant)."""
+    # cpu-targets: the two judged rows on 2 CPU cores: attention P 8192, S 128, G 16, fp32, 4 heads of 64; model
+    # P 4096, S 256, G 8, text-only qwen2 (hidden 256, 4 layers, 4/2 heads, I 512); with --levels step, one GRPO
+    # step of a Qwen2.5-VL model with that LM (vision 32 x 2), P 2059 (2048 video tokens), G 8, S 128; --levels eval
+    # Q 3 queries of one video. docs-cpu: the same shapes, docs/performance.md's headline tables (`PRESET_LEVELS`).
     if preset in ("cpu-targets", "docs-cpu"):
         return [attention(8192, 128, 16), model(4096, 256, 8, family), step(2048, 128, 8, family),
                 evaluation(2048, 32, family=family)]
+    # cpu-grid: P x S x G, both levels, cpu-targets' shapes; configs whose naive variant exceeds --max-gb say skipped
     if preset == "cpu-grid":
         grid = list(itertools.product((1024, 4096, 8192), (128, 512), (4, 8, 16)))
         return [attention(P, S, G) for P, S, G in grid] + [model(P, S, G, family) for P, S, G in grid]
+    # gpu: P 16K, S 512, G 16; attention with Qwen2.5-VL-3B's heads (16 q / 2 kv of 128, bf16), a Qwen2.5-VL-3B-sized
+    # LM (bf16, gradient checkpointing), mmpg with every backend that imports; the step (UNTESTED) on a
+    # Qwen2-VL-2B-sized model, P ~8192, G 8, S 256
     if preset == "gpu":
         mmpg_variants = _gpu_backends()
         gpu_attn = {"heads": 16, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16"}
@@ -146,31 +123,40 @@ def build(preset: str, family: str = "qwen2") -> list[dict]:
                       **extra),
                 step(8192, 256, 8, family, QWEN2_VL_2B_SPEC, vocab=151936, dtype="bfloat16", grad_ckpt=True,
                      vision_intermediate=3420)]  # untested: never run yet
-    if preset == "tiny":
+    if preset == "tiny":  # seconds-long sizes for smoke tests
         return [attention(64, 8, 3, heads=4, kv_heads=2, head_dim=8, dtype="float32"),
                 model(48, 6, 3, family, TINY_SPEC), step(48, 6, 3, family, TINY_SPEC),
                 evaluation(48, 6, t=5, family=family, spec=TINY_SPEC)]
-    if preset == "rollout-cpu":
+    if preset == "rollout-cpu":  # the rollout target row alone: generate vs the copy and the cascade rollout
         return [rollout(4096, 256, 8, family)]
-    if preset == "sp-cpu":  # the naive step at P <= 4K only: at 8K and 16K it alone would take most of the budget
+    # sp-cpu: the step at P 2K..16K, S 64, G 4 for --sp N (the prefix dominates the row); naive at P <= 4K only (at
+    # 8K and 16K it alone would take most of the budget); the trainer's self-check off (a repeated forward that is not
+    # the step's work); memory as live memory: freed pages given back before each phase, blocks >= 64 KiB mapped on
+    # their own (`mmpg.bench.memory.release`, `worker_env`), so an RSS peak leaves out what glibc keeps
+    if preset == "sp-cpu":
         return [step(P, 64, 4, family, variants=STEP_VARIANTS[:2] if P <= 4096 else ["mmpg"], self_check="off",
                      release=True, mmap_threshold=SP_MMAP_THRESHOLD)
                 for P in (2048, 4096, 8192, 16384)]
-    if preset in ("rollout-gpu", "rollout-vllm-gpu"):  # untested: never run yet
+    # rollout-gpu (UNTESTED): P 16K, S 256, G 16, a Qwen2.5-VL-3B-sized LM (bf16, vocab 151936), the cascade with
+    # each CUDA kernel; rollout-vllm-gpu (UNTESTED): the same on qwen2_5_vl plus vllm (CUDA graphs, 40 % of the GPU)
+    if preset in ("rollout-gpu", "rollout-vllm-gpu"):
         kernels = ["mmpg:cascade_sdpa"] + (["mmpg:cascade_flash"] if "mmpg:flash" in _gpu_backends() else [])
         vllm = ["vllm"] if preset == "rollout-vllm-gpu" else []
         family = "qwen2_5_vl" if vllm else family
         extra = {"vision_intermediate": 3420} if family in ("qwen2_5_vl", "qwen3_vl") else {}
         return [rollout(16384, 256, 16, family, QWEN2_5_VL_3B_SPEC, [*ROLLOUT_VARIANTS, *kernels, *vllm],
                         vocab=151936, dtype="bfloat16", **extra)]
-    if preset == "rollout-vllm-cpu":  # 8 frames 112x112: 4 x 8 x 8 patches, 64 video tokens, + 36 text = P 102
+    # rollout-vllm-cpu: the vLLM engine beside the others, qwen2_5_vl with the cpu-targets LM (head_dim 64: vllm-cpu
+    # refuses 16), B 2 prompts of 8 frames 112x112: 4 x 8 x 8 patches, 64 video tokens + 36 text = P 102; G 8, S 32
+    if preset == "rollout-vllm-cpu":
         return [rollout(102, 32, 8, "qwen2_5_vl", variants=[*ROLLOUT_VARIANTS, "vllm"], B=2, video=[8, 112, 112])]
     raise UserError(f"unknown bench preset {preset!r}; choose one of {', '.join(PRESETS)}")
 
 
 PRESETS = {  # preset -> the CLI's default (rounds, repeats, warmup)
     "cpu-targets": (2, 2, 1), "docs-cpu": (2, 2, 1), "cpu-grid": (1, 2, 1), "gpu": (2, 3, 2), "tiny": (1, 1, 1),
-    "rollout-cpu": (2, 2, 1), "sp-cpu": (1, 1, 1), "rollout-gpu": (1, 2, 1), "rollout-vllm-cpu": (2, 2, 1), "rollout-vllm-gpu": (1, 2, 1),
+    "rollout-cpu": (2, 2, 1), "sp-cpu": (1, 1, 1), "rollout-gpu": (1, 2, 1), "rollout-vllm-cpu": (2, 2, 1),
+    "rollout-vllm-gpu": (1, 2, 1),
 }
-# the levels a preset runs without --levels, where they are not those its configs imply (`mmpg.bench.cli.plan`)
+# the levels a preset runs without --levels where its configs imply others (`mmpg.bench.cli.planned_configs`)
 PRESET_LEVELS = {"docs-cpu": ["attention", "model", "rollout", "step"]}

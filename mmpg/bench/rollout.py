@@ -8,8 +8,7 @@
     mmpg           the engine's default decode mode (cascade)
     mmpg:cascade_flash, mmpg:cascade_sdpa, mmpg:cascade_math   cascade with that kernel (`mmpg.rollout.
                    cascade_kernels`; "cascade" takes the engine's auto choice: sdpa on CPU, math elsewhere)
-    vllm           `VLLMEngine.generate_groups` against a `mmpg vllm-serve` started for the config (opt-in: a server
-                   takes 1-3 min to start on a CPU; `mmpg.bench.rollout_vllm` says how and what is compared)
+    vllm           `VLLMEngine.generate_groups` against a `mmpg vllm-serve` (opt-in, `mmpg.bench.rollout_vllm`)
 
 B (config key, default 1): the prompts of one step, equal in shape, seeds 1..B (`mmpg.bench.batch.make_batch`).
 
@@ -22,9 +21,7 @@ worker's `info`, aggregated by `mmpg.bench.runner.run_config`, printed by `mmpg.
                B·(P + G·S) as its own buffers are preallocated), to compare with ρ_lin = G(P+S)/(P+G·S)
 
 CUDA is synchronised around each phase. `mmpg.rollout` is imported lazily: when it is missing or broken the row
-says "not available" and the other variants still run; so does a vllm variant that cannot run here (its row says
-why: "skipped: no .venv-vllm (bash scripts/env.sh vllm)", a family or head size vLLM cannot serve, a server that
-did not start, with its log's path).
+says "not available" and the other variants still run, as they do beside a vllm row that says why it cannot run.
 """
 
 from __future__ import annotations

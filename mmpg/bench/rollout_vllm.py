@@ -3,30 +3,19 @@
     mmpg bench --preset rollout-vllm-cpu                   B 2, G 8, S 32, 8 frames 112x112 (P 102), qwen2_5_vl
     mmpg bench --preset cpu-targets --levels rollout --family qwen2_5_vl --vllm      any rollout config, vllm added
     mmpg bench --preset rollout-vllm-cpu --vllm-url http://127.0.0.1:8000           a server already running
-    mmpg bench --preset rollout-vllm-gpu        (UNTESTED: never run yet) rollout-gpu's shape on qwen2_5_vl, bf16
 
-Opt-in (`--vllm`, `--vllm-url`, `vllm` in `--variants`, or a `rollout-vllm-*` preset): starting a server takes
-1-3 min on a CPU. Per config that holds the variant, the parent process (`runner.run_config`, through `start`):
-
-    1. refuses what vLLM cannot serve, as a "skipped: ..." row (never a crash): no .venv-vllm; a text-only or
-       Qwen3-VL family (mmpg vllm-serve sets limit_mm_per_prompt, which vLLM refuses for text models; Qwen3-VL's
-       timestamped video tokens are not the bench prompt's); head_dim < 32 (vllm-cpu's attention refuses 16)
-    2. saves the config's model (the same seeded random weights as the other variants) with `save_pretrained` and
-       the tiny builder's processor to a temporary folder, or takes --vllm-checkpoint (same architecture, checked)
-    3. starts `python -m mmpg.serve.vllm_server` in .venv-vllm on 127.0.0.1 (a free port, --dtype = the config's,
-       eager on the CPU, --max-model-len P + S), waits for /health, kills its process group in a finally; its log
-       is deleted after a clean run and its path is printed when anything failed. --vllm-url skips 2 and 3.
-
-Each worker process then builds the model on the meta device (config and token ids only: the server holds the
-weights), the same B prompts as the other variants (`mmpg.bench.batch.make_batch`, seeds 1..B) plus frames whose
-patch grid is the prompt's (T = t·temporal_patch, H = h·patch, W = w·patch, no resize), and times
-`generate_groups(B prompts, G, S tokens exactly, no stop, temperature 1, no logprobs)`. Step k sends prompts whose
-first text token and frames are shifted by k, so vLLM's prefix and multimodal caches cannot skip the prefill of a
-later step (a GRPO step's prompts are new too); inside one request the G samples share the prompt's K/V (n = G).
-What is compared: vLLM's own kernels and scheduler (CPU: its paged attention, eager) in the server's dtype, HTTP,
-frame packing and the server's frames -> patches preprocessing included (the other variants get patches made in
-setup), against transformers + torch in the bench's own process. The server's prefill/decode split, K/V and memory
-are not seen from here (the row shows - and n/a).
+Opt-in: a server start takes 1-3 min on a CPU. Per config that holds the variant, the parent process
+(`runner.run_config`, through `start_server`) refuses what vLLM cannot serve as a "skipped: ..." row, never a crash
+(`skip_reason`: no .venv-vllm, a family other than qwen2_5_vl, head_dim < 32); saves the config's model (the same
+seeded random weights as the other variants, `save_served_model`) or takes --vllm-checkpoint (same architecture,
+checked); starts the server on 127.0.0.1 and stops its process group in a finally (its log kept only when anything
+failed). --vllm-url skips the saving and the start.
+Each worker builds the model on the meta device (the server holds the weights) and times `generate_groups` of the
+other variants' B prompts with frames whose patch grid is the prompt's (G responses of exactly S tokens, no stop,
+temperature 1). Step k shifts the prompts' first text token and frames by k, so vLLM's prefix and multimodal caches
+cannot skip a later step's prefill. Compared: vLLM's kernels, scheduler, HTTP and frame preprocessing in the server's
+dtype against transformers + torch in the bench's process; the server's prefill/decode split, K/V and memory are not
+seen from here (the row shows - and n/a).
 """
 
 from __future__ import annotations
@@ -99,7 +88,7 @@ def checkpoint_mismatch(config: dict, checkpoint: str | Path) -> str | None:
     return None
 
 
-def save_checkpoint(config: dict, folder: Path) -> Path:
+def save_served_model(config: dict, folder: Path) -> Path:
     """The config's model (seeded as `build_model` seeds every variant's) and the tiny builder's processor, saved
     as a checkpoint vLLM loads like a hub one."""
     from mmpg.bench.model import build_model, set_generation_ids
@@ -112,7 +101,7 @@ def save_checkpoint(config: dict, folder: Path) -> Path:
     return folder
 
 
-def start(config: dict, P: int, stack: contextlib.ExitStack, log=print) -> tuple[dict | None, str | None]:
+def start_server(config: dict, P: int, stack: contextlib.ExitStack, log=print) -> tuple[dict | None, str | None]:
     """(the server's facts from `serving`, None), or (None, the vllm row's "skipped: ..." or "error: ..." note); a
     server started here is stopped when `stack` closes."""
     note = skip_reason(config)
@@ -140,7 +129,7 @@ def serving(config: dict, P: int, log=print):
     served, server, ok = {"log": log_path, "keep_log": False}, None, False
     with tempfile.TemporaryDirectory(prefix="mmpg-bench-vllm-") as tmp:
         try:
-            checkpoint = config.get("vllm_checkpoint") or save_checkpoint(config, Path(tmp) / "model")
+            checkpoint = config.get("vllm_checkpoint") or save_served_model(config, Path(tmp) / "model")
             served["checkpoint"] = str(config.get("vllm_checkpoint") or "a saved copy of the config's model")
             # UNTESTED on a GPU: there the other variants' workers share it with the server (40 % of its memory)
             gpu = ("--gpu-memory-utilization", "0.4") if torch.cuda.is_available() else ()

@@ -123,13 +123,13 @@ def ceilings(config: dict, shape: dict) -> dict:
 # ---- running ---------------------------------------------------------------------------------------------------------
 def _measure(case: dict, warmup: int, repeats: int, timeout: float, in_process: bool) -> dict:
     """One (config, variant, round): `mmpg.bench.measure.measure` in a fresh process, or here without memory
-    (in_process); a case with sp > 1 in sp processes (`mmpg.bench.sp.launch`)."""
+    (in_process); a case with sp > 1 in sp processes (`mmpg.bench.sp.launch_ranks`)."""
     if case.get("sp", 1) > 1:
         if in_process:
             return {"error": "n/a: --sp > 1 runs sp worker processes (not --in-process)", "times": []}
-        from mmpg.bench.sp import launch
+        from mmpg.bench.sp import launch_ranks
 
-        return launch(case, warmup, repeats, timeout)
+        return launch_ranks(case, warmup, repeats, timeout)
     if in_process:
         from mmpg.bench.measure import measure
 
@@ -155,7 +155,7 @@ def run_config(config: dict, *, rounds: int, warmup: int, repeats: int, timeout:
                in_process: bool = False, log=print) -> list[dict]:
     """Measure every variant of one config; returns one row per variant (see `mmpg.bench.tables.COLUMNS`). A
     rollout config's rows also hold B and the median phases and K/V (`_rollout_rows`); its vllm variant gets a server
-    here, once for every round (`mmpg.bench.rollout_vllm.start`), or a row saying why not."""
+    here, once for every round (`mmpg.bench.rollout_vllm.start_server`), or a row saying why not."""
     level, shape = config["level"], shape_of(config)
     est_gb = naive_bytes(config, shape) / 1e9
     prompts = {"B": config.get("B", 1)} if level in ("rollout", "eval") else {}
@@ -172,7 +172,7 @@ def run_config(config: dict, *, rounds: int, warmup: int, repeats: int, timeout:
         if "vllm" in variants:
             from mmpg.bench import rollout_vllm
 
-            served, skipped["vllm"] = rollout_vllm.start(config, shape["P"], stack, log=log)
+            served, skipped["vllm"] = rollout_vllm.start_server(config, shape["P"], stack, log=log)
         for r in range(rounds):
             for label in variants[r % len(variants):] + variants[: r % len(variants)]:
                 if skipped.get(label):
@@ -263,7 +263,7 @@ def _rank_peaks(runs: list[dict]) -> dict:
 
 def _rollout_rows(rows: list[dict], results: dict, skipped: dict, served: dict | None, repeats: int) -> list[dict]:
     """The rollout rows (in place) with the median phases and K/V of the variants that ran (`mmpg.bench.rollout`), the
-    vllm row's server facts (`served`: `mmpg.bench.rollout_vllm.start`) and kv_ratio: the copy path's K/V over this
+    vllm row's server facts (`served`: `mmpg.bench.rollout_vllm.start_server`) and kv_ratio: the copy path's K/V over this
     row's (the cascade row's is to be compared with ρ_lin)."""
     for row in rows:
         if not skipped.get(row["variant"]):

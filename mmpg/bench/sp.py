@@ -1,31 +1,19 @@
 """`mmpg bench --levels step --sp N`: one GRPO step with the packed row spread over N ranks, beside sp = 1.
 
-Each (config, variant, round) with sp = N > 1 runs as N gloo processes (`torchrun --standalone --nproc_per_node N
--m mmpg.bench.measure`, OMP_NUM_THREADS = cores / N each, so sp 1 and sp N compute on the same cores). Every rank runs
-the trainer's whole step (`mmpg.bench.step`: the rollout split over the group by prompt, `mmpg.rl.split`; the
-reference's and the update's `grouped_logprobs` with `sequence_group`, `mmpg.grouping.sequence`), measures its own
-peaks with the bench's probes (`mmpg.bench.memory`) and writes its own file; `merge` keeps, per phase, the largest
-peak over the ranks (and each rank's) and the slowest rank's time.
+Each (config, variant, round) with sp = N > 1 runs as N gloo processes (`launch_ranks`: torchrun, OMP_NUM_THREADS =
+cores / N each, so sp 1 and sp N compute on the same cores). Every rank runs the trainer's whole step
+(`mmpg.bench.step`, the reference's and the update's `grouped_logprobs` with `sequence_group`), measures its own
+peaks (`mmpg.bench.memory`) and writes its own file; `merge` keeps, per phase, the largest peak over the ranks (and
+each rank's) and the slowest rank's time. The repeated ("naive") forward does not spread: an sp = 1 row only.
 
 Ceilings (`ceilings`), per rank, from the sp = 1 row of the same config:
 
-    memory   F + (M_1 - F) / N      M_1: the phase's sp = 1 peak. F: what every rank holds whole, 12 B per trainable
-                                    parameter in the update (its fp32 gradient and AdamW's m and v), 0 in the
-                                    reference forward. Everything else, the activations, is split N ways.
-                                    The rollout is not split by SP (B = 1 prompt: one rank samples it, the others a
-                                    copy for lockstep): its ceiling is M_1. The step's peak: the largest ceiling.
+    memory   F + (M_1 - F) / N      M_1: the phase's sp = 1 peak; F: what every rank holds whole, 12 B per trainable
+                                    parameter in the update (fp32 gradient, AdamW's m and v), 0 in the reference
+                                    forward. The rollout is not split (one prompt): its ceiling is M_1.
     time     sum over phases of t_1 · (c_1 / c_N) · f      c: threads per process; f = 1/N for the reference and
-                                    update forwards, ceil(B/N)/B for the rollout, 1 for the reward and the rest.
-                                    On one machine c_1 = N c_N, so the ceiling is ~t_1 (SP buys memory there, not
-                                    time); on N devices c_1 = c_N and it is t_1 / N for the forwards.
-The repeated ("naive") forward does not spread over ranks: it has an sp = 1 row only.
-
-What the per-rank peak holds besides the split activations (measured 2026-12-01, P 16K, the `sp-cpu` model): the
-micro-batch's copy of the video's patches (`mmpg.grouping.inputs.pad_prompts` concatenates one prompt's patches:
-294 MB, whole on every rank), the rollout's leftovers (every rank samples the prompt: ~50 MB over the step's
-start), F, and on glibc's default settings 300-370 MB per rank of freed blocks kept in its heap at the end of the
-forward (the RSS counts them; malloc_trim gives them back: 964 -> 654 MB at sp 2, 1640 -> 1266 MB at sp 1). The
-`sp-cpu` preset therefore measures live memory (`mmpg.bench.memory.worker_env`, `release`).
+                                    update forwards, ceil(B/N)/B for the rollout, 1 for the rest: ~t_1 on one
+                                    machine (c_1 = N c_N: SP buys memory there), t_1 / N for the forwards on N devices.
 """
 
 from __future__ import annotations
@@ -45,7 +33,7 @@ SPLIT = {"logprob": True, "update": True}  # phases whose work is 1/sp per rank 
 FIXED_BYTES_PER_PARAM = {"update": 12, "total": 12}  # fp32 gradient + AdamW m, v: whole on every rank
 
 
-def launch(case: dict, warmup: int, repeats: int, timeout: float) -> dict:
+def launch_ranks(case: dict, warmup: int, repeats: int, timeout: float) -> dict:
     """One (config, variant, round) as case["sp"] processes; returns `merge` of their results (or an error)."""
     from mmpg.bench.measure import rank_path
 
@@ -182,6 +170,8 @@ def sp_table(rows: list[dict]) -> str:
     steps = [r for r in rows if r["level"] == "step"]
     key = lambda r: (r["P"], r["S"], r["G"], r.get("Q", 1))  # noqa: E731
     configs = sorted({key(r) for r in steps if sp_of(r) > 1})
+    if not configs:
+        return ""
     header = "  ".join(h.ljust(w) if h == "variant" else h.rjust(w) for h, w, _ in COLUMNS)
     lines = CAPTION + [header, "-" * len(header)]
     for k in configs:

@@ -1,33 +1,23 @@
 """Step-level variants: one whole GRPO step of the trainer on a random-weight video model, timed per phase.
 
-    naive  rollout `model.generate(num_return_sequences=G, do_sample=True)` (`GenerateEngine`), update with the
-           repeated forward (`repeated_logprobs`): the trainer with `algorithm.grouping=false` and a generate rollout
-    mmpg   rollout `HFEngine.generate_groups` (each prompt prefilled once), update with `grouped_logprobs`: the
-           trainer as it runs
+    naive  `model.generate(num_return_sequences=G)` rollout (`GenerateEngine`), update with `repeated_logprobs`: the
+           trainer with `algorithm.grouping=false` and a generate rollout
+    mmpg   `HFEngine.generate_groups` rollout (each prompt prefilled once), update with `grouped_logprobs`
+    tree   (Q > 1 queries of one video) the video's shared part forwarded once for all Q (`mmpg.grouping.shares`);
+           "mmpg" is then per-query grouping (algorithm.share_videos=false)
 
-    tree   (Q > 1 queries of one video, `--queries-per-video`) the same engine and grouped forward with the video's
-           shared part forwarded once for all Q queries (`mmpg.grouping.shares`); "mmpg" is then per-query grouping
-           (algorithm.share_videos=false: each query's prompt forwarded once, the video Q times), the trainer
-           before the tree
-
-One step is what `mmpg.rl.grpo.GRPOStep.run` does for one prompt (or the Q prompts of one video: P shared tokens,
-each with a tail of t tokens, `mmpg.bench.batch.make_query_batch`), with its data pull and dynamic sampling left out:
-
-    rollout   G responses of exactly S tokens: no stop token, so both variants decode the same number of tokens
-    (split)   `split_groups` cuts the rollout into `PromptGroup`s, as `GRPOStep.collect` does
-    reward    the trainer's built-in grounding reward per response, plus its share of digits (a random policy never
-              writes a parsable answer; the digits give the group a spread, so advantages and gradients are not 0)
-    (adv.)    `GRPOStep.advantages` (`algos.group_advantages`)
-    logprob   `GRPOStep.update`: the frozen reference's logprobs for the k3 KL term (algorithm.beta > 0), no grad
-    update    `GRPOStep.update`: policy logprobs through the DeepSpeed engine (ZeRO 0, AdamW), clipped loss + beta KL,
-              backward, optimizer step
-    total     wall time of all of the above (the trainer's timing_s/step); the phases do not cover the two steps in
-              parentheses, which take milliseconds
-
-Each phase is timed with CUDA synchronised at both ends. Memory (the worker's cold step only, see
-`mmpg.bench.measure`): a phase's peak is its high-water mark minus the memory in use when the step began, the
-step's peak the largest of them. The vision tower is frozen (the trainer's default `model.freeze_vision`), so the
-update runs it forward only. The cold step also allocates AdamW's state, in both variants alike.
+One step is `mmpg.rl.grpo.GRPOStep.run` for one prompt (or the Q prompts of one video, `make_query_batch`) without
+its data pull and dynamic sampling. Phases (`PHASES`), each timed with CUDA synchronised at both ends:
+    rollout   G responses of exactly S tokens (no stop token: both variants decode as many tokens)
+    reward    the built-in grounding reward plus a share of digits (a random policy never writes a parsable answer;
+              the digits give the group a spread, so advantages and gradients are not 0)
+    logprob   the frozen reference's logprobs for the KL term (beta > 0), no grad
+    update    policy logprobs through the DeepSpeed engine (ZeRO 0, AdamW), loss, backward, optimizer step
+    total     wall time of the step (timing_s/step), which also covers splitting groups and advantages (milliseconds)
+Memory (the cold step only, `mmpg.bench.measure`): a phase's peak is its high-water mark minus the memory in use when
+the step began. The vision tower is frozen (as `model.freeze_vision` defaults), so the update runs it forward only.
+Case keys lora_r and ref ("copy" or "adapters_off") add the trainer's LoRA and pick the KL reference
+(`mmpg.bench.lora`).
 """
 
 from __future__ import annotations
@@ -160,16 +150,30 @@ def step_config(case: dict, grouping: bool, share: bool = True):
 
 def bench_scorer(cfg):
     """The trainer's built-in reward plus the response's share of digits (see the module docstring)."""
-    from mmpg.rl.rewards import make_scorer
+    from mmpg.rl.rewards import Scored, make_scorer
 
     scorer = make_scorer(cfg.reward, think=True)
 
-    def score(text: str, sample) -> dict:
+    def score(text: str, sample) -> Scored:
         out = scorer(text, sample)
         digits = sum(c.isdigit() for c in text) / max(1, len(text))
-        return dict(out, overall=out["overall"] + digits, digits=digits)
+        return Scored(dict(out.rewards, overall=out.rewards["overall"] + digits, digits=digits), out.span)
 
     return score
+
+
+def _add_lora(model, r: int, ref: str) -> None:
+    """r > 0: the trainer's own LoRA (`mmpg.models.lora.apply_lora`: the LM's q,k,v,o,gate,up,down; alpha 2r, no
+    dropout, seed 0) injected into `model`, everything but the adapters frozen; r = 0: the model untouched. ref
+    "adapters_off" (the step is given no reference model, so `GRPOStep` takes the policy with its adapters switched
+    off, as a LoRA run does) needs adapters: without them the policy is no reference."""
+    if ref == "adapters_off" and r <= 0:
+        raise ValueError("ref=adapters_off needs lora_r > 0 (without adapters the policy is no reference)")
+    if r > 0:
+        from mmpg.config import LoraConfig
+        from mmpg.models import lora
+
+        lora.apply_lora(model, LoraConfig(r=r, alpha=2 * r, dropout=0.0), "bench-model", freeze_vision=True, seed=0)
 
 
 class StepRunner:
@@ -191,6 +195,7 @@ class StepRunner:
     def __call__(self, memory: bool = False) -> dict:
         from mmpg.train.batch import split_groups
         from mmpg.rl.collect import prompt_seed
+        from mmpg.rl.rewards import score_groups
         from mmpg.rollout import SamplingParams
 
         grpo, cfg = self.grpo, self.grpo.cfg
@@ -206,8 +211,7 @@ class StepRunner:
                                                               prompt_seeds=seeds)
             groups = split_groups(grpo.policy, self.batch, rollout, seeds)
             with clock("reward"):
-                for g in groups:
-                    g.rewards = [grpo.scorer(text, g.sample) for text in g.texts]
+                score_groups(grpo.scorer, groups)
             grpo.advantages(groups)
             sums = grpo.update(groups, clock)
         missing = [p for p in PHASES if p not in clock.seconds]
@@ -263,12 +267,9 @@ def setup(case: dict, device: torch.device):
         raise ValueError("the tree variant needs Q >= 2 queries per video (--queries-per-video)")
     cfg = step_config(case, grouping=variant != "naive", share=variant == "tree")
     check_grpo_config(cfg)
-    from mmpg.bench.lora_step import apply_lora, check_reference  # case lora_r / ref
-
     copied = cfg.algorithm.beta > 0 and case.get("ref", "copy") == "copy"
     ref = copy.deepcopy(model).eval().requires_grad_(False) if copied else None
-    adapted = apply_lora(model, int(case.get("lora_r", 0)))  # injected into `model`: only the adapters train
-    check_reference(case.get("ref", "copy"), adapted)  # no copy + adapters: GRPOStep switches them off for the KL
+    _add_lora(model, int(case.get("lora_r", 0)), case.get("ref", "copy"))  # case lora_r / ref (`mmpg.bench.lora`)
     from mmpg.train.setup import grouping_options
 
     for m in (model, ref) if ref is not None else (model,):  # model.grouping_backend, as the trainer sets it

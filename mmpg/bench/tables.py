@@ -136,6 +136,8 @@ def eval_table(rows: list[dict]) -> str:
     from mmpg.bench.levels import ceiling_key
 
     rows = [dict(r, rho_eval=r.get(ceiling_key(r, "rho_eval"))) for r in rows if r["level"] == "eval"]
+    if not rows:
+        return ""
     return "\n".join(["eval: Q queries of one video, one greedy answer of S tokens each, B videos per batch (speedup "
                       "over mmpg = per query; same = of the B·Q answers, those identical to hf_generate's)",
                       _table(rows, EVAL_COLUMNS, na=(), gaps=False)])
@@ -147,13 +149,16 @@ def tree_table(rows: list[dict]) -> str:
     over naive, `mmpg.bench.flops.ceilings_q`); tokens = the update's forward tokens of each."""
     from mmpg.bench.step import PHASE_CEILINGS, PHASES
 
+    trees = [r for r in rows if r["variant"] == "tree" and r["level"] == "step"]
+    if not trees:
+        return ""
     lines = ["tree vs per-query grouping (Q queries of one video, tail t tokens each; ceil: the FLOPs ratio, "
              "tok_ceil: the token ratio of the update's forward)",
              f"{'P':>6}  {'S':>4}  {'G':>3}  {'Q':>2}  {'t':>3}  {'phase':<7}  {'mmpg_s':>8}  {'tree_s':>8}  "
              f"{'tree/mmpg':>9}  {'ceil':>5}  {'%ceil':>5}  {'tok_ceil':>8}  {'tokens':>13}"]
     notes = []
     lines.append("-" * len(lines[1]))
-    for tree in (r for r in rows if r["variant"] == "tree" and r["level"] == "step"):
+    for tree in trees:
         per = next((r for r in rows if r["variant"] == "mmpg" and r["config"] == dict(tree["config"])), None)
         if per is None:
             continue
@@ -232,7 +237,7 @@ def describe_config(config: dict) -> str:
     return text
 
 
-def environment() -> dict:
+def provenance() -> dict:
     """What a measured table states beside its figures: versions, device, threads, the date and the commit."""
     env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),

@@ -182,8 +182,8 @@ def collate_grounding(items: list[VideoItem]) -> GroundingBatch:
 class VideoDataLoader(DataLoader):
     """A DataLoader whose workers never collect garbage they inherited: it forks them with the garbage collector
     frozen. Such garbage can hold a decord VideoReader (an exception's traceback keeps the frame that held it, e.g.
-    one a caller kept), and decord aborts a forked worker that frees one (seen in CI: "DataLoader worker ... is killed
-    by signal: Aborted" while the collector ran in the worker). Garbage is collected here first, so only live objects
+    one a caller kept), and decord aborts a forked worker that frees one ("DataLoader worker ... is killed by signal:
+    Aborted" while the collector runs in the worker). Garbage is collected here first, so only live objects
     are frozen, and they are unfrozen once the workers exist. Every loader that decodes videos in workers is one."""
 
     def __iter__(self):

@@ -1,38 +1,22 @@
-"""Annotation formats for video temporal grounding, all turned into `GroundingSample`s.
+"""Annotation formats for video temporal grounding, all turned into `GroundingSample`s by `load_annotations`, which
+detects the format: `charades` (Charades-STA text), `captions` (ActivityNet Captions and Charades-STA JSON; aliases
+`activitynet`, `charades_json`), `time_r1` (TimeRFT lists), `tvgbench` (Time-R1's benchmark; the moment is `answer`,
+as in Time-R1's `load_tvgbench`, while `start` / `end` only say where the clip was cut from its source), `timelens`
+(TimeLens-Bench, read as TencentARC/TimeLens's `timelens_data.py` reads it) and `jsonl` (mmpg's own). Each format's
+fields, and where to get each file: data/README.md.
 
-- `charades`: the Charades-STA text files (`charades_sta_{train,test}.txt`), one `VIDEO_ID START END##sentence`
-  per line; no durations.
-- `captions` (aliases `activitynet`, `charades_json`): ActivityNet Captions JSON, also the JSON form of Charades-STA
-  used by Time-R1 and others: `{video_id: {"duration", "timestamps": [[s, e], ...], "sentences": [...]}}`.
-- `time_r1`: Time-R1-style lists (`train_2k5.json`):
-  `[{"video", "duration", "timestamp": [s, e], "sentence", "qid"?, ...}]`.
-- `tvgbench`: Time-R1's benchmark list (`tvgbench.json`): `[{"path", "question", "answer": "S-E", "duration",
-  "start", "end", "source", ...}]`. The moment is `answer`, as in Time-R1's evaluation (`load_tvgbench`,
-  `src/vllm_inference/data/data_loader.py`). `start` / `end` are not the moment: where set (252 of 800) they say
-  where the clip file was cut from its source (end - start = duration), like TimeRFT's `video_start`; metadata only.
-- `timelens`: TimeLens-Bench (arXiv 2512.14698; `charades-timelens.json`, `activitynet-timelens.json`,
-  `qvhighlights-timelens.json`, read by `timelens/dataset/timelens_data.py` in TencentARC/TimeLens):
-  `{video_id: {"duration", "spans": [[s, e], ...], "queries": [...]}}`, the video `<video_id>.mp4`; a query's
-  whitespace runs become one space, as that loader does.
-- `jsonl`: mmpg's generic JSONL (data/README.md), one
-  `{"id"?, "video", "duration"?, "query", "span": [s, e], "clip"?: [a, b]}` per line.
-
-Ids: formats with several sentences per video get `VIDEO#k` (k = sentence index within that video, from 0), unless
-the record has its own (`id`, or Time-R1's `qid`); TVGBench ones get Time-R1's qid, `<source file stem>_<index>`
-(Time-R1 counts only records whose video exists: the same ids when all are there). ActivityNet ids (`v_xxx`) are
-looked up as `v_xxx.*` and then `xxx.*`, since both namings are in circulation; a relative video path that is not
-found under the video folder is looked up by its bare file name there. Time-R1's `video_start` / `video_end` say
-where an already cut clip file came from in its source video; its timestamps are relative to the clip file, so they
-are ignored (not a window to cut). The list formats keep a record's other fields in `GroundingSample.metadata`.
+Ids: `VIDEO#k` (k the sentence index within the video, from 0) unless the record has its own (`id`, Time-R1's
+`qid`); TVGBench's are Time-R1's `<source file stem>_<index>` (Time-R1 counts only records whose video exists: the
+same ids when all are there). A video is looked up by id with the usual extensions (ActivityNet's `v_xxx` also as
+`xxx`), a relative path not found also by its bare file name. Time-R1's
+`video_start` / `video_end` describe an already cut clip, whose timestamps are relative to the clip file: not a
+window to cut. A list format keeps a record's other fields in `GroundingSample.metadata`.
 Spans follow one rule in every format (`mmpg.data.samples`): an end up to max(2 s, 10 %) past the duration is
-clamped (`raw_span` keeps the file's); farther out, start >= end, or a start at/past the duration is a skip.
-`keep_all=True` (evaluation under a paper's scoring) keeps those too, as written (`GroundingSample.as_written`):
-the papers' loaders keep every record (Time-R1's `load_tvgbench` and `load_charades`, TimeLens's `load_annos`), so
-their denominators count them; what is still left out is a record without a readable span.
-
-Bad records never crash a skip-mode load: with `strict=False` each one is left out and listed in
-`LoadResult.skipped` as (where, reason) and logged; with `strict=True` (default) the first one raises `UserError`
-naming the file and line (or JSON key / index).
+clamped (`raw_span` keeps the file's); farther out, start >= end or a start at/past the duration is a skip, except
+with `keep_all=True` (evaluation under a paper's scoring, whose loaders keep every record), which keeps them as
+written; a record without a readable span is always left out.
+Bad records: with `strict=True` (default) the first one raises `UserError` naming the file and line (or JSON key /
+index); with `strict=False` each is left out, listed in `LoadResult.skipped` as (where, reason) and logged.
 """
 
 from __future__ import annotations

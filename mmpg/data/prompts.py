@@ -9,16 +9,11 @@ A template is a user text with placeholders, an optional system prompt, and whet
     {frame_times}  the sampled times, "0.00, 0.50, 1.00, ..." (seconds)
 
 The default follows Time-R1 (arXiv 2503.13377): reason in `<think>...</think>`, then `<answer>START to END</answer>`
-in seconds. Answers are always in seconds of the whole video, also when a clip window is shown.
-
-The chat template itself belongs to the model family's processor: messages are in the Qwen chat format
-`[{"role": "user", "content": [{"type": "video", ...}, {"type": "text", "text": ...}]}]` and rendered with
-`processor.apply_chat_template`. Frames go to the processor as qwen-vl-utils decoded them (`do_resize=False`,
-`do_sample_frames=False`) with their `video_metadata`: Qwen2.5-VL derives `second_per_grid_ts` from it, Qwen3-VL
-the `<t seconds>` timestamps it writes before each temporal patch.
-
-Qwen3-VL's video goes to its processor in the form that makes it write the released prompt on every
-transformers version (`mmpg.data.video_form`).
+in seconds, always of the whole video, also when a clip window is shown. The chat template belongs to the model
+family's processor (Qwen chat messages rendered with `processor.apply_chat_template`). Frames go to the processor as
+qwen-vl-utils decoded them (`do_resize=False`, `do_sample_frames=False`) with their `video_metadata`, from which
+Qwen2.5-VL derives `second_per_grid_ts` and Qwen3-VL its `<t seconds>` timestamps; Qwen3-VL's video goes in the form
+that makes its processor write the released prompt on every transformers version (`mmpg.data.video_form`).
 """
 
 from __future__ import annotations

@@ -43,6 +43,6 @@ def sample_query(sample, rule: str = "mmpg") -> str:
     """The query of `sample` (a GroundingSample) as it goes into a prompt under `rule`. `as_written` takes the
     file's own text (`raw_query`, when the loader changed it); the other rules clean the loaded `query`, which gives
     the same text as cleaning the file's (each strips whitespace at both ends first), and keeps mmpg's prompts on
-    TimeLens-Bench files with their whitespace runs squashed, as before."""
+    TimeLens-Bench files with their whitespace runs squashed."""
     raw = getattr(sample, "raw_query", None) if rule == "as_written" else None
     return clean_query(raw if raw is not None else sample.query, rule)

@@ -7,18 +7,12 @@ patch (two frames), each after its time as text (the mean of the patch's two fra
     released   <0.3 seconds><|vision_start|><|video_pad|>*n<|vision_end|><1.3 seconds><|vision_start|>...<|vision_end|>
     5.x        <|vision_start|><0.3 seconds><|vision_start|><|video_pad|>*n<|vision_end|>...<|vision_end|><|vision_end|>
 
-The processor Qwen3-VL was released with (transformers 4.57) replaced the template's whole
-`<|vision_start|><|video_pad|><|vision_end|>` with the blocks. transformers 5.x expands only the `<|video_pad|>`
-(`Qwen3VLProcessor.replace_video_token`, through the generic `ProcessorMixin` replacement) and keeps the template's
-pair around the blocks: two tokens more per video, a form no released checkpoint saw in training and no paper was
-evaluated on. Every version expands a bare `<|video_pad|>` into exactly the released blocks (4.57's processor falls
-back to it when the pair is absent), so mmpg hands the Qwen3-VL processor a bare `<|video_pad|>` and then checks the
-ids it got back: every `<|vision_start|>` must open a frame (or an image). The positions follow the ids (text and
-timestamps one apart, each frame's block one past the largest position before it), as in the released code.
-
-Qwen2.5-VL's template pair is its released form (its processor expands the `<|video_pad|>` inside it, on every version)
-and is left as it is. The vLLM engine sends each video back as a bare `<|video_pad|>` (`mmpg.rollout.vllm`): vLLM
-expands whatever its transformers' processor expands, the bare token on transformers >= 5.10.
+transformers 5.x expands only the `<|video_pad|>` and keeps the template's pair around the blocks (two tokens more
+per video, a form no released checkpoint saw), while the released processor (4.57) replaced the whole pair. Every
+version expands a bare `<|video_pad|>` into exactly the released blocks, so mmpg hands the Qwen3-VL processor a bare
+`<|video_pad|>` and checks the ids it gets back: every `<|vision_start|>` must open a frame (or an image). The
+positions follow the ids, as in the released code. Qwen2.5-VL's template pair is its released form and is left as it
+is. The vLLM engine sends each video as a bare `<|video_pad|>` too (`mmpg.rollout.vllm`).
 """
 
 from __future__ import annotations

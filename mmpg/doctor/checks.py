@@ -4,7 +4,7 @@ exact path it must equal:
     grouped/<backend>/<family>/<dtype>  grouped_logprobs(backend) vs repeated_logprobs: max |dlogp| over the masked entries
                                  and the worst parameter's ||g_grouped - g_repeated|| / ||g_repeated|| after the
                                  backward of a weighted sum. Bounds: float32 1e-5 / 1e-4 (the equivalence tests');
-                                 bf16 (flash) the self-check's bound for the model (`selfcheck.bound_for`) / 5e-2.
+                                 bf16 (flash) the self-check's bound for the model (`bounds.bound_for`) / 5e-2.
     cascade/<kernel>/<dtype>     cascade_kernels.attend(kernel) vs attend("math") on a left-padded batch: max
                                  |dout| and |dlse|. Bounds: float32 1e-5, bf16 2e-2 (out) / 1e-2 (lse).
     decode/<kernel>/<family>     HFEngine greedy decoding, cascade with the kernel vs the copy path: the same tokens.
@@ -91,7 +91,7 @@ def _logps_and_grads(model, fn, weights):
 def grouped_row(family: str, backend: str, device: torch.device, dtype: torch.dtype) -> Row:
     """One grouped backend against the repeated forward: forward logprobs and every parameter's gradient."""
     from mmpg.grouping import grouped_logprobs, repeated_logprobs
-    from mmpg.grouping.selfcheck import bound_for
+    from mmpg.grouping.bounds import bound_for
 
     row_id = f"grouped/{backend}/{family}/{str(dtype).split('.')[-1]}"
     what = f"grouped forward, backend {backend}, {family} ({str(dtype).split('.')[-1]}, {device.type})"

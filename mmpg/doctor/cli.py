@@ -10,9 +10,9 @@
     sync         the vLLM engine's NCCL weight sync: only with a vLLM environment and two GPUs
     speed        grouped vs repeated forward + backward at one P and G; cascade vs copy decoding
 
-On a CPU machine the CUDA rows are NOT RUN with the reason. UNTESTED on a GPU: the CUDA rows have not run on one
-yet (2026-12-01); a report from one is welcome. Writes doctor.md and doctor.json into --out and exits
-0 when no row FAILED, 1 naming the rows that did, 2 on bad arguments.
+On a CPU machine the CUDA rows are NOT RUN with the reason. UNTESTED on a GPU: the CUDA rows have not run on one;
+a report from one is welcome. Writes doctor.md and doctor.json into --out and exits 0 when no row FAILED, 1 naming
+the rows that did, 2 on bad arguments.
 """
 
 from __future__ import annotations

@@ -8,23 +8,17 @@ the shared-prefix engine; after every round the records of all ranks are gathere
     round 2: gather -> rank 0 appends 6, 7
     lockstep (ZeRO-3): rank 1's empty round 2, or a round whose videos all failed, decodes a blank stand-in
 
-Why fixed batches, dealt out whole, rather than samples dealt out one by one: a prompt's answer can depend on the
-batch it is decoded in (left padding changes the rounding; in bfloat16 a greedy near-tie can flip), so every
-sample is answered in the same batch whatever the number of ranks: sharded predictions equal one process's. Only a
-batch that a killed run left half written is answered in a smaller batch (its missing samples).
-
-With share_videos (the default) the fixed batches hold whole videos instead: the queries of each video (videos in
-the order of their first query) packed greedily up to batch_size queries, a video asked more than batch_size
-questions split over consecutive batches. A batch's queries of one video sit side by side, get the very frames
-(the video decoded once per batch) and so share its prefill and its pass through the vision tower.
+Fixed batches, dealt out whole: a prompt's answer can depend on its batch (left padding changes the rounding; in
+bfloat16 a greedy near-tie can flip), so every sample is answered in the same batch whatever the number of ranks and
+sharded predictions equal one process's (only a batch a killed run left half written is answered in a smaller one).
+With share_videos (the default) a batch holds whole videos, a video's queries side by side (packed greedily up to
+batch_size queries, a video with more split over consecutive batches), so they get the very frames and share its
+prefill and vision-tower pass; still a pure function of the samples and batch_size:
 
     batch size 4, videos a: 0 1 5, b: 2 3 4, c: 6:   [0, 1, 5] [2, 3, 4, 6]      (a does not fit beside b)
 
-Still fixed (a pure function of the samples and batch_size), so resume, sharding and lockstep work as above.
-
-Videos are decoded in DataLoader workers (settings.num_workers), prompts built there too (`build_prompt_inputs`).
-A sample whose video cannot be used becomes a record with `error` set, never an exception; a video that fails
-fails each of its queries (one record each).
+Videos are decoded and prompts built in DataLoader workers (settings.num_workers). A sample whose video cannot be
+used becomes a record with `error` set, never an exception; a video that fails fails each of its queries.
 """
 
 from __future__ import annotations

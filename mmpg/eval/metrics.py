@@ -3,53 +3,17 @@
     R1@m = share of samples whose top-1 predicted span has tIoU with the truth above m
     mIoU = mean tIoU, an unparseable answer counting 0
 
-Published evaluations disagree on "above": Time-R1's code counts tIoU > m, VideoChat-R1's tIoU >= m. Both are
-reported (`r1@0.5` with `>`, `r1@0.5_ge` with `>=`); they differ only for predictions whose tIoU equals m exactly,
-which happens on benchmarks with whole-second spans. tIoU is compared as computed (no rounding), as both papers' code
-does.
-
-How an answer becomes a span and a tIoU is the `scoring` setting, part of each protocol:
-
-  mmpg       (protocol default) `mmpg.rewards.parse_answer`, the rule training rewards use: the span inside the last
-             <answer> tags, clamped to [0, duration]; an answer with no span, a reversed span (unless swap_reversed),
-             an empty span or a span wholly outside the video is unparseable and scores 0; the ground truth is the
-             loaded span (an end just past the duration clamped, `mmpg.data.samples`).
-  last_span  (time_r1, videochat_r1, tvgbench) the papers' evaluation code: the last "A to B" or "A and B" (numbers
-             written with digits and an optional decimal part) anywhere in the answer, tags or not (Time-R1
-             `evaluate.py` extract_answer, VideoChat-R1 `src_eval/evaluate_tg_c8.py` parse_timestamp_output); tIoU
-             of the raw spans, nothing clamped, answer nor ground truth (`raw_span`): max(0, min(e, e') - max(s, s'))
-             / (max(e, e') - min(s, s')) (Time-R1 `src/vllm_inference/eval_all.py` compute_IoU; VideoChat-R1 the same
-             floored at 0), so a reversed answer scores 0 through the formula itself, and an answer past the end of the
-             video widens the union.
-  timelens   (timelens) TimeLens's evaluation code: `extract_time` in `timelens/utils.py` (clock times "mm:ss" /
-             "hh:mm:ss" first, then "A - B", then "A to B", then any two numbers; the FIRST pair found), each end
-             rounded to whole seconds (`eval_dataloader.py`, UNIT 1.0, Python's round: halves to even), and the
-             same raw-span tIoU (`iou` in `timelens/utils.py`). An answer with no pair becomes [duration + 10,
-             duration + 20] there, which misses any truth inside the video: here it is unparseable, tIoU 0.
-
-Degenerate ground truths under the papers' scorings (every record is kept as written, `load_annotations(keep_all=
-True)`: Time-R1's `load_tvgbench` / `load_charades` and TimeLens's `load_annos` drop none):
-- a zero-length truth (TVGBench has 11, "85.83-85.83"): any answer of positive length gets intersection 0 over a
-  positive union, tIoU 0, in all three codes and here;
-- an end past the duration (any distance: one TVGBench moment ends 4.85 s past its 27.9 s clip): kept as written
-  and scored unclamped, as their targets are the file's `timestamp` / `answer` / `span`;
-- a reversed truth (start > end; Charades-STA's train file has a few): the intersection is <= 0, floored: tIoU 0;
-- an empty union (a zero-length answer on the same zero-length truth, or reversed spans that leave no union): their
-  code divides by 0 (or by a negative). Time-R1's numpy `compute_IoU` gives NaN, which makes its mIoU NaN and which
-  R1 does not count (NaN > m is False); VideoChat-R1's plain division raises ZeroDivisionError there and its loop
-  leaves the sample out; TimeLens's `iou` raises and stops `compute_metrics.py`. mmpg scores it 0 (`raw_iou`), the
-  value Time-R1's R1 gives it, and the report counts such answers (`empty_union`).
-
-A sample whose video could not be used ("failed") scores 0 and counts in the denominator when bad_videos="fail", and
-is left out of it when bad_videos="skip"; either way it is counted apart from the unparseable answers.
-
-Repeated records (the `duplicates` setting). A file may hold the same (video, query, span) twice. Time-R1's and
-VideoChat-R1's code count every record (keyed by a running qid / `{vid}_{sentence_idx}`): `count`. TimeLens's
-`eval_dataloader.py` writes each prediction under the key f"{video file name}>>>{query}>>>{span}", the query as
-its `parse_query` cleaned it, and `compute_metrics.py` merges the lines into one dict, so a repeat counts once (the
-last line's prediction) and `num_annos = len(datas)` is the number of distinct keys: `once` (`once_per_key`). The
-report gives the other denominator's figures beside when the two differ. One difference is not reproduced: its key
-holds the span as Python prints the file's numbers, so [10, 15] and [10.0, 15.0] are two keys there, one here.
+"Above" is reported both ways, as the papers' code disagrees: `r1@0.5` counts tIoU > m (Time-R1), `r1@0.5_ge`
+tIoU >= m (VideoChat-R1); tIoU is compared as computed, unrounded. How an answer becomes a span and a tIoU is the
+protocol's `scoring`: `mmpg` (`mmpg.rewards.parse_answer`, the rule training rewards use: clamped to [0, duration],
+against the loaded span), `last_span` (Time-R1's and VideoChat-R1's evaluation code: the last "A to B" / "A and B"
+anywhere, raw spans unclamped) or `timelens` (TimeLens's: the first time pair, rounded to whole seconds, raw spans).
+Each reproduces the cited code; docs/evaluation.md ("Scoring") names it file by file, with its degenerate cases.
+Contract: every tIoU is in [0, 1] and an unparseable answer scores 0; where the papers' code divides by zero (an
+empty union) the tIoU is 0 and the answer is counted (`empty_union`). A failed sample (its video unusable) scores 0
+in the denominator under bad_videos="fail", is left out under "skip", and is counted apart from the unparseable.
+`duplicates`: "count" scores every record (Time-R1, VideoChat-R1), "once" one per (video, query, span) key, the
+last one (TimeLens, `once_per_key`); the report gives the other denominator's figures beside when they differ.
 """
 
 from __future__ import annotations
@@ -113,19 +77,19 @@ def raw_iou(pred: tuple[float, float], truth: tuple[float, float]) -> float:
     """tIoU of two spans as written (scorings "last_span", "timelens"): max(0, intersection) / union, union over the
     outer ends. A reversed `pred` has a negative intersection, so 0; nothing is clamped to the video. A zero-length
     `truth` gives 0 to any `pred` of positive length; an empty union (`empty_union`) gives 0 where the papers' code
-    divides by zero (module docstring)."""
+    divides by zero (docs/evaluation.md, "Scoring")."""
     inter = min(pred[1], truth[1]) - max(pred[0], truth[0])
     union = max(pred[1], truth[1]) - min(pred[0], truth[0])
     return max(0.0, inter) / union if union > 0 else 0.0
 
 
 def empty_union(pred: tuple[float, float], truth: tuple[float, float]) -> bool:
-    """Whether `raw_iou`'s union is <= 0: where the papers' code divides by zero (module docstring)."""
+    """Whether `raw_iou`'s union is <= 0: where the papers' code divides by zero (docs/evaluation.md, "Scoring")."""
     return max(pred[1], truth[1]) - min(pred[0], truth[0]) <= 0
 
 
 def score_sample(text: str, sample, scoring: str = "mmpg", swap_reversed: bool = False) -> tuple[Scored, tuple]:
-    """(Scored, the ground truth it was scored against) for one answer to `sample` under `scoring` (docstring)."""
+    """(Scored, the ground truth it was scored against) for one answer to `sample` under `scoring`."""
     truth = scored_truth(sample, scoring)
     return score_text(text, truth, sample.duration, scoring, swap_reversed), truth
 

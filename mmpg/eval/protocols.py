@@ -1,23 +1,16 @@
 """Evaluation protocols: named presets of the settings that published grounding numbers depend on.
 
 Grounding scores move by points with the prompt, the frame rate, the frame and pixel budget, the answer length and
-whether R1@m counts tIoU > m or tIoU >= m. A protocol fixes those, so `mmpg eval --protocol time_r1` evaluates the way
-a paper's released code did. Each preset names where every value comes from and says "assumed" where neither the
-paper nor the released code fixes it. What mmpg does not reproduce is listed too (see `Protocol.source`).
+whether R1@m counts tIoU > m or >= m. A protocol fixes those, so `mmpg eval --protocol time_r1` evaluates the way a
+paper's released code did. Each preset names where every value comes from, says "assumed" where neither the paper
+nor the code fixes it, and lists what mmpg does not reproduce (`Protocol.source`).
 
-Budgets per model family. The presets give frame and video budgets in visual tokens (min_tokens, max_tokens,
-total_tokens), made pixels with the checkpoint's token size (`EvalSettings.video_values_for`): 28 x 28 pixels for
-Qwen2.5-VL, 32 x 32 for Qwen3-VL, as TimeLens's code does (`min_tokens * downsample_rate ** 2`). Time-R1's and
-VideoChat-R1's code loads Qwen2.5-VL only, so their pixel counts are these tokens x 28 x 28, and for a Qwen3-VL
-checkpoint the tokens are kept (x 32 x 32), which is assumed. Per family (min / max per frame / total, pixels):
-
-    protocol             Qwen2.5-VL                        Qwen3-VL
-    time_r1, tvgbench,   12,544 / 602,112 / 2,809,856      16,384 / 786,432 / 3,670,016 (assumed)
-    videochat_r1
-    timelens             50,176 / 602,112 / 11,239,424     65,536 / 786,432 / 14,680,064
-
-The query goes into the prompt as each paper's code writes it (`query_clean`, `mmpg.data.queries`), and TimeLens's
-repeated (video, query, span) records count once (`duplicates`, `mmpg.eval.metrics.once_per_key`).
+Budgets are in visual tokens (min_tokens, max_tokens, total_tokens), made pixels with the checkpoint's token size
+(`EvalSettings.video_values_for`): 28 x 28 pixels for Qwen2.5-VL, 32 x 32 for Qwen3-VL, as TimeLens's code does.
+Time-R1's and VideoChat-R1's code loads Qwen2.5-VL only, so for a Qwen3-VL checkpoint their token counts are kept,
+which is assumed. The resulting pixel budgets per family: docs/evaluation.md ("Scoring"). The query goes into the
+prompt as each paper's code writes it (`query_clean`, `mmpg.data.queries`), and TimeLens's repeated (video, query,
+span) records count once (`duplicates`, `mmpg.eval.metrics.once_per_key`).
 """
 
 from __future__ import annotations

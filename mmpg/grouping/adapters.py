@@ -8,9 +8,9 @@ Positions (docs/ARCHITECTURE.md "Packed group layout"):
 The vision tower runs once on the B prompts' pixels: the packed row holds each prompt (and so each video's
 placeholder tokens) once, so the B prompts' `pixel_values_videos` / `video_grid_thw` (and images') go to the model's
 own forward unchanged, which encodes them, scatters the features and (Qwen3-VL) adds deepstack features itself, in
-its own code. Positions are given explicitly, so the model never computes its own index on the packed row. (Handing
-over features encoded beforehand through `mm_encoder_outputs` works only from transformers 5.18: earlier releases
-let the unknown keyword fall through `**kwargs` to the attention function, and the forward ran without the video.)
+its own code (features encoded beforehand, `mm_encoder_outputs`, exist only from transformers 5.18; before, the
+keyword falls through to the attention function unread). Positions are given explicitly, so the model never computes
+its own index on the packed row.
 Every input handed to the model for it to consume is named on the layout (`GroupLayout.model_inputs`), and the grouped
 attention raises if one of them arrives in its kwargs (`mmpg.grouping.attention`, the tripwire).
 """

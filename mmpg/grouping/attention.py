@@ -1,23 +1,18 @@
 """The grouped attention function, registered through transformers' `AttentionInterface`.
 
 One function is registered per base implementation the model was loaded with (`mmpg_grouped_sdpa`,
-`mmpg_grouped_eager`, `mmpg_grouped_fa2` for `flash_attention_2`, ...). The names never contain "flash": transformers
-(5.24) takes any implementation name with "flash" in it for a flash kernel and tries to load it from flash-attn or the
-hub when the name is set (`ValueError: Could not find the currently requested flash attention implementation`), and
-also switches generation and mask code to its flash conventions; ours is neither. The function behaves exactly like
-the base implementation unless the layer call carries `mmpg_layout=<GroupLayout>` in its kwargs — which only
-`grouped_logprobs` passes — and then it runs the grouped backend named by the layout. So a patched model still
-generates and trains normally, and the layout reaches every layer (also the recomputation under gradient
-checkpointing, which replays layer kwargs). The same base's mask function is registered under the new name, so
-ordinary calls build the masks they always did.
+`mmpg_grouped_eager`, `mmpg_grouped_fa2` for `flash_attention_2`, ...), with the base's mask function under the same
+name. The names never contain "flash": transformers takes any such name for a flash kernel, tries to load it and
+switches generation and mask code to flash conventions. The function behaves exactly like the base implementation
+unless the layer call carries `mmpg_layout=<GroupLayout>` in its kwargs (only `grouped_logprobs` passes it), and
+then runs the grouped backend the layout names; so a patched model still generates and trains normally, and the
+layout reaches every layer, also the recomputation under gradient checkpointing, which replays layer kwargs.
 
 The tripwire: transformers passes unknown keyword arguments of a model's forward silently down to the attention
-function (`TransformersKwargs` is an unchecked `TypedDict`). An input mmpg hands to the forward for the model to
-consume (the visual inputs, named in `GroupLayout.model_inputs`) that arrives here was ignored by the model: the
-forward would run without it (transformers <= 5.17 did this to `mm_encoder_outputs`, and trained without the video).
-So the grouped call raises at once, naming the key and the transformers version. It checks only the keys mmpg itself
-passed, never an allow-list of transformers' own attention kwargs (those change between releases), and costs one
-dict lookup per key and layer.
+function. An input mmpg hands the forward for the model to consume (`GroupLayout.model_inputs`: the visual inputs)
+that arrives here was ignored by the model, which would then run without it (docs/grouping.md), so the grouped call
+raises at once, naming the key and the transformers version. It checks only the keys mmpg itself passed, never an
+allow-list of transformers' own kwargs (those change between releases), at one dict lookup per key and layer.
 
 Before the backend runs, q/k/v are brought to one dtype (`attention_dtype`), and the layout to the layer's device
 (`GroupLayout.for_device`: a model spread over several GPUs with `device_map` hands each layer its own copy).

@@ -23,7 +23,7 @@ SUPPORTED_MODEL_TYPES = {"qwen2_5_vl": "vl", "qwen3_vl": "vl", "qwen2": "text", 
 # [min, max): the oldest release the version matrix of `scripts/test.sh` runs the equivalence, positions, contract and
 # rollout tests on (5.17.0), up to the next major. The version alone is not what mmpg relies
 # on: `_check_features` checks what it calls, and the tripwire (`mmpg.grouping.attention`) catches at run time an
-# input that a release ignores (how 5.17 once trained without the video, before the visual inputs went in as pixels).
+# input that a release ignores (docs/grouping.md, "Why 5.17 needed work").
 TRANSFORMERS_RANGE = (Version("5.17.0"), Version("6.0.0"))
 
 

@@ -1,23 +1,20 @@
 """Float32 compute on a 16-bit model's own weights, for the self-check (`mmpg.grouping.selfcheck`).
 
-Why: in bf16 the grouped and the repeated forward round along different paths (other matmul shapes, other reduction
-orders), and the difference grows with depth: about 0.004 nat at 28 layers on tiny CPU models, more on a GPU, as
-large as the 0.04 nat faults the self-check exists to catch. In float32 the two agree to ~1e-6, so a fault stands out
-by four orders of magnitude. A float32 copy of a 7B model would cost 28 GB; instead, inside `float32_compute(model)`
+Why: in bf16 the grouped and the repeated forward round along different paths (other matmul shapes and reduction
+orders), and the difference grows with depth to as much as the faults the self-check exists to catch (~0.004 nat at
+28 layers on tiny models against 0.04); in float32 the two agree to ~1e-6 (docs/grouping.md, "Guards"). A float32
+copy of a 7B model would cost 28 GB; instead, inside `float32_compute(model)`
 
     every module with parameters of its own, on entry: its 16-bit parameters' storage is swapped for a float32 copy,
         its 16-bit floating inputs are cast to float32;
     on exit (before any other exit hook, so ZeRO-3's release sees the original tensors): the original storage back,
 
-so at most one module's float32 copy exists at a time (the largest is the embedding or the LM head: vocab x hidden
-x 4 bytes, 2.2 GB for Qwen2.5-VL-7B), the activations of the checked group are float32 (twice their bf16 size), and
-the weights are bit-for-bit the run's own (bf16 -> fp32 is exact, and the original tensors are put back, so views
-into an optimizer's flat buffer stay views). TF32 matmuls are switched off inside (`highest` precision).
-
-`kernel_dtype`: the grouped attention still runs its kernel in the run's dtype (`GroupingState.kernel_dtype`, read by
-`grouped_logprobs` into the layout): the flash backend has no float32 kernel, and the kernel is part of what is
-checked. Only q/k/v and the attention output of the grouped forward are rounded to 16 bits then; the repeated forward
-attends in float32.
+so at most one module's float32 copy exists at a time (at most vocab x hidden x 4 bytes: 2.2 GB for Qwen2.5-VL-7B),
+the checked group's activations are float32, and the weights are bit-for-bit the run's own (bf16 -> fp32 is exact,
+and the original tensors are put back, so views into an optimizer's flat buffer stay views). TF32 matmuls are off
+inside (`highest` precision). `kernel_dtype`: the grouped attention's kernel still runs in the run's dtype
+(`GroupingState.kernel_dtype`): flash has no float32 kernel, and the kernel is part of what is checked; only q/k/v and
+the attention output of the grouped forward are then rounded to 16 bits, the repeated forward attends in float32.
 """
 
 from __future__ import annotations

@@ -2,29 +2,21 @@
 on the weights (`mmpg.grouping.selfcheck` runs both on the step's first micro-batch).
 
 Gradient probe. A zero vector d_l [H] (float32, requires grad) is added to the input hidden states of every decoder
-layer l, and the loss is L = sum_{i,t} w_it logp_it with fixed random weights w. Then
+layer l, and the loss is L = sum_{i,t} w_it logp_it with fixed random weights w, nonzero on the first and last
+response of every group only (the reference needs those rows alone). Then dL/dd_l = sum over the row's tokens of
+dL/dh_l(token) is the same number in the grouped forward and the repeated one: a prefix token the grouped row holds
+once feeds all G responses, so its gradient is the sum of its G copies'. Every attention backward above l (dq, dk,
+dv) flows into it, so a backward wrong anywhere (a kernel's backward, a mask applied in forward only, a fault only
+while autograd records) moves it. No parameter gradient is taken (`torch.autograd.grad` on the probes only), so it
+runs alike under ZeRO 0-3, LoRA and a frozen tower and leaves the optimizer's gradients alone. Under sequence
+parallelism the group sums the shards' figures and divides by sp (each rank's loss is the whole row's). The repeated
+reference runs one row at a time, so its memory is one prompt + response.
 
-    dL/dd_l = sum over the tokens of the row of dL/dh_l(token)
-
-is the same number in the grouped forward and the repeated one: a prefix token the grouped row holds once feeds all
-G responses, so its gradient is the sum of what its G copies receive in the repeated rows. (w is nonzero on the
-first and last response of every group only: every response of the row still shapes the grouped forward, and the
-reference needs those rows alone.) Every attention backward of
-the layers above l (dq, dk, dv) flows into dL/dd_l, and the weights' gradients are built from these by stock layers,
-so a backward that is wrong anywhere (a kernel's backward, a mask applied in forward only, a fault only while
-autograd records) moves it. The probe needs no parameter gradient, so it runs alike under ZeRO 0-3 (partitioned
-weights), LoRA and a frozen tower, and leaves the optimizer's gradients alone (`torch.autograd.grad` on the probes
-only). Under sequence parallelism a rank holds one shard of the row: the group sums the shards' figures (each rank's
-loss is the whole row's, whose backward `_SumRanks` sums over the sp ranks, so the sum is divided by sp). The
-repeated reference runs one row at a time (forward and backward of one prompt + response), so its memory is one row's,
-less than the update's packed row.
-
-Leak probe. The responses' tokens after their first one are replaced, in the first and last response of every group,
-by a token t* found nowhere in the batch, whose embedding is replaced by a large random vector. Under the layout's rule
-nothing else can see those tokens: every other response's logprobs, and the perturbed responses' first logprob (which
-the last prefix token predicts: the prefix/response boundary), must stay as they were to float32 rounding — in fact
-bit for bit, since a masked key adds an exact zero. This holds whatever the weights: a sibling leak that moves a
-confident model's logprobs by 4e-6 (under the 1e-4 grouped-vs-repeated bound) moves them here by orders more.
+Leak probe. In the first and last response of every group the tokens after the first are replaced by a token t*
+found nowhere in the batch, its embedding by a large random vector. Nothing else can see them under the layout's
+rule: every other response's logprobs, and the changed responses' first logprob (the prefix/response boundary), must
+stay bit for bit as they were (a masked key adds an exact zero), whatever the weights; a sibling leak that moves a
+confident model's logprobs by 4e-6, under the 1e-4 bound, moves these by orders more.
 """
 
 from __future__ import annotations

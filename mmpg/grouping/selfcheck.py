@@ -1,59 +1,22 @@
 """The self-check: the grouped forward (or a rollout engine) against the repeated forward, in the user's own
-environment — dtype, attention backend, device, transformers / torch / flash-attn versions — before training trusts it.
+environment (dtype, attention backend, device, transformers / torch / flash-attn versions), before training trusts it.
 
     check = SelfCheck("on")                                   # "on": stop on a mismatch, "warn": log and go on, "off"
     if check.needed(model, dims=(P, S, G)):                   # the first call, and whenever the envelope grows
         metrics = check.run(model, inputs, ids, mask, sizes, gradients=True)  # raises SelfCheckError when "on"
 
-What is compared (a trainer passes one of its step's own micro-batches: its groups packed in rows as the update
-packs them, a video shared by its queries, the sequence-parallel shards where on — a fault in the second group of a
-row never runs when one group is checked alone):
-  * logprobs: grouped vs repeated, no gradient (in float32 compute for a 16-bit run, below);
-  * with `gradients` (training): the leak probe (`mmpg.grouping.probes`: the first and last response of each group
-    changed, nothing that cannot see them may move — bit-exact in a correct forward, whatever the weights: a leak
-    that moves a confident model's logprobs under the bound moves these); then with autograd recording, the
-    logprobs and the gradient of a fixed loss at every decoder layer's input (a backward-only fault, or one that
-    only acts while autograd records, is invisible to the no-gradient forwards).
-Bounds of the gradient figures (max relative difference over layers): float32 1e-4 (measured <= 1e-6 on tiny
-models; a 1 % error in the attention's backward reads 0.011, a x1.001 output while recording 0.0011). In a 16-bit
-run the autograd part runs in the run's dtype (float32 compute keeps no float32 weights for backward), and its
-rounding does not grow with depth as the logprobs' does: measured <= 2.0 x u x sqrt(L) (tiny Qwen2.5-VL on the CPU,
-2 / 8 / 28 layers, 3 seeds each, bf16 and fp16; 0.0154 at 28 layers in bf16), bound 8 x u x sqrt(L) (0.165 at 28
-layers in bf16). A 1 % backward error reads 0.042 there, under that bound: in a 16-bit run the gradient figure
-catches gross backward faults only; the float32 figures (`mmpg doctor`, a float32 rehearsal) catch the small ones.
-The logprobs recorded with autograd use the engine bound (`bound_for`). Leak probe: 1e-6 (a correct forward gives 0).
-Cost (the CPU demo, `configs/cpu_demo.yaml`, 2 groups of 8 per row, float32, one thread): 0.95-0.99 s per check
-against 0.07 s for the forward-only check of one group; a step there takes 1.5 s. At the 7B recipe's size (one group
-of 8 per micro-batch, ~8.3k-token prompts) a check costs about one update micro-batch (the grouped forward and
-backward) plus 2 prompt-plus-response forwards and backwards one at a time (memory: one such row, less than the
-update's packed row) plus the float32 forward-only check: a few micro-batches' work, at the first step and when
-the envelope grows.
-
-The envelope is what has been checked so far, per (backend, dtype): the longest prefix P, the longest response S and
-the largest group G of a checked group. A batch that goes past it on any axis (or a new backend or dtype) is checked
-again on real groups, so a kernel path that only long prompts or large groups take (a different flash tile, a
-varlen split) is covered when training first reaches it (as unsloth's envelope-aware shared-prefix check does).
-
-Precision. In a 16-bit run both forwards of the grouped-forward check compute in float32 on the run's own weights
-(`mmpg.grouping.precise.float32_compute`: one module's float32 copy at a time): rounding along the two paths then
-differs by ~1e-6 instead of growing with depth (bf16: 0.002-0.004 nat at 28 layers on tiny CPU models, against
-0.04-0.28 nat for the faults the check exists to catch). Bounds on max |grouped - repeated| over response tokens:
-  * float32 compute throughout (float32 runs; sdpa / lse_reference backends in 16-bit runs): 1e-4 (measured <= 1e-6
-    on every tiny model, 28 layers included; a wrong forward is off by >= 1e-2).
-  * flash / flex in a 16-bit run: their kernel runs in the run's dtype (flash has no float32 kernel, and the kernel
-    is what is checked), the rest in float32. Measured (2026-12-01, CPU, tiny Qwen2.5-VL, 28 layers, 3 seeds, sdpa
-    as the 16-bit kernel): 0.00066-0.00098 nat, up to 0.009 x u x L (u = 2^-8, L decoder layers). The bound is
-    0.25 x u x L: 0.027 at 28 layers, 28x the worst measured noise, and under a 0.04 nat fault.
-  * an engine's logprobs (`candidate`, evaluation's decode check) are 16-bit as the engine ran them: they are
-    compared with the repeated forward in the run's dtype, bound 1.6 x u x L (bf16) / 2.0 x u x L (fp16) as measured
-    on 2-8 layer tiny models (0.26-0.40 x u x L, 4x margin).
-Cost of the precise check: the check's two forwards (no gradient) on one group in float32 compute: activations twice
-their bf16 size, one module's float32 weights (at most vocab x hidden x 4 bytes: 2.2 GB for Qwen2.5-VL-7B), and
-float32 matmul time (on a GPU several times the bf16 time) — once per envelope growth, not per step.
-
-Fallback. A `flash` or `flex` backend that raises in the check or fails it is dropped with one warning line (backend,
-figure or error, versions) and the check runs again on `sdpa`, which the model then keeps (`GroupingState.backend`);
-the run stops (mode "on") only when sdpa fails too. `choice` holds (backend, why) for the caller to record.
+It runs on what the caller passes, one of the step's own micro-batches as the update packs it (several groups per
+row, shared videos, sequence-parallel shards), since a fault in a row's second group never runs when one group is
+checked alone. Figures, each against its bound (`mmpg.grouping.bounds`): the logprobs without gradient (in float32
+compute on the run's own weights for a 16-bit run, `mmpg.grouping.precise`, so rounding does not hide a fault); with
+`gradients`, the leak probe and, with autograd recording, the logprobs and the layer-input gradients of a fixed loss
+(`mmpg.grouping.probes`), which catch a fault of the backward alone. docs/grouping.md ("Guards") has the cost.
+The envelope is what has been checked, per (backend, dtype): the longest prefix P, response S and largest group G. A
+batch past it on any axis is checked again, so a kernel path that only long prompts or large groups take (another
+flash tile, a varlen split) is covered when training first reaches it.
+Fallback: a model's own `flash` / `flex` backend that raises or fails is dropped with one warning line and the check
+runs again on `sdpa`, which the model keeps (`GroupingState.backend`); `choice` holds (backend, why) for the caller
+to record. Mode "on" stops only when sdpa fails too.
 """
 
 from __future__ import annotations
@@ -67,6 +30,7 @@ import transformers
 
 from mmpg.grouping import probes, sequence
 from mmpg.grouping.backends import compute_dtype, resolve_backend
+from mmpg.grouping.bounds import LEAK_BOUND, bound_for, gradient_bound, precise_bound
 from mmpg.grouping.inputs import pad_token_id, select_prompts
 from mmpg.grouping.logprobs import grouped_forward, grouped_logprobs, repeated_logprobs
 from mmpg.grouping.patch import base_model, grouping_state, set_grouping_options
@@ -75,46 +39,11 @@ from mmpg.grouping.precise import float32_compute
 log = logging.getLogger("mmpg.grouping")
 
 MODES = ("on", "warn", "off")
-FLOAT32_BOUND = 1e-4
-# max |difference| per unit roundoff u and decoder layer (module docstring): an engine's 16-bit logprobs, and a
-# 16-bit kernel inside the float32 check
-PER_LAYER_ULPS = {torch.bfloat16: (2.0 ** -8, 1.6), torch.float16: (2.0 ** -11, 2.0)}
-KERNEL_PER_LAYER_ULPS = 0.25
-FLOAT32_KERNELS = ("sdpa", "lse_reference")  # backends checked in float32 throughout
 FALLBACK = "sdpa"
-LEAK_BOUND = 1e-6  # the leak probe: measured 0 exactly (a masked key adds an exact zero); docstring
-GRAD_FLOAT32_BOUND = 1e-4  # the probe gradients' max relative difference in float32 (docstring)
-GRAD_SQRT_LAYER_ULPS = 8.0  # ... in a 16-bit run, per unit roundoff and square root of the depth (docstring)
 
 
 class SelfCheckError(RuntimeError):
     """The grouped forward disagreed with the repeated one beyond the dtype's bound (one line: figure, versions)."""
-
-
-def _layers(model) -> int:
-    return int(getattr(model.config.get_text_config(), "num_hidden_layers", 1) or 1)
-
-
-def bound_for(model, dtype: torch.dtype) -> float:
-    """The largest max |engine - repeated| logprob difference accepted when both run in `dtype` (docstring)."""
-    if dtype not in PER_LAYER_ULPS:
-        return FLOAT32_BOUND
-    unit, ratio = PER_LAYER_ULPS[dtype]
-    return ratio * unit * _layers(model)
-
-
-def gradient_bound(model, dtype: torch.dtype) -> float:
-    """The largest max relative difference of the probe gradients accepted in `dtype` (docstring)."""
-    if dtype not in PER_LAYER_ULPS:
-        return GRAD_FLOAT32_BOUND
-    return GRAD_SQRT_LAYER_ULPS * PER_LAYER_ULPS[dtype][0] * _layers(model) ** 0.5
-
-
-def precise_bound(model, backend: str, dtype: torch.dtype) -> tuple[float, torch.dtype | None]:
-    """(bound, kernel dtype) of the float32 grouped-forward check of a `dtype` run on `backend` (docstring)."""
-    if dtype not in PER_LAYER_ULPS or backend in FLOAT32_KERNELS:
-        return FLOAT32_BOUND, None
-    return KERNEL_PER_LAYER_ULPS * PER_LAYER_ULPS[dtype][0] * _layers(model), dtype
 
 
 def versions() -> str:
@@ -154,7 +83,7 @@ def batch_dims(prompt_inputs, completion_mask, group_sizes) -> tuple[int, int, i
 class SelfCheck:
     """Grouped (or an engine's) logprobs vs the repeated forward of the same rows; see the module docstring.
     `precise`: the grouped-forward check of a 16-bit run in float32 compute (default; False: in the run's dtype with
-    the engine bound, as before). `choice`: (backend, why) after a grouped-forward check, `why` naming a fallback."""
+    the engine bound). `choice`: (backend, why) after a grouped-forward check, `why` naming a fallback."""
 
     def __init__(self, mode: str = "on", what: str = "grouped forward", precise: bool = True):
         if mode not in MODES:

@@ -1,29 +1,21 @@
 """The grouped forward with its packed row spread over the sp ranks of a sequence-parallel group.
 
 Every rank of the group holds the same prompts and completions and builds the same whole row (layout, mRoPE
-positions, targets: `mmpg.grouping.logprobs`). Then
+positions, targets: `mmpg.grouping.logprobs`), padded to T_pad = sp * T_loc; rank r holds row[r T_loc : (r+1) T_loc],
+a cut anywhere (inside a video, a question, a response).
 
-    row of T tokens, padded to T_pad = sp * T_loc         shard r = row[r T_loc : (r+1) T_loc]  (a cut anywhere:
-                                                                     inside a video, a question, a response)
     vision tower: rank r encodes temporal patch groups [t r / sp, t (r+1) / sp) of every video (Qwen-VL's vision
-                  attention never crosses a temporal patch group, so the slices' features are the video's); the
-                  merged features (and Qwen3-VL's deepstack features) are all-gathered and put in video order
-    embeddings:   token embeddings of the shard, the features of the shard's placeholders scattered in
-    decoder:      the model's own text model on the shard; its attention is Ulysses (`mmpg.grouping.ulysses`), the
-                  rest of a layer is per token
-    LM head:      on the shard's own predictor positions only; the [n] logprobs are summed over the group (each
-                  rank fills its entries, zeros elsewhere), so every rank holds all of them and computes the loss
+                  attention never crosses one); the merged (and deepstack) features are all-gathered in video order
+    embeddings:   the shard's token embeddings, the features of its placeholders scattered in
+    decoder:      the model's own text model on the shard; attention is Ulysses (`mmpg.grouping.ulysses`)
+    LM head:      on the shard's own predictor positions; the [n] logprobs are summed over the group (zeros where
+                  another rank fills them), so every rank holds all of them and computes the same loss
 
-Gradients: every rank computes the same loss from the summed logprobs, so the group computes sp copies of one loss
-and its gradient is that of their sum. The sum's backward adds the ranks' gradients, and so does the feature
-gather's, so every rank's parameter gradient is sp times its part, and the MEAN over the group's ranks is the
-one-process gradient: the ranks of a group hold replicas of one gradient, like data-parallel ranks that saw the
-same batch. A trainer averages gradients over all dp x sp ranks (DeepSpeed's default, in every ZeRO stage) and
-scales the loss for the data-parallel size only.
-
-Lockstep (ZeRO-3 gathers weights inside every forward, so every rank must call each module alike): each rank
-encodes at least one temporal group (a rank left without one encodes the first group again, weighted 0), and the LM
-head is called the same number of times on every rank of the group (chunks of the whole row's count).
+Gradients: the group computes sp copies of one loss, so every rank's parameter gradient is sp times its part and the
+MEAN over the group is the one-process gradient, like data-parallel ranks that saw the same batch: a trainer averages
+over all dp x sp ranks (DeepSpeed's default, every ZeRO stage) and scales the loss for the data-parallel size only.
+Lockstep (ZeRO-3 gathers weights inside every forward): each rank encodes at least one temporal group (one left
+without encodes the first again, weighted 0), and the LM head runs the same number of chunks on every rank.
 """
 
 from __future__ import annotations

@@ -1,25 +1,22 @@
 """A video shared by its queries: the prompts of one batch that begin alike share that leading part in the packed row.
 
-Grounding datasets ask several questions about each video, and the prompt puts the video first, so the prompts of
-one video's queries agree on a long leading part (system text, video tokens, template words) and differ only in a
-short tail (the question, the assistant header). For a run of adjacent prompts b_1..b_Q that agree on their first L
-tokens, with identical visual inputs and identical positions there, the packed row holds
+The prompt puts the video first, so the prompts of one video's queries agree on a long leading part (system text,
+video tokens, template words) and differ in a short tail (the question, the assistant header). For a run of adjacent
+prompts b_1..b_Q that agree on their first L tokens, with identical visual inputs and positions there, the row holds
 
     [ shared (L tokens) | tail_1 + r_1,1 | tail_1 + r_1,2 | ... | tail_Q + r_Q,G ]
 
 one "group" of the ordinary layout (`mmpg.grouping.layout`): every row sees the shared part and its own earlier
-tokens, which is exactly what the per-query forward of [prompt_q | r_q,g] computes, because a tail token of prompt q
-sees the shared part and the tail's own earlier tokens in both. Each row keeps the positions of its full prompt (the
-model's own index per prompt, `adapters.prefix_positions`); the shared part's positions are the same in every query
-(checked), which is what makes sharing exact. The LM head scores only the response tokens of each row (the tail's
-tokens are inputs, `GroupLayout.row_skip`), and the vision tower sees each shared video once.
+tokens, exactly what the per-query forward of [prompt_q | r_q,g] computes. Each row keeps the positions of its full
+prompt (`adapters.prefix_positions`); the shared part's are the same in every query (checked), which makes sharing
+exact. The LM head scores only response tokens (a tail's tokens are inputs, `GroupLayout.row_skip`), and the vision
+tower sees each shared video once.
 
 Where this departs from a true three-level tree: each row repeats its query's tail (G copies of ~30 tokens), so no
 new attention kernel is needed; the token ceiling is QG(P+t+S)/(P+QG(t+S)) against per-query grouping's
-G(P+t+S)/(P+t+GS) (README: Performance). Shares are runs of adjacent prompts; a video's prompts anywhere in a batch
-are first brought side by side (`share_order`: the grouped forward and the rollout engine compute in that order and
-give results back in the caller's); a lone prompt is packed exactly as before (shared part = the whole prompt, no
-tail).
+G(P+t+S)/(P+t+GS) (docs/performance.md, "One video, three questions"). A video's prompts anywhere in a batch are
+first brought side by side (`share_order`: the grouped forward and the rollout engine compute in that order and give
+results back in the caller's); a lone prompt is packed as a group whose shared part is the whole prompt, no tail.
 """
 
 from __future__ import annotations

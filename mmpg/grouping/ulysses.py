@@ -1,23 +1,19 @@
 """Ulysses attention for a packed row spread over the sp ranks of a sequence-parallel group.
 
 Each rank holds one contiguous shard of the packed row (`mmpg.grouping.sequence`): T_pad = sp * T_loc tokens, the
-real row T <= T_pad followed by padding. Everything in a decoder layer but attention is per token and runs on the
-shard. Attention needs the whole row, so around it
+real row T <= T_pad followed by padding. Everything in a decoder layer but attention runs on the shard; around
+attention
 
     q/k/v [1, H, T_loc, D] (my tokens, all heads) --all-to-all--> [1, H/sp, T, D] (every token, my heads)
     the unchanged grouped backend on the whole row and the layout       -> [1, T, Hq/sp, D]
     --all-to-all back--> [1, T_loc, Hq, D] (my tokens, all heads)
 
-Attention is independent per head, so this is the grouped attention itself, exactly (every backend, video sharing's
-layout included): the backend sees the same row and layout as in one process, for a subset of the heads.
-GQA: rank r takes query heads [r Hq/sp, (r+1) Hq/sp); their key/value heads are [r Hkv/sp, ...) when sp divides
-Hkv. When it does not (sp > Hkv, e.g. 1 or 2 kv heads), each kv head is first repeated c = lcm(Hkv, sp) / Hkv
-times (Hkv and sp both divide Hq, so lcm(Hkv, sp) does too); the repeat's backward sums the copies' gradients.
-
-Why not DeepSpeed's Ulysses (`deepspeed.runtime.sequence_parallel.ulysses_sp`): mmpg.grouping imports no trainer
-framework, and DeepSpeed's HF wrapper drops 4-D masks and rebuilds a flex mask as causal, which cannot carry the
-grouped layout; its all-to-all assumes the row divides by sp. The collectives here are `all_to_all_single` in a
-small autograd function whose backward is the same exchange in reverse.
+Attention is independent per head, so this is the grouped attention itself, exactly, for every backend and layout.
+GQA: rank r takes query heads [r Hq/sp, (r+1) Hq/sp) and their key/value heads when sp divides Hkv; otherwise each
+kv head is first repeated c = lcm(Hkv, sp) / Hkv times (lcm(Hkv, sp) divides Hq), the repeat's backward summing the
+copies' gradients. Not DeepSpeed's Ulysses: mmpg.grouping imports no trainer framework, and DeepSpeed's HF wrapper
+drops 4-D masks and rebuilds a flex mask as causal (no grouped layout), and assumes the row divides by sp. The
+collectives are `all_to_all_single` in a small autograd function whose backward is the same exchange in reverse.
 """
 
 from __future__ import annotations

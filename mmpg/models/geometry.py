@@ -2,13 +2,11 @@
 
 One `Geometry` (the decoder) with an optional `Vision` (the vision tower) is what every size-dependent number of mmpg
 starts from: the FLOPs ceilings (`mmpg.bench.flops`), the memory and time plan (`mmpg.plan`) and the doctor's speed
-rows. `from_config_dict` is the one reader of a config.json: Qwen2.5-VL and Qwen3-VL (`text_config` +
-`vision_config`) and text-only Qwen2 / Qwen3 (sizes at the top level). `MODELS` holds the released sizes, each
-written once; `QWEN2_5_7B` is the Qwen2.5-VL-7B LM without its vision tower (the Qwen2.5-VL LMs are the Qwen2.5 LMs
-of the same size).
+rows. `from_config_dict` is the one reader of a config.json (Qwen2.5-VL and Qwen3-VL: `text_config` +
+`vision_config`; text-only Qwen2 / Qwen3: sizes at the top level). `MODELS` holds the released sizes, each written
+once; `QWEN2_5_7B` is the Qwen2.5-VL-7B LM without its vision tower.
 
-Parameter count of one decoder layer (Qwen2 / Qwen2.5-VL: q, k, v biases; Qwen3 / Qwen3-VL: no biases, q/k RMSNorm
-of head_dim each):
+Parameter count of one decoder layer (Qwen2 / Qwen2.5-VL: q, k, v biases; Qwen3 / Qwen3-VL: q/k RMSNorm instead):
 
     attention  h·Hq·d + 2·h·Hkv·d + Hq·d·h  (+ Hq·d + 2·Hkv·d biases | + 2·d norms)
     MLP        3·h·I                          gated (gate, up, down)

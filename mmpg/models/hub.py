@@ -3,21 +3,17 @@ vllm-serve --checkpoint` becomes a local snapshot folder of the Hugging Face cac
 
     resolve_model("Qwen/Qwen2.5-VL-7B-Instruct").folder   # HF_HOME/hub/models--Qwen--.../snapshots/<commit>
 
-The cache first: a complete snapshot of the cached `main` is used without asking the hub, so a second run, a resumed
+The cache first: a complete snapshot of the cached `main` is used without asking the hub, so a second or resumed
 run, its reference model and the vLLM server all load the revision the first run downloaded (run.json records its
-commit), and a node without internet needs no HF_HUB_OFFLINE. Only when the snapshot is missing or partial, and the
-hub may be reached, is it downloaded (huggingface_hub's `snapshot_download`, with its progress bars); `hf download
-REPO` moves the cached `main` to the hub's newest.
+commit), and a node without internet needs no HF_HUB_OFFLINE. Only a missing or partial snapshot is downloaded
+(`snapshot_download`, with its progress bars); `hf download REPO` moves the cached `main` to the hub's newest.
 
-Once per node: local rank 0 downloads; the other local ranks wait for it on a file lock in the temp folder, before
-torch.distributed is up. A lock, not a barrier: the download (16 GB for a 7B model) may outlast the process group's
-collective timeout, and it happens before the group exists in `mmpg train`'s checks; a failing rank 0 exits and the
-launcher ends the others, while a barrier would leave them waiting. A launcher that sets no LOCAL_RANK makes every
-process rank 0: the lock still lets one download and the others find it cached. Offline (HF_HUB_OFFLINE=1) every rank
-reads the cache on its own: nothing can change it.
-
-This module imports only the standard library, huggingface_hub (inside functions) and `mmpg.errors`: the vLLM
-server (`mmpg.serve`, in its own venv) resolves its --checkpoint with it.
+Once per node: local rank 0 downloads; the other local ranks wait on a file lock in the temp folder, before
+torch.distributed is up. A lock, not a barrier: the download (16 GB for a 7B model) may outlast a collective's
+timeout and comes before the process group exists; a failing rank 0 exits and the launcher ends the others. Without
+LOCAL_RANK every process is rank 0 and the lock still lets one download. Offline (HF_HUB_OFFLINE=1) every rank reads
+the cache on its own. This module imports only the standard library, huggingface_hub (inside functions) and
+`mmpg.errors`: the vLLM server (`mmpg.serve`, in its own venv) resolves its --checkpoint with it.
 """
 
 from __future__ import annotations

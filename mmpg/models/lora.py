@@ -1,25 +1,21 @@
 """LoRA on the language model, built with peft (`LoraConfig`, `get_peft_model`); `model.lora.r > 0` turns it on.
 
-Where peft sits. `get_peft_model` replaces each targeted `nn.Linear` *in place* by peft's `lora.Linear` wrapper
-(`base_layer` + `lora_A` / `lora_B`) and freezes every other parameter. The policy mmpg hands around stays the
-transformers model itself (Qwen2_5_VLForConditionalGeneration, ...), not the `PeftModel` shell, which is kept beside
-it (`peft_model(policy)`) for what only it does: switching the adapters off and `save_pretrained` in peft's format.
-Nothing else changes, and nothing needs unwrapping:
-  * the grouped attention is registered on the inner text model's config (`mmpg.grouping.patch`) and receives the
-    outputs of q/k/v projections; a LoRA wrapper only changes what a projection returns, so the grouped forward,
-    the HF rollout engine (incl. cascade decoding) and the repeated reference run through it unchanged, and
-    `model.model`, `model.config.model_type` and the adapters' other attribute accesses find the Qwen model as before
-    (a `PeftModel` would break them: its `.model` is the ForConditionalGeneration, not the inner Qwen model);
-  * only adapter tensors require grad, so the DeepSpeed engine holds only them in its optimizer; under ZeRO-3 the
-    frozen base is partitioned like any parameter and gathered per module in each forward, as before.
+`get_peft_model` replaces each targeted `nn.Linear` in place by peft's `lora.Linear` wrapper (`base_layer` + `lora_A`
+/ `lora_B`) and freezes every other parameter. The policy mmpg hands around stays the transformers model itself
+(Qwen2_5_VLForConditionalGeneration, ...); the `PeftModel` shell is kept beside it (`peft_model(policy)`) for what
+only it does: switching the adapters off and `save_pretrained` in peft's format. So nothing needs unwrapping:
+  * a LoRA wrapper only changes what a q/k/v projection returns, so the grouped attention (registered on the inner
+    text model's config), the HF rollout engine and the repeated reference run through it unchanged, and
+    `model.model` and `model.config.model_type` still find the Qwen model (a `PeftModel`'s `.model` would not);
+  * only adapter tensors require grad, so the DeepSpeed engine's optimizer holds only them; under ZeRO-3 the frozen
+    base is partitioned like any parameter and gathered per module in each forward.
 The KL reference with LoRA is the same model with its adapters off (`reference_model`): peft's `disable_adapter()`
-makes each wrapper return `base_layer(x)` only, i.e. the base checkpoint's forward, and every rank switches at the
-same point of the same lockstep loop, so the ZeRO-3 gathers of that forward are the same on every rank.
+makes each wrapper return `base_layer(x)`, the base checkpoint's forward, and every rank switches at the same point
+of the same lockstep loop, so the ZeRO-3 gathers are the same on every rank.
 
-Target modules (`resolve_targets`): a leaf name (q_proj) matches inside the language model only, a dotted name as
-a suffix of the full module name anywhere; the result handed to peft is the list of full module names, so peft's own
-suffix matching cannot catch the vision tower's modules of the same leaf name (Qwen2.5-VL's blocks have
-mlp.gate_proj / up_proj / down_proj too).
+Target modules (`resolve_targets`): a leaf name (q_proj) matches inside the language model only, a dotted name as a
+suffix of the full module name anywhere; peft gets the list of full module names, so its own suffix matching cannot
+catch the vision tower's modules of the same leaf name (Qwen2.5-VL's blocks have mlp.gate_proj / up_proj too).
 """
 
 from __future__ import annotations

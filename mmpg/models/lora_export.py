@@ -1,14 +1,13 @@
 """LoRA checkpoints as plain models: load an adapter checkpoint on its base, merge it, export it, sync it to vLLM.
 
-An adapter checkpoint is a folder holding peft's `adapter_config.json` + `adapter_model.safetensors` (what
-`PeftModel.save_pretrained` writes; `base_model_name_or_path` names the base checkpoint), usually the processor files
-too. Merging replaces each adapted linear's weight by
+An adapter checkpoint is a folder holding peft's `adapter_config.json` + `adapter_model.safetensors`
+(`base_model_name_or_path` names the base checkpoint), usually the processor files too. Merging replaces each
+adapted linear's weight by
 
-    W' = W + scale · B @ A          scale = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA); peft's own
-                                    `get_delta_weight` computes it, so the sync merges as `merge_and_unload` does
+    W' = W + scale · B @ A          scale = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA), computed by peft's own
+                                    `get_delta_weight`, so the sync merges as `merge_and_unload` does
 
-and drops the adapter: the result is the base architecture with other weights, which `from_pretrained`, `mmpg eval`
-and vLLM load like any checkpoint.
+and drops the adapter: the result is the base architecture with other weights, loaded like any checkpoint.
 
     model = load_adapter_model("runs/x/checkpoints/step_00000040")        # base + adapter, merged
     export_checkpoint("runs/x/checkpoints/step_00000040", "exports/x-40")  # = `mmpg export`
@@ -17,7 +16,7 @@ and vLLM load like any checkpoint.
 
 Names: a peft-wrapped policy names its parameters `base_model.model.<hf name>` with `.base_layer.` inside adapted
 linears, `lora_A.<adapter>` / `lora_B.<adapter>` beside it and `.modules_to_save.<adapter>.` for fully trained
-copies; `hf_name` maps them back to the names of the plain model (the names the vLLM server loads).
+copies; `hf_name` maps them back to the plain model's names (those the vLLM server loads).
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ import json
 from pathlib import Path
 
 from mmpg.errors import UserError
-from mmpg.plan.whole import USABLE, plan  # noqa: F401 - the plan's dict, as --json prints it
 
 JOB_LINES = {"train": "GRPO step (mmpg train): rollout, reference logprobs where algorithm.beta > 0, update",
              "sft": "SFT step (mmpg sft): one target of S tokens per prompt, no rollout, no reference"}
@@ -64,14 +63,11 @@ def add_arguments(p) -> None:
 
 
 def _hardware(args):
-    from mmpg.plan.gpus import GPUS, gpu
-    from mmpg.plan.timing import Throughput
+    from mmpg.plan.timing import GPUS, Throughput, cpu_memory, cpu_throughput, gpu
 
     if not 0 < args.mfu <= 1 or not 0 < args.bw_util <= 1:
         raise UserError(f"--mfu {args.mfu} / --bw-util {args.bw_util}: give fractions in (0, 1]")
     if args.device == "cpu":
-        from mmpg.plan.probe import cpu_throughput, cpu_memory
-
         tflops, bw = cpu_throughput()
         return "this CPU", cpu_memory(), Throughput("cpu", tflops, bw, 1.0, 1.0)
     if args.gpu_memory is not None:
@@ -113,7 +109,7 @@ def render(p: dict, where: str) -> str:
     if p["what_fits"]:
         lines.insert(-len(p["what_fits"]), "what would make it fit (each change alone, cheapest first):")
     if p.get("disk"):
-        from mmpg.plan.disk import render_disk
+        from mmpg.plan.whole import render_disk
 
         lines += render_disk(p["disk"], p["zero"], p["devices"])
     if p.get("note"):
@@ -150,7 +146,7 @@ def run(args) -> int:
     for flag in ("video_tokens", "prompt_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 0:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a count >= 0")
-    from mmpg.plan.run import sft_plan
+    from mmpg.plan.whole import plan, sft_plan
 
     job, why = (args.job, f"--job {args.job}") if args.job else job_of(args.config)
     p = (sft_plan if job == "sft" else plan)(cfg, 1 if args.gpus is None else args.gpus, args.device, memory, hw,
@@ -158,6 +154,3 @@ def run(args) -> int:
     p["job"] = job
     print(json.dumps(p, indent=1) if args.json else f"{JOB_LINES[job]}; {why}\n" + render(p, where))
     return 0
-
-
-

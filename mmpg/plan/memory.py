@@ -1,44 +1,20 @@
-"""The per-device memory of one GRPO step by part, from the recipe's sizes alone (no model is built).
+"""The per-device memory of one GRPO step by part and phase, from a `Recipe`'s sizes alone (no model is built).
 
-Notation: h hidden, L layers, Hq/Hkv heads of d, I MLP width, V vocabulary, b bytes per value of the compute dtype;
-N parameters (N_t trainable), W data-parallel ranks that shard ZeRO states, P prompt tokens, G responses of S tokens,
-k groups per micro-batch, B prompts rolled out at once per rank.
-
-Model states (mixed precision on a GPU: 16-bit weights and gradients, fp32 master copy + AdamW m and v, as
-DeepSpeed keeps them; float32 on a CPU: the weights are the master copy), as DeepSpeed 0.19 allocates them:
-    weights     b·N            / W under ZeRO-3 (offloaded: 0 on the GPU)
-    gradients   b·N_t          / W under ZeRO-2/3
-    master      4·N_t / W      the fp32 master partition (mixed; float32 ZeRO-1/2 clone the flat partition too),
-                + 8·N_t / W    ZeRO-3: its flat gradient partition and the master partition's gradient buffer;
-                               allocated at set-up (stage_1_and_2.py, stage3.py)
-    optimizer   8·N_t          AdamW's m and v, / W from ZeRO-1, allocated at the first step; offloaded (with the
-                               master): 0 on the GPU, counted under `cpu_offload`
-    reference   b·N            a frozen copy when the KL term is on (algorithm.beta > 0) and the reference is not
-                               the policy with its LoRA adapters off
-The update's activations (autograd saves, per token and layer, b bytes each; the rows hold T tokens, grouped
-T = k (P + G S), naive T = k G (P + S)):
-    no checkpointing   a = 4h (two RMSNorms: input, output) + 3 Hq d (rotated q, attention output, o_proj input)
-                           + 2 Hkv d (rotated k, v) + 4 I (gate, its SiLU, up, their product) per layer
-    checkpointing      h per layer (each layer's input) + one layer's a recomputed in backward
-    both               + the running layer's unsaved intermediates (forward) or their gradients (backward), taken
-                       as a no-grad layer's live set (`layer_transient`); the grouped row's prefix K/V expanded to
-                       the query heads once per group (the CPU sdpa backend), kept for backward
-    LM head            grouped: chunks of 2048 response positions (logits b, fp32 log-softmax and its gradient:
-                       b + 8 per value), recomputed in backward; naive: logits_to_keep = S + 1 for all k G rows at once
-Vision (frozen: no grad, only the block being run is alive; trained: every block's saves): the video's patches
-(4 per LM token at merge 2) as input, C·t·p² values each, held once per prompt grouped and G times by the naive
-layout, which repeats the prompt (its pixels too) for each response.
-Rollout: the K/V cache (2 L Hkv d b per token) of B prompts: cascade P + G S tokens each, copy / generate G (P + S);
-plus the prefill's transient, one layer's worth on min(P, prefill_chunk) tokens (G P for generate, which expands
-the text before its prefill).
-Sequence parallelism divides the update's row (activations; the vision tower's frames) by sp; the rollout is not
-split (the ranks of a sequence-parallel group each roll out whole prompts, B = data.batch_size / devices).
-The peak is the persistent part (states, reference, inputs) plus the largest phase (rollout, reference logprobs,
-update); the update's gradients and a cold step's optimizer states live only from the update on.
-On the CPU (`device="cpu"`, float32 through sdpa, the process's memory is the device's) the plan adds what was
-measured there only (`mmpg train` runs, `mmpg.train.peak_memory`; docs/plan.md, "What the CPU plan adds"): the
-naive forward's dense mask, the frozen vision tower's saves under checkpointing, AdamW's temporaries, the self-check
-phase, the decoded frames when the process decodes its own videos, and the run's own objects (`runtime`).
+`predict(recipe)` gives the bytes by part at the peak, each phase's peak and which phase is largest: the persistent
+part (model states, the reference copy, the inputs) plus the largest phase (rollout, reference logprobs, update;
+self-check and decoding on the CPU). Notation: h hidden, L layers, Hq/Hkv heads of d, I MLP width, V vocabulary,
+b bytes per value; N parameters (N_t trainable), W ranks ZeRO shards over, P prompt tokens, G responses of S
+tokens, k groups per micro-batch, B prompts rolled out per rank.
+  model states   as DeepSpeed 0.19 allocates them: weights b·N, gradients b·N_t, fp32 master 4·N_t (+ 8·N_t of
+                 flat buffers under ZeRO-3), AdamW m and v 8·N_t, each / W from the stage that shards it
+  activations    `per_token_layer` values a token and layer (h with checkpointing) on the update's row of
+                 T = k (P + G S) tokens grouped, k G (P + S) naive; / sp under sequence parallelism
+  LM head        chunks of LOGITS_CHUNK response positions (grouped), S + 1 positions of every row (naive)
+  vision         one block alive when frozen, every block's saves when trained; the naive layout repeats the pixels
+  rollout        the K/V cache (2 L Hkv d b a token: cascade P + G S a prompt, copy G (P + S)) and the prefill's
+                 one-layer transient; not split by sp (each rank rolls out whole prompts)
+Terms under `device="cpu"` were measured on the CPU only, so a GPU plan leaves them out. Each term in full, with its
+source in DeepSpeed, transformers or a measurement: docs/plan.md, "The memory model".
 """
 
 from __future__ import annotations
@@ -47,72 +23,9 @@ import dataclasses
 import math
 
 from mmpg.models.geometry import Geometry
+from mmpg.plan.recipe import Recipe
 
 LOGITS_CHUNK = 2048  # mmpg.grouping.logprobs.head_logprobs' chunk_size
-# A CPU training run's own objects above its baseline, no tensor of the plan: the model's and the processor's Python
-# objects, DeepSpeed's bookkeeping, the data loader's side of its worker. Measured as the run's level before its first
-# rollout less the weights and states there: 4.1-6.8 MB at ZeRO 0-2, 11.9 at ZeRO-3 (eight `mmpg train` runs of tiny
-# and small Qwen2.5-VL models, docs/plan.md); the bench's measured step (`mmpg.plan.validate`) leaves it out.
-RUNTIME_BYTES = 6 * 2 ** 20
-
-
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    """What one device runs. Token counts are per prompt; `prompts` the rollout batch per rank."""
-
-    geometry: Geometry
-    P: int
-    S: int
-    G: int
-    video_tokens: int = 0
-    b: int = 2  # bytes per value of the compute dtype
-    mixed: bool = True  # 16-bit weights with an fp32 master copy (False: everything in float32)
-    zero: int = 0
-    offload: bool = False
-    world: int = 1  # ranks ZeRO shards over
-    sp: int = 1
-    lora_r: int = 0
-    freeze_vision: bool = True
-    train_merger: bool = False  # the tower frozen but its patch merger (model.train_merger)
-    reference: str = "none"  # none | copy | adapters_off
-    micro_groups: int = 1  # k: groups per micro-batch
-    queries: int = 1  # Q: adjacent queries of one video sharing it (data.queries_per_video, grouped only)
-    prompts: int = 1  # B: prompts rolled out at once per rank
-    ckpt: bool = False
-    grouped: bool = True
-    decode: str = "cascade"  # cascade | copy (the naive layout rolls out with generate: copy)
-    prefill_chunk: int = 8192
-    cold: bool = False  # the first step: AdamW's state is allocated at the optimizer step (a CPU measurement's)
-    full_logits: bool = False  # logits at every position of every row, kept with their log-softmax (R1-V-derived
-    #                            trainers: Video-R1, VideoChat-R1), instead of response positions only
-    device: str = "cuda"  # "cpu": the CPU-only terms below (measured on the CPU only, module docstring)
-    self_check: bool = False  # algorithm.self_check on (grouped runs): its phase, counted on the CPU only
-    decode_here: bool = False  # videos decoded in the training process (data.num_workers 0), not in workers
-    runtime: float = 0.0  # bytes a CPU training process holds besides the planned tensors (RUNTIME_BYTES)
-    ragged: bool = False  # responses of unequal length (a run's, not the bench's S each): the naive rows are padded
-
-    @property
-    def patches(self) -> int:
-        v = self.geometry.vision
-        return self.video_tokens * v.merge ** 2 if v else 0
-
-    def trainable(self) -> int:
-        g = self.geometry
-        if self.lora_r:
-            return g.lora_params(self.lora_r)
-        frozen = g.vision.params() - (g.vision.merger_params() if self.train_merger else 0) if g.vision else 0
-        return g.params() - (frozen if self.freeze_vision else 0)
-
-    def videos(self, groups: int) -> int:
-        """Videos among `groups` prompts: one per prompt, or one per Q queries sharing it."""
-        return -(-groups // self.queries) if self.grouped else groups
-
-    def update_tokens(self) -> int:
-        k = self.micro_groups
-        if self.grouped and self.queries > 1:  # [shared video part | tail + response, ...]: mmpg.grouping.shares
-            tail = self.P - self.video_tokens
-            return self.videos(k) * (self.P - tail) + k * self.G * (tail + self.S)
-        return k * (self.P + self.G * self.S) if self.grouped else k * self.G * (self.P + self.S)
 
 
 def states(r: Recipe) -> dict:
@@ -138,7 +51,9 @@ def states(r: Recipe) -> dict:
 
 
 def per_token_layer(g: Geometry) -> int:
-    """Values autograd saves per token and decoder layer without checkpointing (the module docstring's a)."""
+    """a: the values autograd saves per token and decoder layer without checkpointing: 4h (two RMSNorms' inputs
+    and outputs) + 3 Hq d (rotated q, attention output, o_proj input) + 2 Hkv d (rotated k, v) + 4I (gate, its
+    SiLU, up, their product)."""
     return 4 * g.hidden + 3 * g.heads * g.d + 2 * g.kv_heads * g.d + 4 * g.intermediate
 
 

@@ -1,10 +1,9 @@
 """The plan beside what users of other video-RL trainers reported (`mmpg plan --published`).
 
 Each point is the recipe as the report and its project's public scripts describe it; where they are silent the
-assumption is written in `assumed`. Those trainers use the naive layout (G copies of prompt + response), which the plan
-models as `grouped=False`; the R1-V-derived ones (Video-R1, VideoChat-R1) keep the logits of every position with
-their log-softmax (`full_logits`); beside each, the same recipe with
-mmpg's grouped layout.
+assumption is written in `assumed`. Those trainers use the naive layout (G copies of prompt + response), which the
+plan models as `grouped=False`; the R1-V-derived ones (Video-R1, VideoChat-R1) keep the logits of every position
+with their log-softmax (`full_logits`); beside each, the same recipe with mmpg's grouped layout.
 """
 
 from __future__ import annotations
@@ -13,8 +12,10 @@ import dataclasses
 import json
 
 from mmpg.models.geometry import MODELS, Geometry
-from mmpg.plan.gpus import GPUS
-from mmpg.plan.memory import Recipe, predict
+from mmpg.plan.memory import predict
+from mmpg.plan.recipe import Recipe
+from mmpg.plan.timing import GPUS
+from mmpg.plan.whole import USABLE
 
 LLAMA_8B = Geometry("Llama-3.1-8B", 4096, 32, 32, 8, 14336, 128256)  # ALST's model (public config)
 
@@ -55,7 +56,7 @@ def _why(i: int, peak: float, budget: float, other: float, logits: float) -> str
     """One sentence on how the plan and the report compare, with the plan's own numbers (worded by what they say)."""
     gb, fits = 2 ** 30, peak <= budget
     if i == 0:
-        small = 46 * 0.9 * gb
+        small = 46 * USABLE * gb
         return (f"Planned {peak / gb:.0f} GB counts live tensors: {'above' if peak > small else 'below'} a 46 GB card's "
                 f"{small / gb:.0f} GB usable ({'as' if peak > small else 'unlike'} the reported failure there), and "
                 f"{'below' if peak < 80 * gb else 'above'} the ~80 GB reported, which is what nvidia-smi shows (the "
@@ -83,7 +84,7 @@ def published() -> list[dict]:
     rows = []
     for i, pt in enumerate(_points()):
         g = GPUS[pt["gpu"]]
-        budget = g.memory_gb * 2 ** 30 * 0.9
+        budget = g.memory_gb * 2 ** 30 * USABLE
         naive = predict(pt["recipe"])
         grouped = predict(dataclasses.replace(pt["recipe"], grouped=True, decode="cascade", full_logits=False))
         row = {"name": pt["name"], "gpu": g.name, "reported": pt["reported"], "assumed": pt["assumed"],

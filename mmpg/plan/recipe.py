@@ -1,5 +1,6 @@
-"""From a resolved config (`mmpg train --config CFG key=value ...`) and a device count to the `Recipe` one device
-runs: its model geometry, dtype, ZeRO stage and sharding, LoRA, reference, the prompt's tokens, the micro-batch.
+"""The `Recipe` one device runs, what the memory and time models compute from, and how a resolved config and a
+device count become one (`recipe_from_config`): model geometry, dtype, ZeRO stage and sharding, LoRA, reference,
+the prompt's tokens, the micro-batch. (The CPU validation's bench cases build theirs: `mmpg.plan.validate`.)
 
 Prompt tokens: the video's LM tokens are the data budget's worst case (a video long enough to reach
 data.max_frames), as qwen-vl-utils sizes it: min(max_frames / 2 · max_pixels, total_pixels) / (patch · merge)²,
@@ -9,15 +10,77 @@ TEXT_TOKENS of system prompt, template and question. `--video-tokens` / `--promp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 from mmpg.errors import UserError
 from mmpg.models.geometry import Geometry, resolve
-from mmpg.plan.memory import RUNTIME_BYTES, Recipe
 
 TEXT_TOKENS = 120
+# A CPU training run's own objects besides the planned tensors (the model's and processor's Python objects, DeepSpeed's
+# bookkeeping, the loader's side of its worker): 4.1-11.9 MB measured in `mmpg train` runs (docs/plan.md, "runtime")
+RUNTIME_BYTES = 6 * 2 ** 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What one device runs. Token counts are per prompt; `prompts` the rollout batch per rank."""
+
+    geometry: Geometry
+    P: int
+    S: int
+    G: int
+    video_tokens: int = 0
+    b: int = 2  # bytes per value of the compute dtype
+    mixed: bool = True  # 16-bit weights with an fp32 master copy (False: everything in float32)
+    zero: int = 0
+    offload: bool = False
+    world: int = 1  # ranks ZeRO shards over
+    sp: int = 1
+    lora_r: int = 0
+    freeze_vision: bool = True
+    train_merger: bool = False  # the tower frozen but its patch merger (model.train_merger)
+    reference: str = "none"  # none | copy | adapters_off
+    micro_groups: int = 1  # k: groups per micro-batch
+    queries: int = 1  # Q: adjacent queries of one video sharing it (data.queries_per_video, grouped only)
+    prompts: int = 1  # B: prompts rolled out at once per rank
+    ckpt: bool = False
+    grouped: bool = True
+    decode: str = "cascade"  # cascade | copy (the naive layout rolls out with generate: copy)
+    prefill_chunk: int = 8192
+    cold: bool = False  # the first step: AdamW's state is allocated at the optimizer step (a CPU measurement's)
+    full_logits: bool = False  # logits at every position of every row, kept with their log-softmax (R1-V-derived
+    #                            trainers: Video-R1, VideoChat-R1), instead of response positions only
+    device: str = "cuda"  # "cpu": the memory model's CPU-only terms (`mmpg.plan.memory`)
+    self_check: bool = False  # algorithm.self_check on (grouped runs): its phase, counted on the CPU only
+    decode_here: bool = False  # videos decoded in the training process (data.num_workers 0), not in workers
+    runtime: float = 0.0  # bytes a CPU training process holds besides the planned tensors (RUNTIME_BYTES)
+    ragged: bool = False  # responses of unequal length (a run's, not the bench's S each): the naive rows are padded
+
+    @property
+    def patches(self) -> int:
+        v = self.geometry.vision
+        return self.video_tokens * v.merge ** 2 if v else 0
+
+    def trainable(self) -> int:
+        g = self.geometry
+        if self.lora_r:
+            return g.lora_params(self.lora_r)
+        frozen = g.vision.params() - (g.vision.merger_params() if self.train_merger else 0) if g.vision else 0
+        return g.params() - (frozen if self.freeze_vision else 0)
+
+    def videos(self, groups: int) -> int:
+        """Videos among `groups` prompts: one per prompt, or one per Q queries sharing it."""
+        return -(-groups // self.queries) if self.grouped else groups
+
+    def update_tokens(self) -> int:
+        k = self.micro_groups
+        if self.grouped and self.queries > 1:  # [shared video part | tail + response, ...]: mmpg.grouping.shares
+            tail = self.P - self.video_tokens
+            return self.videos(k) * (self.P - tail) + k * self.G * (tail + self.S)
+        return k * (self.P + self.G * self.S) if self.grouped else k * self.G * (self.P + self.S)
 
 
 def geometry_of(path: str) -> Geometry:
@@ -96,9 +159,9 @@ def recipe_from_config(cfg, gpus: int, device: str = "cuda", video: int | None =
     decode = "copy" if cfg.rollout.decode == "copy" else "cascade"
     return Recipe(g, P=P, S=cfg.rollout.max_new_tokens, G=G, video_tokens=vt, b=b, mixed=b == 2, zero=zero,
                   offload=offload, world=gpus, sp=sp, lora_r=lora, freeze_vision=cfg.model.freeze_vision,
-                  train_merger=cfg.model.train_merger,
-                  reference=ref, micro_groups=mb // G,
-                  queries=cfg.data.queries_per_video if cfg.algorithm.share_videos else 1, prompts=math.ceil(cfg.data.batch_size / gpus),
+                  train_merger=cfg.model.train_merger, reference=ref, micro_groups=mb // G,
+                  queries=cfg.data.queries_per_video if cfg.algorithm.share_videos else 1,
+                  prompts=math.ceil(cfg.data.batch_size / gpus),
                   ckpt=cfg.model.gradient_checkpointing, grouped=cfg.algorithm.grouping, decode=decode,
                   prefill_chunk=cfg.rollout.prefill_chunk, device="cpu" if device == "cpu" else "cuda",
                   self_check=cfg.algorithm.self_check != "off", decode_here=cfg.data.num_workers == 0,

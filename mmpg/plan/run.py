@@ -1,31 +1,22 @@
-"""A run's own plan beside what it measured: `mmpg plan --run RUN_DIR [--gpus N]`.
+"""A run's own plan beside what it measured: `mmpg plan --run RUN_DIR [--gpus N]`, and the inspector's memory card
+(`inspect_plan`: the memory only, on the device and device count the run recorded in run.json).
 
-The plan is made from the run's resolved config (RUN_DIR/config.yaml, through `mmpg.runs`) on the run's device;
-the measured figure is the largest `perf/peak_memory_mb` of its metrics.jsonl, and run.json's "peak_memory" says
-what it is (`mmpg.train.peak_memory`). On a GPU, `torch.cuda.max_memory_allocated`: the tensors, as the plan counts
-them. On a CPU, the process's memory above its baseline before the model was loaded, code pages left out: the
-tensors, as the plan's CPU validation measured them (`mmpg.plan.validate`), so its stated error applies
-(CPU_STATED_ERROR). A CPU run of an older mmpg logged the whole process's ru_maxrss instead (Python, torch and
-DeepSpeed: about 1 GB before any tensor): that figure is shown, never divided by the plan. The inspector shows the
-same pair on a run's page (`inspect_plan`: the memory only, on the device and device count the run recorded in
-run.json).
-
-An SFT run is planned as the GRPO model's update phase with one response per prompt (its target: sft/target_tokens
-per sample, else SFT_TARGET_TOKENS), no rollout and no reference — an estimate not yet checked against measured
-SFT peaks. `sft_plan` is that plan whole (memory, time, what fits), also for `mmpg plan --config` of an SFT config
-(`mmpg.plan.cli.job_of` says which job a config is for): per rank the model states, then for each micro-batch of
-trainer.micro_batch_size prompts the forward and backward of [prompt | target] rows; its time is that update alone
-for data.batch_size / devices prompts."""
+The plan is made from the run's resolved config (RUN_DIR/config.yaml, through `mmpg.runs`) on the run's device, as
+its kind (an SFT run: `mmpg.plan.whole.sft_plan`); the measured figure is the largest `perf/peak_memory_mb` of its
+metrics.jsonl, and run.json's "peak_memory" says what it is (`mmpg.train.peak_memory`, `measure_of`). On a GPU,
+`torch.cuda.max_memory_allocated`: the tensors, as the plan counts them. On a CPU, the process's memory above its
+baseline before the model was loaded, code pages left out: the tensors, as the plan's CPU validation measured them
+(`mmpg.plan.validate`), so its stated error applies (CPU_STATED_ERROR). A CPU run that did not record its measure
+logged the whole process's ru_maxrss (Python, torch and DeepSpeed: about 1 GB before any tensor): that figure is
+shown, never divided by the plan.
+"""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from pathlib import Path
 
 from mmpg.errors import UserError
 
-SFT_TARGET_TOKENS = 40  # the default target with Qwen2.5's tokenizer: 34-37 tokens (two-decimal spans), + margin
 # the band within which a CPU run's measured peak is expected to fall: the worst |error| of the CPU plan on cases
 # measured after the model was written (docs/performance.md, "The memory plan against measured runs": 23.5 %);
 # the plan as revised since is within 18.5 % of those cases and 14 % of its eight validation runs (docs/plan.md)
@@ -65,7 +56,7 @@ def run_plan(run_dir: str, gpus: int, memory: float, hw, device: str | None = No
     the run's largest perf/peak_memory_mb or None, "steps": steps with the metric, "measured_means", "comparable":
     whether the figure compares with the plan}."""
     from mmpg.config import load_config
-    from mmpg.plan.whole import plan
+    from mmpg.plan.whole import plan, sft_plan
     from mmpg.runs.layout import CONFIG_YAML
     from mmpg.runs.reader import RunReader
 
@@ -126,15 +117,6 @@ def run_device(info: dict, cfg) -> tuple[str, int, str]:
     return device, devices, "; ".join(note)
 
 
-def sft_config(cfg, metrics: list[dict]):
-    """The config as the plan sees an SFT step: one response per prompt (the target), no reference."""
-    c = copy.deepcopy(cfg)
-    tokens = [m["sft/target_tokens"] for m in metrics if isinstance(m.get("sft/target_tokens"), (int, float))]
-    c.rollout.n, c.algorithm.beta, c.algorithm.self_check = 1, 0.0, "off"
-    c.rollout.max_new_tokens = max(1, round(max(tokens) / cfg.data.batch_size)) if tokens else SFT_TARGET_TOKENS
-    return c
-
-
 def inspect_plan(run_dir: str, info: dict, metrics: list[dict]) -> dict:
     """The memory side of a run's plan for the inspector: {"device", "devices", "note", "kind", "peak_bytes",
     "peak_phase", "parts" (bytes by part at the peak, largest first), "measured_peak_mb", "measured_steps",
@@ -143,6 +125,7 @@ def inspect_plan(run_dir: str, info: dict, metrics: list[dict]) -> dict:
     from mmpg.config import load_config
     from mmpg.plan.memory import predict
     from mmpg.plan.recipe import recipe_from_config
+    from mmpg.plan.whole import sft_config
     from mmpg.runs.layout import CONFIG_YAML
 
     path = Path(run_dir) / CONFIG_YAML
@@ -159,31 +142,3 @@ def inspect_plan(run_dir: str, info: dict, metrics: list[dict]) -> dict:
             "peak_bytes": mem["peak_bytes"], "peak_phase": mem["peak_phase"], "parts": parts,
             "measured_peak_mb": peak, "measured_steps": steps, "measured_means": means,
             "comparable": comparable, "measured_since": since}
-
-
-def sft_plan(cfg, gpus: int, device: str, memory: float, hw, video=None, prompt=None, metrics=()) -> dict:
-    """`mmpg.plan.whole.plan`'s dict for an SFT step of `cfg`, with "job": "sft"; `metrics`: a run's metrics lines
-    (their sft/target_tokens size S)."""
-    from mmpg.plan.fit import candidates
-    from mmpg.plan.memory import predict
-    from mmpg.plan.recipe import recipe_from_config
-    from mmpg.plan.timing import phase_flops
-    from mmpg.plan.whole import plan
-
-    c = sft_config(cfg, list(metrics))
-    out = plan(c, gpus, device, memory, hw, video, prompt)  # geometry, states, disk: as a GRPO step's
-    r = recipe_from_config(c, gpus, device, video, prompt)
-    naive = dataclasses.replace(r, grouped=not r.grouped, decode="copy" if r.grouped else "cascade")
-    mem, other = predict(r, rollout=False), predict(naive, rollout=False)
-    rate = hw.tflops * 1e12 * hw.mfu
-    seconds = r.prompts * phase_flops(r, 1)["update"] / rate
-    fits = mem["peak_bytes"] <= out["budget_bytes"]
-    peaks = [] if fits else [(change, predict(new, rollout=False)["peak_bytes"]) for change, new in candidates(r)]
-    rows = [{"change": change, "peak_bytes": peak, "fits": peak <= out["budget_bytes"]} for change, peak in peaks]
-    out.update(job="sft", peak_bytes=mem["peak_bytes"], peak_phase=mem["peak_phase"], parts=mem["parts"],
-               phases=mem["phases"], fits=fits, other_layout_peak_bytes=other["peak_bytes"],
-               step_seconds={"update": seconds, "total": seconds},
-               other_layout_step_seconds=r.prompts * phase_flops(naive, 1)["update"] / rate, what_fits=rows,
-               cpu_offload_bytes=mem["cpu_offload"])
-    out.pop("note", None)  # a vLLM rollout note: an SFT step samples nothing
-    return out

@@ -1,4 +1,6 @@
-"""The time of one GRPO step by phase, per rank, from FLOPs and bytes (estimates: nothing here is measured).
+"""The time of one GRPO step by phase, per rank, from FLOPs and bytes, and the devices a plan is made for: GPU
+presets (memory, dense bf16 peak, bandwidth) and this machine's CPU, probed (estimates: nothing here is measured
+on a GPU).
 
     compute phases   seconds = FLOPs / (peak · mfu)       vision tower, rollout prefill, reference (and, with
                                                           μ > 1, old-policy) logprobs, update (3× forward; 4× with
@@ -6,20 +8,21 @@
     decode           S - 1 steps, each max(bytes read / (bandwidth · bw_util), FLOPs / (peak · mfu)); bytes read
                      per step = the weights once + the K/V cache of the rank's B prompts (cascade: each prompt's
                      prefix once; copy / generate: G copies)
-FLOPs are `mmpg.bench.flops`' (causal attention, LM head on response positions, the vision tower's per-frame
-attention counted over the whole video — an upper bound). `mfu` (model FLOPs utilisation) and `bw_util` are the
-stated assumptions; the defaults (0.35, 0.6) are typical of bf16 training and decoding with transformers-level
-kernels, not measured for mmpg on any GPU. The naive layout rolls out with generate (G prefills of the prompt) and
-forwards G rows of [prompt | response]. Not modelled: video sharing (data.queries_per_video > 1) times each query as if
-it had its video alone, an upper bound on the rollout, reference and update phases.
+FLOPs are `mmpg.bench.flops`' (the vision tower's per-frame attention counted over the whole video: an upper
+bound). `mfu` and `bw_util` are stated assumptions: the defaults (0.35, 0.6) are typical of bf16 training and
+decoding with transformers-level kernels, not measured for mmpg. The naive layout rolls out with generate (G
+prefills) and forwards G rows of [prompt | response]. Video sharing (data.queries_per_video > 1) is not credited:
+each query is timed as if it had its video alone, an upper bound.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from mmpg.bench import flops
-from mmpg.plan.memory import Recipe
+from mmpg.errors import UserError
+from mmpg.plan.recipe import Recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +34,59 @@ class Throughput:
     bw_util: float = 0.6
 
 
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gb: float  # GiB the card has; the plan counts USABLE of it (`mmpg.plan.whole`)
+    bf16_tflops: float  # dense bf16 tensor-core peak (no sparsity)
+    bandwidth_tbs: float  # HBM/GDDR bandwidth, TB/s
+
+
+GPUS = {  # vendors' data sheets (SXM parts where there are two)
+    "a100-40": GPU("A100 40GB", 40, 312, 1.555), "a100-80": GPU("A100 80GB", 80, 312, 2.039),
+    "h100": GPU("H100 80GB", 80, 989, 3.35), "h200": GPU("H200 141GB", 141, 989, 4.8),
+    "a40": GPU("A40 48GB", 48, 149.7, 0.696), "l40s": GPU("L40S 48GB", 48, 362, 0.864),
+    "4090": GPU("RTX 4090 24GB", 24, 165.2, 1.008),
+}
+
+
+def gpu(name: str) -> GPU:
+    key = name.lower().replace(" ", "").replace("_", "-").replace("gb", "")
+    key = {"a100": "a100-80", "rtx4090": "4090", "a10040": "a100-40", "a10080": "a100-80"}.get(key, key)
+    if key not in GPUS:
+        raise UserError(f"unknown GPU {name!r}; choose one of {', '.join(GPUS)} or give --gpu-memory GB")
+    return GPUS[key]
+
+
+def cpu_memory() -> float:
+    """This machine's memory (MemTotal, bytes): the device of `mmpg plan --device cpu`."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+def cpu_throughput() -> tuple[float, float]:
+    """This CPU's rates: (TFLOP/s of a float32 512x512 matmul, TB/s of a 64 MB copy), best of five tries."""
+    import torch
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    src = torch.empty(16 * 2 ** 20)
+    dst = torch.empty_like(src)
+    best_mm = best_cp = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        best_mm = min(best_mm, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best_cp = min(best_cp, time.perf_counter() - t0)
+    return 2 * 512 ** 3 / best_mm / 1e12, 2 * src.numel() * 4 / best_cp / 1e12
+
+
 def phase_flops(r: Recipe, mu: int = 1) -> dict:
-    """FLOPs of one prompt's phases (decode per step separately: `decode_step_flops`)."""
+    """FLOPs of one prompt's phases ("rollout_decode": all S - 1 decode steps together)."""
     d, P, S, G = r.geometry, r.P, r.S, r.G
     video = {"video_patches": r.patches, "frame_patches": 0}
     if r.patches and d.vision is not None:  # per-frame attention: a frame's patches (merge² per token, ~256 tokens)

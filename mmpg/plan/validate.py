@@ -3,20 +3,24 @@
     python -m mmpg.plan.validate --measure results/plan_cpu.jsonl     # one process per case (minutes each)
     python -m mmpg.plan.validate --measure results/plan_cpu.jsonl --time   # the naive / mmpg step-time pair
     python -m mmpg.plan.validate --report results/plan_cpu.jsonl [--json results/plan_cpu.json]
+    python -m mmpg.plan.validate --case '<case json>'      # measure one case here: one JSON line {"peak_bytes", ...}
 
-The grid is a fractional design over the factors the plan's memory model has terms for: two model sizes (the bench's
-tiny model, LM hidden 64 x 2 layers, and its cpu-targets model, hidden 256 x 4 layers), ZeRO 0/2/3, LoRA off/r 8
-(then the reference is the policy with its adapters off), G 4/16, P ~1k/8k (mostly video tokens), gradient
-checkpointing off/on, grouped (mmpg) and naive (generate + repeated forward); S 64, float32, the KL term on
-(beta 0.04), the vision tower frozen. Every level of every factor appears; the naive layout is left out at P 8k with
-G 16 (16 rows of 8k tokens: minutes and gigabytes on a CPU) and the small model at P 8k naive. Each case is measured
-in its own process (`mmpg.plan.measure`) so that no case sees another's pages. `--measure` appends one JSON line per
-case as it finishes (a killed run keeps what it measured; a rerun skips the cases already in the file).
+A case is the bench's step level (`mmpg.bench.step`): one prompt, G responses of exactly S tokens, one micro-batch,
+float32, the KL term on (beta 0.04) against a frozen copy or, with LoRA, the policy with its adapters off, the
+vision tower frozen, DeepSpeed at the case's ZeRO stage in one process. The grid is a fractional design over the
+factors the memory model has terms for: two model sizes (the bench's tiny model, LM hidden 64 x 2 layers, and its
+cpu-targets model, 256 x 4), ZeRO 0/2/3, LoRA off/r 8, G 4/16, P ~1k/8k (mostly video tokens), gradient
+checkpointing off/on, grouped (mmpg) and naive (generate + repeated forward); S 64. Every level of every factor
+appears; the naive layout is left out at P 8k with G 16 and for the small model at P 8k. Each case is measured in
+its own process (`--case`) so that no case sees another's pages; `--measure` appends one JSON line per case as it
+finishes (a killed run keeps what it measured; a rerun skips the cases already in the file).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import itertools
 import json
 import os
@@ -24,6 +28,9 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from mmpg.plan.memory import predict
+from mmpg.plan.recipe import Recipe
 
 MODELS = {"tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128},
           "small": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512}}
@@ -51,6 +58,32 @@ def case(model: str, zero: int, lora: int, G: int, P: int, ckpt: bool, variant: 
             "ref": "adapters_off" if lora else "copy", "grad_ckpt": ckpt, "threads": 1}
 
 
+
+def case_recipe(case: dict) -> Recipe:
+    """The recipe a case runs. Of the CPU plan's own terms it carries those the measured step has: not a training
+    run's `runtime` (the baseline is taken after a warm step), no decoded frames and no padded naive rows (every
+    response is S tokens, so no dense mask)."""
+    from mmpg.bench.batch import prompt_shape
+    from mmpg.bench.model import model_config
+    from mmpg.models.geometry import from_config_dict
+
+    config, _ = model_config(case)
+    geometry = from_config_dict(config.to_dict(), case.get("name", case["family"]))
+    shape = prompt_shape(case["P"], config, case.get("video"))
+    grouped = case["variant"] != "naive"
+    return Recipe(geometry, P=shape["P"], S=case["S"], G=case["G"], video_tokens=shape.get("video_tokens", 0), b=4,
+                  mixed=False, zero=case.get("zero", 0), lora_r=case.get("lora_r", 0),
+                  freeze_vision=case.get("freeze_vision", True),
+                  reference=("adapters_off" if case.get("ref") == "adapters_off" else "copy")
+                  if case.get("beta", 0.04) > 0 else "none",
+                  ckpt=bool(case.get("grad_ckpt")), grouped=grouped, decode="cascade" if grouped else "copy",
+                  cold=True, device="cpu", self_check=case.get("self_check", "on") != "off")
+
+
+def predict_case(case: dict) -> int:
+    """Predicted CPU peak (bytes) of the case's build + one cold step, as `measure` measures it."""
+    return predict(case_recipe(case))["peak_bytes"]
+
 def holdout() -> list[dict]:
     """Cases at levels the grid does not use (G 8, P ~2k/4k, S 32/128, LoRA r 16), measured after the model was
     last changed: its out-of-sample check."""
@@ -75,12 +108,13 @@ def time_cases() -> list[dict]:
 
 
 def measure_all(path: Path, only: str = "", cases: list | None = None) -> None:
-    done = {json.loads(line)["name"] for line in path.read_text().splitlines() if line.strip()} if path.exists() else set()
+    lines = path.read_text().splitlines() if path.exists() else []
+    done = {json.loads(line)["name"] for line in lines if line.strip()}
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 * 1024), OMP_NUM_THREADS="1")
     for c in grid() if cases is None else cases:
         if c["name"] in done or (only and only not in c["name"]):
             continue
-        proc = subprocess.run([sys.executable, "-m", "mmpg.plan.measure", json.dumps(c)], env=env,
+        proc = subprocess.run([sys.executable, "-m", "mmpg.plan.validate", "--case", json.dumps(c)], env=env,
                               capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         row = dict(c, **json.loads(lines[-1])) if proc.returncode == 0 and lines else \
@@ -90,10 +124,58 @@ def measure_all(path: Path, only: str = "", cases: list | None = None) -> None:
         print(c["name"], row.get("peak_bytes", row.get("error")), flush=True)
 
 
+
+def measure(case: dict) -> dict:
+    """{"peak_bytes", "setup_bytes", "step_peaks", "seconds", ...} of one case in this process: the resident set's
+    high-water over building the policy (and its reference copy), the DeepSpeed engine and one cold GRPO step (the
+    trainer's own `GRPOStep`, its self-check off), less the resident set before them (torch, transformers and
+    DeepSpeed imported, the process group up, and one small step of the same kind run and dropped: lazily imported
+    modules, compiled ops and thread pools' buffers do not grow with the model or the batch). The probes are the
+    bench's (`mmpg.bench.memory`: VmHWM after clear_refs, freed pages given back before each phase), so with
+    MALLOC_MMAP_THRESHOLD_ 64 KiB the high-water follows live tensors rather than what glibc keeps of freed ones."""
+    import torch
+
+    from mmpg.bench import memory as probes
+    from mmpg.bench.step import setup
+    from mmpg.train.engine import prepare_deepspeed_env
+
+    device = torch.device("cpu")
+    torch.set_num_threads(int(case.get("threads", 1)))
+    prepare_deepspeed_env("cpu")
+    for name in ("deepspeed", "transformers"):  # imported before the baseline: their import is not the run's memory
+        importlib.import_module(name)
+    from mmpg import dist
+
+    dist.init("cpu")
+    warm(case, device)
+    probes.release(device)
+    base = probes.rss()
+    if not probes.reset_hwm():
+        raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): the CPU peak cannot be measured here")
+    _, runner, info = setup(dict(case, release=True), device)
+    after_setup = probes.rss() - base
+    out = runner(memory=True)
+    peak = probes.hwm() - base
+    return {"peak_bytes": peak, "setup_bytes": after_setup, "step_peaks": out["peak_bytes"],
+            "seconds": out["seconds"], "P": info["P"], "tokens": info["tokens"],
+            "trainable_params": info["trainable_params"]}
+
+
+def warm(case: dict, device) -> None:
+    """One step of a small case of the same kind (same family, ZeRO stage, LoRA, checkpointing), dropped."""
+    import gc
+
+    from mmpg.bench.step import setup
+
+    small = dict(case, P=64, S=4, G=2, spec=dict(case["spec"], hidden_size=32, num_layers=1,
+                                                  intermediate_size=64, num_heads=4, num_kv_heads=2))
+    _, runner, _ = setup(small, device)
+    runner(memory=False)
+    del runner
+    gc.collect()
+
 def report(path: Path) -> dict:
     """Predicted vs measured peaks: the grid, then the holdout cases, each with its median and worst |error|."""
-    from mmpg.plan.cpu import predict_case
-
     sets: dict[str, list] = {"grid": [], "holdout": []}
     for line in path.read_text().splitlines():
         r = json.loads(line)
@@ -119,11 +201,7 @@ def report(path: Path) -> dict:
 def time_report(path: Path) -> dict | None:
     """Predicted naive/grouped step-time ratio (`mmpg.plan.timing` at this CPU's probed rates, utilisation 1) against
     the measured pair's; None until both are measured."""
-    import dataclasses
-
-    from mmpg.plan.cpu import case_recipe
-    from mmpg.plan.probe import cpu_throughput
-    from mmpg.plan.timing import Throughput, step_seconds
+    from mmpg.plan.timing import Throughput, cpu_throughput, step_seconds
 
     rows = {json.loads(ln)["variant"]: json.loads(ln) for ln in path.read_text().splitlines()
             if ln.strip() and json.loads(ln)["name"].endswith("-time") and "seconds" in json.loads(ln)}
@@ -152,7 +230,11 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="measure only cases whose name contains this")
     p.add_argument("--report", type=Path, help="JSON-lines file of measurements to compare with the plan")
     p.add_argument("--json", type=Path, default=None, help="write the comparison here")
+    p.add_argument("--case", default=None, help="measure this one case (JSON) in this process, print one JSON line")
     args = p.parse_args(argv)
+    if args.case:
+        print(json.dumps(measure(json.loads(args.case))))
+        return 0
     if args.measure:
         measure_all(args.measure, args.only, time_cases() if args.time else holdout() if args.holdout else None)
     if args.report:

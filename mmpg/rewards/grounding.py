@@ -25,7 +25,7 @@ import re
 from typing import Any, Callable
 
 from mmpg.errors import UserError
-from mmpg.rewards.parse import parse_answer
+from mmpg.rewards.parse import ParsedAnswer, parse_answer
 
 Span = tuple[float, float]
 RewardFn = Callable[[str, Any], dict[str, float]]
@@ -62,14 +62,16 @@ def format_reward(response: str, think: bool = True) -> float:
 
 def grounding_reward(response: str, span: Span, duration: float, *, accuracy: str = "iou_v2",
                      format_weight: float = 1.0, accuracy_weight: float = 1.0, think: bool = True,
-                     swap_reversed: bool = False) -> dict[str, float]:
-    """Format + accuracy reward of one response for the ground-truth `span` in a video of `duration` seconds.
+                     swap_reversed: bool = False, parsed: ParsedAnswer | None = None) -> dict[str, float]:
+    """Format + accuracy reward of one response for the ground-truth `span` in a video of `duration` seconds;
+    `parsed`: the response already parsed (`parse_answer(response, duration, swap_reversed=...)`), not parsed again.
 
     Returns {"overall", "format", "accuracy", "iou", "iou_v2", "parsed"} (parsed: 1.0 if a span was read).
     """
     if accuracy not in ("iou_v2", "iou"):
         raise UserError(f"unknown accuracy reward {accuracy!r}; choose iou_v2 or iou")
-    parsed = parse_answer(response, duration, swap_reversed=swap_reversed)
+    if parsed is None:
+        parsed = parse_answer(response, duration, swap_reversed=swap_reversed)
     fmt = format_reward(response, think)
     iou = temporal_iou(parsed.span, span) if parsed.ok else 0.0
     v2 = iou_v2(parsed.span, span, duration) if parsed.ok else 0.0

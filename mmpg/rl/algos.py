@@ -1,43 +1,24 @@
 """GRPO and its variants as pure functions on tensors: advantages, clipped policy loss, k3 KL, loss aggregation.
+N = sum(G_b) responses to B prompts, the G_b rows of group b contiguous and in order (`group_sizes` [B]); per-token
+tensors are [N, S] with a 0/1 completion mask.
 
-A batch holds N = sum(G_b) responses to B prompts; the G_b rows of prompt (group) b are contiguous and in group order,
-so a group is given by its size alone (`group_sizes` [B]). Per-token tensors are [N, S] with a 0/1 completion mask.
-
-Advantages (outcome reward r_i, one value per response, broadcast over its tokens), i in group g:
-    A_i = (r_i - mean_g(r)) / s
-    s = std_g(r) + eps   scale="group"  GRPO, DeepSeekMath (arXiv 2402.03300), std unbiased as torch.std
-    s = std(r) + eps     scale="batch"  std over all N rewards ("Understanding R1-Zero", TRL scale_rewards="batch")
-    s = 1                scale="none"   Dr. GRPO (arXiv 2503.20783): the std division biases towards easy/hard prompts
-A group of size 1 or with all-equal rewards gets A = 0 exactly (no NaN, no 1e-9 leftovers from float rounding).
-
-Policy loss per token, ratio rho = exp(logp - old_logp):
-    l = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
-PPO clip with separate bounds, DAPO "clip-higher" (arXiv 2503.14476): eps_high > eps_low lets unlikely tokens grow.
-At rho = 1 (one update per batch, old_logp = logp.detach()) l = -A and grad l = -A * grad logp.
-
-KL to the reference, k3 estimator (Schulman, "Approximating KL divergence"; DeepSeekMath eq. 4), d = ref_logp - logp:
-    k3 = exp(d) - d - 1 >= 0, an unbiased estimate of KL(pi || ref) for tokens sampled from pi.
-
-Aggregation, L_i = the token count of row i, T = max_new_tokens:
-    grpo    L = 1/N sum_i 1/L_i sum_t l_it       per-sequence token mean (DeepSeekMath)
-    dapo    L = 1/(sum_i L_i) sum_i sum_t l_it  token-level mean (DAPO): long responses weigh per token
-    dr_grpo L = 1/(N T) sum_i sum_t l_it        constant normaliser (Dr. GRPO): no length bias
-Each is sum(w * l) / D with per-row weights w and a denominator D additive over row splits, so the trainer sums D over
-micro-batches and ranks and gets exactly the one-batch loss (`loss_denominator`, `aggregate_loss(..., denominator=)`).
-
-Truncated importance sampling (TIS; Yao et al., "Your efficient RL framework secretly brings you off-policy RL
-training", 2025): the responses were sampled by the rollout engine's pi_rollout, whose logprobs differ from the
-trainer's pi_old (other kernels, vLLM). Each token's policy loss is weighted by
-    w = min(exp(old_logp - rollout_logp), C)        (a constant: no gradient through w)
-so the gradient estimates the pi_old objective; the cap C bounds the variance. With identical engines w = 1.
-With rollout.max_staleness = k >= 1 (`mmpg.rl.overlap`) the samples come from weights up to k steps old and
-rollout_logp is that behaviour policy's; pi_old stays the trainer's recompute of the current weights (the proximal
-policy), so the loss is the decoupled PPO objective (AReaL, Fu et al. 2025, arXiv 2505.24298) with the truncated
-behaviour weight:  l = min(pi_old / pi_behav, C) * -min(rho A, clip(rho) A),  rho = pi_theta / pi_old.
-
-Where we depart from the papers: the log-ratio is clamped to [-20, 20] before exp (as verl does) so exp never
-overflows; such a token is far outside any clip range. Masked positions are dropped with `where`, so a NaN or inf in
-padding never reaches the loss.
+Advantage of response i in group g (outcome reward r_i, broadcast over its tokens): A_i = (r_i - mean_g(r)) / s, with
+s = std_g(r) + eps ("group": GRPO, arXiv 2402.03300; unbiased std), std(r) + eps over all N ("batch") or 1 ("none":
+Dr. GRPO, arXiv 2503.20783). A group of size 1 or with all-equal rewards gets A = 0 exactly.
+Policy loss per token, rho = exp(logp - old_logp): l = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A), with
+DAPO's clip-higher (arXiv 2503.14476) when eps_high > eps_low; at rho = 1, l = -A and grad l = -A grad logp.
+KL to the reference, k3 (DeepSeekMath eq. 4), d = ref_logp - logp: k3 = exp(d) - d - 1 >= 0.
+Aggregation, L_i the token count of row i, T = max_new_tokens: grpo 1/N sum_i 1/L_i sum_t l_it (per-sequence mean),
+dapo 1/(sum_i L_i) sum_it l_it (token mean), dr_grpo 1/(N T) sum_it l_it (no length bias). Each is sum(w l) / D with
+D additive over row splits, so summing D over micro-batches and ranks gives exactly the one-batch loss
+(`loss_denominator`, `aggregate_loss(..., denominator=)`).
+Truncated importance sampling (Yao et al. 2025): each token's loss is weighted by w = min(exp(old_logp -
+rollout_logp), C), no gradient through w, so the gradient estimates the trainer's pi_old objective though the engine
+sampled; with rollout.max_staleness k >= 1 (`mmpg.rl.overlap`) rollout_logp is the k-step-old behaviour policy's and
+this is the decoupled PPO objective (AReaL, arXiv 2505.24298). With identical engines w = 1.
+Where we depart from the papers: the log-ratio is clamped to [-20, 20] before exp (as verl does), far outside any
+clip range, so exp never overflows; masked positions are dropped with `where`, so a NaN in padding never reaches the
+loss.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from mmpg.errors import UserError
 from mmpg.models.vision_calls import prefill_tokens
 from mmpg.rl import algos
 from mmpg.rl.split import generate_split
+from mmpg.rl.rewards import score_groups
 from mmpg.rl.too_long import drop_too_long
 from mmpg.rollout import SamplingParams
 from mmpg.train.batch import PromptGroup, split_groups
@@ -153,8 +154,7 @@ class Collect:
             for g in new:
                 g.policy_version = version
             with timer("reward"):
-                for g in new:
-                    g.rewards = [self.scorer(text, g.sample) for text in g.texts]
+                score_groups(self.scorer, new)
             for g in new[len(new) - copies:]:
                 g.dummy = True
             new, spare = new[:len(new) - copies], spare or (new[-1] if copies else None)

@@ -1,24 +1,22 @@
 """One GRPO step: prompts -> shared-prefix rollout -> rewards -> advantages -> grouped logprobs -> loss -> update.
 
     collect():  (`mmpg.rl.collect`) pull this rank's slice of a global batch (refilled past unusable videos),
-                sample G responses per prompt with one prefill each (the HF engine; or a vLLM server,
-                rollout.engine=vllm), score them; with dynamic sampling drop groups whose rewards are all equal and
-                pull more prompts until every rank has its slice (or the round cap is hit)
-    update():   (`mmpg.rl.update`) advantages; micro-batches of whole groups; per token
-                -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) + beta k3(pi, ref); aggregated as algorithm.loss_type
-                says with the normaliser summed over every micro-batch and rank (`algos.aggregate_loss`), so W ranks x
-                M micro-batches give the gradient of one big batch; num_iterations passes (mu), each one optimizer
-                update; with rollout.tis_cap the policy loss of each token is weighted by min(pi_old / pi_rollout, C)
-                (truncated importance sampling, `algos.truncated_is_weights`)
+                sample G responses per prompt (the HF engine, one prefill each; or a vLLM server), score them; with
+                dynamic sampling drop groups whose rewards are all equal and pull more prompts until every rank has
+                its slice (or the round cap is hit)
+    update():   (`mmpg.rl.update`) advantages; micro-batches of whole groups; the clipped policy loss + beta k3,
+                aggregated with the normaliser summed over every micro-batch and rank (`algos.aggregate_loss`), so
+                W ranks x M micro-batches give the gradient of one big batch; num_iterations optimizer updates; with
+                rollout.tis_cap each token weighted by min(pi_old / pi_rollout, C) (`mmpg.rl.algos`)
     sync:       rollout.engine=vllm: after the update, rank 0 sends the trainable tensors to the server
                 (timing_s/weight_sync; under ZeRO-3 every rank gathers them with it), the other ranks wait for it
     overlap:    rollout.max_staleness = k >= 1 (vLLM): collect() runs in a thread for the next k steps while this
                 one updates (`mmpg.rl.overlap`); the sync waits until no rollout that must not see it is running
 
-Rank lockstep (needed by ZeRO-3, whose every forward gathers weights): every rank pulls the same number of batches,
-decodes until every rank is done, runs the same number of micro-batches (a rank with fewer repeats one with loss
-weight 0) and the same number of LM-head chunks. Response sampling is seeded per prompt (trainer.seed, step, sample
-id), so a run on W ranks samples what a one-process run of the same global batch samples.
+Rank lockstep (ZeRO-3 gathers weights in every forward): every rank pulls the same number of batches, decodes until
+every rank is done, runs the same number of micro-batches (a rank with fewer repeats one with loss weight 0) and
+LM-head chunks. Sampling is seeded per prompt (trainer.seed, step, sample id), so a run on W ranks samples what a
+one-process run of the same global batch samples.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Rollout/training overlap (`rollout.max_staleness` = k >= 1): the vLLM server samples the next steps' groups while
-the trainer updates on the current ones, each group with weights at most k steps old.
+the trainer updates on the current ones, each group with weights at most k steps old. At k = 0 this module is not
+used (the synchronous loop, `GRPOStep.collect`).
 
     step s (main thread)                        the rollout thread
       take(s): the groups of step s               collect(t, gate) for t = s+1 .. s+k: pull and decode the batch,
@@ -9,22 +10,14 @@ the trainer updates on the current ones, each group with weights at most k steps
         weights older than step s's is done
       sync the weights of step s, published(s)    -> may start step s+k+1
 
-So the rollouts of step t are sampled with the weights after step max(start, t - 1 - k) exactly: a rollout in
-flight when new weights are ready finishes on the weights it started with, because the weights are sent only once
-every rollout that must not see them is done (the server would serve them one request after the other anyway, and a
-partial rollout on two weight versions would make its behaviour logprobs a mixture that no version gives). This makes
-the schedule a function of (step, k) alone: every rank samples the same step with the same weights, and a run on W
-ranks trains what one process trains. At k = 0 this module is not used (the synchronous loop, `GRPOStep.collect`).
-
-The thread's collectives (a multi-rank run's rebalancing and dynamic sampling) go over their own process group
-(`mmpg.dist.side`). An error in the thread reaches the main thread at its next `take` or `quiesce` and is raised
-there, on that rank, with no collective, as the synchronous loop raises it: a failure every rank meets (a refused
-request, data unusable batch after batch) is one line on every rank; a failure on one rank alone (a strict data
-error) ends that process and the launcher ends the others, which would otherwise wait for it in a collective.
-
-Resume: a checkpoint's data position counts the batches of the steps trained, not those prefetched (`GRPOStep.batches_trained`),
-so a resumed run pulls the prefetched prompts again and samples them again with the checkpoint's weights (its first
-k steps are then less stale than an uninterrupted run's): no prompt is lost or trained twice.
+Invariants: step t is sampled with exactly the weights after step max(start, t - 1 - k), since weights are sent only
+once no rollout that must not see them is running (a rollout on two weight versions would have behaviour logprobs
+no version gives); so the schedule depends on (step, k) alone and W ranks train what one process trains. The
+thread's collectives use their own process group (`mmpg.dist.side`). An error in the thread is raised in the main
+thread at its next `take` or `quiesce`, on that rank, with no collective: one that every rank meets is one line on
+every rank; one on a single rank (a strict data error) ends that process, and the launcher ends the others. A
+checkpoint's data position counts trained batches only (`GRPOStep.batches_trained`), so a resumed run samples the
+prefetched prompts again with the checkpoint's weights: none is lost or trained twice.
 """
 
 from __future__ import annotations

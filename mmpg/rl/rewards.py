@@ -1,23 +1,43 @@
-"""Scoring responses: the built-in grounding reward (format + accuracy, weighted) or a user's `module:function`."""
+"""Scoring responses: the built-in grounding reward (format + accuracy, weighted) or a user's `module:function`,
+and the span each answer names (for the rollout records), from the one parse of the answer."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from mmpg.rewards import call_reward, load_reward_fn, parse_answer, sample_reward
 
 
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """One response scored: its reward components ("overall" included) and the [start, end] its answer names
+    (None when it does not parse)."""
+
+    rewards: dict[str, float]
+    span: list[float] | None
+
+
 def make_scorer(reward_cfg, think: bool) -> Callable:
-    """(response text, GroundingSample) -> dict of reward components with "overall"."""
-    if reward_cfg.function:
-        fn = load_reward_fn(reward_cfg.function)
-        return lambda text, sample: call_reward(fn, text, sample, name=reward_cfg.function)
+    """(response text, GroundingSample) -> Scored. The answer is parsed once: the built-in reward scores that parse;
+    a user's function scores the text its own way, and the span recorded is still mmpg's parse."""
+    fn = load_reward_fn(reward_cfg.function) if reward_cfg.function else None
     kwargs = dict(accuracy=reward_cfg.accuracy, format_weight=reward_cfg.format_weight,
                   accuracy_weight=reward_cfg.accuracy_weight, think=think, swap_reversed=reward_cfg.swap_reversed)
-    return lambda text, sample: sample_reward(text, sample, **kwargs)
+
+    def score(text: str, sample) -> Scored:
+        parsed = parse_answer(text, sample.duration, swap_reversed=reward_cfg.swap_reversed)
+        if fn is not None:
+            rewards = call_reward(fn, text, sample, name=reward_cfg.function)
+        else:
+            rewards = sample_reward(text, sample, parsed=parsed, **kwargs)
+        return Scored(rewards, [float(parsed.span[0]), float(parsed.span[1])] if parsed.ok else None)
+
+    return score
 
 
-def parsed_span(text: str, sample, swap_reversed: bool = False) -> list[float] | None:
-    """[start, end] the answer names, or None when it does not parse."""
-    parsed = parse_answer(text, sample.duration, swap_reversed=swap_reversed)
-    return [float(parsed.span[0]), float(parsed.span[1])] if parsed.ok else None
+def score_groups(scorer: Callable, groups) -> None:
+    """Each group's `rewards` and `spans`, one `scorer` call per response."""
+    for g in groups:
+        scored = [scorer(text, g.sample) for text in g.texts]
+        g.rewards, g.spans = [s.rewards for s in scored], [s.span for s in scored]

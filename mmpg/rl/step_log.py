@@ -1,33 +1,10 @@
-"""What a GRPO step reports: the metrics line (namespaced as verl does) and the rollout records of the run directory.
+"""What a GRPO step reports: the metrics line (namespaced as verl does: reward/, response/, actor/, data/, timing_s/,
+check/, alarm/, rollout/, perf/) and the rollout records of the run directory. Every metric is listed with its
+meaning in docs/inspector.md ("The metrics of a GRPO step").
 
-Metrics (one `metrics.jsonl` line per step, also TensorBoard), over the whole global batch:
-    reward/mean, reward/std, reward/<component> (format, accuracy, iou = tIoU, iou_v2, parsed, or a user's keys)
-    response/length_mean, response/length_max, response/truncated (share that hit max_new_tokens)
-    actor/loss, actor/kl (k3, per token), actor/clip_fraction, actor/entropy (mean -log p of the sampled tokens, the
-        sample estimate of the policy entropy), actor/grad_norm, actor/lr,
-    actor/logprob_gap_mean, actor/logprob_gap_max (|rollout logprob - training logprob|: the train/inference mismatch)
-    data/skipped (unusable samples this step), data/skipped_total, data/too_long (rollout.engine=vllm: those of
-        data/skipped whose prompt + max_new_tokens the server's max_model_len could not hold), data/zero_adv_groups
-        (share of groups whose rewards are all equal), data/dropped_groups, data/sampling_rounds (dynamic
-        sampling), data/gt_clamped (groups of the step whose ground truth ended past the duration and was clamped:
-        sample.raw_span set)
-    timing_s/rollout, timing_s/reward, timing_s/logprob, timing_s/update, timing_s/step (slowest rank)
-    check/grouped_vs_repeated_max, check/bound, check/leak_max|with_grad_max|gradient_rel_max (each with its _bound),
-        check/groups, check/prefix_max|response_max|group_max, timing_s/self_check: on the steps that ran the
-        self-check (algorithm.self_check; mmpg.grouping.selfcheck), its figures, the micro-batch's groups, the envelope
-    alarm/logprob_drift: 1 on a step where actor/logprob_gap_max has been above the dtype's bound for
-        DRIFT_STEPS steps in a row (also a warning in train.log and the inspector)
-    perf/tokens_per_s (prompt + response tokens of the global batch / step seconds), perf/peak_memory_mb,
-    perf/shared_prompts (prompts the update's grouped forward packed behind another query's shared video),
-    data/split_videos (videos whose queries of the step were trained on more than one rank: each of those ranks
-        decoded and encoded the video; the sampler keeps a video's queries on one rank where they fit),
-    perf/row_tokens (the most tokens of a packed row one rank held in the update's grouped forward: the whole row,
-        or its shard under sequence parallelism, parallel.sequence_parallel_size),
-    perf/videos (distinct videos among the step's groups), perf/vision_calls (videos the vision towers of the policy
-        and the reference encoded in the step's rollout, reference and update forwards, all ranks; not a vLLM
-        server's; with a video's queries shared about perf/videos per forward pass), perf/prefix_tokens (prompt
-        tokens the rollout prefilled, all ranks and sampling rounds: the engine's own count when it shares a
-        video's prefill)
+Contract: the metrics are over the whole global batch (rank 0 computes them from every group's `group_summary` and
+the update's all-reduced sums), timings are the slowest rank's, and a metric that does not apply to a step (no
+update, no self-check, another rollout engine) is left out rather than written as 0.
 """
 
 from __future__ import annotations
@@ -36,7 +13,6 @@ import numpy as np
 import torch
 
 from mmpg.data.dataset import video_key
-from mmpg.rl.rewards import parsed_span
 from mmpg.runs import GroupRecord, ResponseRecord
 from mmpg.train.peak_memory import peak_memory_mb  # the GPU's tensors, or the CPU's memory above its baseline
 
@@ -114,7 +90,7 @@ DRIFT_STEPS = 3  # steps in a row with actor/logprob_gap_max above the bound bef
 class DriftAlarm:
     """Warns when the rollout engine and the training forward keep disagreeing: actor/logprob_gap_max (max |rollout
     logprob - training logprob| over the step's tokens) above `bound` (the dtype's self-check bound,
-    `mmpg.grouping.selfcheck.bound_for`) for `steps` steps in a row. Such a gap found transformers 5.17's dropped
+    `mmpg.grouping.bounds.bound_for`) for `steps` steps in a row. Such a gap found transformers 5.17's dropped
     video, and shared-prefix kernels have caused it elsewhere (verl issue 3595)."""
 
     def __init__(self, bound: float, steps: int = DRIFT_STEPS):
@@ -135,18 +111,18 @@ class DriftAlarm:
                 "rollout.tis_cap")
 
 
-def group_records(step: int, groups, first_index: int, media_keys: dict, swap_reversed: bool,
-                  logprobs: bool = False) -> list[GroupRecord]:
+def group_records(step: int, groups, first_index: int, media_keys: dict, logprobs: bool = False) -> list[GroupRecord]:
     """This rank's groups as run-directory records (group_index counts over the global batch); `logprobs`: with each
     response's token ids, behaviour logprobs and the trainer's (logging.rollout_logprobs)."""
     out = []
     for j, g in enumerate(groups):
         s = g.sample
         responses = [
-            ResponseRecord(text=text, parsed_span=parsed_span(text, s, swap_reversed), rewards=dict(r),
-                           advantage=float(a), length=int(n), finish_reason=fr, **(tokens(g, i) if logprobs else {}))
-            for i, (text, r, a, n, fr) in enumerate(zip(g.texts, g.rewards, g.advantages.tolist(),
-                                                        g.completion_mask.sum(dim=1).tolist(), g.finish_reasons))]
+            ResponseRecord(text=text, parsed_span=span, rewards=dict(r), advantage=float(a), length=int(n),
+                           finish_reason=fr, **(tokens(g, i) if logprobs else {}))
+            for i, (text, r, span, a, n, fr) in enumerate(zip(g.texts, g.rewards, g.spans, g.advantages.tolist(),
+                                                              g.completion_mask.sum(dim=1).tolist(),
+                                                              g.finish_reasons))]
         out.append(GroupRecord(step=step, group_index=first_index + j, sample_id=s.sample_id, video=s.video,
                                duration=float(s.duration), query=s.query, gt_span=[float(s.span[0]),
                                                                                     float(s.span[1])],

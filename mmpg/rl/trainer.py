@@ -101,7 +101,7 @@ class GRPOJob:
                                 make_scorer(cfg.reward, template.think), session.device)
         self.skipped_total = int(session.state.get("skipped_total", 0))  # unusable samples so far, all ranks
         from mmpg.grouping.backends import compute_dtype
-        from mmpg.grouping.selfcheck import bound_for
+        from mmpg.grouping.bounds import bound_for
 
         policy = self.step_fn.policy
         self.drift = DriftAlarm(bound_for(policy, compute_dtype(policy, policy.get_input_embeddings().weight.device)))
@@ -128,8 +128,7 @@ class GRPOJob:
         summaries = dist.gather_data([group_summary(g, step) for g in groups])
         infos = dist.gather_data(info)
         write_rollouts = self.cfg.logging.rollouts_every > 0 and step % self.cfg.logging.rollouts_every == 0
-        local_records = group_records(step, groups, 0, {}, self.cfg.reward.swap_reversed,
-                                      self.cfg.logging.rollout_logprobs) if write_rollouts else []
+        local_records = group_records(step, groups, 0, {}, self.cfg.logging.rollout_logprobs) if write_rollouts else []
         media = dist.gather_data(self._media(groups) if write_rollouts else [])
         records = dist.gather_data(local_records)
         flat = [r for rank_records in records for r in rank_records]

@@ -1,42 +1,22 @@
 """Shared-prefix ("cascade") decoding: each prompt's K/V is stored and read once for all of its G rows.
 
-For the query q of live row i (prompt b) at decode step t, the keys are prefix_b (P_b tokens) ∪ own_i (the t + 1
-tokens row i generated, the current one included). Attention over a union of disjoint key sets is the weighted sum of
-the attentions over each part (the log-sum-exp merge the grouped forward uses, `mmpg.grouping`):
+For the query of live row i (prompt b) at decode step t, the keys are prefix_b (P_b tokens) ∪ own_i (the t + 1
+tokens row i generated). Attention over disjoint key sets merges exactly by log-sum-exp (`mmpg.grouping.merge`):
 
-    o_x, lse_x = attention(q, part x)            (lse_x: log-sum-exp of the scaled scores over part x)
-    lse = log(Σ_x e^lse_x),   o = Σ_x e^(lse_x - lse) · o_x
+    o_x, lse_x = attention(q, part x);   lse = log(Σ_x e^lse_x),   o = Σ_x e^(lse_x - lse) · o_x
 
 Prefix part: the live rows of prompt b ask the same keys, so they form one query block and the prefix is read once
-per step for all of them (Hydragen, arXiv 2402.05099; FlashInfer and vLLM call it cascade attention). With GQA the
-rep = Hq / Hkv query heads sharing a kv head are folded into the query length as well, so the K/V is never copied or
-head-expanded:   queries [B', Hkv, G_max · rep, D]  x  prefix K/V [B', Hkv, L, D]   (one batched kernel call, B' = the
-prompts that still have live rows; left padding of the prompt batch is a key mask). Own part: queries
-[n, Hkv, rep, D] x own K/V [n, Hkv, t + 1, D], no mask: every live row has generated the same number of tokens.
-
-A video shared by its queries (`mmpg.rollout.shares`): the prefix part splits in two levels, each a "prefix"
-as above with its own entries, key mask and query blocks, so three parts are merged:
-
-    shared part of share s   [S', Hkv, L_s, D]   read once per step by all rows of all queries of s
-    tail of query q          [Q', Hkv, L_t, D]   read once per step by the G_q rows of q (ragged: left-padded, masked)
-    own tokens of row i      [n, Hkv, t + 1, D]
-
-A third level rather than one per-row key mask over [shared | every tail of the share]: each level needs only a
-per-entry padding mask, which every kernel here takes (sdpa's additive mask, flash-attn's `cache_leftpad`, math),
-while a per-row mask would rule out `flash_attn_with_kvcache`; the extra kernel call per layer reads ~30 tail tokens.
-
-`SharedPrefixCache` is a transformers `Cache` (one `CascadeLayer` per decoder layer) the engine owns: the prefill
-forward stores the B prompts' K/V in it once (the model's own attention computes the prefill; under video sharing
-the packed prefill's K/V is gathered into the two levels, `ShareSplit`; a chunked prefill appends chunk after chunk,
-and a chunked shared prefill fills the shared level in chunks and then the tails level, `expect_tails`);
-`start_decode(rows)` sets which prompt each of the N rows answers; each decode forward appends one own token per live
-row into a preallocated buffer and the attention function of `mmpg.rollout.cascade_attention` does the cascade. Rows
-that finish leave with `reorder_cache(keep)`; entries (prompts, tails, shares) whose rows all finished leave their
-level.
+per step for all of them (Hydragen, arXiv 2402.05099; FlashInfer and vLLM call it cascade attention), with the GQA
+heads folded into the query length so the K/V is never copied or head-expanded:
+queries [B', Hkv, G_max · rep, D] x prefix K/V [B', Hkv, L, D], left padding a key mask. Own part: [n, Hkv, rep, D]
+x own K/V [n, Hkv, t + 1, D], no mask (every live row has generated the same number of tokens). Under video sharing
+(`mmpg.rollout.shares`) the prefix splits into two levels, a share's shared part [S', Hkv, L_s, D] read once by all
+rows of its queries and each query's tail [Q', Hkv, L_t, D] by its G_q rows: three parts merged. (A third level
+rather than one per-row mask over [shared | every tail]: each level needs only a per-entry padding mask, which every
+kernel here takes, flash-attn's `flash_attn_with_kvcache` included.)
 
 Where this departs from Hydragen / FlashInfer: no paged KV and no inter-request sharing; the prefix is the whole
-prompt (video included) or a shared part found from the inputs, and the rows' own K/V are dense per row; the CPU
-kernel is torch's own flash kernel.
+prompt (video included) or a shared part found from the inputs, and the rows' own K/V are dense per row.
 """
 
 from __future__ import annotations
@@ -209,7 +189,14 @@ class CascadeLayer(CacheLayerMixin):
 
 
 class SharedPrefixCache(Cache):
-    """The prefill of B prompts held once, then N = sum(G_b) rows decoded behind it (see the module docstring).
+    """The prefill of B prompts held once, then N = sum(G_b) rows decoded behind it (see the module docstring): a
+    transformers `Cache`, one `CascadeLayer` per decoder layer, owned by the engine. The prefill forward stores the
+    prompts' K/V once (the model's own attention computes it; a packed shared prefill's K/V is gathered into the two
+    levels, `expect_shares`; a chunked prefill appends chunk after chunk, a chunked shared prefill fills the shared
+    level and then the tails, `expect_tails`); `start_decode(rows)` sets which prompt each row answers; each decode
+    forward appends one own token per live row into a preallocated buffer, and `mmpg.rollout.cascade_attention`
+    does the cascade. Finished rows leave with `reorder_cache(keep)`, and entries whose rows all finished leave
+    their level.
 
     num_layers: decoder layers of the text model; capacity: most tokens a row generates (max_new_tokens)."""
 

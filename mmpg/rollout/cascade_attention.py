@@ -1,30 +1,22 @@
 """The decode attention of cascade decoding, registered through transformers' `AttentionInterface`.
 
-`register_cascade_attention(base)` registers `mmpg_cascade_<base>` (see `cascade_name`), and under that name the mask
-function of the implementation its ordinary calls run (`mmpg.grouping.attention._ordinary`: sdpa for a flash-loaded
-model, whose ordinary and prefill calls run sdpa and need sdpa's 4-D mask, not flash's 2-D one). It behaves exactly like
-`base` — the implementation the text model uses now, possibly mmpg's grouped one — unless the layer call carries
-`mmpg_cascade=<CascadeCall>` in its kwargs, which only `HFEngine`'s cascade decode step passes; then `key`/`value` are
-the row's own K/V that `SharedPrefixCache` returned and the prefix comes from the cache:
+`register_cascade_attention(base)` registers `mmpg_cascade_<base>` (`cascade_name`) with the mask function of the
+implementation its ordinary calls run (`mmpg.grouping.attention._ordinary`: sdpa for a flash-loaded model, whose
+ordinary and prefill calls need sdpa's 4-D mask). It behaves exactly like `base` (the text model's implementation,
+possibly mmpg's grouped one) unless the layer call carries one of mmpg's kwargs:
 
-    query [n, Hq, 1, D] --view--> [n, Hkv, rep, D]                     (rep = Hq / Hkv: GQA heads folded into Lq)
+    mmpg_cascade=CascadeCall (HFEngine's decode step): `key`/`value` are the row's own K/V from `SharedPrefixCache`
+      query [n, Hq, 1, D] --view--> [n, Hkv, rep, D]                     (rep = Hq / Hkv: GQA heads folded into Lq)
       prefix part: rows of prompt b stacked  [B', Hkv, G_max·rep, D] x prefix K/V [B', Hkv, L, D]   one call
+      tails part (video sharing):            [Q', Hkv, G_max·rep, D] x tail K/V   [Q', Hkv, L_t, D] with its key mask
       own part:                              [n, Hkv, rep, D]        x own K/V   [n, Hkv, t + 1, D]  one call
       merged by log-sum-exp -> [n, 1, Hq, D]  (what transformers expects back)
+    CascadeCall(prefill=True): the prefill; a packed shared prefill (with `mmpg_layout`) runs the grouped attention
+    CascadeCall(tails=True): a chunked shared prefill's tails forward (`tails_attention`)
+    mmpg_prefill_chunk=ChunkCall: a chunk of a chunked prefill (`chunk_attention`: no [chunk × prompt] mask)
 
-Under video sharing (`mmpg.rollout.shares`) a third part joins: the tails level, rows of query q stacked
-[Q', Hkv, G_max·rep, D] x tail K/V [Q', Hkv, L_t, D] with the tails' key mask; the three are merged the same way.
-The shared prefill is one packed forward whose layer calls carry `mmpg_layout` too: they run mmpg's grouped attention
-(`mmpg.grouping.attention`, registered for the same base) under that layout.
-
-Two prefill forms of long prompts (`mmpg.rollout.chunks`) run here too. A chunk of a chunked prefill carries
-`mmpg_prefill_chunk=<ChunkCall>` (either decode mode): `chunk_attention` reads the cache's keys so far (GQA folded,
-key mask only) and the chunk's own keys (causal), merged by log-sum-exp, so no [chunk × prompt] mask is ever built.
-A chunked shared prefill's tails forward carries a `CascadeCall(tails=True)`: `tails_attention` reads each share's
-shared part once for all its queries' tail tokens and each tail causally, merged the same way.
-
-`cascade_attention_enabled(model)` selects the registered name for the text model for the duration of a `with` block
-and restores the previous one after (the vision tower keeps its own attention). No modeling code is copied and no
+`cascade_attention_enabled(model)` selects the registered name for the text model inside a `with` block and
+restores the previous one after (the vision tower keeps its own attention). No modeling code is copied and no
 module's `forward` is replaced.
 """
 

@@ -15,23 +15,23 @@ of a left-padded prefix batch (True = attend); every query row has at least one 
            last kernel of the chain before copy decoding
 
 "auto" is chosen per run by `mmpg.rollout.decode_choice` (CUDA: flash if usable, else sdpa, else math, each checked
-against copy decoding on the run's batches); `resolve_backend` alone maps it to sdpa.
+against copy decoding on the run's batches); `resolve_cascade_kernel` alone maps it to sdpa.
 """
 
 from __future__ import annotations
 
 import torch
 
-BACKENDS = ("auto", "sdpa", "flash", "math")
+CASCADE_KERNELS = ("auto", "sdpa", "flash", "math")  # rollout.cascade_backend
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
+def resolve_cascade_kernel(name: str, device: torch.device) -> str:
     """"auto" -> sdpa (torch's own kernel with its LSE: the CPU flash kernel, or CUDA's memory-efficient one); the
     per-run choice with its check is `mmpg.rollout.decode_choice`. Others as given."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown cascade attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name not in CASCADE_KERNELS:
+        raise ValueError(f"unknown cascade attention backend {name!r}; choose one of {', '.join(CASCADE_KERNELS)}")
     return "sdpa" if name == "auto" else name
 
 

@@ -4,31 +4,19 @@ A prompt of P tokens is prefilled as ceil(P / C) forwards of C = `prefill_chunk`
 
     chunk k = tokens [kC, (k+1)C):   queries [B, C]  x  keys = cache [B, kC] ∪ itself (causal)   -> cache [B, (k+1)C]
 
-Attention is a softmax over the same keys with the same scores as the one-forward prefill (the cache holds the
-earlier chunks' K/V exactly as that forward computed them), and every other op of a decoder layer is per token, so
-the chunked prefill computes the same K/V and the same last-token logits; only the order of float sums differs
-(float32: ~1e-6 on the logprobs). The chunk's attention is `cascade_attention.chunk_attention`: cached keys and own
-keys as two parts merged by log-sum-exp, so memory is O(C·(H + K/V)), never a [C, P] mask (on the CPU; off it the
-model's own attention with its [C, P] mask until the cascade CUDA kernels have run on a GPU). Positions are the whole
-prompt's (`adapters.prefix_positions`), cut per chunk. Only the last chunk's last token feeds the LM head
-(logits_to_keep=1). A video shared by its queries (`mmpg.rollout.shares`): the shared parts are prefilled in chunks
-as a left-padded batch, then the queries' tails in one forward behind them (`shares.shared_batches`).
+Exact up to the order of float sums (float32: ~1e-6 on the logprobs): attention is a softmax over the same keys with
+the same scores as the one-forward prefill, and every other op of a decoder layer is per token. On the CPU the
+chunk's attention is `cascade_attention.chunk_attention` (cached and own keys merged by log-sum-exp, O(C·(H + K/V))
+memory, never a [C, P] mask); elsewhere the model's own attention with its mask, until the cascade CUDA kernels have
+run on a GPU. Positions are the whole prompt's, cut per chunk; only the last chunk's last token feeds the LM head.
+Under video sharing the shared parts are prefilled in chunks, then the queries' tails behind them
+(`mmpg.rollout.shares`).
 
-The vision tower in frame chunks. Qwen-VL vision attention never crosses a temporal patch group: Qwen2.5-VL's window
-blocks attend inside windows of one group and its full-attention blocks use cu_seqlens with one segment per group;
-Qwen3-VL's blocks use the same per-group cu_seqlens, its learned position embedding and rotary index depend on (h, w)
-only, and its deepstack taps are per token. The pixel rows of a video of grid (t, h, w) are ordered by temporal
-group (h·w rows each), so
-
-    encode(video (t, h, w)) = concat_i encode(slice_i (t_i, h, w)),     Σ t_i = t
-
-(tested on both tiny families, float32). `encoder_outputs` encodes each video in slices of at most C merged tokens
-(t_i · h·w / merge² <= C, at least one group), with the model's own `get_video_features` / `get_image_features`, and
-keeps the merged features [N_vis, H] (and Qwen3-VL's deepstack features, one [N_vis, H] per tap) once. Each chunk
-then hands the model the rows of its own placeholder tokens as `mm_encoder_outputs` (transformers >= 5.18: the model
-scatters them and, for Qwen3-VL, adds the deepstack features at the chunk's visual positions, in its own code). The
-features of visual token j are row j of the row-major order of the placeholder tokens in the [B, L] batch, the order
-the model's `masked_scatter` uses.
+The vision tower in frame chunks: Qwen-VL vision attention never crosses a temporal patch group, and a video's pixel
+rows are ordered by group, so encode(video (t, h, w)) = concat_i encode(slice_i (t_i, h, w)) with Σ t_i = t
+(`encode_in_chunks`). The merged features are kept once, and each chunk hands the model the rows of its own
+placeholder tokens as `mm_encoder_outputs` (transformers >= 5.18), in the row-major order of the placeholders in the
+[B, L] batch, the order the model's `masked_scatter` uses.
 """
 
 from __future__ import annotations
@@ -95,7 +83,12 @@ def _pieces(grid: torch.Tensor, merge: int, max_tokens: int) -> list[tuple[int, 
 def encode_in_chunks(model, pixels: torch.Tensor, grid: torch.Tensor, method: str, max_tokens: int):
     """The model's `method` (get_video_features / get_image_features) run on temporal slices of the items, several
     slices per call while their tokens fit in max_tokens. pixels [R, C·T·p·p]; grid [n, 3] -> (output class, merged
-    features [N, H], deepstack features [N, H] per tap or None), N = Σ t·h·w / merge²."""
+    features [N, H], deepstack features [N, H] per tap or None), N = Σ t·h·w / merge².
+
+    Exact because no vision block crosses a temporal patch group: Qwen2.5-VL's window blocks attend inside windows of
+    one group and its full-attention blocks use one cu_seqlens segment per group; Qwen3-VL's blocks use the same
+    per-group segments, its position embedding and rotary index depend on (h, w) only, and its deepstack taps are
+    per token (tested on both tiny families, float32)."""
     merge = model.config.vision_config.spatial_merge_size
     calls, current, tokens = [], [], 0
     for piece in _pieces(grid, merge, max_tokens):

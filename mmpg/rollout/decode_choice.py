@@ -8,25 +8,14 @@ The chain (`kernel_chain`), fastest first, each tried until one passes the check
     cascade_backend=flash|sdpa|math:                    that kernel -> copy
     rollout.decode=copy:                                copy (nothing to check)
 
-The check (`DecodeCheck.kernel`): greedy decoding of a slice of the batch — its longest prompt and its shortest (most
-left padding), each with the batch's largest group G_max of rows, so the prefix block is as long and the folded query
-block (G_max · GQA ratio rows) as tall as in the batch — for `STEPS` tokens, no stop token, by the candidate kernel
-and by copy decoding (one forward over the prompt, its K/V copied G ways: the engine's reference path). It passes
-when the tokens agree and max |logprob difference| <= the dtype's bound (`mmpg.grouping.selfcheck.bound_for`: 1e-4 in
-float32; in bf16 / fp16 1.6 / 2.0 · u · layers). Both paths differ only in the attention's reduction order (one
-softmax vs parts merged by log-sum-exp), the same kind of rounding the grouped forward's self-check bounds. A token
-that differs counts only if the two chosen tokens' logprobs differ by more than the bound (otherwise it is a tie the
-two roundings broke differently, and the rows are compared up to it). A kernel that raises fails too.
-
-Cost: 2 prefills of at most 2 prompts and 2 · (STEPS - 1) decode forwards of at most 2 · G_max rows (token 0 comes from
-the prefill), on the first batch and again only when a batch's longest prompt or largest group goes past what was
-checked (the envelope, as the grouped forward's self-check keeps one). A kernel that fails is dropped with one warning
-line (kernel, figure, versions) and the next is checked at once; every choice is recorded
-(`mmpg.choices.record("decode_kernel", ...)`).
-
+The check (`DecodeChoice._check_current`) greedily decodes the batch's longest and shortest prompt with G_max rows
+each for `STEPS` tokens, by the candidate and by copy decoding, and passes when the tokens agree (a tie within the
+bound counts as agreement) and max |logprob difference| <= the dtype's bound (`mmpg.grouping.bounds.bound_for`);
+a kernel that raises fails. It runs on the first batch and again only when a batch's longest prompt or largest group
+goes past what was checked (an `Envelope`); a kernel that fails is dropped with one warning line (kernel, figure,
+versions) and the next is checked at once; every choice is recorded (`mmpg.choices.record("decode_kernel", ...)`).
 rollout.decode_check: auto (on for CUDA, off on the CPU, where the kernels are tested), on, off. Synced decoding
-(ZeRO-3: every rank must run the same forwards) decides by vote: a rank checks when any rank needs to, and the chain
-moves on until every rank's kernel passed.
+(ZeRO-3) decides by vote: a rank checks when any rank needs to, until every rank's kernel passed.
 """
 
 from __future__ import annotations
@@ -37,8 +26,9 @@ import torch
 
 from mmpg import choices
 from mmpg.grouping.inputs import prompt_attention_mask
-from mmpg.grouping.selfcheck import Envelope, bound_for, versions
-from mmpg.rollout.cascade_kernels import BACKENDS
+from mmpg.grouping.bounds import bound_for
+from mmpg.grouping.selfcheck import Envelope, versions
+from mmpg.rollout.cascade_kernels import CASCADE_KERNELS
 
 log = logging.getLogger("mmpg.rollout")
 
@@ -79,7 +69,7 @@ def compare(reference, candidate, bound: float) -> tuple[bool, float, str]:
     ids_a, ids_b = reference.completion_ids, candidate.completion_ids
     lp_a, lp_b = reference.logprobs, candidate.logprobs
     diff = (lp_a - lp_b).abs()  # [n, STEPS]
-    worst, where = 0.0, ""
+    worst = 0.0
     for i in range(ids_a.shape[0]):
         differ = (ids_a[i] != ids_b[i]).nonzero()
         upto = int(differ[0]) + 1 if differ.numel() else ids_a.shape[1]  # the differing step is compared too
@@ -96,8 +86,9 @@ class DecodeChoice:
     """The engine's current decode path and what has been checked for it (module docstring)."""
 
     def __init__(self, decode: str, backend: str, check: str):
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown cascade attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if backend not in CASCADE_KERNELS:
+            raise ValueError(f"unknown cascade attention backend {backend!r}; choose one of "
+                             f"{', '.join(CASCADE_KERNELS)}")
         check_enabled(check, torch.device("cpu"))  # checks the name
         self.decode, self.backend, self.check = decode, backend, check
         self.chain: list[str] | None = None  # candidates left, the current one first
@@ -135,7 +126,15 @@ class DecodeChoice:
     def _check_current(self, engine, prompt_inputs, lengths: list[int], g_max: int, synced: bool) -> bool:
         """Check the current kernel on the batch's slice; on failure drop it (one warning line) and record the next.
         Returns whether the current kernel passed. `synced`: every rank runs the same forwards, so a rank already
-        down to copy decoding runs the check's forwards too (copy against copy)."""
+        down to copy decoding runs the check's forwards too (copy against copy).
+
+        The slice: the longest prompt and the shortest (most left padding), each with G_max rows, so the prefix block
+        is as long and the folded query block (G_max · GQA ratio rows) as tall as in the batch. Both paths differ only
+        in the attention's reduction order (one softmax vs parts merged by log-sum-exp), the rounding the grouped
+        forward's self-check bounds (1e-4 in float32; 1.6 / 2.0 · u · layers in bf16 / fp16). A token that differs
+        counts only if the two chosen tokens' logprobs differ by more than the bound (else a tie the two roundings
+        broke differently; the rows are compared up to it). Cost: 2 prefills of at most 2 prompts and
+        2 · (STEPS - 1) decode forwards of at most 2 · G_max rows (token 0 comes from the prefill)."""
         kernel = self.current
         if kernel == COPY and not synced:
             return True

@@ -1,45 +1,22 @@
 """The HF engine: the training model samples its own rollouts, each prompt (and its video) prefilled once.
 
-`model.generate(num_return_sequences=G)` repeats the inputs G times *before* the prefill, so every long video prompt
-goes through the vision tower and every decoder layer G times. Here:
+`model.generate(num_return_sequences=G)` repeats the inputs G times before the prefill, so a long video goes through
+the vision tower and every decoder layer G times. Here:
 
     B prompts, left-padded ──prefill (one forward, vision tower once, use_cache)──> cache [B, L], logits [B, V]
-      decode="cascade":  the B prefixes stay once in a `SharedPrefixCache`; each row gets its own K/V buffer, and
-      (auto)             the decode attention reads each prefix once for all its rows (`mmpg.rollout.cascade`)
-      decode="copy":     ──cache rows index_select'ed by repeat_interleave(arange(B), G_b)──> cache [N, L]
-                         (the reference, and where a cascade kernel that failed its check steps down to)
-    token 0 of every row: sampled from its prompt's prefill logits (independently per row)
-    token t > 0:          one forward of the model on the N' still-running rows (finished rows leave the cache)
+      decode="cascade" (auto): each prefix stays once in a `SharedPrefixCache` and is read once per step for all
+                               its rows (`mmpg.rollout.cascade`; the kernel checked by `mmpg.rollout.decode_choice`)
+      decode="copy":           cache rows repeated G_b ways -> [N, L] (the reference path)
+    token 0 of every row: sampled from its prompt's prefill logits; token t > 0: one forward of the running rows
 
-Both decode modes give the same tokens (tested: greedy and seeded sampling, token for token); cascade holds
-P + G·S tokens of K/V per prompt instead of G·(P + S) and reads the prefix once per step instead of G times.
-Which cascade kernel runs (flash, sdpa, math) is chosen and checked against copy decoding on the run's own batches
-(`mmpg.rollout.decode_choice`: on CUDA by default; a kernel that disagrees or raises steps down to the next).
-
-A video shared by its queries (decode="cascade" only): prompts with the same video, wherever they sit in the batch,
-are sampled side by side (`mmpg.grouping.shares.share_order`; the rollout comes back in the caller's order, and with
-prompt seeds each row's tokens do not depend on the order); adjacent prompts that agree on a leading part are found
-from the inputs (`mmpg.rollout.shares`) and prefilled as one packed row — each shared part, and
-its video through the vision tower, once; each query's tail behind it — then decoded with three cascade levels
-(shared part | tail | own tokens). A batch in which no two prompts share takes the plain path above unchanged;
-decode="copy" is always per query (the reference). `last_stats` says what the last call prefilled.
-
-Positions: the prompt gets exactly the positions `grouped_logprobs` gives it (`mmpg.grouping.adapters.
-prefix_positions`: the model's own 3-D mRoPE `get_rope_index` for Qwen2.5-VL / Qwen3-VL, 0..P-1 for text models), and
-completion token t sits at start + t on every axis, start being where the model's own forward places a text token
-after the prompt. (transformers' `generate` continues at max(prompt positions) + 1 instead; the two differ after a long
-Qwen2.5-VL video in transformers 5.x, and mmpg follows the forward so rollout and training logprobs agree.) Positions
-are passed to every forward explicitly, so the model's stateful `rope_deltas` is neither used nor changed, and unequal
-group sizes work (the model's own rope-delta path assumes every prompt was expanded the same number of times).
-
-Long prompts (`prefill_chunk` > 0, `mmpg.rollout.chunks`; the prefill forms live in `mmpg.rollout.prefill`): a batch
-longer than one chunk is prefilled chunk by chunk behind the cache (both decode modes; under video sharing its shared
-parts in chunks, then the tails behind them), its videos encoded in frame chunks; the same K/V and logits as the one
-forward up to float rounding (tested within 1e-5). A batch no longer than one chunk takes the one forward above, bit
-for bit.
-
-Where this departs from `generate`: sampling settings come only from `SamplingParams` (the checkpoint's
-generation_config contributes its eos and pad ids, nothing else: no repetition penalty, no default top-k).
+Contract: both decode modes give the same tokens (greedy and seeded). The prompt gets exactly the positions
+`grouped_logprobs` gives it (`mmpg.grouping.adapters.prefix_positions`) and completion token t sits at start + t on
+every axis, start being where the model's own forward places the next text token; positions are passed to every
+forward, so rollout and training logprobs agree, the model's `rope_deltas` is never used or changed, and unequal
+group sizes work. Queries of one video are sampled side by side and prefilled as one packed row
+(`mmpg.rollout.shares`); long prompts are prefilled in chunks (`mmpg.rollout.chunks`); `last_stats` says what the
+last call prefilled. Sampling settings come only from `SamplingParams` (the checkpoint's generation_config gives its
+eos and pad ids, nothing else). docs/rollouts.md, "The HF engine", has the details.
 """
 
 from __future__ import annotations

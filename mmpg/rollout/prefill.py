@@ -20,7 +20,7 @@ from mmpg.grouping.attention import LAYOUT_KWARG
 from mmpg.grouping.inputs import pad_token_id
 from mmpg.rollout.cascade import SharedPrefixCache
 from mmpg.rollout.cascade_attention import CASCADE_KWARG, CHUNK_KWARG, ChunkCall, cascade_attention_enabled
-from mmpg.rollout.cascade_kernels import resolve_backend
+from mmpg.rollout.cascade_kernels import resolve_cascade_kernel
 from mmpg.rollout.chunks import chunk_spans, encoder_outputs, span_inputs, supports_encoder_outputs
 from mmpg.rollout.shares import SharedPrefill, shared_batches
 
@@ -75,7 +75,8 @@ class Prefill:
         if visuals:
             encoded = encoder_outputs(self.model, visuals, 0 if self.all_done is not None else self.prefill_chunk)
         spans = chunk_spans(ids.shape[1], self.prefill_chunk)
-        backend = self._path if self._path not in (None, "copy") else resolve_backend(self.cascade_backend, ids.device)
+        backend = self._path if self._path not in (None, "copy") else \
+            resolve_cascade_kernel(self.cascade_backend, ids.device)
         # chunk_attention on torch's CPU flash kernel; elsewhere (its CUDA path is UNTESTED on a GPU) the model's own
         # attention with its [B, 1, C, b] mask
         own = backend == "sdpa" and ids.device.type == "cpu"

@@ -5,39 +5,20 @@
     ... optimizer step ...
     engine.sync_weights()          # the policy's trainable tensors -> the server (every step)
 
-This process never imports vllm (it runs in its own venv, `mmpg.serve`). Each prompt goes as its token ids (exactly
-what the trainer's processor made: no re-templating) with every video collapsed back to one `<|video_pad|>`
-(`mmpg.rollout.vllm_prompt`), plus the decoded frames and their metadata; the server's processor turns the frames
-into patches with `do_resize=False`, as the trainer's did, and vLLM expands the placeholder again: Qwen2.5-VL's run of
-video tokens, or Qwen3-VL's per-frame `<t seconds><|vision_start|>...<|vision_end|>` in the released form (timestamps
-from the metadata's fps and frames_indices, as transformers computes them). The prompt vLLM ran must equal the
-trainer's token for token, else the request fails (`check_prompts`). vLLM's prefix cache holds each prompt's K/V
-once for its G samples (`n = G` in one request).
+This process never imports vllm (it runs in its own venv, `mmpg.serve`). Each prompt goes as the trainer's own token
+ids with every video collapsed back to one `<|video_pad|>` (`mmpg.rollout.vllm_prompt`), plus the decoded frames and
+their metadata, each distinct video of the batch once (`mmpg.serve.wire` version 2); vLLM expands the placeholder
+again, and the prompt it ran must equal the trainer's token for token, else the request fails (`check_prompts`).
+`n = G` in one request, so vLLM's prefix cache holds each prompt's K/V once for its G samples. `Rollout.logprobs`
+are vLLM's raw logprobs (log softmax of the logits at temperature 1, before top-k / top-p: `mmpg.serve.vllm_server`),
+so logprobs are asked only at temperature 1 or 0 (greedy); they differ from the trainer's recompute by the engines'
+kernels (logged as actor/logprob_gap_*, corrected by `algos.truncated_is_weights` when rollout.tis_cap > 0).
 
-A video once: the request carries a table of the batch's distinct videos (`mmpg.serve.wire` version 2) and each
-prompt the index of its own; K queries of one video (`data.queries_per_video`: the very same `DecodedVideo`, or equal
-frames and metadata) send its frames once, and the server names it by content so that vLLM hashes it once and runs
-its processor and vision encoder once. `last_stats` says what the last call prefilled, in `HFEngine.last_stats`'
-terms: prompts B; prefixes, the prompts that do not follow an earlier prompt of the batch with the same video (each
-video's first query, and every text-only prompt); shared_prompts, B - prefixes; prefix_tokens, the prompt tokens vLLM
-computed (its counters: prompt tokens looked up in its prefix cache less those found there, over every sample's
-sequence, so a prompt of G samples is computed about once); and vLLM's own: cached_tokens (those found),
-processor_runs (videos its HF processor ran on), videos (distinct videos sent), request_bytes, the server's timing_s.
-
-What comes back is laid out as `Rollout` documents. `Rollout.logprobs` are the engine's: log softmax(logits / T) at
-each sampled token before top-k / top-p (the server asks vLLM for processed logprobs with those filters off in the
-logprob, see `mmpg.serve.vllm_server`), the quantity `grouped_logprobs(..., temperature=T)` recomputes. They differ
-from the recompute by the engines' kernels (the train/inference mismatch, logged as actor/logprob_gap_*, corrected
-by `algos.truncated_is_weights` when rollout.tis_cap > 0).
-
-Weight sync: the trainable tensors (the language model when the vision tower is frozen; with LoRA the adapted
-attention and MLP blocks, adapters merged: W + scale B A, computed here, under the plain HF names) are written to one
-safetensors file (in /dev/shm when there) that the server's workers load (`collective_rpc`); the server then drops
-its prefix cache. A GPU server started with --nccl on GPUs of its own gets them by NCCL broadcast instead
-(`mmpg.rollout.vllm_nccl`: the path chosen once per server, every step bounded by `sync_timeout_s`). A server that
-restarted (new instance id) is noticed on the next request and gets every tensor. Under ZeRO-3 (each rank holds a
-slice of every parameter) every rank takes part in each sync: the ranks gather the tensors together a bounded piece
-at a time (`lora_export.gathered_sync_tensors`) and rank 0 sends them.
+Weight sync: the trainable tensors (LoRA adapters merged, W + scale B A, under the plain HF names) go as one
+safetensors file (in /dev/shm when there) that the server's workers load, or by NCCL broadcast to a GPU server
+started with --nccl (`mmpg.rollout.vllm_nccl`); a restarted server (new instance id) gets every tensor; under ZeRO-3
+every rank gathers the tensors with the others and rank 0 sends them. docs/rollouts.md, "vLLM rollouts", has the
+details (`last_stats` too).
 """
 
 from __future__ import annotations
@@ -95,7 +76,7 @@ class VLLMEngine(RolloutEngine):
         check_weight_path(self.health, url)  # a server on another machine: weights by NCCL only
         self.version = int(self.health["version"])  # weight version the server holds (0: its checkpoint)
         self.last_sync: dict = {}
-        self.last_stats: dict | None = None  # what the last generate_groups prefilled (module docstring)
+        self.last_stats: dict | None = None  # what the last generate_groups prefilled (`rollout_stats`)
         self._sender = None  # the NCCL weight sender (GPU servers started with --nccl), made on first use
         self._plan = None  # how weights reach this server (`vllm_nccl.plan_weight_sync`), decided on first sync
         self._device: torch.device | None = None  # where the synced tensors live (the NCCL sender's device)

@@ -1,9 +1,8 @@
 """GPU weight sync to the vLLM server over NCCL, without importing vllm here. UNTESTED on a GPU: its failure paths are
-tested on the CPU with a refusing server and a stand-in NCCL peer (`tests/test_vllm_nccl.py`); the GPU path itself
-by `tests/test_vllm_gpu.py` (markers gpu, vllm) on a machine with GPUs and the vLLM environment.
+tested on the CPU with a refusing server and a stand-in NCCL peer (`tests/test_vllm_nccl.py`), the GPU path by
+`tests/test_vllm_gpu.py` (markers gpu, vllm) on a machine with GPUs and the vLLM environment.
 
-vLLM's RL weight transfer (`init_weight_transfer_engine` / `start_weight_update` / `update_weights` /
-`finish_weight_update`, NCCL backend) lets a trainer that cannot import vLLM join by NCCL unique id:
+vLLM's RL weight transfer (NCCL backend) lets a trainer that cannot import vLLM join by NCCL unique id:
 
     trainer (rank 0)                                     server workers (ranks 1..W)
     uid = torch.cuda.nccl.unique_id()
@@ -12,22 +11,11 @@ vLLM's RL weight transfer (`init_weight_transfer_engine` / `start_weight_update`
     POST /update_weights_nccl {names, dtypes, shapes} -> start, receive one broadcast per tensor, load_weights, finish
     broadcast(tensor, root 0) for each, in that order
 
-Bounded: the HTTP call and the NCCL side each run on a daemon thread and this thread waits for both with one deadline
-(`rollout.vllm_sync_timeout_s`). A server that refuses (an error status) ends the wait at once, one that never
-answers or a peer that never joins ends it at the deadline: a `ServerError` of one line naming the server and what to
-do, never a hang. NCCL cannot cancel a rendezvous, so a thread left inside one stays there (a daemon: it does not keep
-the process alive) and the sender refuses every later send; the server is told the same deadline for its side.
-
-Which path a sync takes (`plan_weight_sync`, decided once per server from its /health):
-    file   the tensors are not on CUDA, the server was started without --nccl, or one of its workers runs on this
-           process's GPU: NCCL refuses two ranks of one group on one device, and a colocated server is what
-           scripts/train_grounding.sh starts by default, so it gets the safetensors file in /dev/shm (one warning line)
-    nccl   otherwise, with world = 1 + the server's workers (its /health "workers": one per GPU of vLLM's tensor,
-           pipeline and data parallel ranks, counted by the server through `collective_rpc`)
-NCCL versions: NCCL's own init compares every rank's version code (major, minor and patch) and fails with
-"Mismatched NCCL version detected" on any difference, so equal versions go ahead, different ones are refused before
-anything starts (one line naming both), and a server that cannot say its version gets one warning line and the
-bounded rendezvous.
+Bounded: the HTTP call and the NCCL side each run on a daemon thread, waited for with one deadline
+(`rollout.vllm_sync_timeout_s`; the server is told the same). A refusal ends the wait at once, silence at the
+deadline: a `ServerError` of one line naming the server and what to do, never a hang. NCCL cannot cancel a
+rendezvous, so a thread left inside one stays there (a daemon) and the sender refuses every later send.
+Which path a server's syncs take, file or NCCL, is decided once from its /health (`plan_weight_sync`).
 """
 
 from __future__ import annotations
@@ -71,9 +59,16 @@ class SyncPlan:
 
 def plan_weight_sync(health: dict, url: str, on_cuda: bool, local_gpu: str | None = None,
                      local_nccl: str | None = None) -> SyncPlan:
-    """The path of this server's weight syncs (module docstring). health: its /health answer; on_cuda: the tensors
-    to send are on a GPU; local_gpu: that GPU's UUID; local_nccl: this process's NCCL version. Raises ServerError
-    (one line) for a server that cannot take part: no worker count, or another NCCL version."""
+    """The path of this server's weight syncs, decided once per server:
+        file   the tensors are not on CUDA, the server was started without --nccl, or one of its workers runs on
+               this process's GPU (NCCL refuses two ranks of one group on one device, and a colocated server is
+               what scripts/train_grounding.sh starts by default): the safetensors file in /dev/shm, one warning line
+        nccl   otherwise, world = 1 + the server's workers (its /health "workers": one per GPU of vLLM's tensor,
+               pipeline and data parallel ranks, counted by the server through `collective_rpc`)
+    NCCL's init compares every rank's version (major, minor, patch) and fails on any difference, so another
+    version is refused here before anything starts; an unknown one gets a warning and the bounded rendezvous.
+    health: the /health answer; on_cuda: the tensors to send are on a GPU; local_gpu: that GPU's UUID; local_nccl:
+    this process's NCCL version. Raises ServerError (one line): no worker count, or another NCCL version."""
     if not on_cuda:
         return SyncPlan("file", why="the weights are not on a GPU")
     if not health.get("nccl"):

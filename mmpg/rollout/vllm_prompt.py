@@ -113,8 +113,12 @@ def distinct_videos(videos: Sequence) -> tuple[list[tuple[torch.Tensor, dict]], 
 
 
 def rollout_stats(ids: list[list[int]], index: list[int | None], answer: dict, request_bytes: int) -> dict:
-    """`VLLMEngine.last_stats` from the server's answer (module docstring). ids: [B] the prompts' token ids; index:
-    [B] each prompt's video in the request's table (None: none)."""
+    """`VLLMEngine.last_stats` from the server's answer, in `HFEngine.last_stats`' terms: prompts B; prefixes, the
+    prompts that do not follow an earlier prompt of the batch with the same video (each video's first query, every
+    text-only prompt); shared_prompts, B - prefixes; prefix_tokens, the prompt tokens vLLM computed (its counters:
+    looked up in its prefix cache less found there, over every sample's sequence); and vLLM's own cached_tokens,
+    processor_runs, videos, request_bytes, timing_s. ids: [B] the prompts' token ids; index: [B] each prompt's video
+    in the request's table (None: none)."""
     firsts = {v: b for b, v in reversed(list(enumerate(index))) if v is not None}  # each video's first prompt
     shared = sum(1 for b, v in enumerate(index) if v is not None and firsts[v] != b)
     counters = dict(answer.get("counters") or {})

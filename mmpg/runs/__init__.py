@@ -29,7 +29,7 @@ from mmpg.runs.reader import RunReader, metric_series
 from mmpg.runs.records import GroupRecord, ResponseRecord
 from mmpg.runs.writer import RunWriter
 
-__doc__ = _layout.__doc__  # the layout is documented once, in mmpg/runs/layout.py
+__doc__ = _layout.__doc__  # the run directory's contract (its format: docs/inspector.md)
 
 __all__ = [
     "EvalReader",

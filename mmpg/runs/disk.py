@@ -11,16 +11,13 @@ What `mmpg.train.checkpoint.save_checkpoint` writes, as DeepSpeed 0.19 and `save
                                 on a CPU they share the module's storage and torch.save writes them once)
                  b·F            ZeRO-3: the frozen tensors' partitions only (trained ones live in the optimizer files)
     optimizer    8·N_t          AdamW's m and v (fp32)                                          optimizer state only
-                 + 4·N_t        the fp32 master copy (bfloat16 training, or any ZeRO stage >= 1, which saves its
-                                fp32 partition even in float32); ZeRO 0 writes it into the model_states file, ZeRO
-                                1-3 into zero_pp_rank_*_optim_states.pt, 1/W of it per rank
+                 + 4·N_t        the fp32 master copy (bfloat16 training, or any ZeRO stage >= 1); ZeRO 0 writes it
+                                into the model_states file, ZeRO 1-3 into zero_pp_rank_*_optim_states.pt, 1/W a rank
 
-A checkpoint "with optimizer state" holds all of it (the deepspeed/ folder: an exact resume); a weights-only one
-holds weights, processor and the small files (`checkpoint.optimizer_state`). For Qwen2.5-VL-7B (N 8.29 B, N_t 7.62 B
-with the vision tower frozen) in bfloat16 under ZeRO-2 that is 118.3 GB against 15.5 GB (GB = 2^30 bytes, as
-`mmpg plan` prints them). `tests/test_checkpoint_disk.py`
-checks each part against the files a CPU run writes under ZeRO 0-3; the GPU-only term (ZeRO-2's frozen copies) is
-read from DeepSpeed's code (`DeepSpeedEngine._save_checkpoint`), not measured.
+A weights-only checkpoint (`checkpoint.optimizer_state`) holds weights, processor and the small files; one with
+optimizer state holds all of it (Qwen2.5-VL-7B, bfloat16, ZeRO-2, tower frozen: 118.3 GB against 15.5 GB, GB = 2^30
+bytes as `mmpg plan` prints them). `tests/test_checkpoint_disk.py` checks each part against the files a CPU run
+writes under ZeRO 0-3; the GPU-only term (ZeRO-2's frozen copies) is read from DeepSpeed's `_save_checkpoint`.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """The evaluation folder: what `mmpg eval` writes for one checkpoint on one benchmark, and how readers get it back.
+Its format, file by file, is in docs/inspector.md ("An evaluation folder"), with the same `LAYOUT_VERSION` as run
+directories.
 
-Layout version 1 (the same `LAYOUT_VERSION` as run directories):
-
-    EVAL_DIR/
-      eval.json            {"layout_version": 1, "kind": "eval", "created": iso time, "checkpoint": path,
-                            "annotations": path, "videos": path, "protocol": name, "step": int | null,
-                            "settings": {every setting that changes the numbers: template, fps, frames, pixels,
-                                         dtype, max_new_tokens, threshold conventions, bad-video policy, ...}}
-      predictions.jsonl    one `PredictionRecord` per line, appended as produced (a rerun skips indices present)
-      metrics.json         {"v": 1, "count", "miou", "r1@0.3", "r1@0.3_ge", ..., "unparseable", "failed", ...}
-      report.md            the human-readable report (metrics table, both threshold conventions, settings)
-      plots/*.png          recall_vs_threshold.png, iou_histogram.png, start_end.png
-      .tmp-*               in-progress files (readers never list names starting with ".")
-
-A training run's evaluations live inside the run directory, one folder per benchmark and checkpoint:
-
-    RUN_DIR/evals/<benchmark>/step_00000040/     an EVAL_DIR as above
+    EVAL_DIR/  eval.json  predictions.jsonl  metrics.json  report.md  plots/*.png
+    RUN_DIR/evals/<benchmark>/step_00000040/     a training run's evaluation of its step-40 checkpoint
     RUN_DIR/evals/<benchmark>/over_steps.md|png  metrics over training steps (`run_benchmark_dir`)
 
-A prediction line:
-
-    {"v": 1, "index": position in the benchmark, "sample_id": "...", "video": path, "duration": seconds,
-     "query": "...", "gt_span": [start_s, end_s], "pred_span": [start_s, end_s] | null, "text": answer,
-     "iou": tIoU (0 when unparseable or failed), "error": null | why the sample could not be evaluated}
+What a caller relies on: predictions.jsonl holds one `PredictionRecord` per line, appended as produced, so a rerun
+skips the indices already there (`EvalWriter.done`); eval.json keeps the first run's settings and `check_settings`
+refuses a rerun with different ones; every other file is written atomically (names starting with "." are in
+progress and never listed).
 """
 
 from __future__ import annotations

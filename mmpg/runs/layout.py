@@ -1,56 +1,15 @@
 """The run directory: the only interface between training (and the evaluator) and its readers (app, eval, plots).
+Its format, file by file, is in docs/inspector.md ("The files it reads"); this module holds its names.
 
-Layout version 1. Every file below carries `LAYOUT_VERSION` ("layout_version" in run.json, "v" in each JSON line
-and record); a reader refuses a version newer than its own and says to upgrade mmpg.
-
-    RUN_DIR/
-      run.json                      {"layout_version": 1, "created": iso time, "mmpg_version": "0.1.0",
-                                     "command": [argv...], "kind": "grpo" | "sft" | "eval",
-                                     "parameters": {"trainable": n, "total": n, "text": "trainable parameters: ...",
-                                                    "lora": {"r", "alpha", "dropout", "modules"} | null},
-                                     "device": "cuda" | "cpu", "devices": world size (training runs),
-                                     "peak_memory": what perf/peak_memory_mb is (training runs,
-                                               mmpg.train.peak_memory): {"measure": "cuda.max_memory_allocated" |
-                                               "cpu.rss_above_baseline" | "cpu.ru_maxrss", "from_step": first step
-                                               it holds for; CPU: "baseline_mb", "high_water", "mmap_threshold"},
-                                     "model": {"path": model.path as given, "folder": what was loaded,
-                                               "repo_id": hub id | null, "revision": commit | null}}
-                                                                            written once, atomically
-      config.yaml                   the resolved config, as YAML text (rewritten atomically at every start)
-      metrics.jsonl                 one line per training step:
-                                      {"v": 1, "step": int, "time": unix seconds,
-                                       "reward/mean": ..., "timing_s/rollout": ..., <namespaced metrics>}
-      eval.jsonl                    one line per evaluation during training:
-                                      {"v": 1, "step": int, "time": unix seconds, <metrics>}
-      rollouts/step_00000012.jsonl  one `GroupRecord` per line (mmpg.runs.records), written atomically per step
-      media/<media_key>/frame_00.jpg, frame_01.jpg, ...   thumbnails of one video, written once per video
-      media/<media_key>/meta.json   {"v": 1, "video": path, "times": [seconds of each thumbnail],
-                                     "frames": [file names, in the order of times]}
-      tb/                           TensorBoard event files (same scalars as metrics.jsonl; eval under "eval/")
-      checkpoints/step_00000012/    a complete checkpoint: a folder holding the file COMPLETE, written last
-      checkpoints/.tmp-step_...     a checkpoint being written (readers ignore it; pruning removes stale ones)
-      train.log                     the trainer's log (written by the trainer, not by mmpg.runs)
-      evals/<benchmark>/step_XXXXXXXX/  evaluation folders of this run's checkpoints (layout in mmpg/runs/evals.py)
-
-A rollout line (`GroupRecord.to_json()`; units and meanings of each field in mmpg/runs/records.py):
-
-    {"v": 1, "step": 12, "group_index": 0, "sample_id": "...", "video": path, "duration": seconds, "query": "...",
-     "gt_span": [start_s, end_s], "media_key": key | null,
-     "responses": [{"text": "...", "parsed_span": [start_s, end_s] | null, "rewards": {"overall": ..., ...},
-                    "advantage": float, "length": tokens, "finish_reason": "stop" | "length"}, ... G of them]}
-
-COMPLETE holds {"v": 1, "completed": iso time}; its presence, not its content, marks a checkpoint complete.
-
-Guarantees a reader can rely on, even after `kill -9`:
-- JSON lines are appended whole (one write of line + "\\n", then fsync). Only the LAST line of a file can be cut
-  short; readers skip it (`read_jsonl`), and the next writer cuts it off before appending. A damaged line anywhere
-  else is an error naming file:line.
-- Non-finite floats (NaN, inf) are written as null, so every line is valid JSON.
-- rollouts/step_*.jsonl, media/<key>/, run.json, config.yaml appear complete or not at all (temp name + rename).
-  Temp names start with "." and never match the patterns readers list.
-- A resumed run (`RunWriter.start(resume_step=k)`) first drops metric/eval lines and rollout files of steps > k, so
-  no step is ever recorded twice by one run. A reader still keeps the last line of a step if it finds duplicates.
-- `media_key` is the video's file stem (made filesystem-safe) plus 12 hex digits of the SHA-1 of its path string.
+What a caller relies on:
+- `LAYOUT_VERSION` is in every file ("layout_version" in run.json, "v" in each JSON line and record); a reader
+  refuses a newer version than its own and says to upgrade mmpg.
+- JSON lines are appended whole; only a file's last line can be cut short (readers skip it), and non-finite floats
+  are written as null. Rollout files, media folders, run.json and config.yaml appear complete or not at all.
+- Names starting with "." (`TEMP_PREFIX` folders included) are in progress: readers never list them.
+- Steps are named `step_name(step)` ('step_00000012'), which sorts in step order up to 10^8 steps.
+- `media_key(video)` names a video's media folder: its stem, made filesystem-safe, plus 12 hex digits of the SHA-1 of
+  the path string as given; readers take it from the record and never recompute it.
 """
 
 from __future__ import annotations

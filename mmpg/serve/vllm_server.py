@@ -2,42 +2,23 @@
 
     python -m mmpg.serve.vllm_server --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--max-model-len 8192]
 
-A server bound beyond 127.0.0.1 (a node of its own) needs a shared token and answers 401 without it (`mmpg.serve.auth`).
-
-Endpoints (JSON answers; errors are {"error": "..."} with a 4xx/5xx status):
-    GET  /health           {"instance", "version", "max_model_len", "checkpoint", "device", "nccl", "wire", "workers",
-                           "worker_gpus", "nccl_version", "host"}: instance is new at every start, so a client
-                           notices a restart; host, its machine's name (a weight file reaches one machine only);
-                           version counts the weight updates applied; wire, the newest request format it
-                           reads (`mmpg.serve.wire`); workers, worker_gpus, nccl_version: what the NCCL weight sync
-                           needs to know (`mmpg.serve.nccl`)
-    POST /generate         a `mmpg.serve.wire` blob: per prompt token ids, n, seed, an optional video (wire 2: an index
-                           into the batch's table of distinct videos, frames + metadata); sampling settings.
+Endpoints (JSON answers; errors are {"error": "..."} with a 4xx/5xx status; a server bound beyond 127.0.0.1 needs a
+shared token and answers 401 without it, `mmpg.serve.auth`):
+    GET  /health           {"instance" (new at every start: a client notices a restart), "version" (weight updates
+                           applied), "wire" (newest request format it reads), "max_model_len", "checkpoint",
+                           "device", "host", "nccl", "workers", "worker_gpus", "nccl_version" (`mmpg.serve.nccl`)}
+    POST /generate         a `mmpg.serve.wire` blob (per prompt token ids, n, seed, an optional video; sampling)
                            -> {"outputs": [[{"token_ids", "logprobs", "finish_reason"}]], "prompt_token_ids",
-                               "cached_tokens" (per prompt, vLLM's figure: one of its n samples'), "videos"
-                               (distinct videos), "counters" (vLLM's, see COUNTERS), "timing_s": {"unpack",
-                               "videos", "enqueue", "engine"}}
+                               "cached_tokens", "videos", "counters" (vLLM's, `COUNTERS`), "timing_s"}
     POST /update_weights   {"path", "version"}: a safetensors file of changed tensors (HF names), loaded by every
                            worker through `collective_rpc`, then the prefix cache is dropped
-    POST /init_weight_transfer, /update_weights_nccl: vLLM's NCCL weight transfer (GPU only, UNTESTED on a GPU;
-                           `mmpg.serve.nccl`), each bounded by the trainer's "timeout_s"
-
-Why not `vllm serve` (the OpenAI server): its completions endpoint takes text or token ids but not decoded frames with
-their metadata next to token ids, nor per-request logprobs of the sampled tokens in one array, nor weight updates.
+    POST /init_weight_transfer, /update_weights_nccl: vLLM's NCCL weight transfer (GPU only, UNTESTED on a GPU)
+Each distinct video of a request becomes one vLLM item named by its content (`wire.video_digest`), passed as
+`multi_modal_uuids`, so vLLM runs its processor and vision encoder once per video and keys the prefix cache by it.
+Logprobs are vLLM's `raw_logprobs` (log softmax of the logits before temperature, bias and top-k / top-p): the
+trainer's policy logprob at temperature 1, so the client refuses other temperatures when it wants them. Not
+`vllm serve` (the OpenAI server): it takes no decoded frames with metadata beside token ids and no weight updates.
 The server is stdlib `http.server` (one request at a time for the engine, a lock around it; /health never waits).
-
-A video once (wire 2): each distinct video of a request becomes vLLM's item once (frames, metadata) and is named by
-its content (`wire.video_digest`: one blake2b pass over its frames); every prompt that asks it passes that name as
-`multi_modal_uuids`, so vLLM 0.32 skips its own hash of the frames (it hashes the name with the processor kwargs
-instead, `ProcessorInputs.get_mm_hashes`), runs its HF processor once (processor cache, keyed by that hash), the
-vision encoder once (encoder cache) and keys the prefix cache's video blocks by it. A content name is exact across
-requests too: a video asked again in a later batch is the same item. "timing_s": unpack (the blob), videos (the
-table and its hashes), enqueue (vLLM's input processing: rendering, its hashes, its processor; `LLM.enqueue`),
-engine (scheduling, vision encoder, prefill, decoding; `LLM.wait_for_completion`).
-
-Logprobs: vLLM's default `raw_logprobs`, i.e. log softmax of the model's logits before temperature, banned-token bias
-and top-k / top-p. That is the trainer's policy logprob for temperature 1 (and for greedy decoding, where HFEngine also
-reports the T = 1 policy), so the client refuses other temperatures when it wants logprobs.
 """
 
 from __future__ import annotations
@@ -107,6 +88,13 @@ class Backend:
 
     # ---- generate -------------------------------------------------------------------------------------------
     def generate(self, blob: bytes) -> dict:
+        """One /generate request. Each distinct video (wire 2) is vLLM's item once, named by its content: with that
+        name as `multi_modal_uuids` vLLM 0.32 hashes the name with the processor kwargs instead of the frames
+        (`ProcessorInputs.get_mm_hashes`), so its processor cache, encoder cache and prefix cache's video blocks hold
+        the video once, across requests too. "cached_tokens": per prompt, vLLM's figure for one of its n samples.
+        "timing_s": unpack (the blob), videos (the table and its hashes), enqueue (vLLM's input processing:
+        rendering, its hashes, its processor; `LLM.enqueue`), engine (scheduling, vision encoder, prefill,
+        decoding; `LLM.wait_for_completion`)."""
         t0 = time.perf_counter()
         meta, arrays = unpack(blob)
         wire = int(meta.get("wire", 1))

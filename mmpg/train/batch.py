@@ -36,6 +36,7 @@ class PromptGroup:
     texts: list[str]  # [G]
     finish_reasons: list[str]  # [G]
     rewards: list[dict] = dataclasses.field(default_factory=list)  # [G] reward components, "overall" included
+    spans: list = dataclasses.field(default_factory=list)  # [G] [start_s, end_s] each answer names, None unparsed
     advantages: torch.Tensor | None = None  # [G] float32
     seed: int = 0  # the prompt seed its responses were drawn with
     policy_version: int | None = None  # the weights that sampled it: those after step policy_version (0: initial)

@@ -1,38 +1,23 @@
 """Checkpoints: an HF model folder any tool can load, plus the trainer state needed to continue exactly.
 
     checkpoints/step_00000040/
-        config.json, model.safetensors, processor / tokenizer files    <- save_pretrained (full weights, also ZeRO-3)
-        deepspeed/state/...                                              <- engine.save_checkpoint: module, optimizer,
-                                                                            LR schedule, per rank (optimizer state)
-        trainer_state.json                                               <- step, data position, mmpg layout version
-        schedule.json                                                    <- LR schedule position, DeepSpeed counters
-        rng/rank_00000.pt                                                <- torch / CUDA / numpy / python RNG states
-        COMPLETE                                                         <- written last, then the folder is renamed
+        config.json, model.safetensors, processor files  save_pretrained: the full weights, also under ZeRO-3 (LoRA:
+                                                         the adapter in peft's format, base_model_name_or_path the
+                                                         base's absolute path or hub id; merging is `mmpg export`'s)
+        deepspeed/state/...                              engine.save_checkpoint: module, optimizer, LR schedule by rank
+        trainer_state.json                               step, data position, mmpg layout version
+        schedule.json                                    LR schedule position, DeepSpeed counters
+        rng/rank_00000.pt                                torch / CUDA / numpy / python RNG states (tensors and lists
+                                                         only: read with torch.load(weights_only=True))
+        COMPLETE                                         written last, then the folder is renamed into place
 
-With LoRA (model.lora.r > 0) the model files are the adapter in peft's format instead of the full weights:
-
-    checkpoints/step_00000040/
-        adapter_config.json, adapter_model.safetensors   <- PeftModel.save_pretrained on rank 0 (adapter tensors
-                                                             gathered under ZeRO-3); base_model_name_or_path is
-                                                             the base checkpoint's absolute path (or hub id)
-        processor / tokenizer files, deepspeed/ (trainable tensors only), trainer_state.json, rng/, COMPLETE
-
-The merged full weights are `mmpg export`'s job, not the checkpoint's.
-
-The optimizer state (deepspeed/: AdamW's moments and the fp32 master copy, 12 bytes per trained parameter, > 90 GB
-for a 7B model; `mmpg.runs.disk`) is kept where `checkpoint.optimizer_state` says: `last` (default) in the newest
-checkpoint only, so a resume continues exactly and older kept checkpoints are weights-only; `all` in every one;
-`none` in none. An older checkpoint loses it only after a newer one is complete, by one rename of its deepspeed/
-folder to a temporary name (then deleted), so no checkpoint is ever half-stripped. Resuming from a weights-only
-checkpoint loads the policy from its weights (setup, `policy_weights`), restarts AdamW's moments from zero, and
-continues the LR schedule, data position and RNG where they were; one line says so.
-
-Everything is written under `checkpoints/.tmp-step_XXXXXXXX/` and renamed when complete (mmpg.runs), so a kill in the
-middle leaves a temporary folder that readers and `--resume auto` ignore. Before writing, rank 0 checks that the
-checkpoint fits the free disk (its size from the parameter counts, `mmpg.runs.disk`) and every rank stops with one
-line if not; a write that fails anyway (the disk filled up meanwhile) removes its temporary folder and leaves the
-checkpoints before it untouched. The RNG files hold tensors and lists only and are read with
-`torch.load(weights_only=True)`.
+Everything is written under checkpoints/.tmp-step_XXXXXXXX/ and renamed when complete, so a kill leaves a temporary
+folder that readers and `--resume auto` ignore. Rank 0 checks first that the checkpoint fits the free disk
+(`mmpg.runs.disk`) and every rank stops with one line if not; a write that fails anyway removes its temporary folder
+and leaves the earlier checkpoints untouched. The optimizer state (deepspeed/, 12 bytes per trained parameter) is
+kept as `checkpoint.optimizer_state` says (`last`: in the newest only; `all`; `none`); an older checkpoint loses it
+only after a newer one is complete, by one rename of its deepspeed/ folder, so none is ever half-stripped. A resume
+from a weights-only checkpoint restarts AdamW's moments from zero, continues the rest, and says so in one line.
 """
 
 from __future__ import annotations

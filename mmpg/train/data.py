@@ -4,23 +4,18 @@
     stream:  epoch 0 order, epoch 1 order, ...                           (infinite)
     global batch k of size B: stream[start + k*B : start + (k+1)*B]; rank r takes its B/W consecutive entries
 
-With data.queries_per_video K > 1 the epoch order keeps up to K queries of one video side by side: each video's
-queries (annotation order) are cut into runs of at most K, and the runs, not the samples, are permuted. Each query
-still comes once per epoch, the order is still a pure function of (seed, epoch), so a checkpoint's stream position
-resumes it exactly; a run that straddles a global batch boundary is split there. Inside a global batch the ranks
-get whole videos (`pack_runs`: a video's queries of the batch, wherever they sit in it — two runs on both sides of
-an epoch boundary too — first fit in stream order, cut only when they fit on no rank whole), so a video is decoded,
-encoded and prefilled by one rank; the global batch itself, and so the step's data, does not change:
+With data.queries_per_video K > 1 each video's queries (annotation order) are cut into runs of at most K and the
+runs, not the samples, are permuted, so up to K queries of one video sit side by side; each query still comes once
+per epoch. Inside a global batch the ranks get whole videos (`pack_runs`: first fit in stream order, a video cut only
+when it fits on no rank whole), so a video is decoded, encoded and prefilled by one rank and shares its prefix in the
+grouped forward (`mmpg.grouping.shares`, `mmpg.train.batch.micro_batches`); the global batch itself does not change:
 
     global batch of 8, W = 2, runs  a a a | b | c c | d d      rank 0: a a a b    rank 1: c c d d
                       runs  a a a | b b b | c c                rank 0: a a a c    rank 1: b b b c   (c cut: no room)
 
-Side by side, a video's queries share its prefix in the grouped forward (`mmpg.grouping.shares`: the vision tower and
-every layer see it once); micro-batches keep them together the same way (`mmpg.train.batch.micro_batches`).
-
-`start` (the stream position) is all a checkpoint needs to continue the data exactly where it stopped, and a run on
-W ranks sees the same prompts in each step as a run on one process with the same global batch. The DataLoader's
-workers decode videos (qwen-vl-utils, decord) and build processor inputs; the main process only consumes batches.
+Invariants: the order is a pure function of (seed, epoch), so `start` (the stream position) is all a checkpoint needs
+to continue the data exactly, and a run on W ranks sees the same prompts in each step as one process with the same
+global batch. The DataLoader's workers decode videos and build processor inputs; the main process only consumes.
 """
 
 from __future__ import annotations

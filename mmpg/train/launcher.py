@@ -13,11 +13,10 @@ one line on stderr and exit 2, before anything starts. Three ways:
     LAUNCHER=NAME        one launch that starts every node: DeepSpeed 0.19's --launcher backends (`LAUNCHERS`),
                          pdsh by default as in DeepSpeed; the programs each runs here must be on PATH
 
-Why here: DeepSpeed finds a missing pdsh or mpirun only after its ssh checks ("launcher 'pdsh' not installed"), and
-its MPI and Slurm backends start the processes with mpirun / srun directly, setting no RANK / WORLD_SIZE and no
-master address: the script exports MASTER_ADDR / MASTER_PORT, the backends pass them on (Open MPI with `-x`; srun and
-MPI's Hydra pass the environment), and `mmpg.dist.adopt_launcher_ranks` reads the ranks from the launcher's own
-variables. Untested on a cluster so far: the flags are tested against stand-ins (tests/test_slurm.py).
+Why here: DeepSpeed finds a missing pdsh or mpirun only after its ssh checks, and its MPI and Slurm backends set no
+RANK / WORLD_SIZE and no master address: the script exports MASTER_ADDR / MASTER_PORT, the backends pass them on,
+and `mmpg.dist.adopt_launcher_ranks` reads the ranks from the launcher's own variables. The flags are tested against
+stand-ins (tests/test_slurm.py), not on a cluster.
 """
 
 from __future__ import annotations

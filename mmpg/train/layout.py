@@ -3,25 +3,18 @@
     python -m mmpg.train.layout train|sft --config CONFIG [key=value ...]      (the launch knobs from the environment)
 
 prints on stdout the GPUs the trainer gets (`deepspeed --include localhost:...`; empty when the launch names none) and
-on stderr one line saying the layout; a layout that cannot run is one line, exit 2, naming the nearest that can.
+on stderr one line saying the layout; a layout that cannot run is one line, exit 2, naming the nearest that can. The
+trainer refuses the same layouts, but only once every rank has started (and with VLLM=1 the server has loaded the
+model): a refusal that costs minutes and leaves a server to stop belongs before both.
 
-Why here and not only in the trainer: the trainer refuses the same layouts (`mmpg.rl.trainer.check_grpo_config`,
-`mmpg.train.setup.check_sequence_parallel`, the data sampler), but only once the launcher has started every rank, and
-with VLLM=1 after the vLLM server has loaded the model. A refusal that costs minutes and leaves a server to stop
-belongs before both.
-
-What must divide, with W training ranks and sp = parallel.sequence_parallel_size:
-    sp | W and sp | the model's attention heads (read from config.json when the model is on disk; else the trainer
-    checks it after the download);  data.batch_size % (W / sp) == 0 (each data-parallel group takes whole prompts);
-    GRPO: trainer.micro_batch_size % rollout.n == 0 (a group stays whole in one micro-batch).
-W comes from the knobs: TRAIN_GPUS (a list), NUM_GPUS (per node, times the hostfile's nodes), HOSTFILE (its slots), or
-the GPUs this machine shows (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`); on a machine without GPUs and without
-NUM_GPUS the launcher decides, and only the checks that need no W run.
-VLLM_GPUS (VLLM=1 only): the server's GPUs, as many as its engine uses (one: `mmpg vllm-serve` runs one engine, on
-one GPU unless VLLM_ARGS asks tensor or data parallelism); an extra one would sit idle. None of the trainer's: NCCL
-cannot put two ranks on one GPU and the memory is not shared out. Without TRAIN_GPUS the trainer takes the GPUs
-VLLM_GPUS leaves.
-A config that does not load is left to the trainer, which says why in its own words.
+What must divide, with W training ranks and sp = parallel.sequence_parallel_size: sp | W and sp | the model's
+attention heads (read from config.json when the model is on disk, else left to the trainer); data.batch_size %
+(W / sp) == 0 (each data-parallel group takes whole prompts); GRPO: trainer.micro_batch_size % rollout.n == 0.
+W comes from TRAIN_GPUS (a list), NUM_GPUS (per node, times the hostfile's nodes), HOSTFILE (its slots), or the GPUs
+this machine shows (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`); without GPUs and NUM_GPUS only the checks that need
+no W run. VLLM_GPUS (VLLM=1): the server's GPUs, as many as its engine uses (an extra one would sit idle) and none of
+the trainer's (NCCL cannot put two ranks on one GPU); without TRAIN_GPUS the trainer takes those it leaves. A config
+that does not load is left to the trainer, which says why in its own words.
 """
 
 from __future__ import annotations

@@ -1,45 +1,22 @@
-"""`perf/peak_memory_mb`: what a training run measures, on either device the same thing `mmpg plan` predicts.
+"""`perf/peak_memory_mb`: what a training run measures, on either device the same thing `mmpg plan` predicts
+(the measurements behind it: docs/plan.md, "A run beside its plan").
 
     GPU  torch.cuda.max_memory_allocated: the high-water of the live tensors, what the plan counts.
-    CPU  torch keeps no count of its CPU tensors, so the process's memory stands in for it, measured as
-         `mmpg.plan.validate` measured the plan's CPU peaks (the resident set's high-water above a baseline):
+    CPU  the resident set's high-water above a baseline, as `mmpg.plan.validate` measured the plan's CPU peaks:
              peak = max over the run of  VmHWM - code - (RssAnon + RssShmem)(baseline) - imports
-         The baseline is taken when the session starts, before the model is loaded (torch, transformers and
-         DeepSpeed imported, the process group up). Left out, because they are code and not the run's data:
-         code = RssFile - weights, the file-backed pages other than the checkpoint's (the code of torch, decord
-         and the kernels a first step faults in: ~100 MB on a tiny model's first step), and `imports`, what each
-         module imported after the baseline added to the anonymous memory (DeepSpeed's ZeRO-2 set-up alone imports
-         ~680 modules, torch._inductor and networkx among them: ~55 MB). The high-water is reset after each such
-         import (/proc/self/clear_refs), so a peak before an import is kept whole and one after it is counted
-         without it. `weights` are the resident pages of mapped *.safetensors files that the file still backs
-         (/proc/self/smaps: Rss less Anonymous): a float32 checkpoint loaded on the CPU keeps its tensors in the
-         file's pages (mapped, not copied), so the policy's and a loaded reference's weights are file-backed and
-         are the run's data (a small model's policy and reference: 21.6 MB a cold run left out before); a page
-         the run writes (a trained weight) is copied into anonymous memory, where RssAnon counts it once.
-         What remains: the tensors (weights, reference, optimizer states, the step's activations, the batch; a
-         DataLoader worker's batch in shared memory, the pages this process touches), the Python objects of the
-         run's data and what the allocator keeps. Code pages only grow, so a peak is at most the one without
-         them (exact when no code was paged in after it).
+         baseline: when the session starts, before the model is loaded (torch, transformers and DeepSpeed imported,
+         the process group up); code = RssFile - weights, the file-backed pages other than those of mapped
+         *.safetensors files (a float32 checkpoint loaded on the CPU keeps its tensors in the file's pages: they are
+         the run's data); imports: what each module imported after the baseline added to the anonymous memory. The
+         high-water is reset after each such import (/proc/self/clear_refs), so a peak before it is kept whole. Code
+         pages only grow, so the figure is at most the peak without them (exact when none were paged in after it).
 
-The allocator's slack: glibc's mmap threshold starts at 128 KiB and rises to the size of each mapped block freed
-(up to 32 MiB); blocks below it come from the heap and stay there once freed, where a later high-water counts them,
-and a heap fragmented by many small tensors grows from step to step. A CPU run fixes the threshold at
-MMAP_THRESHOLD, 1 MiB (mallopt M_MMAP_THRESHOLD): blocks of 1 MiB and more get a mapping of their own, returned
-when freed, at no cost to a step. `mmpg.plan.validate` measured the plan at 64 KiB (VALIDATION_MMAP_THRESHOLD),
-where the figure follows the live tensors closely but a small model's step is ~50 % slower; set
-MALLOC_MMAP_THRESHOLD_=65536 for a run whose figure is to be compared with the plan within its stated error.
-Measured on configs/cpu_demo.yaml (tiny model, where most tensors are 64 KiB-1 MiB), 2026-12-03, 2 busy cores:
-    threshold   peak after 2 / 12 / 40 steps     seconds a step (median)
-    1 MiB       56 / 66-72 / -  MB               0.38-0.41
-    256 KiB     47 / 52-54 / 61 MB               0.46-0.55
-    64 KiB      43 / 44 / 47 MB                  0.58-0.61
-(the plan: 43.9 MB). A step whose tensors are larger than 1 MiB (the validation grid's P 8k cases, any real model)
-maps them whatever the threshold. A MALLOC_MMAP_THRESHOLD_ in the environment sets the threshold instead, and
-run.json's record says which threshold the figure was taken at.
-
-Where /proc/self/clear_refs cannot be written, the process's ru_maxrss (which cannot be reset) stands for VmHWM and
-imports are subtracted whole (a lower bound); without /proc (not Linux) the figure is the whole process's
-ru_maxrss, and `start`'s record says which.
+A CPU run fixes glibc's mmap threshold at MMAP_THRESHOLD, 1 MiB: blocks that size and larger get a mapping of their
+own, returned when freed, at no cost to a step, so a fragmented heap's slack stays small. MALLOC_MMAP_THRESHOLD_ in
+the environment sets it instead; `mmpg.plan.validate` measures at 64 KiB (VALIDATION_MMAP_THRESHOLD), where the
+figure follows the live tensors closely but a small model's step is slower. run.json's record (`start`) says which
+measure and threshold the figure was taken with: where /proc/self/clear_refs cannot be written, ru_maxrss stands for
+VmHWM and imports are subtracted whole (a lower bound); without /proc the figure is the whole process's ru_maxrss.
 """
 
 from __future__ import annotations

@@ -44,9 +44,9 @@ def response_mask(layout: GroupLayout, b: int) -> torch.Tensor:
 
 
 # Masked path on CUDA: expand GQA K/V heads (one copy of the group's K/V per query head) or pass `enable_gqa=True`.
-# The copy was written on the belief that SDPA's memory-efficient kernel (the only fused CUDA kernel that takes an
-# arbitrary mask) refuses `enable_gqa` and would fall back to the math kernel and its full [R_b, P_b + R_b] score
-# matrix per head. torch 2.14's documentation lists GQA support for the memory-efficient kernel too; if that holds,
+# The copy guards against SDPA's memory-efficient kernel (the only fused CUDA kernel that takes an arbitrary mask)
+# refusing `enable_gqa` and falling back to the math kernel and its full [R_b, P_b + R_b] score matrix per head.
+# torch 2.14's documentation lists GQA support for the memory-efficient kernel too; if that holds,
 # the copy only costs memory (Hq/Hkv times the group's K/V). Unmeasured: `python -m mmpg.bench.sdpa_kernels` prints
 # which kernel runs each way (profiler kernel names); flip this flag when a GPU run shows the memory-efficient kernel
 # with enable_gqa. Both settings are exact (tested on CPU; on CUDA in tests/test_grouping_gpu.py).
