@@ -24,6 +24,7 @@ ALLOWED = {
     "reward.accuracy": "mmpg/rl/rewards.py make_scorer: reward_cfg.accuracy",
     "reward.format_weight": "mmpg/rl/rewards.py make_scorer: reward_cfg.format_weight",
     "reward.accuracy_weight": "mmpg/rl/rewards.py make_scorer: reward_cfg.accuracy_weight",
+    "reward.swap_reversed": "mmpg/rl/rewards.py make_scorer: reward_cfg.swap_reversed",
 }
 
 
