@@ -221,20 +221,21 @@ class RunWriter:
         if not self.active:
             return
         self._append(METRICS_JSONL, step, metrics)
-        if self._tb is None and self.tensorboard:
-            self._tb = _TensorBoard(self.run_dir / TB_DIR, None)
-        if self._tb is not None:
-            self._tb.scalars(int(step), metrics)
+        self._scalars(step, metrics)
 
     def log_eval(self, step: int, metrics: Mapping[str, object]) -> None:
         """Append one line to eval.jsonl; TensorBoard tags get an "eval/" prefix unless they have it."""
         if not self.active:
             return
         self._append(EVAL_JSONL, step, metrics)
+        self._scalars(step, metrics, prefix="eval/")
+
+    def _scalars(self, step: int, metrics: Mapping[str, object], prefix: str = "") -> None:
+        """The numeric scalars to TensorBoard (its writer made on first use), when on."""
         if self._tb is None and self.tensorboard:
             self._tb = _TensorBoard(self.run_dir / TB_DIR, None)
         if self._tb is not None:
-            self._tb.scalars(int(step), metrics, prefix="eval/")
+            self._tb.scalars(int(step), metrics, prefix=prefix)
 
     # -------------------------------------------------------------------------------------- rollouts, media
     def write_rollouts(self, step: int, groups: Sequence[GroupRecord]) -> Path | None:
