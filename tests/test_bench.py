@@ -456,3 +456,16 @@ def test_dry_run_of_a_separate_level_measures_nothing(level, words, monkeypatch,
     assert cli.run(_args("--levels", level, "--dry-run")) == 0
     out = capsys.readouterr().out
     assert words in out and "measures nothing" in out
+
+
+def test_vllm_level_sizes_and_table():
+    """`--levels vllm`: sizes read as prompts x G x tokens (a bad one names itself); the table puts each way beside
+    the one-request ceiling."""
+    from mmpg.bench.serving import format_table, parse_sizes
+
+    assert parse_sizes("2x4x48, 4X8X24") == [(2, 4, 48), (4, 8, 24)]
+    with pytest.raises(ValueError, match="'2x4' is not BxGxS"):
+        parse_sizes("2x4x48,2x4")
+    row = {"B": 2, "G": 4, "S": 48, "same": True,
+           "median_s": {"one request": 0.2, "at once": 0.22, "one after another": 0.3}}
+    assert format_table([row]).splitlines()[-1] == "| 2 x 4 x 48 | 0.200 | 0.220 | 0.300 | 1.10x | 1.50x | 1.00x | yes |"

@@ -70,7 +70,8 @@ def test_rollout_stats_counts_hand_worked():
                            "mm_cache_hits": 2}, "timing_s": {"enqueue": 0.5}}
     stats = rollout_stats(ids, [0, 0, None, 0], answer, 1234)
     assert stats == {"prompts": 4, "prefixes": 2, "prefix_tokens": 26, "shared_prompts": 2, "cached_tokens": 50,
-                     "videos": 1, "request_bytes": 1234, "processor_runs": 1, "timing_s": {"enqueue": 0.5}}
+                     "videos": 1, "request_bytes": 1234, "processor_runs": 1, "timing_s": {"enqueue": 0.5},
+                     "version": None}
 
 
 def test_server_builds_one_item_per_video_named_by_content():

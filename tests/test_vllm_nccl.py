@@ -92,11 +92,12 @@ class StubLLM:
 
 def _server(fake, workers=1, gpus=(SERVER_GPU,), nccl_ver="2.21.5", **stub):
     """The real /health, /init_weight_transfer and /update_weights_nccl routes around a stand-in engine."""
+    from mmpg.serve.engine_loop import EngineLoop
     from mmpg.serve.nccl import worker_facts
     from mmpg.serve.vllm_server import Backend, make_handler
 
     backend = Backend.__new__(Backend)
-    backend.llm, backend.lock = StubLLM(fake, workers, **stub), threading.Lock()
+    backend.loop = EngineLoop(lambda: StubLLM(fake, workers, **stub), lambda llm: {}, lambda: backend.version)
     backend.instance, backend.version, backend.max_model_len, backend.checkpoint = "i0", 0, 1024, "/ckpt"
     backend.device, backend.nccl = "cuda", True
     backend.workers = worker_facts([{"device": f"cuda:{i}", "gpu": g, "nccl": nccl_ver} for i, g in enumerate(gpus)])

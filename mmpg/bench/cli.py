@@ -99,8 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-iterations", type=int, default=1, help="--levels async: optimizer updates per "
                         "step (algorithm.num_iterations, mu): 2 makes the tiny model's update about as long as its "
                         "rollout (the ceiling near 2x)")
-    parser.add_argument("--trainer-core", type=int, default=0, help="--levels async: the core `mmpg train` runs on")
-    parser.add_argument("--server-core", type=int, default=1, help="--levels async: the core the vLLM server runs on")
+    parser.add_argument("--vllm-sizes", default="2x4x48,4x8x24", help="--levels vllm: each rank's request as "
+                        "prompts x G x new tokens, comma-separated")
+    parser.add_argument("--trainer-core", type=int, default=0, help="--levels async / vllm: the core the trainer "
+                        "(async: `mmpg train`; vllm: the two ranks' clients) runs on")
+    parser.add_argument("--server-core", type=int, default=1, help="--levels async / vllm: the core the vLLM server "
+                        "runs on")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (fresh process each)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per process (>= 1: the memory step)")

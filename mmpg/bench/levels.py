@@ -86,6 +86,9 @@ LEVELS = {  # in the order the plan runs and the tables print them
                   "one GRPO step each in a fresh process, memory per phase"),
     "async": Level("mmpg.bench.overlap", alone="{async_rounds} rounds per arm of {async_steps} GRPO steps on the "
                    "vLLM engine, synchronous (k=0) against overlapped (k=1), {async_iterations} update(s) per step"),
+    "vllm": Level("mmpg.bench.serving", alone="two ranks' rollout requests to one vLLM server per size "
+                  "{vllm_sizes} (prompts per rank x G x tokens): one request carrying both (the ceiling), both at "
+                  "once, one after the other"),
 }
 MEASURED = [name for name, level in LEVELS.items() if not level.alone]
 ALONE = [name for name, level in LEVELS.items() if level.alone]

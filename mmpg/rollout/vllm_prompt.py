@@ -117,7 +117,7 @@ def rollout_stats(ids: list[list[int]], index: list[int | None], answer: dict, r
     prompts that do not follow an earlier prompt of the batch with the same video (each video's first query, every
     text-only prompt); shared_prompts, B - prefixes; prefix_tokens, the prompt tokens vLLM computed (its counters:
     looked up in its prefix cache less found there, over every sample's sequence); and vLLM's own cached_tokens,
-    processor_runs, videos, request_bytes, timing_s. ids: [B] the prompts' token ids; index: [B] each prompt's video
+    processor_runs, videos, request_bytes, timing_s, and version (the server's weights that served it). ids: [B] the prompts' token ids; index: [B] each prompt's video
     in the request's table (None: none)."""
     firsts = {v: b for b, v in reversed(list(enumerate(index))) if v is not None}  # each video's first prompt
     shared = sum(1 for b, v in enumerate(index) if v is not None and firsts[v] != b)
@@ -132,7 +132,7 @@ def rollout_stats(ids: list[list[int]], index: list[int | None], answer: dict, r
             "cached_tokens": cached, "videos": len(firsts), "request_bytes": int(request_bytes),
             "processor_runs": (counters["mm_cache_queries"] - counters["mm_cache_hits"]
                                if "mm_cache_queries" in counters and "mm_cache_hits" in counters else None),
-            "timing_s": dict(answer.get("timing_s") or {})}
+            "timing_s": dict(answer.get("timing_s") or {}), "version": answer.get("version")}
 
 
 def prompt_ids(prompt_inputs) -> list[list[int]]:

@@ -56,8 +56,7 @@ def init_weight_transfer(backend, payload: dict) -> dict:
                          "weights by file")
     info = {"nccl_unique_id_b64": payload["nccl_unique_id_b64"], "rank_offset": 1,
             "world_size": int(payload["world_size"]), "packed": False}
-    with backend.lock:
-        _rpc(backend, "init_weight_transfer_engine", payload, args=(info,))
+    backend.loop.call(lambda llm: _rpc(llm, "init_weight_transfer_engine", payload, args=(info,)))
     return {"ok": True}
 
 
@@ -67,20 +66,21 @@ def update_weights_nccl(backend, payload: dict) -> dict:
 
     t0 = time.perf_counter()
     info = {k: payload[k] for k in ("names", "dtype_names", "shapes")}
-    with backend.lock:
-        _rpc(backend, "start_weight_update", payload)
-        _rpc(backend, "update_weights", payload, args=(info,))
-        _rpc(backend, "finish_weight_update", payload)
-        backend.llm.llm_engine.reset_encoder_cache()
-        backend.llm.reset_prefix_cache()
+    def receive(llm):  # between requests, as the file sync (`EngineLoop.call`)
+        _rpc(llm, "start_weight_update", payload)
+        _rpc(llm, "update_weights", payload, args=(info,))
+        _rpc(llm, "finish_weight_update", payload)
+        backend.forget_caches(llm)
         backend.version = int(payload.get("version", backend.version + 1))
+
+    backend.loop.call(receive)
     return {"version": backend.version, "tensors": len(info["names"]), "seconds": time.perf_counter() - t0}
 
 
-def _rpc(backend, method: str, payload: dict, args: tuple = ()):
+def _rpc(llm, method: str, payload: dict, args: tuple = ()):
     timeout = float(payload.get("timeout_s") or DEFAULT_TIMEOUT_S)
     try:
-        return backend.llm.collective_rpc(method, timeout=timeout, args=args)
+        return llm.collective_rpc(method, timeout=timeout, args=args)
     except TimeoutError:
         raise RuntimeError(f"the workers' {method} did not finish within {timeout:g} s (the trainer never joined "
                            "or stopped sending): restart this server") from None

