@@ -18,7 +18,8 @@ from mmpg.toy.models import make_tiny
 # The modules that take the shared vLLM server (`qwen25_vllm`): scripts/test.sh's xdist workers run them as one unit,
 # on one worker, so the server starts once per run instead of once per worker (~40 s each on 2 cores).
 SHARED_SERVER_MODULES = ("test_vllm_engine.py", "test_vllm_lora.py", "test_vllm_overlap.py",
-                         "test_vllm_video_once.py", "test_vllm_gpu.py", "test_vllm_concurrent.py")
+                         "test_vllm_video_once.py", "test_vllm_gpu.py", "test_vllm_concurrent.py",
+                         "test_vllm_pool.py")
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -50,6 +50,7 @@ def _offline_vllm(model=None, processor=None, partitioned=False) -> VLLMEngine:
     """A VLLMEngine without a server: what its constructor would have read from /health."""
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.model, engine.processor, engine.url = model, processor, "http://127.0.0.1:9"
+    engine.urls = [engine.url]
     engine.health, engine.version, engine.partitioned = {"max_model_len": 64, "instance": "i"}, 0, partitioned
     engine.resync_on_restart, engine.banned = True, []
     return engine
@@ -70,7 +71,8 @@ def test_the_vllm_engine_forms_without_a_server(monkeypatch):
     engine.overlap_updates()
     assert engine.resync_on_restart is False  # a restart mid-update is an error, not a resend
     sent = []
-    monkeypatch.setattr(engine, "_send_weights", lambda everything=False: sent.append(everything) or {"tensors": 3})
+    monkeypatch.setattr(engine, "_send_weights",
+                        lambda everything=False, urls=None: sent.append(everything) or {"tensors": 3})
     monkeypatch.setattr(vllm.dist, "rank", lambda: 1)
     assert engine.sync_weights() == {} and sent == []  # not ZeRO-3: rank 0 sends, the others return at once
     engine.partitioned = True

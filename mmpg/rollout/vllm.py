@@ -60,6 +60,14 @@ class PromptTooLongError(ValueError):
         self.index = index
 
 
+def pool_urls(url: str) -> list[str]:
+    """rollout.vllm_url: one server's URL, or a pool's, comma-separated; ValueError when it names none."""
+    urls = [u.strip() for u in str(url).split(",") if u.strip()]
+    if not urls:
+        raise ValueError(f"rollout.vllm_url={url!r} names no server; give http://HOST:PORT (a pool: comma-separated)")
+    return urls
+
+
 class VLLMEngine(RolloutEngine):
     """Samples with a vLLM server. model: the trainer's policy (stop / pad ids, placeholder ids, weights to sync);
     processor: decodes the responses. wait_s: how long the constructor waits for the server to come up."""
@@ -68,12 +76,23 @@ class VLLMEngine(RolloutEngine):
                  sync_timeout_s: float = SYNC_TIMEOUT_S):
         from mmpg.grouping.inputs import placeholder_token_ids
 
-        self.model, self.processor, self.url, self.timeout_s = model, processor, url, float(timeout_s)
+        # a pool of servers ("URL,URL,..."): the ranks holding different samples use them in turn, rank r server
+        # r mod N, so each rank's requests go to one server (its videos' caches there) and the pool decodes in parallel
+        self.urls = pool_urls(url)
+        index = dist.data_rank() % len(self.urls)
+        self.model, self.processor, self.url, self.timeout_s = model, processor, self.urls[index], float(timeout_s)
         self.sync_timeout_s = float(sync_timeout_s)  # one weight sync, NCCL rendezvous included
         self.banned = [int(t) for t in placeholder_token_ids(model)]  # never sampled (HFEngine bans them too)
-        self.health = wait_for_server(url, wait_s) if wait_s > 0 else self._health()
-        check_wire(self.health, url)
-        check_weight_path(self.health, url)  # a server on another machine: weights by NCCL only
+        self.health = wait_for_server(self.url, wait_s, index=index) if wait_s > 0 else self._health()
+        check_wire(self.health, self.url)
+        check_weight_path(self.health, self.url)  # a server on another machine: weights by NCCL only
+        if dist.rank() == 0:  # the sender: every server of the pool up, and reachable by the weight file
+            for i, other in enumerate(self.urls):
+                if other != self.url:
+                    health = wait_for_server(other, wait_s, index=i) if wait_s > 0 else call(
+                        other, "/health", timeout=min(self.timeout_s, 30.0), what="a health check")
+                    check_wire(health, other)
+                    check_weight_path(health, other)
         self.version = int(self.health["version"])  # weight version the server holds (0: its checkpoint)
         self.last_sync: dict = {}
         self.last_stats: dict | None = None  # what the last generate_groups prefilled (`rollout_stats`)
@@ -198,15 +217,17 @@ class VLLMEngine(RolloutEngine):
 
     # ---- weights ------------------------------------------------------------------------------------------------
     def sync_weights(self, everything: bool = False) -> dict:
-        """After an update, on every rank: rank 0 sends the policy's trainable tensors (under ZeRO-3 every rank
-        gathers them with it, `_send_weights`); the others return {}. One process: it sends."""
+        """After an update, on every rank: rank 0 sends the policy's trainable tensors to every server of the pool
+        (under ZeRO-3 every rank gathers them with it, `_send_weights`); the others return {}. One process: it
+        sends."""
         if not self.partitioned and dist.rank() != 0:
             return {}
-        return self._send_weights(everything)
+        return self._send_weights(everything, self.urls)
 
-    def _send_weights(self, everything: bool = False) -> dict:
-        """Send the policy's trainable tensors (every tensor with `everything`) to the server; returns
-        {"tensors", "bytes", "seconds", "server_seconds"}. The file lives in /dev/shm when there (no disk I/O).
+    def _send_weights(self, everything: bool = False, urls: Sequence[str] | None = None) -> dict:
+        """Send the policy's trainable tensors (every tensor with `everything`) to the servers `urls` (default: this
+        rank's own); returns {"tensors", "bytes", "seconds", "server_seconds"} (the slowest server's). The file lives
+        in /dev/shm when there (no disk I/O) and is written once for every server of the pool (one machine).
         A LoRA policy sends its adapted modules with the adapters merged, under the plain model's names
         (`mmpg.models.lora_export.sync_tensors`): the server serves the plain base model.
 
@@ -236,7 +257,12 @@ class VLLMEngine(RolloutEngine):
                 params = sync_tensors(self.model, everything=everything)
         if not params:
             return {"tensors": 0, "bytes": 0, "seconds": 0.0, "server_seconds": 0.0}
+        urls = list(urls or [self.url])
         if self._sync_plan(next(iter(params.values())).device).kind == "nccl":  # GPU: vLLM's NCCL transfer
+            if len(urls) > 1:
+                raise ServerError(f"NCCL weight sync to a pool of {len(urls)} servers is not built yet: start the "
+                                  "servers without --nccl on the trainer's machine (weights by file), or use one "
+                                  "server")
             answer = self._nccl().send(params, self.version + 1)
             return self._synced(params, answer, t0)
         from safetensors.torch import save_file
@@ -247,12 +273,27 @@ class VLLMEngine(RolloutEngine):
         os.close(fd)
         try:
             save_file(tensors, path)
-            answer = call(self.url, "/update_weights", payload={"path": path, "version": self.version + 1,
-                                                                "instance": self.health["instance"]},
-                          timeout=self.sync_timeout_s, what="a weight update", setting="rollout.vllm_sync_timeout_s")
+            answers = self._update_all(urls, path)
         finally:
             os.unlink(path)
-        return self._synced(tensors, answer, t0)
+        versions = {u: int(a["version"]) for u, a in zip(urls, answers)}
+        if len(set(versions.values())) > 1:
+            raise ServerError(f"the vLLM servers hold different weight versions after a sync: {versions}; restart "
+                              "them and resume the run (--resume auto)")
+        return self._synced(tensors, max(answers, key=lambda a: float(a["seconds"])), t0)
+
+    def _update_all(self, urls: list[str], path: str) -> list[dict]:
+        """POST the weight file to every server in `urls` at once; their answers in order (the first error raised)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(url: str) -> dict:
+            return call(url, "/update_weights", payload={"path": path, "version": self.version + 1},
+                        timeout=self.sync_timeout_s, what="a weight update", setting="rollout.vllm_sync_timeout_s")
+
+        if len(urls) == 1:
+            return [one(urls[0])]
+        with ThreadPoolExecutor(len(urls)) as pool:
+            return list(pool.map(one, urls))
 
     def _synced(self, tensors: dict, answer: dict, t0: float) -> dict:
         self.version = int(answer["version"])

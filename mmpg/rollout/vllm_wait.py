@@ -20,13 +20,16 @@ LOG_LINES = 5  # of a server's log quoted when it did not come up
 
 
 def wait_for_server(url: str, wait_s: float, poll_s: float = 2.0, server_pid: int | None = None,
-                    server_log: str | None = None) -> dict:
+                    server_log: str | None = None, index: int = 0) -> dict:
     """Poll /health until the server answers or `wait_s` seconds pass (then a ServerError saying what to do).
-    server_pid / server_log (default: $MMPG_VLLM_PID / $MMPG_VLLM_LOG, which the launch script sets for the server it
-    started): a server process that has exited ends the wait at once, and either error quotes the log's last lines."""
-    env_pid = os.environ.get(SERVER_PID_ENV, "")
+    server_pid / server_log (default: $MMPG_VLLM_PID / $MMPG_VLLM_LOG, which the launch script sets for the servers it
+    started, entry `index` of each for the index-th server of a pool): a server process that has exited ends the wait
+    at once, and either error quotes the log's last lines."""
+    # a pool of servers (several URLs): the launch script names their pids and logs in the same order, comma-separated
+    pids, logs = (os.environ.get(k, "").split(",") for k in (SERVER_PID_ENV, SERVER_LOG_ENV))
+    env_pid, env_log = (pids[index] if index < len(pids) else ""), (logs[index] if index < len(logs) else "")
     server_pid = server_pid if server_pid is not None else (int(env_pid) if env_pid.isdigit() else None)
-    server_log = server_log if server_log is not None else os.environ.get(SERVER_LOG_ENV) or None
+    server_log = server_log if server_log is not None else env_log or None
     deadline = time.monotonic() + wait_s
     while True:
         try:
