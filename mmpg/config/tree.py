@@ -156,7 +156,9 @@ class RolloutConfig:
                                  "chunk that long is compute-bound on a GPU, so extra chunks cost little time. 0: "
                                  "never chunk.")
     vllm_url: str = setting("http://127.0.0.1:8000", "rollout.engine=vllm: address of the `mmpg vllm-serve` server "
-                            "(scripts/vllm_serve.sh); it must see the trainer's files (weight sync goes through one).")
+                            "(scripts/vllm_serve.sh), or a pool's, comma-separated (data rank r samples from server "
+                            "r mod N; rank 0 syncs every server). A server must see the trainer's files (weight sync "
+                            "goes through one) unless it syncs by NCCL (one server).")
     vllm_timeout_s: float = setting(600.0, "rollout.engine=vllm: most seconds one request (a rollout batch, a weight "
                                     "update) may take before the step fails with a clear error instead of hanging.")
     vllm_sync_timeout_s: float = setting(300.0, "rollout.engine=vllm: most seconds one weight sync may take (the NCCL "
