@@ -279,3 +279,37 @@ def test_the_record_names_match_the_trainer():
     from mmpg.train.peak_memory import CPU_ABOVE_BASELINE as WRITTEN
 
     assert CPU_ABOVE_BASELINE == WRITTEN
+
+
+def test_vllm_servers_memory_by_hand():
+    """A server's parts for Qwen2.5-VL-7B, 2 prompts a rank of P 1000 (900 video tokens), G 8, S 100, bf16:
+    K/V per token 2 x 28 layers x 4 kv heads x 128 x 2 B = 57,344 B; a prompt holds 1008 (63 blocks of 16) + 8 x 112
+    tokens, its G samples sharing the prompt's blocks; the encoder cache one video's 900 merged embeddings of 3584."""
+    from mmpg.models.geometry import MODELS
+    from mmpg.plan.recipe import Recipe
+    from mmpg.plan.serving import server_parts, server_plan, utilization
+
+    g = MODELS["qwen2.5-vl-7b"]
+    r = Recipe(geometry=g, P=1000, S=100, G=8, video_tokens=900, prompts=2)
+    one = server_parts(r, ranks_per_server=1)
+    assert one["weights"] == g.params() * 2
+    assert one["kv_cache"] == 2 * (1008 + 8 * 112) * 57_344
+    assert one["encoder_cache"] == 2 * 900 * 3584 * 2
+    two = server_parts(r, ranks_per_server=2, tp=2)  # twice the batch over two GPUs: K/V the same per GPU
+    assert two["kv_cache"] == one["kv_cache"] and two["weights"] == one["weights"] / 2
+    assert utilization({"all": 0.26 * 80e9}, 80e9) == 0.3 and utilization({"all": 1e9}, 80e9) == 0.1
+    plan = server_plan(r, trainer_peak=50e9, gpu_memory=80e9, budget=72e9, train_ranks=8)
+    assert plan["colocated"]["servers"] == 8 and plan["separate"]["ranks_per_server"] == 2
+    assert plan["colocated"]["fits"] == (50e9 + plan["colocated"]["gpu_memory_utilization"] * 80e9 + 1.5 * 2 ** 30
+                                         <= 72e9)
+
+
+def test_plan_prints_the_vllm_servers_and_the_colocated_share(capsys):
+    """`mmpg plan` of a vllm config on GPUs prints both layouts; --vllm-mem prints the share the launch script uses."""
+    base = ["--config", "configs/grounding_qwen25vl_7b.yaml", "rollout.engine=vllm", "--gpus", "8", "--gpu", "h100"]
+    rc, out, _ = _plan_json(*base, capsys=capsys)
+    assert rc == 0 and "colocated: 8 servers, one on each training GPU" in out and "separate: 4 server(s)" in out
+    rc, share, _ = _plan_json(*base, "--vllm-mem", capsys=capsys)
+    assert rc == 0 and 0.1 <= float(share) <= 0.9 and f"gpu_memory_utilization {float(share):.2f} (VLLM_MEM)" in out
+    rc, _, err = _plan_json(*base[:2], "--gpus", "8", "--vllm-mem", capsys=capsys)
+    assert rc == 2 and "--vllm-mem plans the vLLM servers" in err

@@ -54,6 +54,8 @@ def add_arguments(p) -> None:
     p.add_argument("--mfu", type=float, default=0.35, help="assumed model FLOPs utilisation of the compute phases")
     p.add_argument("--bw-util", type=float, default=0.6, help="assumed fraction of memory bandwidth in decoding")
     p.add_argument("--json", action="store_true", help="print JSON (peak_bytes, parts, step_seconds, fits, ...)")
+    p.add_argument("--vllm-mem", action="store_true", help="print only the colocated vLLM servers' "
+                   "gpu_memory_utilization for the config (what scripts/train_grounding.sh gives VLLM_MEM)")
     p.add_argument("--published", action="store_true", help="print the plan beside published users' reports")
     p.add_argument("--job", choices=("train", "sft"), default=None, help="plan a GRPO step (train) or a supervised "
                    "one (sft: one target per prompt, no rollout, no reference). Default: sft for a config with an "
@@ -112,6 +114,10 @@ def render(p: dict, where: str) -> str:
         from mmpg.plan.whole import render_disk
 
         lines += render_disk(p["disk"], p["zero"], p["devices"])
+    if p.get("servers"):
+        from mmpg.plan.serving import render as render_servers
+
+        lines += render_servers(p["servers"], _gb)
     if p.get("note"):
         lines.append(p["note"])
     return "\n".join(lines)
@@ -152,5 +158,11 @@ def run(args) -> int:
     p = (sft_plan if job == "sft" else plan)(cfg, 1 if args.gpus is None else args.gpus, args.device, memory, hw,
                                              args.video_tokens, args.prompt_tokens)
     p["job"] = job
+    if args.vllm_mem:
+        if "servers" not in p:
+            raise UserError("--vllm-mem plans the vLLM servers of a GRPO config on GPUs: give rollout.engine=vllm "
+                            "and --device cuda")
+        print(f"{p['servers']['colocated']['gpu_memory_utilization']:.2f}")
+        return 0
     print(json.dumps(p, indent=1) if args.json else f"{JOB_LINES[job]}; {why}\n" + render(p, where))
     return 0

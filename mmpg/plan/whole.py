@@ -53,8 +53,13 @@ def plan(cfg, gpus: int, device: str, memory: float, hw, video=None, prompt=None
            "what_fits": [] if mem["peak_bytes"] <= budget else what_fits(r, budget)}
     out["disk"] = disk_plan(cfg, r, device)  # a checkpoint's size and what the run's checkpoints need
     if cfg.rollout.engine == "vllm":
-        out["note"] = ("rollout.engine=vllm: the rollout's K/V lives in the vLLM server's own memory "
-                       "(its gpu_memory_utilization), not counted here")
+        if device == "cuda":  # the servers' memory beside the trainer's, both layouts (`mmpg.plan.serving`)
+            from mmpg.plan.serving import server_plan
+
+            out["servers"] = server_plan(r, mem["peak_bytes"], memory, budget, gpus)
+        else:
+            out["note"] = ("rollout.engine=vllm: on a CPU the server's K/V lives in its own memory "
+                           "(VLLM_CPU_KVCACHE_SPACE), not counted here")
     return out
 
 
