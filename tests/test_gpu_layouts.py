@@ -53,7 +53,11 @@ def test_the_ranks_each_knob_gives(tmp_path):
     ({"TRAIN_GPUS": "0,0"}, "TRAIN_GPUS=0,0: a GPU is named twice"),
     ({"TRAIN_GPUS": "0,a"}, "expected GPU indices"),
     ({"VLLM_GPUS": "7"}, "there is no server without VLLM=1"),
-    ({"VLLM": "1", "VLLM_GPUS": "6,7"}, "names 2 GPU(s) but the server's engine uses 1"),
+    ({"VLLM": "1", "VLLM_GPUS": "5,6,7", "VLLM_TP": "2"},
+     "VLLM_GPUS=5,6,7 names 3 GPU(s), not a multiple of VLLM_TP=2 (each server's tensor-parallel GPUs): give the "
+     "servers 2 or 4 GPUs, or VLLM_TP=1 or 3"),
+    ({"VLLM": "1", "VLLM_GPUS": "6,7", "VLLM_TP": "2", "VLLM_ARGS": "--tensor-parallel-size 1"}, "disagree"),
+    ({"VLLM": "1", "VLLM_GPUS": "6,7", "VLLM_ARGS": "--data-parallel-size 2"}, "list more GPUs in VLLM_GPUS"),
     ({"VLLM": "1", "VLLM_GPUS": "7", "TRAIN_GPUS": "0,1,7"}, "VLLM_GPUS and TRAIN_GPUS share GPU 7"),
     ({"VLLM": "1", "VLLM_GPUS": "7", "NUM_GPUS": "8"}, "NUM_GPUS=8 takes GPUs 0,1,2,3,4,5,6,7, VLLM_GPUS=7 among"),
     ({"VLLM": "1", "VLLM_GPUS": "9"}, "this machine shows GPUs 0,1,2,3,4,5,6,7 only"),
@@ -66,6 +70,47 @@ def test_gpu_knobs_refused(env, message):
 def test_a_tensor_parallel_server_takes_its_gpus():
     r = _ranks(VLLM="1", VLLM_GPUS="6,7", VLLM_ARGS="--tensor-parallel-size 2")
     assert r.gpus == EIGHT[:6]
+
+
+def _servers(sp=1, gpus=EIGHT, **env):
+    return layout.plan_servers(env, gpus, layout.training_ranks(env, gpus), sp)
+
+
+def test_the_servers_a_launch_starts():
+    """Each server as its CUDA_VISIBLE_DEVICES ("": none set). Before, VLLM_GPUS of several GPUs was refused unless
+    one tensor-parallel engine took them all, and colocated launches started one server for every rank."""
+    assert _servers(VLLM="1", VLLM_GPUS="4,5,6,7", TRAIN_GPUS="0,1,2,3") == ["4", "5", "6", "7"]
+    assert _servers(VLLM="1", VLLM_GPUS="4,5,6,7", TRAIN_GPUS="0,1,2,3", VLLM_TP="2") == ["4,5", "6,7"]
+    # VLLM_ARGS' tensor-parallel size, the older way: one server of both GPUs, as before
+    assert _servers(VLLM="1", VLLM_GPUS="6,7", VLLM_ARGS="--tensor-parallel-size 2") == ["6,7"]
+    assert _servers(VLLM="1", NUM_GPUS="8") == EIGHT  # colocated: one per training GPU
+    assert _servers(VLLM="1", TRAIN_GPUS="2,3") == ["2", "3"]
+    assert _servers(VLLM="1", NUM_GPUS="8", VLLM_TP="2") == ["0,1", "2,3", "4,5", "6,7"]
+    assert _servers(4, VLLM="1", NUM_GPUS="8") == ["0", "4"]  # SP 4: one per data-parallel group, on its first GPU
+    assert _servers(VLLM="1", NUM_GPUS="8", VLLM_SERVERS="2") == ["0", "4"]
+    # one server, as before: no GPU set (it sees the trainer's), unless TRAIN_GPUS names the trainer's
+    assert _servers(VLLM="1", NUM_GPUS="8", VLLM_SERVERS="1") == [""] == _servers(VLLM="1", NUM_GPUS="1")
+    assert _servers(VLLM="1", TRAIN_GPUS="3") == ["3"]
+    # a machine without GPUs: one server per training process, or one without NUM_GPUS
+    assert _servers(gpus=None, VLLM="1", NUM_GPUS="2") == ["", ""]
+    assert _servers(gpus=None, VLLM="1") == [""] == _servers(gpus=None, VLLM="1", NUM_GPUS="2", VLLM_SERVERS="1")
+
+
+@pytest.mark.parametrize("sp, env, message", [
+    (1, {"VLLM_GPUS": "4,5,6,7", "TRAIN_GPUS": "0,1"},
+     "VLLM_GPUS=4,5,6,7 starts 4 vLLM servers for 2 data-parallel rank(s) (GPUs 0,1 of TRAIN_GPUS): rank r samples "
+     "from server r mod 4, so 2 would sit idle; give VLLM_GPUS at most 2 GPUs (VLLM_TP=1 each), or launch more "
+     "training ranks"),
+    (4, {"VLLM_GPUS": "6,7"}, "for 1 data-parallel rank(s) (GPUs 0,1,2,3,4,5 left by VLLM_GPUS=6,7, SP 4)"),
+    (2, {"NUM_GPUS": "4", "VLLM_SERVERS": "3"}, "use VLLM_SERVERS=2 or fewer"),
+    (1, {"VLLM_TP": "0"}, "VLLM_TP=0: expected the GPUs of each vLLM server"),
+    (1, {"NUM_GPUS": "2", "VLLM_SERVERS": "2", "VLLM_TP": "2"}, "need 4 GPUs; the trainer has 2"),
+    (1, {"VLLM_GPUS": "6,7", "VLLM_SERVERS": "2"}, "unset VLLM_SERVERS"),
+    (1, {"VLLM_GPUS": "6,7", "VLLM_ARGS": "--nccl"}, "VLLM_ARGS=--nccl with 2 vLLM servers"),
+])
+def test_servers_refused(sp, env, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        _servers(sp, VLLM="1", **env)
 
 
 def test_what_must_divide_and_the_nearest_that_does(tmp_path):
@@ -114,11 +159,14 @@ class Machine:
     """A stand-in GPU machine for scripts/train_grounding.sh: `nvidia-smi -L` lists 8 GPUs, env.sh is a stand-in
     (nothing installed), the vLLM server and the DeepSpeed launcher are stand-ins that record their argv."""
 
-    def __init__(self, tmp_path: Path, gpus: int = 8):
+    def __init__(self, tmp_path: Path, gpus: int = 8, memory_mib: int | None = None):
         self.tmp = tmp_path
         bin_ = tmp_path / "bin"
         bin_.mkdir()
         lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(gpus))
+        if memory_mib is not None:  # `nvidia-smi --query-gpu=memory.total ...`: each GPU's MiB
+            lines = (f'case "$*" in *memory.total*) for i in $(seq {gpus}); do echo {memory_mib}; done; exit 0;; '
+                     f"esac\n{lines}")
         (bin_ / "nvidia-smi").write_text(f"#!/bin/sh\n{lines}")
         (tmp_path / "env.sh").write_text(f"MMPG_ROOT={ROOT}\nexport PATH={Path(sys.executable).parent}:$PATH\n")
         for name, out in (("deepspeed", "trainer"), ("serve", "server")):
@@ -169,10 +217,47 @@ def test_dry_run_prints_the_processes_and_starts_none(tmp_path):
     assert trainer == (f"  trainer: {m.env['MMPG_DEEPSPEED']} --include localhost:0,1,2,3,4,5,6 --module mmpg.cli "
                        f"train --config {SEVEN_B} data.batch_size=28 rollout.engine=vllm "
                        "rollout.vllm_url=http://127.0.0.1:8000")
+    # a pool on GPUs 4-7 for the 4 training GPUs: one server each, the trainer given all four
+    res, started = m.launch(["scripts/train_grounding.sh", str(SEVEN_B)], VLLM="1", VLLM_GPUS="4,5,6,7",
+                            TRAIN_GPUS="0,1,2,3", VLLM_MAX_LEN="9216", DRY_RUN="1")
+    assert res.returncode == 0 and started == [], res.stderr
+    assert "data.batch_size=32 = 8 prompt(s) per rank; 4 vLLM servers on GPUs 4 | 5 | 6 | 7" in res.stderr
+    lines = res.stdout.splitlines()[1:]
+    assert lines[:4] == [f"  server:  CUDA_VISIBLE_DEVICES={4 + i} setsid {m.env['MMPG_VLLM_SERVE']} --checkpoint "
+                         f"Qwen/Qwen2.5-VL-7B-Instruct --port {8000 + i} --max-model-len 9216 > "
+                         f"runs/vllm-serve-{8000 + i}.log" for i in range(4)]
+    assert lines[4].endswith("rollout.vllm_url=http://127.0.0.1:8000,http://127.0.0.1:8001,http://127.0.0.1:8002,"
+                             "http://127.0.0.1:8003") and len(lines) == 5
     res, started = m.launch(["scripts/sft_grounding.sh", str(SEVEN_B), "data.train=a b"], NUM_GPUS="8", DRY_RUN="1")
     assert res.returncode == 0 and started == [], res.stderr
     assert res.stdout.splitlines()[-1] == (f"  trainer: {m.env['MMPG_DEEPSPEED']} --num_gpus 8 --module mmpg.cli sft "
                                            f"--config {SEVEN_B} data.train=a\\ b")
+
+
+def test_colocated_servers_take_the_share_the_plan_computes(tmp_path):
+    """Colocated on 8 GPUs of 80 GiB without VLLM_MEM: each server gets the gpu_memory_utilization that
+    `mmpg plan --vllm-mem` computes for the config on those GPUs (before: 0.3 whatever the model); VLLM_MEM wins."""
+    import contextlib
+    import io
+
+    from mmpg.cli import main
+
+    m = Machine(tmp_path, memory_mib=81920)
+    res, started = m.launch(["scripts/train_grounding.sh", str(SEVEN_B)], VLLM="1", NUM_GPUS="8",
+                            VLLM_MAX_LEN="9216", DRY_RUN="1")
+    assert res.returncode == 0 and started == [], res.stderr
+    servers = [ln for ln in res.stdout.splitlines() if ln.startswith("  server:")]
+    assert len(servers) == 8
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "--config", str(SEVEN_B), "rollout.engine=vllm", "--gpus", "8", "--gpu-memory", "80",
+                     "--vllm-mem"]) == 0
+    share = out.getvalue().strip()
+    assert share != "0.30" and all(f"--gpu-memory-utilization {share} " in ln for ln in servers), servers[0]
+    assert f"[mmpg] VLLM_MEM {share}: the colocated servers' share" in res.stderr
+    res, _ = m.launch(["scripts/train_grounding.sh", str(SEVEN_B)], VLLM="1", NUM_GPUS="8", VLLM_MEM="0.4",
+                      VLLM_MAX_LEN="9216", DRY_RUN="1")
+    assert all("--gpu-memory-utilization 0.4 " in ln for ln in res.stdout.splitlines() if ln.startswith("  server:"))
 
 
 SCRIPT = re.compile(r"\bbash scripts/(?:train|sft)_grounding\.sh\b")

@@ -66,6 +66,102 @@ def test_own_gpus_port_and_extra_flags(tmp_path):
     assert server == "--checkpoint /models/q25 --port 8123 --max-model-len 16384" and gpus == "3"
 
 
+def _pool(tmp_path, servers: int, gpus: int, extra_env: dict):
+    """scripts/train_grounding.sh with VLLM=1 on a stand-in machine of `gpus` GPUs (0: none, a CPU), stand-in
+    servers and launcher: (completed process, trainer argv, its MMPG_VLLM_* environment, the servers' records in port
+    order as (pid, CUDA_VISIBLE_DEVICES, argv)). The stand-in trainer ends once `servers` servers have recorded theirs
+    (the real one waits for their /health): the script stops them when it exits."""
+    rec, bin_ = tmp_path / "rec", tmp_path / "bin"
+    rec.mkdir()
+    bin_.mkdir()
+    smi = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(gpus))
+    (bin_ / "nvidia-smi").write_text(f"#!/bin/sh\n{smi or 'exit 9'}\n")
+    (bin_ / "deepspeed").write_text(f'#!/bin/sh\necho "$@" > {rec}/trainer.args\n'
+                                    f"env | grep '^MMPG_VLLM_' > {rec}/trainer.env\nfor i in $(seq 300); do\n"
+                                    f'  [ "$(ls {rec} | grep -c pid$)" -ge {servers} ] && break; sleep 0.1\ndone\n')
+    (bin_ / "serve").write_text(f'#!/bin/sh\necho "${{CUDA_VISIBLE_DEVICES:-unset}} $@" > {rec}/$$.args\n'
+                                f"echo $$ > {rec}/$$.tmp\nmv {rec}/$$.tmp {rec}/$$.pid\nexec sleep 300\n")
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    (tmp_path / "env.sh").write_text(f"MMPG_ROOT={ROOT}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM", "MMPG_VLLM")) and k not in
+           ("NUM_GPUS", "TRAIN_GPUS", "CUDA_VISIBLE_DEVICES", "HOSTFILE", "SP", "DRY_RUN")}
+    env.update(PATH=f"{bin_}:{env['PATH']}", MMPG_ENV_SH=str(tmp_path / "env.sh"), MMPG_DEEPSPEED=str(bin_ / "deepspeed"),
+               MMPG_VLLM_SERVE=str(bin_ / "serve"), HF_HUB_OFFLINE="1", VLLM="1", **extra_env)
+    res = subprocess.run(["bash", "scripts/train_grounding.sh", "configs/cpu_demo.yaml", "model.path=/models/q25"],
+                         check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if not (rec / "trainer.args").exists():
+        return res, None, None, []
+    got = dict(line.split("=", 1) for line in (rec / "trainer.env").read_text().splitlines())
+    found = []
+    for args in rec.glob("*.args"):
+        if args.stem != "trainer":
+            gpu, argv = args.read_text().strip().split(" ", 1)
+            found.append((args.stem, gpu, argv))
+    found.sort(key=lambda r: int(r[2].split("--port ")[1].split()[0]))
+    return res, (rec / "trainer.args").read_text().strip(), got, found
+
+
+def _all_stopped(pids) -> bool:
+    for _ in range(50):
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_pool_of_servers_one_per_gpu_each_on_its_port(tmp_path):
+    """VLLM_GPUS=4,5,6,7 (before: one server, refused with "names 4 GPU(s) but the server's engine uses 1"): four
+    servers, server i on GPU 4+i and port 8000+i with its own log, one length for all; the trainer gets their URLs,
+    pids and logs in the same order; all four stopped when it exits."""
+    res, trainer, got, servers = _pool(tmp_path, 4, 8, {"VLLM_GPUS": "4,5,6,7", "TRAIN_GPUS": "0,1,2,3"})
+    assert res.returncode == 0, res.stderr
+    assert [gpu for _, gpu, _ in servers] == ["4", "5", "6", "7"]
+    length = servers[0][2].split("--max-model-len ")[1]
+    assert [argv for _, _, argv in servers] == [f"--checkpoint /models/q25 --port {8000 + i} --max-model-len {length}"
+                                                for i in range(4)] and length.isdigit()
+    assert trainer.startswith("--include localhost:0,1,2,3 --module mmpg.cli train")
+    assert trainer.endswith("rollout.vllm_url=" + ",".join(f"http://127.0.0.1:{8000 + i}" for i in range(4)))
+    assert got["MMPG_VLLM_PID"] == ",".join(pid for pid, _, _ in servers)
+    assert got["MMPG_VLLM_LOG"] == ",".join(str(ROOT / "runs" / f"vllm-serve-{8000 + i}.log") for i in range(4))
+    assert _all_stopped([pid for pid, _, _ in servers]), "a server outlived the training"
+
+
+def test_a_pool_of_tensor_parallel_servers(tmp_path):
+    res, trainer, _, servers = _pool(tmp_path, 2, 8, {"VLLM_GPUS": "4,5,6,7", "TRAIN_GPUS": "0,1,2,3", "VLLM_TP": "2",
+                                                      "VLLM_MAX_LEN": "4096"})
+    assert res.returncode == 0, res.stderr
+    assert [(gpu, argv) for _, gpu, argv in servers] == [
+        ("4,5", "--checkpoint /models/q25 --port 8000 --max-model-len 4096 --tensor-parallel-size 2"),
+        ("6,7", "--checkpoint /models/q25 --port 8001 --max-model-len 4096 --tensor-parallel-size 2")]
+    assert trainer.endswith("rollout.vllm_url=http://127.0.0.1:8000,http://127.0.0.1:8001")
+    from mmpg.serve import vllm_server  # `mmpg vllm-serve` takes the flag (before: not one of its flags)
+
+    assert vllm_server.parse_args(servers[0][2].split()).tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("gpus, pinned", [(2, ["0", "1"]), (0, ["unset", "unset"])])
+def test_colocated_one_server_per_training_process(tmp_path, gpus, pinned):
+    """No VLLM_GPUS, NUM_GPUS=2 (before: one server for both ranks): a server per training process, on its GPU with
+    VLLM_MEM of its memory, or on a machine without GPUs two CPU servers; rank r samples from server r."""
+    res, trainer, got, servers = _pool(tmp_path, 2, gpus, {"NUM_GPUS": "2", "VLLM_MEM": "0.4",
+                                                           "VLLM_MAX_LEN": "4096"})
+    assert res.returncode == 0, res.stderr
+    assert [(gpu, argv) for _, gpu, argv in servers] == [
+        (pinned[i], f"--checkpoint /models/q25 --port {8000 + i} --gpu-memory-utilization 0.4 --max-model-len 4096")
+        for i in range(2)]
+    assert trainer.startswith("--num_gpus 2 --module mmpg.cli train")
+    assert trainer.endswith("rollout.vllm_url=http://127.0.0.1:8000,http://127.0.0.1:8001")
+    assert got["MMPG_VLLM_PID"] == ",".join(pid for pid, _, _ in servers)
+    assert _all_stopped([pid for pid, _, _ in servers]), "a server outlived the training"
+
+
+def test_a_pool_the_tensor_parallel_size_does_not_divide_starts_nothing(tmp_path):
+    res, trainer, _, servers = _pool(tmp_path, 1, 8, {"VLLM_GPUS": "5,6,7", "TRAIN_GPUS": "0,1", "VLLM_TP": "2"})
+    assert res.returncode == 2 and trainer is None and servers == [], res.stderr
+    assert "train_grounding.sh: VLLM_GPUS=5,6,7 names 3 GPU(s), not a multiple of VLLM_TP=2" in res.stderr
+
+
 @pytest.mark.parametrize("env, message", [({"HOSTFILE": "hosts"}, "one node"),
                                           ({"NUM_GPUS": "2", "TRAIN_GPUS": "0"}, "not both")])
 def test_refusals(tmp_path, env, message):

