@@ -46,7 +46,7 @@ def test_two_ranks_requests_are_decoded_together_and_sample_the_same(server, pol
 
     model, processor = policy
     joined = _health(server)["engine"]["joined"]
-    row = measure(server.url, model, processor, 2, 4, 48, rounds=3)
+    row = measure([server.url], model, processor, 2, 4, 48, rounds=3)
     print("\n" + format_table([row]))
     assert row["same"], "the same seeds sampled other tokens"
     # the second request joins when it arrives before the first is done (0.3 s here; a loaded machine may delay a

@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "rollout (the ceiling near 2x)")
     parser.add_argument("--vllm-sizes", default="2x4x48,4x8x24", help="--levels vllm: each rank's request as "
                         "prompts x G x new tokens, comma-separated")
+    parser.add_argument("--vllm-servers", type=int, default=2, help="--levels vllm: 2 also measures the two ranks "
+                        "on two servers (a core each) against one; 1: one server only")
     parser.add_argument("--trainer-core", type=int, default=0, help="--levels async / vllm: the core the trainer "
                         "(async: `mmpg train`; vllm: the two ranks' clients) runs on")
     parser.add_argument("--server-core", type=int, default=1, help="--levels async / vllm: the core the vLLM server "

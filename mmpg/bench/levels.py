@@ -88,7 +88,7 @@ LEVELS = {  # in the order the plan runs and the tables print them
                    "vLLM engine, synchronous (k=0) against overlapped (k=1), {async_iterations} update(s) per step"),
     "vllm": Level("mmpg.bench.serving", alone="two ranks' rollout requests to one vLLM server per size "
                   "{vllm_sizes} (prompts per rank x G x tokens): one request carrying both (the ceiling), both at "
-                  "once, one after the other"),
+                  "once, one after the other; with --vllm-servers 2, both at once on two servers (a core each)"),
 }
 MEASURED = [name for name, level in LEVELS.items() if not level.alone]
 ALONE = [name for name, level in LEVELS.items() if level.alone]
