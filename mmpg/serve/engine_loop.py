@@ -157,12 +157,14 @@ class EngineLoop:
     def _admit(self, llm, request: _Request, owner: dict) -> None:
         t0 = time.perf_counter()
         request.timing_s["queue"] = t0 - request.arrived
-        if owner:  # others are in flight: counters will mix, for them and for this one
+        if owner:  # others are in flight: counters will mix, for them and for this one (none read for it)
             for other in owner.values():
                 other.alone = False
             request.alone = False
             self.stats["joined"] += 1
-        request.counters, request.version = self._counters(llm), self._version()
+        else:
+            request.counters = self._counters(llm)
+        request.version = self._version()
         try:
             ids = llm.enqueue(request.prompts, sampling_params=request.params, use_tqdm=False)
         except Exception as e:  # noqa: BLE001 - a prompt vLLM refuses fails its own request only
