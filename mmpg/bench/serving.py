@@ -29,12 +29,14 @@ MODES = ("one request", "at once", "one after another")
 
 
 def parse_sizes(text: str) -> list[tuple[int, int, int]]:
-    """"2x4x48,4x8x24" -> [(2, 4, 48), (4, 8, 24)]; ValueError naming the bad entry."""
+    """"2x4x48,4x8x24" -> [(2, 4, 48), (4, 8, 24)]; a UserError (one line) naming the bad entry."""
+    from mmpg.errors import UserError
+
     out = []
     for item in text.split(","):
         parts = item.strip().lower().split("x")
         if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"--vllm-sizes: {item!r} is not BxGxS (prompts per rank x samples x tokens), e.g. 2x4x48")
+            raise UserError(f"--vllm-sizes: {item!r} is not BxGxS (prompts per rank x samples x tokens), e.g. 2x4x48")
         out.append(tuple(int(p) for p in parts))
     return out
 

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from mmpg import choices, dist
+from mmpg.errors import UserError
 from mmpg.models.lora_export import is_partitioned
 from mmpg.rollout.engine import (
     FINISH_LENGTH,
@@ -61,10 +62,10 @@ class PromptTooLongError(ValueError):
 
 
 def pool_urls(url: str) -> list[str]:
-    """rollout.vllm_url: one server's URL, or a pool's, comma-separated; ValueError when it names none."""
+    """rollout.vllm_url: one server's URL, or a pool's, comma-separated; a UserError (one line) when it names none."""
     urls = [u.strip() for u in str(url).split(",") if u.strip()]
     if not urls:
-        raise ValueError(f"rollout.vllm_url={url!r} names no server; give http://HOST:PORT (a pool: comma-separated)")
+        raise UserError(f"rollout.vllm_url={url!r} names no server; give http://HOST:PORT (a pool: comma-separated)")
     return urls
 
 
