@@ -56,8 +56,9 @@
 #       process. One training process: one server, with no GPU set
 #     A pool has at most one server per data-parallel rank (more would sit idle); every check is one line, exit 2.
 #     UNTESTED on GPUs so far: the layouts are tested with a stand-in nvidia-smi, servers and launcher
-#   VLLM_GPUS  the servers' GPUs, a multiple of VLLM_TP (above). Weights by file; one server on its own GPU with
-#              VLLM_ARGS=--nccl by NCCL broadcast instead (not a pool; colocated: by file, NCCL cannot share a GPU)
+#   VLLM_GPUS  the servers' GPUs, a multiple of VLLM_TP (above). Weights by file; with VLLM_ARGS=--nccl by NCCL
+#              broadcast instead (a pool: one group, each tensor sent once for all servers; colocated: by file,
+#              NCCL cannot share a GPU)
 #   VLLM_TP    GPUs per server (default 1): each gets --tensor-parallel-size VLLM_TP and that many GPUs, colocated or
 #              not. VLLM_ARGS="--tensor-parallel-size N" (the older form) counts as VLLM_TP=N
 #   VLLM_SERVERS  colocated servers (default: one per data-parallel rank); 1: the single server of before

@@ -35,7 +35,8 @@ def _rows(data: dict) -> dict[str, dict]:
 
 
 CUDA_ROWS = ["grouped/flash/qwen2_5_vl/bfloat16", "grouped/sdpa/qwen2_5_vl/bfloat16", "grouped/flex/qwen2/bfloat16",
-             "cascade/flash/bfloat16", "cascade/sdpa/bfloat16", "decode/flash/qwen2", "sync/nccl"]
+             "cascade/flash/bfloat16", "cascade/sdpa/bfloat16", "decode/flash/qwen2", "sync/nccl",
+             "sync/nccl-pool"]
 
 
 def _check_cpu_report(proc, data: dict, out: Path, cpu_rows: int) -> dict:

@@ -83,6 +83,8 @@ def test_the_servers_a_launch_starts():
     assert _servers(VLLM="1", VLLM_GPUS="4,5,6,7", TRAIN_GPUS="0,1,2,3", VLLM_TP="2") == ["4,5", "6,7"]
     # VLLM_ARGS' tensor-parallel size, the older way: one server of both GPUs, as before
     assert _servers(VLLM="1", VLLM_GPUS="6,7", VLLM_ARGS="--tensor-parallel-size 2") == ["6,7"]
+    # a pool synced by NCCL: one group with every server's workers (before: refused, a pool took the file only)
+    assert _servers(VLLM="1", VLLM_GPUS="4,5,6,7", VLLM_ARGS="--nccl") == ["4", "5", "6", "7"]
     assert _servers(VLLM="1", NUM_GPUS="8") == EIGHT  # colocated: one per training GPU
     assert _servers(VLLM="1", TRAIN_GPUS="2,3") == ["2", "3"]
     assert _servers(VLLM="1", NUM_GPUS="8", VLLM_TP="2") == ["0,1", "2,3", "4,5", "6,7"]
@@ -106,7 +108,6 @@ def test_the_servers_a_launch_starts():
     (1, {"VLLM_TP": "0"}, "VLLM_TP=0: expected the GPUs of each vLLM server"),
     (1, {"NUM_GPUS": "2", "VLLM_SERVERS": "2", "VLLM_TP": "2"}, "need 4 GPUs; the trainer has 2"),
     (1, {"VLLM_GPUS": "6,7", "VLLM_SERVERS": "2"}, "unset VLLM_SERVERS"),
-    (1, {"VLLM_GPUS": "6,7", "VLLM_ARGS": "--nccl"}, "VLLM_ARGS=--nccl with 2 vLLM servers"),
 ])
 def test_servers_refused(sp, env, message):
     with pytest.raises(UserError, match=re.escape(message)):

@@ -42,9 +42,10 @@ import json, os, sys, time
 keys = ("SLURMD_NODENAME", "MMPG_VLLM_TOKEN", "CUDA_VISIBLE_DEVICES")
 argv = sys.argv[1:]
 hostfile = open(argv[argv.index("--hostfile") + 1]).read() if "--hostfile" in argv else None
-log, wait_for, t0 = os.environ["RECORD_LOG"], os.environ.get("WAIT_FOR"), time.time()
-while wait_for and wait_for != os.path.basename(sys.argv[0]) and time.time() - t0 < 60:  # until that one has run
-    if os.path.exists(log) and f'"who": "{wait_for}"' in open(log).read():
+log, t0 = os.environ["RECORD_LOG"], time.time()
+wait_for, _, count = os.environ.get("WAIT_FOR", "").partition("*")  # serve*4: until 4 calls of serve have run
+while wait_for and wait_for != os.path.basename(sys.argv[0]) and time.time() - t0 < 60:
+    if os.path.exists(log) and open(log).read().count(f'"who": "{wait_for}"') >= int(count or 1):
         break
     time.sleep(0.1)
 with open(log, "a") as out:
@@ -139,24 +140,90 @@ def test_refusals_name_what_to_do(tmp_path):
     assert "sbatch --nodes=2" in res.stderr and job.lines("srun") == []
 
 
-def test_vllm_on_the_last_node_with_a_token_for_the_job(tmp_path):
+def vllm_job(tmp_path, servers: int, **env):
+    """VLLM=1 on 3 nodes (n3 serves): the job's result, its steps by node, the servers by port and the trainers."""
     job = Cluster(tmp_path, ["n1", "n2", "n3"])
-    res = job.submit("configs/cpu_demo.yaml", "model.path=/models/q25", NUM_GPUS="2", VLLM="1", VLLM_MAX_LEN="4096",
-                     WAIT_FOR="serve")
-    assert res.returncode == 0, res.stderr
+    port = int(env.get("VLLM_PORT", 8000))
+    try:
+        res = job.submit("configs/cpu_demo.yaml", "model.path=/models/q25", "data.batch_size=16", VLLM="1",
+                         VLLM_MAX_LEN="4096", WAIT_FOR=f"serve*{servers}", **env)
+    finally:  # a pool's servers each write their own log
+        for p in range(port, port + servers):
+            (ROOT / "runs" / f"vllm-serve-{p}.log").unlink(missing_ok=True)
     steps = {tuple(step["nodes"]): step for step in job.lines("srun")}  # the two steps run side by side
+    calls = job.lines("calls")
+    served = sorted((c for c in calls if c["who"] == "serve"),
+                    key=lambda c: int(c["argv"][c["argv"].index("--port") + 1]))
+    return res, steps, served, [c for c in calls if c["who"] == "deepspeed"]
+
+
+def test_vllm_on_the_last_node_with_a_token_for_the_job(tmp_path):
+    """Every GPU of the server node serves (before: one server on port 8000, the node's other GPUs idle)."""
+    res, steps, servers, trainers = vllm_job(tmp_path, 2, NUM_GPUS="2")
+    assert res.returncode == 0, res.stderr
     assert set(steps) == {("n3",), ("n1", "n2")}
     assert steps["n3",]["opts"] == {"--nodes": "1", "--ntasks": "1", "--nodelist": "n3"}
     assert steps["n1", "n2"]["opts"]["--nodelist"] == "n1,n2"
+    assert [(s["CUDA_VISIBLE_DEVICES"], s["argv"]) for s in servers] == [
+        (str(i), ["--checkpoint", "/models/q25", "--host", "n3", "--port", str(8000 + i), "--max-model-len", "4096",
+                  "--nccl"]) for i in range(2)]  # bound to its node's name; weights by NCCL across machines
+    assert len(trainers) == 2 and all(t["argv"][-4:] == ["model.path=/models/q25", "data.batch_size=16",
+                                                         "rollout.engine=vllm",
+                                                         "rollout.vllm_url=http://n3:8000,http://n3:8001"]
+                                      for t in trainers)
+    token = servers[0]["MMPG_VLLM_TOKEN"]
+    assert token and len(token) == 48 and all(t["MMPG_VLLM_TOKEN"] == token for t in trainers + servers)
+    assert "2 vLLM servers on n3:8000-8001 (GPUs 0 | 1;" in res.stdout
+
+
+def test_a_pool_of_tensor_parallel_servers_on_the_last_node(tmp_path):
+    """VLLM_TP=2 on an 8-GPU node: 4 servers of 2 GPUs on ports VLLM_PORT.., in the order the trainers list them."""
+    res, _, servers, trainers = vllm_job(tmp_path, 4, SLURM_GPUS_ON_NODE="8", VLLM_TP="2", VLLM_PORT="8100",
+                                         VLLM_ARGS="--dtype bfloat16")
+    assert res.returncode == 0, res.stderr
+    assert [(s["CUDA_VISIBLE_DEVICES"], s["argv"]) for s in servers] == [
+        (f"{2 * i},{2 * i + 1}", ["--checkpoint", "/models/q25", "--host", "n3", "--port", str(8100 + i),
+                                  "--max-model-len", "4096", "--tensor-parallel-size", "2", "--dtype", "bfloat16"])
+        for i in range(4)]
+    urls = ",".join(f"http://n3:{8100 + i}" for i in range(4))
+    assert len(trainers) == 2 and all(t["argv"][-1] == f"rollout.vllm_url={urls}" for t in trainers)
+    # the user's VLLM_GPUS picks the pool (every knob of the servers stays off the trainers' command lines)
+    (tmp_path / "b").mkdir()
+    res, _, servers, trainers = vllm_job(tmp_path / "b", 1, SLURM_GPUS_ON_NODE="8", VLLM_TP="2", VLLM_GPUS="6,7")
+    assert res.returncode == 0, res.stderr
+    assert [s["CUDA_VISIBLE_DEVICES"] for s in servers] == ["6,7"] and servers[0]["argv"][5] == "8000"
+    assert all(t["argv"][-1] == "rollout.vllm_url=http://n3:8000" for t in trainers)
+
+
+def test_a_server_of_the_users_own_starts_nothing(tmp_path):
+    job = Cluster(tmp_path, ["n1", "n2"])
+    res = job.submit("configs/cpu_demo.yaml", "data.batch_size=16", NUM_GPUS="8", VLLM="1",
+                     VLLM_URL="http://gpu9:9000,http://gpu9:9001")
+    assert res.returncode == 0, res.stderr
+    (step,) = job.lines("srun")  # the trainers alone, on both nodes
+    assert step["nodes"] == ["n1", "n2"] and step["cmd"][:2] == ["bash", "scripts/train_grounding.sh"]
     calls = job.lines("calls")
-    (server,) = [c for c in calls if c["who"] == "serve"]
-    trainers = [c for c in calls if c["who"] == "deepspeed"]
-    assert server["argv"] == ["--checkpoint", "/models/q25", "--host", "n3", "--port", "8000", "--max-model-len",
-                              "4096", "--nccl"]  # bound to its node's name; weights by NCCL across machines
-    assert len(trainers) == 2 and all(t["argv"][-3:] == ["model.path=/models/q25", "rollout.engine=vllm",
-                                                         "rollout.vllm_url=http://n3:8000"] for t in trainers)
-    token = server["MMPG_VLLM_TOKEN"]
-    assert token and len(token) == 48 and all(t["MMPG_VLLM_TOKEN"] == token for t in trainers)
+    assert {c["who"] for c in calls} == {"deepspeed"} and len(calls) == 2
+    assert all(c["argv"][-1] == "rollout.vllm_url=http://gpu9:9000,http://gpu9:9001" for c in calls)
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"VLLM_TP": "3"}, "the vLLM servers on n3 (VLLM_GPUS: every GPU of the node unless set): VLLM_GPUS=0,1,2,3,4,5,"
+                       "6,7 names 8 GPU(s), not a multiple of VLLM_TP=3"),
+    ({"VLLM_GPUS": "4,5,6", "VLLM_TP": "2"}, "the vLLM servers on n3: VLLM_GPUS=4,5,6 names 3 GPU(s), not a multiple "
+                                            "of VLLM_TP=2"),
+    ({"VLLM_GPUS": "6,7,8,9"}, "VLLM_GPUS=6,7,8,9 names GPU 8; the server node n3 has 8 (0-7"),
+    ({"VLLM_GPUS": "0,x"}, "VLLM_GPUS=0,x: expected GPU indices separated by commas"),
+    ({"VLLM_TP": "0"}, "VLLM_TP=0: expected the GPUs of each vLLM server"),
+    ({"VLLM_PORT": "http"}, "VLLM_PORT=http: expected the first vLLM server's port"),
+    ({"VLLM_SERVERS": "2"}, "VLLM_SERVERS=2 counts colocated servers"),
+])
+def test_a_pool_the_server_node_cannot_hold_is_refused_before_anything_starts(tmp_path, env, says):
+    job = Cluster(tmp_path, ["n1", "n2", "n3"])
+    res = job.submit("configs/cpu_demo.yaml", SLURM_GPUS_ON_NODE="8", VLLM="1", **env)
+    assert res.returncode == 2 and job.lines("srun") == []
+    (line,) = res.stderr.splitlines()
+    assert line.startswith("train_grounding.sbatch: ") and says in line, line
 
 
 @pytest.mark.slow

@@ -78,8 +78,10 @@ class StubLLM:
     def __init__(self, fake: FakeNCCL, workers: int, refuse: str = "", hang: str = ""):
         self.fake, self.workers, self.refuse, self.hang = fake, workers, refuse, hang
         self.llm_engine = SimpleNamespace(reset_encoder_cache=lambda: None)
+        self.calls = []  # (method, args) as the workers got them
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append((method, args))
         if method == self.refuse:
             raise RuntimeError(f"NCCL error in {method}: invalid usage")
         if method == self.hang:
@@ -102,6 +104,7 @@ def _server(fake, workers=1, gpus=(SERVER_GPU,), nccl_ver="2.21.5", **stub):
     backend.device, backend.nccl = "cuda", True
     backend.workers = worker_facts([{"device": f"cuda:{i}", "gpu": g, "nccl": nccl_ver} for i, g in enumerate(gpus)])
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(backend))
+    httpd.backend = backend
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
 
@@ -160,20 +163,20 @@ def _one_line_error(value, *words):
 def test_setup_refused_by_the_server_ends_at_once(serve, nccl):
     nccl.joins = False  # the server's workers fail, so the peer never joins
     url = serve(refuse="init_weight_transfer_engine")
-    err, took = _within(PROMPT_S, lambda: NCCLWeightSender(url, workers=1, timeout_s=60))
+    err, took = _within(PROMPT_S, lambda: NCCLWeightSender([(url, 1)], timeout_s=60))
     _one_line_error(err, url, "HTTP 500", "invalid usage", "restart")
     assert took < PROMPT_S
 
 
 def test_setup_bounded_when_the_server_never_answers_and_no_peer_joins(silent_url, nccl):
     nccl.joins = False
-    err, took = _within(PROMPT_S, lambda: NCCLWeightSender(silent_url, workers=1, timeout_s=1.0))
+    err, took = _within(PROMPT_S, lambda: NCCLWeightSender([(silent_url, 1)], timeout_s=1.0))
     _one_line_error(err, silent_url, "1 s", "rollout.vllm_sync_timeout_s")
 
 
 def test_send_refused_ends_at_once_and_the_sender_stays_refused(serve, nccl):
     url = serve(refuse="start_weight_update")
-    sender, _ = _within(PROMPT_S, lambda: NCCLWeightSender(url, workers=1, timeout_s=60))
+    sender, _ = _within(PROMPT_S, lambda: NCCLWeightSender([(url, 1)], timeout_s=60))
     assert not isinstance(sender, BaseException), sender
     nccl.receives = False  # the workers never entered the broadcast
     err, took = _within(PROMPT_S, lambda: sender.send({"w": torch.ones(2)}, version=1))
@@ -184,7 +187,7 @@ def test_send_refused_ends_at_once_and_the_sender_stays_refused(serve, nccl):
 
 def test_send_bounded_when_the_server_never_answers(serve, nccl):
     url = serve(hang="update_weights")
-    sender, _ = _within(PROMPT_S, lambda: NCCLWeightSender(url, workers=1, timeout_s=1.0))
+    sender, _ = _within(PROMPT_S, lambda: NCCLWeightSender([(url, 1)], timeout_s=1.0))
     assert not isinstance(sender, BaseException), sender
     nccl.receives = False
     err, _ = _within(PROMPT_S, lambda: sender.send({"w": torch.ones(2)}, version=1))
@@ -197,11 +200,11 @@ def test_world_is_one_plus_the_workers_the_server_reports(serve, nccl):
     assert (health["workers"], health["worker_gpus"], health["nccl_version"]) == (2, [SERVER_GPU, "GPU-server-0002"],
                                                                                  "2.21.5")
     plan = plan_weight_sync(health, url, True, TRAINER_GPU, "2.21.5")
-    assert plan == SyncPlan("nccl", 2)
-    sender, _ = _within(PROMPT_S, lambda: NCCLWeightSender(url, workers=plan.workers, timeout_s=60))
+    assert plan == SyncPlan("nccl", 2, servers=[(url, 2)])
+    sender, _ = _within(PROMPT_S, lambda: NCCLWeightSender(plan.servers, timeout_s=60))
     assert nccl.worlds == [3]
     named = {"a": torch.arange(3.0), "b": torch.ones(2, 2)}
-    answer, _ = _within(PROMPT_S, lambda: sender.send(named, version=7))
+    (answer,), _ = _within(PROMPT_S, lambda: sender.send(named, version=7))
     assert (answer["version"], answer["tensors"]) == (7, 2)
     assert [t.tolist() for t in nccl.sent] == [named["a"].tolist(), named["b"].tolist()]  # in the announced order
 
@@ -210,11 +213,10 @@ def test_colocated_server_gets_the_file_sync_with_one_warning(nccl, caplog):
     from mmpg.rollout.vllm import VLLMEngine
 
     health = {"nccl": True, "workers": 1, "worker_gpus": [TRAINER_GPU], "nccl_version": "2.21.5", "instance": "i0"}
-    engine = VLLMEngine.__new__(VLLMEngine)
-    engine.url, engine.health, engine._plan, engine._device = "http://h:1", health, None, None
+    engine = _engine(["http://h:1"], [health])
     choices.reset()
     with caplog.at_level(logging.WARNING, logger="mmpg.rollout.vllm"):
-        plan = engine._sync_plan(torch.device("cuda", 0))
+        plan = engine._sync_plan(torch.device("cuda", 0), engine.urls)
     assert plan.kind == "file" and "one GPU" in plan.why
     same = plan_weight_sync(dict(health, worker_gpus=[TRAINER_GPU.upper().removeprefix("GPU-")]), "u", True,
                             TRAINER_GPU, "2.21.5")
@@ -222,10 +224,82 @@ def test_colocated_server_gets_the_file_sync_with_one_warning(nccl, caplog):
     assert [r.getMessage() for r in caplog.records if "by file" in r.getMessage()]
     assert choices.current()["weight_sync"]["value"] == "file"
     health["worker_gpus"] = [SERVER_GPU]
-    engine._plan = None
-    assert engine._sync_plan(torch.device("cuda", 0)).kind == "nccl"
+    engine._plans = {}
+    assert engine._sync_plan(torch.device("cuda", 0), engine.urls).kind == "nccl"
     assert choices.current()["weight_sync"]["value"] == "nccl"
     choices.reset()
+
+
+def _engine(urls: list[str], healths: list[dict]):
+    """A VLLMEngine as rank 0 holds it after its start: the pool's URLs and /health answers, no plan yet."""
+    from mmpg.rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.urls, engine.url, engine.health = list(urls), urls[0], healths[0]
+    engine.pool_health = dict(zip(urls, healths))
+    engine._plans, engine._senders, engine._device, engine.sync_timeout_s = {}, {}, None, 60.0
+    return engine
+
+
+def test_a_pool_is_one_group_and_each_tensor_is_broadcast_once(nccl):
+    """Two --nccl servers (tensor-parallel 2 and 1) on GPUs of their own: one group of 1 + 3 ranks, the first
+    server's workers at ranks 1-2, the second's at 3; one broadcast per tensor reaches both, and both report the
+    version. Before: the engine refused NCCL to a pool in one line."""
+    from mmpg.rollout.vllm_nccl import plan_pool_sync
+
+    a, url_a = _server(nccl, workers=2, gpus=(SERVER_GPU, "GPU-server-0002"))
+    b, url_b = _server(nccl, workers=1, gpus=("GPU-server-0003",))
+    try:
+        healths = [call(u, "/health", timeout=5) for u in (url_a, url_b)]
+        engine = _engine([url_a, url_b], healths)
+        plan = engine._sync_plan(torch.device("cuda", 0), engine.urls)
+        assert plan == plan_pool_sync(dict(zip(engine.urls, healths)), True, TRAINER_GPU, "2.21.5")
+        assert (plan.kind, plan.workers, plan.servers) == ("nccl", 3, [(url_a, 2), (url_b, 1)])
+        sender, _ = _within(PROMPT_S, lambda: engine._nccl(plan))
+        assert not isinstance(sender, BaseException), sender
+        assert engine._nccl(plan) is sender and nccl.worlds == [4]  # one group, made once
+        named = {"a": torch.arange(3.0), "b": torch.ones(2, 2)}
+        answers, _ = _within(PROMPT_S, lambda: sender.send(named, version=5))
+        assert [(x["version"], x["tensors"]) for x in answers] == [(5, 2), (5, 2)]
+        assert len(nccl.sent) == 2  # each tensor once, for both servers
+        offsets = [[args[0]["rank_offset"] for m, args in httpd.backend.loop.llm.calls
+                    if m == "init_weight_transfer_engine"] for httpd in (a, b)]
+        worlds = [[args[0]["world_size"] for m, args in httpd.backend.loop.llm.calls
+                   if m == "init_weight_transfer_engine"] for httpd in (a, b)]
+        assert offsets == [[1], [3]] and worlds == [[4], [4]]
+        assert [call(u, "/health", timeout=5)["version"] for u in (url_a, url_b)] == [5, 5]
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_a_mixed_pool_takes_the_file_on_this_machine_and_is_refused_across_machines(caplog):
+    import socket as sock
+
+    from mmpg.rollout.vllm_nccl import plan_pool_sync
+
+    own = {"nccl": True, "workers": 1, "worker_gpus": [SERVER_GPU], "nccl_version": "2.21.5",
+           "host": sock.gethostname()}
+    colocated = dict(own, worker_gpus=[TRAINER_GPU])  # NCCL cannot reach it: two ranks on one GPU
+    plan = plan_pool_sync({"http://a:1": own, "http://b:2": colocated}, True, TRAINER_GPU, "2.21.5")
+    assert plan.kind == "file" and plan.why.startswith("1 of the pool's 2 servers take weights by file")
+    assert plan_pool_sync({"http://a:1": dict(own, nccl=False), "http://b:2": dict(own, nccl=False)}, True,
+                          TRAINER_GPU).kind == "file"
+    with pytest.raises(ServerError) as err:
+        plan_pool_sync({"http://a:1": dict(own, host="node7"), "http://b:2": colocated}, True, TRAINER_GPU, "2.21.5")
+    _one_line_error(err.value, "http://a:1", "another machine", "start every server of the pool alike")
+
+
+def test_a_restarted_server_of_an_nccl_pool_is_one_error_line(nccl):
+    """Its workers left the pool's group, which only rank 0 can rebuild, at a start: resume (a pool synced by file
+    resends the restarted server every weight instead)."""
+    healths = [{"nccl": True, "workers": 1, "worker_gpus": [g], "nccl_version": "2.21.5", "instance": "i0"}
+               for g in (SERVER_GPU, "GPU-server-0003")]
+    engine = _engine(["http://a:1", "http://b:2"], healths)
+    engine._device = torch.device("cuda", 0)
+    with pytest.raises(ServerError) as err:
+        engine._forget_server()
+    _one_line_error(err.value, "http://a:1", "restarted", "--resume auto")
 
 
 def test_nccl_versions_compared_at_the_handshake(caplog):

@@ -7,7 +7,7 @@
     decode       greedy decoding (what `mmpg eval` runs): cascade with each kernel vs the copy path, same tokens;
                  and which kernel rollout.decode=auto takes here (its own check on) and why
     train        three bf16 GRPO steps of `mmpg train` with the grouped forward's self-check
-    sync         the vLLM engine's NCCL weight sync: only with a vLLM environment and two GPUs
+    sync         the vLLM engine's NCCL weight sync (one server: two GPUs; a pool: three), with a vLLM environment
     speed        grouped vs repeated forward + backward at one P and G; cascade vs copy decoding
 
 On a CPU machine the CUDA rows are NOT RUN with the reason. UNTESTED on a GPU: the CUDA rows have not run on one;
@@ -102,26 +102,34 @@ def _cascade_and_decode(device: torch.device, cuda_why: str) -> list:
     return plans
 
 
-def sync_row(device: torch.device, cuda_why: str) -> Row:
+SYNC_ROWS = {  # row: (what, GPUs it needs, why that many, the tests of tests/test_vllm_gpu.py it runs)
+    "sync/nccl": ("vLLM engine: NCCL weight sync to one server", 2, "one for training, one for the server",
+                  "not pool"),
+    "sync/nccl-pool": ("vLLM engine: NCCL weight sync to a pool of two servers, one group (UNTESTED so far)", 3,
+                       "one for training, one per server", "pool"),
+}
+
+
+def sync_row(row_id: str, device: torch.device, cuda_why: str) -> Row:
     """The NCCL weight sync of the vLLM engine: its GPU tests (tests/test_vllm_gpu.py) where they can run."""
-    what = "vLLM engine: NCCL weight sync (tests/test_vllm_gpu.py)"
+    text, gpus, why_gpus, select = SYNC_ROWS[row_id]
+    what = f"{text} (tests/test_vllm_gpu.py -k '{select}')"
     if device.type != "cuda":
-        return not_run("sync", "sync/nccl", what, NO_CUDA + cuda_why)
-    if torch.cuda.device_count() < 2:
-        return not_run("sync", "sync/nccl", what, f"needs two GPUs (one for training, one for the server); "
-                       f"{torch.cuda.device_count()} here")
+        return not_run("sync", row_id, what, NO_CUDA + cuda_why)
+    if torch.cuda.device_count() < gpus:
+        return not_run("sync", row_id, what, f"needs {gpus} GPUs ({why_gpus}); {torch.cuda.device_count()} here")
     py, why = environment.vllm_env()
     root = Path(__file__).resolve().parents[2]
     test = root / "tests" / "test_vllm_gpu.py"
     if py is None:
-        return not_run("sync", "sync/nccl", what, why)
+        return not_run("sync", row_id, what, why)
     if not test.exists():
-        return not_run("sync", "sync/nccl", what, f"{test} is not here (an installed mmpg without its tests)")
+        return not_run("sync", row_id, what, f"{test} is not here (an installed mmpg without its tests)")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu and vllm",
-                           str(test)], cwd=root, capture_output=True, text=True, timeout=1200)
+                           "-k", select, str(test)], cwd=root, capture_output=True, text=True, timeout=1200)
     last = (proc.stdout.strip().splitlines() or [""])[-1]
-    return Row("sync", "sync/nccl", what, "PASS" if proc.returncode == 0 else "FAIL", last,
+    return Row("sync", row_id, what, "PASS" if proc.returncode == 0 else "FAIL", last,
                "" if proc.returncode == 0 else f"pytest exited {proc.returncode}", time.perf_counter() - t0)
 
 
@@ -132,7 +140,7 @@ def plan_rows(device: torch.device, cuda_why: str, quick: bool, work: Path) -> l
                              "left out by --quick"))
     else:
         plans.append(("train/bf16", train_check.train_row, work, device.type))
-    plans.append(("sync/nccl", sync_row, device, cuda_why))  # run (and filtered, guarded) like the others
+    plans += [(row_id, sync_row, row_id, device, cuda_why) for row_id in SYNC_ROWS]  # filtered, guarded as the others
     if quick:
         plans += [not_run("speed", f"speed/{k}", f"speed: {k}", "left out by --quick") for k in ("forward", "decode")]
     else:

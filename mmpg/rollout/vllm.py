@@ -15,10 +15,10 @@ so logprobs are asked only at temperature 1 or 0 (greedy); they differ from the 
 kernels (logged as actor/logprob_gap_*, corrected by `algos.truncated_is_weights` when rollout.tis_cap > 0).
 
 Weight sync: the trainable tensors (LoRA adapters merged, W + scale B A, under the plain HF names) go as one
-safetensors file (in /dev/shm when there) that the server's workers load, or by NCCL broadcast to a GPU server
-started with --nccl (`mmpg.rollout.vllm_nccl`); a restarted server (new instance id) gets every tensor; under ZeRO-3
-every rank gathers the tensors with the others and rank 0 sends them. docs/rollouts.md, "vLLM rollouts", has the
-details (`last_stats` too).
+safetensors file (in /dev/shm when there) that the server's workers load, or by NCCL broadcast to GPU servers
+started with --nccl (`mmpg.rollout.vllm_nccl`; a pool is one group, each tensor broadcast once); a restarted server
+(new instance id) gets every tensor; under ZeRO-3 every rank gathers the tensors with the others and rank 0 sends
+them. docs/rollouts.md, "vLLM rollouts", has the details (`last_stats` too).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from mmpg.rollout.engine import (
     group_sizes_for,
 )
 from mmpg.rollout.vllm_nccl import (SYNC_TIMEOUT_S, NCCLWeightSender, check_weight_path, local_gpu_facts,
-                                     plan_weight_sync)
+                                     plan_pool_sync)
 from mmpg.rollout.vllm_prompt import (
     check_prompts, distinct_videos, eos_ids, prompt_ids, rollout_stats, video_token_id, wire_collapser,
 )
@@ -87,6 +87,7 @@ class VLLMEngine(RolloutEngine):
         self.health = wait_for_server(self.url, wait_s, index=index) if wait_s > 0 else self._health()
         check_wire(self.health, self.url)
         check_weight_path(self.health, self.url)  # a server on another machine: weights by NCCL only
+        self.pool_health = {self.url: self.health}  # rank 0 (the sender): every server's, in the pool's order
         if dist.rank() == 0:  # the sender: every server of the pool up, and reachable by the weight file
             for i, other in enumerate(self.urls):
                 if other != self.url:
@@ -94,11 +95,13 @@ class VLLMEngine(RolloutEngine):
                         other, "/health", timeout=min(self.timeout_s, 30.0), what="a health check")
                     check_wire(health, other)
                     check_weight_path(health, other)
+                    self.pool_health[other] = health
+            self.pool_health = {u: self.pool_health[u] for u in self.urls}
         self.version = int(self.health["version"])  # weight version the server holds (0: its checkpoint)
         self.last_sync: dict = {}
         self.last_stats: dict | None = None  # what the last generate_groups prefilled (`rollout_stats`)
-        self._sender = None  # the NCCL weight sender (GPU servers started with --nccl), made on first use
-        self._plan = None  # how weights reach this server (`vllm_nccl.plan_weight_sync`), decided on first sync
+        self._senders: dict = {}  # NCCL senders by the URLs they reach (GPU servers with --nccl), made on first use
+        self._plans: dict = {}  # how weights reach those URLs (`vllm_nccl.plan_pool_sync`), decided on first sync
         self._device: torch.device | None = None  # where the synced tensors live (the NCCL sender's device)
         self.partitioned = is_partitioned(model)  # ZeRO-3: the weight sync is a collective of every rank
         self.samples_with_policy = False  # the server holds its own copy of the weights: `sync_weights` after updates
@@ -144,8 +147,8 @@ class VLLMEngine(RolloutEngine):
                 raise ServerError(f"the vLLM server at {self.url} restarted and serves its checkpoint again; under "
                                   "ZeRO-3 the ranks gather the weights together and cannot resend them from one "
                                   "rank's request: resume the run (--resume auto)") from None
+            self._forget_server()
             log.warning("the vLLM server at %s restarted; sending it every weight again", self.url)
-            self.health, self._sender, self._plan = self._health(), None, None  # a new server: a new NCCL group too
             self._send_weights(everything=True)
             meta["expect"] = {"instance": self.health["instance"], "version": self.version}
             body = pack(meta, arrays)
@@ -169,7 +172,7 @@ class VLLMEngine(RolloutEngine):
         prompts = [{"token_ids": collapse(p), "n": g, "seed": int(seed) % (2 ** 63), "video": v}
                    for p, g, seed, v in zip(ids, sizes, seeds, index)]
         stop = list(sampling.stop_token_ids) if sampling.stop_token_ids is not None else eos_ids(self.model)
-        meta = {"wire": WIRE_VERSION, "prompts": prompts,
+        meta = {"wire": WIRE_VERSION, "prompts": prompts, "client": dist.rank(),
                 "videos": [{"key": f"video_{v}", "metadata": m} for v, (_, m) in enumerate(table)],
                 "expect": {"instance": self.health["instance"], "version": self.version},
                 "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
@@ -244,7 +247,7 @@ class VLLMEngine(RolloutEngine):
             nccl, refused = False, None
             if rank0:  # a refused plan is raised after the gather, which every rank must enter alike
                 try:
-                    nccl = self._sync_plan(device).kind == "nccl"
+                    nccl = self._sync_plan(device, urls or [self.url]).kind == "nccl"
                 except ServerError as e:
                     refused = e
             params = gathered_sync_tensors(self.model, everything, keep=rank0 and refused is None,
@@ -259,13 +262,10 @@ class VLLMEngine(RolloutEngine):
         if not params:
             return {"tensors": 0, "bytes": 0, "seconds": 0.0, "server_seconds": 0.0}
         urls = list(urls or [self.url])
-        if self._sync_plan(next(iter(params.values())).device).kind == "nccl":  # GPU: vLLM's NCCL transfer
-            if len(urls) > 1:
-                raise ServerError(f"NCCL weight sync to a pool of {len(urls)} servers is not built yet: start the "
-                                  "servers without --nccl on the trainer's machine (weights by file), or use one "
-                                  "server")
-            answer = self._nccl().send(params, self.version + 1)
-            return self._synced(params, answer, t0)
+        plan = self._sync_plan(next(iter(params.values())).device, urls)
+        if plan.kind == "nccl":  # GPU: vLLM's NCCL transfer, one broadcast per tensor for the whole pool
+            answers = self._nccl(plan).send(params, self.version + 1)
+            return self._synced(params, self._one_version(urls, answers), t0)
         from safetensors.torch import save_file
 
         tensors = {n: p.to("cpu").contiguous() for n, p in params.items()}
@@ -277,11 +277,16 @@ class VLLMEngine(RolloutEngine):
             answers = self._update_all(urls, path)
         finally:
             os.unlink(path)
+        return self._synced(tensors, self._one_version(urls, answers), t0)
+
+    @staticmethod
+    def _one_version(urls: list[str], answers: list[dict]) -> dict:
+        """The slowest server's answer, once every server of the pool holds the same weight version."""
         versions = {u: int(a["version"]) for u, a in zip(urls, answers)}
         if len(set(versions.values())) > 1:
             raise ServerError(f"the vLLM servers hold different weight versions after a sync: {versions}; restart "
                               "them and resume the run (--resume auto)")
-        return self._synced(tensors, max(answers, key=lambda a: float(a["seconds"])), t0)
+        return max(answers, key=lambda a: float(a["seconds"]))
 
     def _update_all(self, urls: list[str], path: str) -> list[dict]:
         """POST the weight file to every server in `urls` at once; their answers in order (the first error raised)."""
@@ -302,23 +307,46 @@ class VLLMEngine(RolloutEngine):
                           "seconds": time.perf_counter() - t0, "server_seconds": float(answer["seconds"])}
         return self.last_sync
 
-    def _sync_plan(self, device: torch.device):
-        """The weight sync path for this server (`vllm_nccl.plan_weight_sync`), decided once per server and recorded
-        as the "weight_sync" choice (`mmpg.choices`); a colocated server's step down to the file is one warning."""
-        if self._plan is None:
+    def _sync_plan(self, device: torch.device, urls: Sequence[str]):
+        """How weights reach the servers `urls` (`vllm_nccl.plan_pool_sync`), decided once per set of servers and
+        recorded as the "weight_sync" choice (`mmpg.choices`); a step down to the file is one warning."""
+        key = tuple(urls)
+        if key not in self._plans:
             gpu, version = local_gpu_facts(device)
-            self._plan = plan_weight_sync(self.health, self.url, device.type == "cuda", gpu, version)
+            healths = {u: self.pool_health.get(u) or self.health for u in urls}
+            plan = self._plans[key] = plan_pool_sync(healths, device.type == "cuda", gpu, version)
             self._device = device
-            if self._plan.kind == "file" and self.health.get("nccl"):
-                log.warning("vLLM weight sync by file, not NCCL: %s", self._plan.why)
-            choices.record("weight_sync", self._plan.kind, self._plan.why if self.health.get("nccl") else "")
-        return self._plan
+            nccl = any(h.get("nccl") for h in healths.values())
+            if plan.kind == "file" and nccl:
+                log.warning("vLLM weight sync by file, not NCCL: %s", plan.why)
+            choices.record("weight_sync", plan.kind, plan.why if nccl else "")
+        return self._plans[key]
 
-    def _nccl(self):
-        if self._sender is None:
-            self._sender = NCCLWeightSender(self.url, workers=self._plan.workers, timeout_s=self.sync_timeout_s,
-                                            device=self._device)
-        return self._sender
+    def _nccl(self, plan):
+        """The NCCL sender to the plan's servers (one group for a pool), made once."""
+        key = tuple(u for u, _ in plan.servers)
+        if key not in self._senders:
+            self._senders[key] = NCCLWeightSender(plan.servers, timeout_s=self.sync_timeout_s, device=self._device)
+        return self._senders[key]
+
+    def _forget_server(self) -> None:
+        """After this rank's server restarted: its new /health, and every plan and NCCL group that held it. A server
+        of a pool synced by NCCL cannot rejoin the pool's group from here (rank 0 owns it): an error, resume."""
+        if len(self.urls) > 1 and self.health.get("nccl"):
+            device = self._device or next(self.model.parameters()).device  # where the synced tensors live
+            healths = {u: self.pool_health.get(u, self.health) for u in self.urls}
+            pooled = plan_pool_sync(healths, device.type == "cuda", *local_gpu_facts(device)).kind == "nccl"
+        else:
+            pooled = False
+        if pooled:
+            raise ServerError(f"the vLLM server at {self.url} restarted and serves its checkpoint again; the pool's "
+                              "NCCL group lost its workers and is rebuilt only at a start: resume the run "
+                              "(--resume auto)")
+        self.health = self._health()
+        self.pool_health[self.url] = self.health
+        for key in [k for k in self._plans if self.url in k]:
+            self._plans.pop(key)
+            self._senders.pop(key, None)
 
     def _health(self) -> dict:
         health = call(self.url, "/health", timeout=min(self.timeout_s, 30.0), what="a health check")

@@ -11,6 +11,9 @@ vLLM's RL weight transfer (NCCL backend) lets a trainer that cannot import vLLM 
     POST /update_weights_nccl {names, dtypes, shapes} -> start, receive one broadcast per tensor, load_weights, finish
     broadcast(tensor, root 0) for each, in that order
 
+A pool of servers is one group: server i's workers join at rank 1 + the workers of servers 0..i-1 ("rank_offset"),
+each server gets its own two POSTs at once, and each tensor is broadcast once for all of them.
+
 Bounded: the HTTP call and the NCCL side each run on a daemon thread, waited for with one deadline
 (`rollout.vllm_sync_timeout_s`; the server is told the same). A refusal ends the wait at once, silence at the
 deadline: a `ServerError` of one line naming the server and what to do, never a hang. NCCL cannot cancel a
@@ -25,7 +28,7 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,11 +53,13 @@ def nccl_version(v) -> str | None:
 
 @dataclass
 class SyncPlan:
-    """How weights reach one server: kind "nccl" (world = 1 + workers) or "file"; why: the reason for "file"."""
+    """How weights reach a server or a pool: kind "nccl" (world = 1 + workers; servers: each one's (url, workers),
+    in the pool's order) or "file"; why: the reason for "file"."""
 
     kind: str
     workers: int = 0
     why: str = ""
+    servers: list = field(default_factory=list)
 
 
 def plan_weight_sync(health: dict, url: str, on_cuda: bool, local_gpu: str | None = None,
@@ -89,7 +94,32 @@ def plan_weight_sync(health: dict, url: str, on_cuda: bool, local_gpu: str | Non
     if not theirs or not ours:
         log.warning("the NCCL version of %s is unknown (here %s, server %s): trying the NCCL weight sync anyway, for "
                     "at most rollout.vllm_sync_timeout_s", url, ours or "unknown", theirs or "unknown")
-    return SyncPlan("nccl", workers)
+    return SyncPlan("nccl", workers, servers=[(url, workers)])
+
+
+def plan_pool_sync(healths: dict[str, dict], on_cuda: bool, local_gpu: str | None = None,
+                   local_nccl: str | None = None) -> SyncPlan:
+    """The path of a pool's weight syncs (healths: each server's /health by URL, in the pool's order): NCCL when
+    every server takes it (one group, `NCCLWeightSender`), the file when none does. A mixed pool (some servers on
+    this process's GPU or started without --nccl) takes the file when every server runs on this machine (one
+    warning line, from the caller), else it is refused in one line: a server elsewhere cannot read the file."""
+    plans = {url: plan_weight_sync(h, url, on_cuda, local_gpu, local_nccl) for url, h in healths.items()}
+    if len(plans) == 1:
+        return next(iter(plans.values()))
+    by_file = [url for url, p in plans.items() if p.kind == "file"]
+    if not by_file:
+        return SyncPlan("nccl", sum(p.workers for p in plans.values()),
+                        servers=[s for p in plans.values() for s in p.servers])
+    if len(by_file) == len(plans):
+        return SyncPlan("file", why=plans[by_file[0]].why)
+    why = f"{len(by_file)} of the pool's {len(plans)} servers take weights by file ({plans[by_file[0]].why})"
+    here = socket.gethostname()
+    elsewhere = [url for url, h in healths.items() if h.get("host") not in (None, here)]
+    if elsewhere:
+        raise ServerError(f"{why}, and {', '.join(elsewhere)} run(s) on another machine, which the file cannot "
+                          "reach: start every server of the pool alike (all with --nccl on GPUs of their own, or "
+                          "all on this machine without it)")
+    return SyncPlan("file", why=f"{why}: the whole pool takes the file (one for all)")
 
 
 def check_weight_path(health: dict, url: str) -> None:
@@ -160,27 +190,33 @@ def _wait_all(sides: list[_Side], timeout_s: float, url: str, what: str) -> list
 
 
 class NCCLWeightSender:
-    """Rank 0 of a NCCL group with the server's workers. url: the server; workers: its /health "workers"; timeout_s:
-    the most one set-up or one send may take (rollout.vllm_sync_timeout_s); device: the CUDA device of the tensors
-    (default: the current one). After a failure every later send refuses at once (the group is unusable)."""
+    """Rank 0 of one NCCL group with the workers of every server in `servers` ((url, workers) pairs, a pool's in
+    order): server i's workers take ranks 1 + the workers of the servers before it, so one broadcast per tensor
+    reaches them all. timeout_s: the most one set-up or one send may take (rollout.vllm_sync_timeout_s); device: the
+    CUDA device of the tensors (default: the current one). After a failure every later send refuses at once (the
+    group is unusable). UNTESTED on GPUs with several servers (`mmpg doctor`'s sync/nccl-pool row runs it)."""
 
-    def __init__(self, url: str, workers: int = 1, timeout_s: float = SYNC_TIMEOUT_S,
-                 device: torch.device | None = None):
+    def __init__(self, servers, timeout_s: float = SYNC_TIMEOUT_S, device: torch.device | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("the NCCL weight transfer needs a CUDA device; on the CPU the file sync is used")
         from torch.cuda import nccl
 
-        self.url, self.timeout_s, self.world = url, float(timeout_s), 1 + int(workers)
+        self.servers = [(str(u), int(w)) for u, w in servers]
+        self.url = ", ".join(u for u, _ in self.servers)  # what the messages name
+        self.timeout_s, self.world = float(timeout_s), 1 + sum(w for _, w in self.servers)
         self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.broken: str | None = None
         uid = nccl.unique_id()
-        payload = {"nccl_unique_id_b64": base64.b64encode(uid).decode(), "world_size": self.world,
-                   "timeout_s": self.timeout_s}
-        http = _Side("the server's /init_weight_transfer", lambda: call(
-            url, "/init_weight_transfer", payload=payload, timeout=self.timeout_s,
-            what="the NCCL weight transfer set-up", setting=SETTING))
+        sides, offset = [], 1
+        for url, workers in self.servers:  # every server's workers enter the rendezvous with ours, at once
+            payload = {"nccl_unique_id_b64": base64.b64encode(uid).decode(), "world_size": self.world,
+                       "rank_offset": offset, "timeout_s": self.timeout_s}
+            sides.append(_Side(f"{url}'s /init_weight_transfer", lambda url=url, payload=payload: call(
+                url, "/init_weight_transfer", payload=payload, timeout=self.timeout_s,
+                what="the NCCL weight transfer set-up", setting=SETTING)))
+            offset += workers
         join = _Side("the NCCL rendezvous", lambda: self._join(uid))
-        self.comm = self._wait([http, join], "the NCCL weight transfer set-up")[1]
+        self.comm = self._wait([*sides, join], "the NCCL weight transfer set-up")[-1]
 
     def _join(self, uid: bytes):
         """ncclCommInitRank as rank 0 and vLLM's warm-up all_reduce (on a side thread: the device is per thread)."""
@@ -193,21 +229,23 @@ class NCCLWeightSender:
         torch.cuda.synchronize(self.device)
         return comm
 
-    def send(self, named: dict[str, torch.Tensor], version: int) -> dict:
-        """Broadcast these CUDA tensors (HF names) to the workers; returns the server's answer (its weight version)."""
+    def send(self, named: dict[str, torch.Tensor], version: int) -> list[dict]:
+        """Broadcast these CUDA tensors (HF names) to every server's workers, once each; returns the servers'
+        answers in order (each names its weight version)."""
         if self.broken:
             raise ServerError(self.broken)
         t0 = time.perf_counter()
         names = list(named)
         meta = {"names": names, "dtype_names": [str(named[n].dtype).removeprefix("torch.") for n in names],
                 "shapes": [list(named[n].shape) for n in names], "version": version, "timeout_s": self.timeout_s}
-        http = _Side("the server's /update_weights_nccl", lambda: call(
-            self.url, "/update_weights_nccl", payload=meta, timeout=self.timeout_s, what="an NCCL weight update",
-            setting=SETTING))
+        sides = [_Side(f"{url}'s /update_weights_nccl", lambda url=url: call(
+            url, "/update_weights_nccl", payload=meta, timeout=self.timeout_s, what="an NCCL weight update",
+            setting=SETTING)) for url, _ in self.servers]
         push = _Side(f"the broadcast of {len(names)} tensors", lambda: self._broadcast(named, names))
-        out = self._wait([http, push], "an NCCL weight update")[0]
-        out["seconds_total"] = time.perf_counter() - t0
-        return out
+        answers = self._wait([*sides, push], "an NCCL weight update")[:-1]
+        for out in answers:
+            out["seconds_total"] = time.perf_counter() - t0
+        return answers
 
     def _broadcast(self, named: dict[str, torch.Tensor], names: list[str]) -> None:
         from torch.cuda import nccl
@@ -223,5 +261,5 @@ class NCCLWeightSender:
         try:
             return _wait_all(sides, self.timeout_s, self.url, what)
         except ServerError as e:
-            self.broken = f"the NCCL weight sync with the vLLM server at {self.url} is unusable after: {e}"
+            self.broken = f"the NCCL weight sync with the vLLM server(s) at {self.url} is unusable after: {e}"
             raise

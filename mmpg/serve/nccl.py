@@ -54,7 +54,8 @@ def init_weight_transfer(backend, payload: dict) -> dict:
     if not backend.nccl:
         raise ValueError("this server was started without --nccl: restart it with --nccl, or let the trainer sync "
                          "weights by file")
-    info = {"nccl_unique_id_b64": payload["nccl_unique_id_b64"], "rank_offset": 1,
+    # a pool's servers share one group: this server's workers follow the trainer (rank 0) and the servers before it
+    info = {"nccl_unique_id_b64": payload["nccl_unique_id_b64"], "rank_offset": int(payload.get("rank_offset", 1)),
             "world_size": int(payload["world_size"]), "packed": False}
     backend.loop.call(lambda llm: _rpc(llm, "init_weight_transfer_engine", payload, args=(info,)))
     return {"ok": True}

@@ -195,9 +195,6 @@ def plan_servers(env, gpus: list[str] | None, ranks: Ranks, sp: int = 1) -> list
         raise UserError(f"{knob} starts {len(groups)} vLLM servers for {data} data-parallel rank(s) ({ranks.how}"
                         f"{f', SP {sp}' if sp > 1 else ''}): rank r samples from server r mod {len(groups)}, so "
                         f"{len(groups) - data} would sit idle; {fix}, or launch more training ranks")
-    if len(groups) > 1 and re.search(r"--nccl\b", env.get("VLLM_ARGS", "")):
-        raise UserError(f"VLLM_ARGS=--nccl with {len(groups)} vLLM servers: weights reach a pool by file only (one "
-                        "file on this machine for all); drop --nccl, or start one server")
     return groups
 
 
