@@ -109,7 +109,8 @@ def test_a_video_travels_once_and_vllm_answers_as_before(server, policy):
 
 def test_figures_k3_batch_before_and_after(server, policy):
     """The table of docs/notes.md's "A video's queries in one vLLM request": one video x K = 3 queries, the wire-1
-    form (before) and the wire-2 form (after), each on fresh videos; the medians of REPEATS requests. Asserts only the counts, never the times."""
+    form (before) and the wire-2 form (after), each on fresh videos; the medians of REPEATS requests. Asserts only
+    the counts, never the times."""
     model, processor = policy
     engine = _engine(server, model, processor)
     sampling = SamplingParams(max_new_tokens=1, temperature=1.0)
