@@ -53,7 +53,8 @@
 #       (default on GPUs: the share `mmpg plan --vllm-mem` computes for the config, docs/plan.md; else 0.3; lower
 #       the training batch or use ZeRO-3 offload if the trainer runs short), so each rank samples
 #       on its own GPU; with SP, one per data-parallel group. On a machine without GPUs, one CPU server per training
-#       process. One training process: one server, with no GPU set
+#       process, the N of them sharing 0.2 of its memory for their K/V (each 0.2 / N; VLLM_MEM sets each). One
+#       training process: one server, with no GPU set
 #     A pool has at most one server per data-parallel rank (more would sit idle); every check is one line, exit 2.
 #     UNTESTED on GPUs so far: the layouts are tested with a stand-in nvidia-smi, servers and launcher
 #   VLLM_GPUS  the servers' GPUs, a multiple of VLLM_TP (above). Weights by file; with VLLM_ARGS=--nccl by NCCL
@@ -133,7 +134,8 @@ elif [ "${VLLM:-0}" = 1 ] && [ -n "${HOSTFILE:-}" ]; then
        "(docs/rollouts.md#a-server-on-its-own-node)" >&2
   exit 2
 fi
-colocated_mem() {  # VLLM_MEM, else on GPUs the share `mmpg plan --vllm-mem` computes for the config, else 0.3
+colocated_mem() {  # VLLM_MEM, else on GPUs the share `mmpg plan --vllm-mem` computes for the config, else 0.3;
+  # without GPUs the servers' K/V comes out of the machine's memory they share: the CPU server's 0.2, split
   local gb ranks mem
   if [ -n "${VLLM_MEM:-}" ]; then echo "$VLLM_MEM"; return; fi
   gb="$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)"
@@ -143,8 +145,9 @@ colocated_mem() {  # VLLM_MEM, else on GPUs the share `mmpg plan --vllm-mem` com
            --gpu-memory "$((gb / 1024))" --vllm-mem 2>/dev/null)" && [ -n "$mem" ] && {
       echo "[mmpg] VLLM_MEM $mem: the colocated servers' share of each GPU that mmpg plan computes" >&2
       echo "$mem"; return; }
+    echo 0.3; return
   fi
-  echo 0.3
+  awk -v n="${#server_gpus[@]}" 'BEGIN { printf "%.2f\n", 0.2 / (n > 0 ? n : 1) }'
 }
 server_args() {  # the flags every server shares (serve_head, serve_tail: its --port goes between) and its program
   local model max_len

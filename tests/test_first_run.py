@@ -6,18 +6,20 @@ stand-ins for the weights only.
 - Data: Charades-STA's text form (`VIDEO START END##sentence`) for training and test, and a TVGBench-format file,
   over short synthetic videos, at the paths the docs use.
 - Each README line runs as printed, placeholders filled, `NUM_GPUS=8` as `NUM_GPUS=1` (one CPU process through the
-  DeepSpeed launcher) and the CPU's sizes appended (float32, a few small frames, 2 prompts, 8 new tokens, 3 steps):
-  check-data, plan, SFT through scripts/sft_grounding.sh, GRPO through scripts/train_grounding.sh with `VLLM=1` (the
-  real vLLM server on the CPU, its --max-model-len derived from the config), killed (SIGKILL of the trainer) after
-  its second checkpoint and continued with `RESUME=auto`, `mmpg eval --run`, the paper-protocol evaluations of
-  docs/evaluation.md on the Charades-STA and TVGBench files (the prompt files from a stand-in curl, as
-  tests/test_eval_commands.py serves them), and `mmpg inspect` on the run.
+  DeepSpeed launcher; GRPO: `NUM_GPUS=2`, two) and the CPU's sizes appended (float32, a few small frames, 2 prompts,
+  8 new tokens, 3 steps): check-data, plan, SFT through scripts/sft_grounding.sh, GRPO through
+  scripts/train_grounding.sh with `VLLM=1` (the colocated layout: one real vLLM server on the CPU per training
+  process, each rank's requests served by its own, their --max-model-len derived from the config), killed (SIGKILL
+  of the trainer) after its second checkpoint and continued with `RESUME=auto`, `mmpg eval --run`, the
+  paper-protocol evaluations of docs/evaluation.md on the Charades-STA and TVGBench files (the prompt files from a
+  stand-in curl, as tests/test_eval_commands.py serves them), and `mmpg inspect` on the run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -37,6 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 HUB_ID = "Qwen/Qwen2.5-VL-7B-Instruct"
 CONFIG = "configs/grounding_qwen25vl_7b.yaml"
 TIMEOUT_S = 900
+GRPO_RANKS = 2  # the GRPO line's processes, each with its own colocated vLLM server
 # the CPU's sizes, appended to each training line (the weights are the tiny stand-in's)
 CPU_TRAIN = ["trainer.device=cpu", "model.dtype=float32", "model.attn_implementation=sdpa",
              "model.grouping_backend=sdpa", "data.fps=0.5", "data.min_frames=2", "data.max_frames=4",
@@ -97,18 +100,38 @@ def user(grpo_data, tmp_path_factory):
     return home
 
 
+def _free_ports(n: int) -> int:
+    """The first of n free ports in a row (a pool's servers take VLLM_PORT, +1, ...)."""
+    import socket
+
+    for _ in range(50):
+        first, socks = free_port(), []
+        try:
+            for p in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError(f"no {n} free ports in a row")
+
+
 def _environ(home: Path) -> dict:
     e = cli_env()
     e.pop("MMPG_EXTRAS", None)
     e.update(HF_HOME=str(home / "hf"), HF_HUB_OFFLINE="1", MASTER_PORT=str(free_port()),
-             VLLM_PORT=str(free_port()), PATH=f"{home / 'bin'}:{e['PATH']}")
+             VLLM_PORT=str(_free_ports(GRPO_RANKS)), PATH=f"{home / 'bin'}:{e['PATH']}")
     e.pop("HF_HUB_CACHE", None)
     return e
 
 
-def _fill(command: str, home: Path, sft_ckpt: str = "", run: str = "", ckpt: str = "") -> list[str]:
+def _fill(command: str, home: Path, sft_ckpt: str = "", run: str = "", ckpt: str = "", ranks: int = 1) -> list[str]:
     """The words of a README line with its placeholders filled (paths absolute: the scripts run from the project
-    root) and NUM_GPUS=8 as one CPU process."""
+    root) and NUM_GPUS=8 as `ranks` CPU processes."""
     values = {"ANN": home / "data/charades/charades_sta_train.txt", "TEST_ANN": home / "data/charades/"
               "charades_sta_test.txt", "DIR": home / "data/charades/Charades_v1_480",
               "runs/SFT_RUN/checkpoints/step_N": sft_ckpt, "runs/RUN": run, "CKPT": ckpt}
@@ -119,7 +142,7 @@ def _fill(command: str, home: Path, sft_ckpt: str = "", run: str = "", ckpt: str
             w = f"{key}={values[value]}"
         elif w in values:
             w = str(values[w])
-        words.append("NUM_GPUS=1" if w == "NUM_GPUS=8" else w)
+        words.append(f"NUM_GPUS={ranks}" if w == "NUM_GPUS=8" else w)
     return [w.replace("data/", f"{home}/data/", 1) if w.startswith("data/") or "=data/" in w and
             w.split("=", 1)[1].startswith("data/") and not w.startswith("data.") else w for w in words]
 
@@ -155,11 +178,11 @@ def _server_sessions(port: int) -> set[int]:
     return found
 
 
-def _alive_in(session: int) -> list[int]:
+def _alive_in(*sessions: int) -> list[int]:
     alive = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.getsid(int(pid)) == session:
+            if os.getsid(int(pid)) in sessions:
                 alive.append(int(pid))
         except (OSError, ProcessLookupError):
             continue
@@ -229,15 +252,16 @@ def test_the_documented_first_run_on_stand_ins(user):
     sft_ckpt = sorted((sft_run / "checkpoints").glob("step_*"))[-1]
 
     # GRPO from the SFT checkpoint with the vLLM server, killed after its second checkpoint, then RESUME=auto
-    grpo_words = ["VLLM=1"] + _fill(grpo, home, sft_ckpt=str(sft_ckpt)) + CPU_TRAIN + [
+    grpo_words = ["VLLM=1"] + _fill(grpo, home, sft_ckpt=str(sft_ckpt), ranks=GRPO_RANKS) + CPU_TRAIN + [
         f"trainer.output_dir={runs / 'grpo'}"]
     _launch_and_kill(grpo_words, e, runs / "grpo", after_step=2)
     (run,) = [p for p in (runs / "grpo").iterdir() if p.is_dir()]
-    port, sessions, done = int(e["VLLM_PORT"]), set(), threading.Event()
+    ports, sessions, done = [int(e["VLLM_PORT"]) + i for i in range(GRPO_RANKS)], {}, threading.Event()
 
-    def watch():  # the server's session id, seen while it runs
+    def watch():  # each server's session id, seen while it runs
         while not done.is_set():
-            sessions.update(_server_sessions(port))
+            for p in ports:
+                sessions.setdefault(p, set()).update(_server_sessions(p))
             time.sleep(0.5)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -248,22 +272,29 @@ def test_the_documented_first_run_on_stand_ins(user):
         done.set()
         watcher.join()
     out = proc.stdout + proc.stderr
-    log = ROOT / "runs" / f"vllm-serve-{port}.log"
-    assert proc.returncode == 0, out[-5000:] + "\nserver log:\n" + (log.read_text()[-3000:] if log.exists() else "")
+    logs = [ROOT / "runs" / f"vllm-serve-{p}.log" for p in ports]
+    assert proc.returncode == 0, out[-5000:] + "".join(f"\n{log.name}:\n{log.read_text()[-3000:]}" for log in logs
+                                                       if log.exists())
     assert f"checkpoint.resume=auto: continuing {run} from its step 2" in out
-    assert len(sessions) == 1, sessions  # one server, seen running, and gone with the training
+    assert [len(sessions[p]) for p in ports] == [1] * GRPO_RANKS, sessions  # a server per rank, seen running
+    every = set().union(*sessions.values())
     for _ in range(60):
-        if not _alive_in(*sessions):
+        if not _alive_in(*every):
             break
         time.sleep(0.5)
-    assert not _alive_in(*sessions), f"server processes outlived the training: {_alive_in(*sessions)}"
+    assert not _alive_in(*every), f"server processes outlived the training: {_alive_in(*every)}"
     from mmpg.config import load_config
     from mmpg.rollout.lengths import config_worst_prompt
 
-    words = _fill(grpo, home, sft_ckpt=str(sft_ckpt)) + CPU_TRAIN  # the server's length is the config's
+    words = _fill(grpo, home, sft_ckpt=str(sft_ckpt)) + CPU_TRAIN  # the servers' length is the config's
     cfg = load_config(ROOT / CONFIG, [w for w in words if "=" in w and not w.startswith("NUM_GPUS")])
-    assert f"max_model_len {config_worst_prompt(cfg).server_len(cfg.rollout.max_new_tokens)})" in log.read_text()
-    log.unlink(missing_ok=True)
+    length = config_worst_prompt(cfg).server_len(cfg.rollout.max_new_tokens)
+    for rank, log in enumerate(logs):  # each rank's requests reached its own server, and only those
+        text = log.read_text()
+        assert f"max_model_len {length})" in text, text[-2000:]
+        served = re.search(r"stopped after (\d+) requests \(\d+ joined a running batch; by client: (.*)\)", text)
+        assert served and served.group(2) == f"rank {rank}: {served.group(1)}", text[-2000:]
+        log.unlink(missing_ok=True)
     m = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in m] == [1, 2, 3]
     assert [r["step"] for r in m if "timing_s/weight_sync" in r] == [1, 2, 3]  # sampled through the server

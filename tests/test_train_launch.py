@@ -48,7 +48,8 @@ def test_colocated_server_gets_the_model_and_stops_with_training(tmp_path):
     assert res.returncode == 7, res.stderr  # the trainer's status is the script's
     assert trainer.endswith("--module mmpg.cli train --config configs/cpu_demo.yaml model.path=/models/q25 "
                             "trainer.total_steps=3 rollout.engine=vllm rollout.vllm_url=http://127.0.0.1:8000")
-    assert server.startswith("--checkpoint /models/q25 --port 8000 --gpu-memory-utilization 0.3 --max-model-len ")
+    # no GPU here: the CPU server's share of the machine's memory for its K/V (0.2; before: 0.3, a GPU's default)
+    assert server.startswith("--checkpoint /models/q25 --port 8000 --gpu-memory-utilization 0.20 --max-model-len ")
     assert gpus == "unset"  # the length derived from the config: tests/test_vllm_lengths.py
     for _ in range(50):
         if not _alive(pid):
@@ -154,6 +155,16 @@ def test_colocated_one_server_per_training_process(tmp_path, gpus, pinned):
     assert trainer.endswith("rollout.vllm_url=http://127.0.0.1:8000,http://127.0.0.1:8001")
     assert got["MMPG_VLLM_PID"] == ",".join(pid for pid, _, _ in servers)
     assert _all_stopped([pid for pid, _, _ in servers]), "a server outlived the training"
+
+
+def test_colocated_cpu_servers_split_the_machines_memory(tmp_path):
+    """Without GPUs the colocated servers' K/V comes out of one machine's memory: two take 0.2 between them (before:
+    0.3 each, which two real CPU servers beside the trainer could not get)."""
+    res, _, _, servers = _pool(tmp_path, 2, 0, {"NUM_GPUS": "2", "VLLM_MAX_LEN": "4096"})
+    assert res.returncode == 0, res.stderr
+    assert [argv for _, _, argv in servers] == [
+        f"--checkpoint /models/q25 --port {8000 + i} --gpu-memory-utilization 0.10 --max-model-len 4096"
+        for i in range(2)]
 
 
 def test_a_pool_the_tensor_parallel_size_does_not_divide_starts_nothing(tmp_path):

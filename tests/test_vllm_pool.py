@@ -2,7 +2,7 @@
 to every server by one file. Two real CPU servers against one: a 2-rank GRPO run trains the same (seeded samples,
 rewards, losses, final weights: to the bit when resumed halfway; within a stated share of step 2's movement with the
 overlap and LoRA, whose TIS weights read the engines' logprobs), both servers hold the same weight version after the
-run, and each served its own rank's requests (/health's engine.requests)."""
+run, and each served its own rank's requests (/health's engine.by_client)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_two_ranks_on_two_servers_train_what_two_ranks_on_one_train(server, seco
     runs = {}
     for name, url in (("pool", f"{server.url},{second.url}"), ("one", server.url)):
         _reset(server, second, checkpoint=vllm_ckpt)
-        served = [health(s)["engine"]["requests"] for s in (server, second)]
+        before = [health(s)["engine"] for s in (server, second)]
         parts = [{}] if overlapped or name == "one" else [{"trainer.total_steps": 1}, {"checkpoint.resume": "auto"}]
         for part in parts:
             res = run_cli(["train"] + overrides(data, tmp_path / "runs", name, **dict(base, **part),
@@ -80,14 +80,17 @@ def test_two_ranks_on_two_servers_train_what_two_ranks_on_one_train(server, seco
             assert res.returncode == 0, res.stderr[-4000:]
         after = [health(s) for s in (server, second)]
         runs[name] = {"metrics": metrics(tmp_path / "runs" / name), "weights": _tensors(tmp_path / "runs" / name, 2),
-                      "served": [h["engine"]["requests"] - n for h, n in zip(after, served)],
+                      "served": [h["engine"]["requests"] - b["requests"] for h, b in zip(after, before)],
+                      "clients": [sorted(k for k, n in h["engine"]["by_client"].items() if n > b["by_client"].get(k, 0))
+                                  for h, b in zip(after, before)],
                       "versions": [h["version"] for h in after]}
     pool, one = runs["pool"], runs["one"]
     print(f"\nrequests served (first, second server): pool {pool['served']}, one server {one['served']}; weight "
           f"versions: pool {pool['versions']}, one server {one['versions']}")
     assert pool["versions"][0] == pool["versions"][1] >= 3  # both synced at every start and after every step
     assert one["versions"][1] == 0  # the one-server run never touched the second
-    assert pool["served"][0] > 0 and pool["served"][1] > 0 and one["served"][1] == 0  # rank 1 used its own
+    assert pool["served"][0] > 0 and pool["served"][1] > 0 and one["served"][1] == 0
+    assert pool["clients"] == [["rank 0"], ["rank 1"]] and one["clients"] == [["rank 0", "rank 1"], []]  # its own
     assert [m["step"] for m in pool["metrics"]] == [m["step"] for m in one["metrics"]] == [1, 2]
     for a, b in zip(pool["metrics"], one["metrics"]):
         assert {k: v for k, v in a.items() if k.startswith("reward/")} == \

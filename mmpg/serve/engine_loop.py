@@ -41,6 +41,7 @@ class Finished:
 class _Request:
     prompts: list
     params: list
+    client: str = ""  # who sent it (the trainer's rank), counted in `stats["by_client"]`
     arrived: float = field(default_factory=time.perf_counter)
     future: Future = field(default_factory=Future)
     ids: list = field(default_factory=list)
@@ -66,17 +67,17 @@ class EngineLoop:
         self._inbox: queue.Queue = queue.Queue()
         self._counters, self._version = counters, version
         # what /health shows: requests served, those that joined a batch already running, in flight now, barriers
-        # waiting for them
-        self.stats = {"requests": 0, "joined": 0, "in_flight": 0, "waiting": 0}
+        # waiting for them, requests served per client (a trainer rank: which ranks this server serves)
+        self.stats = {"requests": 0, "joined": 0, "in_flight": 0, "waiting": 0, "by_client": {}}
         self._dead: BaseException | None = None
         ready: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(make, ready), name="vllm-engine", daemon=True)
         self._thread.start()
         self.llm = ready.result()  # read-only use outside the loop (its config)
 
-    def generate(self, prompts: list, params: list) -> Finished:
-        """Decode `prompts` (one SamplingParams each) among whatever else is in flight."""
-        request = _Request(prompts, params)
+    def generate(self, prompts: list, params: list, client: str = "") -> Finished:
+        """Decode `prompts` (one SamplingParams each) among whatever else is in flight; client: who asks."""
+        request = _Request(prompts, params, client)
         self._put(request)
         return request.future.result()
 
@@ -85,6 +86,12 @@ class EngineLoop:
         barrier = _Barrier(fn)
         self._put(barrier)
         return barrier.future.result()
+
+    def snapshot(self) -> dict:
+        """`stats` as /health shows them, copied (the loop's thread changes them)."""
+        stats = dict(self.stats)
+        stats["by_client"] = dict(stats["by_client"])
+        return stats
 
     def shutdown(self, timeout: float = 60.0) -> None:
         self._inbox.put(None)
@@ -190,6 +197,8 @@ class EngineLoop:
             owner.pop(rid.rsplit("-", 1)[0], None)
         self.stats["in_flight"] -= 1
         self.stats["requests"] += 1
+        by_client = self.stats["by_client"]
+        by_client[request.client] = by_client.get(request.client, 0) + 1
         if request.alone:
             after = self._counters(llm)
             counters = {k: after[k] - request.counters.get(k, 0) for k in after}

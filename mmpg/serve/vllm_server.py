@@ -7,10 +7,12 @@ shared token and answers 401 without it, `mmpg.serve.auth`):
     GET  /health           {"instance" (new at every start: a client notices a restart), "version" (weight updates
                            applied), "wire" (newest request format it reads), "max_model_len", "checkpoint",
                            "device", "host", "nccl", "workers", "worker_gpus", "nccl_version" (`mmpg.serve.nccl`),
-                           "engine": {"requests", "joined", "in_flight", "waiting"} (`EngineLoop.stats`)}
-    POST /generate         a `mmpg.serve.wire` blob (per prompt token ids, n, seed, an optional video; sampling)
+                           "engine": {"requests", "joined", "in_flight", "waiting", "by_client"} (`EngineLoop.stats`)}
+    POST /generate         a `mmpg.serve.wire` blob (per prompt token ids, n, seed, an optional video; sampling; the
+                           client's trainer rank)
                            -> {"outputs": [[{"token_ids", "logprobs", "finish_reason"}]], "prompt_token_ids",
-                               "cached_tokens", "videos", "counters" (vLLM's, `COUNTERS`, when it ran alone), "timing_s"}
+                               "cached_tokens", "videos", "counters" (vLLM's, `COUNTERS`, when it ran alone),
+                               "timing_s"}
     POST /update_weights   {"path", "version"}: a safetensors file of changed tensors (HF names), loaded by every
                            worker through `collective_rpc`, then the prefix cache is dropped
     POST /init_weight_transfer, /update_weights_nccl: vLLM's NCCL weight transfer (GPU only, UNTESTED on a GPU)
@@ -90,7 +92,7 @@ class Backend:
     def health(self) -> dict:
         return {"instance": self.instance, "version": self.version, "max_model_len": self.max_model_len,
                 "checkpoint": self.checkpoint, "device": self.device, "nccl": self.nccl, "wire": WIRE_VERSION,
-                "host": socket.gethostname(), **self.workers, "engine": dict(self.loop.stats)}
+                "host": socket.gethostname(), **self.workers, "engine": self.loop.snapshot()}
 
     # ---- generate -------------------------------------------------------------------------------------------
     def generate(self, blob: bytes) -> dict:
@@ -118,7 +120,8 @@ class Backend:
         prompts = [vllm_prompt(p, arrays, table) for p in meta["prompts"]]
         params = [self._sampling(meta["sampling"], p) for p in meta["prompts"]]
         t2 = time.perf_counter()
-        done = self.loop.generate(prompts, params)  # decoded with whatever else is in flight
+        client = meta.get("client")  # the trainer rank that asks (counted per client in /health)
+        done = self.loop.generate(prompts, params, f"rank {client}" if client is not None else "unnamed")
         outs = done.outputs
         want_logprobs = bool(meta["sampling"].get("logprobs", True))
         # greedy: vLLM wants n = 1; the G rows are the same answer, repeated
@@ -323,6 +326,10 @@ def main(argv=None) -> int:
         pass
     finally:
         server.server_close()
+        stats = backend.loop.snapshot()  # what it served, said before the engine's own shutdown can take time
+        clients = ", ".join(f"{k}: {v}" for k, v in sorted(stats["by_client"].items())) or "none"
+        log.info("stopped after %d requests (%d joined a running batch; by client: %s)", stats["requests"],
+                 stats["joined"], clients)
         backend.loop.shutdown()
     return 0
 
