@@ -28,6 +28,22 @@ def _reward_keys(keys: set[str]) -> list[str]:
     return (["reward/mean"] if "reward/mean" in keys else []) + rest
 
 
+# a step's phases in the order they run, the data wait first and the whole step last (the legend's order); a phase
+# not named here goes before the step
+PHASE_ORDER = ("data", "rollout_wait", "rollout", "reward", "self_check", "logprob", "update", "weight_sync")
+
+
+def _timing_keys(keys: set[str]) -> list[str]:
+    phases = [k for k in keys if k.startswith("timing_s/")]
+    rank = {f"timing_s/{p}": i for i, p in enumerate(PHASE_ORDER)}
+    return sorted(phases, key=lambda k: (k == "timing_s/step", rank.get(k, len(rank)), k))
+
+
+def _data_wait_keys(keys: set[str]) -> list[str]:
+    """The data wait against the whole step; nothing for a run that does not log the wait."""
+    return [k for k in ("timing_s/data", "timing_s/step") if k in keys] if "timing_s/data" in keys else []
+
+
 class Panel(NamedTuple):
     id: str
     title: str
@@ -69,8 +85,14 @@ PANELS: list[Panel] = [
     Panel("skipped", "Skipped samples", "samples per step", "samples left out of the step: unreadable videos and, "
           "with vLLM, prompts longer than its server's max_model_len (too_long)", ["data/skipped", "data/too_long"],
           "data/"),
-    Panel("timing", "Time per phase", "seconds per step", "wall time of each phase of a step (slowest rank)",
-          lambda keys: sorted(k for k in keys if k.startswith("timing_s/")), "timing_s/"),
+    Panel("timing", "Time per phase", "seconds per step", "wall time of each phase of a step (slowest rank), "
+          "data: the wait for its batch", _timing_keys, "timing_s/"),
+    Panel("data_wait", "Data wait (does decoding keep up?)", "seconds per step",
+          "the step's wait for its batch (timing_s/data, slowest rank) beside the whole step; a large part of it: "
+          "the GPUs wait for the decoders (more data.num_workers, or a frame cache)", _data_wait_keys,
+          "timing_s/"),
+    Panel("videos", "Videos read", "videos per step", "the step's videos read from their files (decoded) or "
+          "from the frame cache (cached), all ranks", ["data/videos_decoded", "data/videos_cached"], "data/videos_"),
 ]
 EVAL_PANEL = Panel("eval", "Held-out evaluation during training", "share (0-1)",
                    "R1@m and mIoU of the policy on data.val (eval.jsonl)", [], "eval/")

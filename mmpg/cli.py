@@ -192,6 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="auto", choices=FORMAT_CHOICES)
     p.set_defaults(func=_cmd_check_data)
 
+    from mmpg.train import prepare as prepare_cli
+
+    p = sub.add_parser("prepare-videos", help="decode a config's training (and held-out) videos into its "
+                       "data.frame_cache with N processes, so the first epoch reads frames instead of decoding",
+                       description=prepare_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    prepare_cli.add_arguments(p)
+    p.set_defaults(func=prepare_cli.run)
+
     from mmpg.bench import cli as bench_cli
 
     p = sub.add_parser("bench", help="benchmark grouped vs repeated vs upstream prefix_grouper (prints tables, JSON)")

@@ -222,6 +222,28 @@ def test_curves_from_metrics_and_eval_lines(small):
     assert len(thin) <= 1001 and thin["step"].iloc[-1] == 10_000 and thin["step"].iloc[0] == 0
 
 
+def test_the_data_wait_is_drawn_beside_the_phases_and_against_the_step():
+    """timing_s/data heads the phases (in the order a step runs them, the whole step last), has a panel of its own
+    against the step, and the videos read per step one too; a run without it folds that panel into the note."""
+    recs = [{"step": i, "timing_s/update": 2.0, "timing_s/rollout": 3.0, "timing_s/data": 0.5 * i,
+             "timing_s/weight_sync": 0.1, "timing_s/step": 6.0 + i, "data/videos_decoded": 4.0 - i,
+             "data/videos_cached": float(i)} for i in (1, 2, 3)]
+    frames = curve_frames(recs, [])
+    order = list(dict.fromkeys(frames["timing"]["series"]))
+    assert order == ["data", "rollout", "update", "weight_sync", "step"]
+    wait = frames["data_wait"]
+    assert list(wait[wait["series"] == "data"]["value"]) == [0.5, 1.0, 1.5]
+    assert list(wait[wait["series"] == "step"]["value"]) == [7.0, 8.0, 9.0]
+    assert set(wait["series"]) == {"data", "step"}
+    videos = frames["videos"]
+    assert list(videos[videos["series"] == "decoded"]["value"]) == [3.0, 2.0, 1.0]
+    assert list(videos[videos["series"] == "cached"]["value"]) == [1.0, 2.0, 3.0]
+    older = [{k: v for k, v in r.items() if not k.startswith("data/") and k != "timing_s/data"} for r in recs]
+    assert curve_frames(older, [])["data_wait"].empty
+    empty, _ = folded(older, [])
+    assert "Data wait (does decoding keep up?)" in empty and "Videos read" in empty and "Time per phase" not in empty
+
+
 # ----------------------------------------------------------------------------------------------- compare
 def test_compare_finds_runs_and_overlays_them(small, tmp_path):
     from mmpg_app.compare import compare_rows, find_runs, overlay

@@ -31,7 +31,7 @@ PLACEHOLDERS = {"ANN": "data/x/train.json", "TEST_ANN": "data/x/test.json", "DIR
                 "SFT_RUN": "runs/sft", "MODEL_DIR": "models/x", "BASE": "models/x", "CFG": "configs/cpu_demo.yaml",
                 "FILE.yaml": "configs/cpu_demo.yaml", "FILE": "data/x/train.json", "N": "1", "NAME": "default",
                 "GROUP": "rollout", "COMMAND": "doctor"}
-CONFIG_COMMANDS = ("train", "sft", "plan", "vllm-len")
+CONFIG_COMMANDS = ("train", "sft", "plan", "vllm-len", "prepare-videos")
 # scripts/ -> (the test that runs it, a text that test's file holds where it invokes the script)
 SCRIPTS = {
     "demo.sh": ("tests/test_demo.py", "scripts/demo.sh"),

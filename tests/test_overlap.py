@@ -9,10 +9,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from mmpg.errors import UserError
+from mmpg.rl.collect import LoaderWaits, Timer
+from mmpg.rl.grpo import GRPOStep
 from mmpg.rl.overlap import Prefetcher
 
 
@@ -120,6 +123,56 @@ def test_quiesce_waits_for_the_rollouts_that_must_not_see_the_new_weights():
     waiter.join(timeout=5)
     assert not waiter.is_alive()
     p.stop()
+
+
+def test_loader_waits_count_the_part_of_an_interval_they_cover():
+    """Spans [1, 3] (closed) and [5, ...] (still open): within [2, 6] they cover 1 + 1 s; an open span counts up to
+    the interval's end; after a step only the open one is kept."""
+    waits = LoaderWaits()
+    waits.spans = [[1.0, 3.0], [5.0, None]]
+    assert waits.within(2.0, 6.0) == 2.0
+    assert waits.within(0.0, 10.0) == 7.0
+    assert waits.within(3.0, 5.0) == 0.0
+    waits.forget_ended()
+    assert waits.spans == [[5.0, None]]
+
+
+def drive_data(load_s: float, update_s: float, steps: int = 4) -> list[dict]:
+    """k = 1, the rollout thread waiting `load_s` for each step's batch (before its weights are needed), the update
+    `update_s`: the main thread's side as GRPOStep.run does it; per step its timing (data, rollout_wait)."""
+    waits = LoaderWaits()
+    step_fn = SimpleNamespace(loader_waits=waits)
+
+    def collect(t, gate):
+        with waits():
+            time.sleep(load_s)
+        gate()
+        return [t], {}
+
+    p = Prefetcher(collect, 1, 0, steps)
+    out = []
+    for step in range(1, steps + 1):
+        timer = Timer()
+        GRPOStep._wait_for_rollouts(step_fn, timer, lambda: p.take(step))
+        time.sleep(update_s)
+        GRPOStep._wait_for_rollouts(step_fn, timer, lambda: p.quiesce(step))
+        p.published(step)
+        waits.forget_ended()
+        out.append(timer.seconds)
+    return out
+
+
+def test_overlapped_data_wait_is_the_part_the_step_saw():
+    """The first step waits for its whole batch; later batches are pulled while the update runs. With an update
+    longer than the load the steps see (nearly) none of it. With a load of 0.6 s and an update of 0.1 s, a step
+    waits at the sync for the next step's batch (the rest of its load): over 4 steps 4 x 0.6 s of loading, of which
+    at most 4 x 0.1 s hid behind the updates. The data wait is always a part of the wait for the rollout thread."""
+    hidden = drive_data(load_s=0.2, update_s=0.6)
+    assert hidden[0]["data"] >= 0.15, hidden
+    assert all(t["data"] < 0.05 for t in hidden[1:]), hidden
+    seen = drive_data(load_s=0.6, update_s=0.1)
+    assert seen[0]["data"] >= 0.5 and 4 * 0.5 - 0.1 <= sum(t["data"] for t in seen) <= 4 * 0.6 + 0.3, seen
+    assert all(t["data"] <= t["rollout_wait"] + 1e-9 for t in hidden + seen)
 
 
 def test_k_zero_is_refused():

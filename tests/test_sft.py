@@ -35,6 +35,9 @@ def test_sft_loss_falls_and_the_run_directory_is_complete(grpo_data, tmp_path):
     assert last < first - 1.0, (first, last)  # measured: 6.6 -> 4.3 over 12 steps
     # one sample per micro-batch: the vision tower encodes each of the step's 2 prompts once
     assert all(m["perf/vision_calls"] == 2 and 1 <= m["perf/videos"] <= 2 for m in lines)
+    # the slowest rank's wait for its batch, and its distinct videos each decoded once from its file
+    assert all(0 < m["timing_s/data"] < m["timing_s/step"] and m["data/videos_decoded"] == m["perf/videos"]
+               for m in lines)
     from mmpg.runs import RunReader
 
     reader = RunReader(tmp_path / "sft")

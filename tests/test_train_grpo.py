@@ -122,6 +122,12 @@ def test_run_directory_contents(grpo_data, tmp_path):
     assert 0 < lines[0]["timing_s/self_check"] < lines[0]["timing_s/step"]
     assert "alarm/logprob_drift" not in lines[-1]
     assert reader.steps() == [1, 2]
+    # the wait for the batch (synchronous: every wait on the loader, here num_workers 0: the whole decode) and how
+    # its videos were had: each distinct video of the step decoded from its file once, none from a frame cache
+    for m in lines:
+        assert 0 < m["timing_s/data"] < m["timing_s/step"], m
+        assert m["data/videos_decoded"] == len({g.video for g in reader.rollouts(m["step"])}), m
+        assert m["data/videos_cached"] == 0
     groups = reader.rollouts(1)
     assert len(groups) == 2 and all(len(g.responses) == 4 for g in groups)
     assert [g.group_index for g in groups] == [0, 1]
@@ -138,6 +144,23 @@ def test_run_directory_contents(grpo_data, tmp_path):
     ckpt = reader.checkpoints()[0][1]
     AutoModelForImageTextToText.from_pretrained(ckpt)
     AutoProcessor.from_pretrained(ckpt)
+
+
+def test_a_second_run_reads_every_video_from_the_frame_cache_and_trains_the_same(grpo_data, tmp_path):
+    """data.frame_cache: the first run decodes and stores each video, the second (same config) reads them all back
+    (no file decoded, counted) and, its frames bit-equal, samples and trains exactly what the first did."""
+    cache = {"trainer.total_steps": 2, "data.frame_cache": str(tmp_path / "frames"), "data.shuffle": False}
+    for name in ("first", "second"):
+        _train(overrides(grpo_data, tmp_path, name, **cache))
+    first, second = metrics(tmp_path / "first"), metrics(tmp_path / "second")
+    seen = [m["data/videos_decoded"] + m["data/videos_cached"] for m in first]  # each step's distinct videos
+    assert first[0]["data/videos_cached"] == 0 and first[0]["data/videos_decoded"] > 0  # an empty cache at first
+    assert [m["data/videos_decoded"] for m in second] == [0, 0]
+    assert [m["data/videos_cached"] for m in second] == seen
+    for a, b in zip(first, second):
+        same = [k for k in a if k != "time" and not k.startswith(("timing_s/", "perf/", "data/videos_")) and k in b]
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
+    assert _rel(final_weights(tmp_path / "second", 2), final_weights(tmp_path / "first", 2)) == 0.0
 
 
 def _damage(grpo_data, tmp_path):
@@ -233,6 +256,20 @@ def test_prompt_seeds_depend_on_step_sample_and_round_only():
     assert prompt_seed(0, 1, "a#0", 1) == prompt_seed(0, 1, "a#0", 1)
     seeds = {prompt_seed(0, s, sid, r) for s in range(50) for sid in ("a#0", "a#1", "b#0") for r in (1, 2)}
     assert len(seeds) == 50 * 3 * 2
+
+
+def test_the_data_wait_is_the_slowest_ranks_and_the_videos_are_summed():
+    """Each rank's collect info as `dist.gather_data` hands it to rank 0: timing_s/data is the slowest rank's wait
+    (as every timing_s/*), data/videos_decoded|cached the sums; a rank whose batches counted nothing adds 0."""
+    from mmpg.rl.step_log import step_metrics
+
+    base = {"skipped": 0, "dropped_groups": 0, "rounds": 1}
+    infos = [{**base, "timing": {"data": 0.5, "step": 2.0}, "videos_decoded": 3, "videos_cached": 1},
+             {**base, "timing": {"data": 1.25, "step": 2.5}, "videos_decoded": 2, "videos_cached": 0},
+             {**base, "timing": {"step": 1.0}}]
+    m = step_metrics([], {}, infos, 0, "cpu")
+    assert m["timing_s/data"] == 1.25 and m["timing_s/step"] == 2.5
+    assert m["data/videos_decoded"] == 5.0 and m["data/videos_cached"] == 1.0
 
 
 def test_dynamic_sampling_dapo_and_eval_during_training(grpo_data, tmp_path):

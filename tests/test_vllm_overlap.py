@@ -74,6 +74,9 @@ def _check_stale_run(run: Path, steps: int) -> dict:
     by_step = {m["step"]: m for m in lines}
     assert [by_step[s]["rollout/staleness_max"] for s in sorted(by_step)] == [0.0] + [1.0] * (steps - 1)
     assert all(m["timing_s/rollout_wait"] >= 0 for m in lines)
+    # the data wait the step saw is a part of its wait for the rollout thread (the first step's: its whole batch)
+    assert all(0 <= m["timing_s/data"] <= m["timing_s/rollout_wait"] + 1e-9 for m in lines), lines
+    assert lines[0]["timing_s/data"] > 0
     for step, groups in records.items():
         hand, logged = _hand_loss(groups), by_step[step]["actor/loss"]
         print(f"\nstep {step}: actor/loss {logged:.8f}, by hand {hand:.8f}, |diff| {abs(hand - logged):.1e}")

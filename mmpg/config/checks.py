@@ -47,6 +47,7 @@ def validate(cfg) -> None:
         ("rollout.prefill_chunk", cfg.rollout.prefill_chunk >= 0, "must be >= 0 (0: no chunking)"),
         ("data.batch_size", cfg.data.batch_size >= 1, "must be >= 1"),
         ("data.queries_per_video", cfg.data.queries_per_video >= 1, "must be >= 1 (1: i.i.d. order)"),
+        ("data.frame_cache_gb", cfg.data.frame_cache_gb > 0, "must be > 0"),
         ("trainer.micro_batch_size", cfg.trainer.micro_batch_size >= 1, "must be >= 1"),
         ("trainer.total_steps", cfg.trainer.total_steps >= 1, "must be >= 1"),
         ("algorithm.num_iterations", cfg.algorithm.num_iterations >= 1, "must be >= 1"),

@@ -123,6 +123,14 @@ class DataConfig(VideoSettings):
     strict: bool = setting(False, "Stop at the first unusable sample with an error naming it, instead of skipping and "
                            "counting it.")
     max_samples: int = setting(0, "Use only the first N training samples (0: all).")
+    frame_cache: str = setting("", "Folder of the decoded-frame cache, on local disk (empty: off): a video's frames "
+                               "after sampling and resizing, kept as raw uint8 keyed by the file (path, size, mtime) "
+                               "and every setting that changes them, so later epochs (and evaluation during "
+                               "training) read them instead of decoding. `mmpg prepare-videos` fills it before a run "
+                               "(mmpg/data/frame_cache.py, docs/data.md).")
+    frame_cache_gb: float = setting(100.0, "Most gigabytes (10^9 bytes) data.frame_cache may hold; past it the least "
+                                    "recently used entries are deleted. At the long config a video takes at most "
+                                    "~300 MB, an hour of footage 0.3-2.1 GB (docs/data.md).")
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from mmpg.data.frame_cache import FrameCache
 from mmpg.data.prompts import PromptTemplate, build_prompt_inputs
 from mmpg.data.samples import GroundingSample, Skip, fit_span, span_problem
 from mmpg.data.video import DecodedVideo, VideoError, VideoSpec, _first_line, load_video
@@ -45,6 +46,9 @@ class VideoItem:
     sample: GroundingSample
     video: DecodedVideo | None
     error: str | None = None
+    source: str | None = None
+    """How the video was had, on the first usable item of each distinct video of a batch: "decoded" (from its file)
+    or "cached" (from the frame cache); None on the others (GroundingBatch.decode_stats counts each video once)."""
 
     @property
     def ok(self) -> bool:
@@ -63,6 +67,10 @@ class GroundingBatch:
     videos: list[DecodedVideo]
     inputs: object | None
     skipped: list[Skip]
+    decode_stats: dict = dataclasses.field(default_factory=dict)
+    """How this batch's distinct videos were had: {"decoded": read from their files, "cached": read from the frame
+    cache (`data.frame_cache`)}, each distinct video of the batch once, a failed one in neither; empty when not
+    counted."""
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -100,10 +108,12 @@ class GroundingDataset(Dataset):
     """Decodes `samples[i]`'s video with `spec`; never raises on bad data unless `strict`, and then only outside
     DataLoader workers (in a worker the failed item is returned; `GroundingLoader` raises for it)."""
 
-    def __init__(self, samples: Sequence[GroundingSample], spec: VideoSpec, strict: bool = False):
+    def __init__(self, samples: Sequence[GroundingSample], spec: VideoSpec, strict: bool = False,
+                 cache: FrameCache | None = None):
         self.samples = list(samples)
         self.spec = spec
         self.strict = strict
+        self.cache = cache  # decoded frames kept across epochs (`data.frame_cache`); None: decode every time
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -118,23 +128,31 @@ class GroundingDataset(Dataset):
         `DecodedVideo`, so the processor sees identical pixels and the grouped forward and the rollout can share
         the video (`mmpg.grouping.shares`). A video that cannot be decoded fails each of its queries, one skip each."""
         decoded: dict[tuple, DecodedVideo | str] = {}  # (file, clip start, clip end) -> frames or the reason
+        uncounted: dict[tuple, str] = {}  # key -> "decoded" / "cached", until an item of the video is usable
         items = []
         for i in indices:
             sample = self.samples[i]
             key = video_key(sample)
             if key not in decoded:
-                decoded[key] = self._decode(sample)
-            items.append(self._item(sample, decoded[key]))
+                decoded[key], uncounted[key] = self._decode(sample)
+            item = self._item(sample, decoded[key])
+            if item.ok and key in uncounted:
+                item.source = uncounted.pop(key)
+            items.append(item)
         return items
 
-    def _decode(self, sample: GroundingSample) -> DecodedVideo | str:
-        """The frames of the sample's video (clip window), or the reason they cannot be had."""
+    def _decode(self, sample: GroundingSample) -> tuple[DecodedVideo | str, str]:
+        """(the frames of the sample's video (clip window) or the reason they cannot be had, "decoded" / "cached")."""
         try:
-            return load_video(sample.video, self.spec, sample.clip_start, sample.clip_end)
+            if self.cache is None:
+                return load_video(sample.video, self.spec, sample.clip_start, sample.clip_end), "decoded"
+            video, hit = self.cache.load(sample.video, self.spec, sample.clip_start, sample.clip_end,
+                                         decode=load_video)  # this module's name: tests count the calls
+            return video, "cached" if hit else "decoded"
         except VideoError as e:
-            return str(e)
+            return str(e), "decoded"
         except Exception as e:  # anything else a broken file can trigger inside a decoder: still a skip
-            return f"{sample.video}: unexpected error while decoding ({_first_line(e)})"
+            return f"{sample.video}: unexpected error while decoding ({_first_line(e)})", "decoded"
 
     def _item(self, sample: GroundingSample, video: DecodedVideo | str) -> VideoItem:
         if isinstance(video, str):
@@ -171,7 +189,8 @@ class GroundingCollator:
         inputs = None
         if self.processor is not None and good:
             inputs = build_prompt_inputs(self.processor, samples, videos, self.template)
-        return GroundingBatch(samples=samples, videos=videos, inputs=inputs, skipped=skipped)
+        stats = {k: sum(it.source == k for it in good) for k in ("decoded", "cached")}  # each distinct video once
+        return GroundingBatch(samples=samples, videos=videos, inputs=inputs, skipped=skipped, decode_stats=stats)
 
 
 def collate_grounding(items: list[VideoItem]) -> GroundingBatch:
@@ -214,12 +233,14 @@ class GroundingLoader(VideoDataLoader):
 
 def make_dataloader(samples: Sequence[GroundingSample], spec: VideoSpec, batch_size: int, *, processor=None,
                     template: str | PromptTemplate | None = None, num_workers: int = 2, shuffle: bool = True,
-                    seed: int = 0, strict: bool = False) -> GroundingLoader:
+                    seed: int = 0, strict: bool = False, cache: FrameCache | None = None) -> GroundingLoader:
     """A DataLoader of `GroundingBatch`es whose decoding (and processing, with a processor) runs in workers.
 
     strict: the first bad sample raises `UserError` (one line naming the sample and the file) while iterating,
-    with or without workers; otherwise bad samples are skipped, logged and listed in `GroundingBatch.skipped`."""
+    with or without workers; otherwise bad samples are skipped, logged and listed in `GroundingBatch.skipped`.
+    cache: a `FrameCache` the frames are read from and kept in (None: every video decoded from its file)."""
     generator = torch.Generator().manual_seed(seed)
-    return GroundingLoader(GroundingDataset(samples, spec, strict=strict), batch_size=batch_size, shuffle=shuffle,
-                           num_workers=num_workers, collate_fn=GroundingCollator(processor, template, strict),
-                           generator=generator, persistent_workers=num_workers > 0, strict=strict)
+    return GroundingLoader(GroundingDataset(samples, spec, strict=strict, cache=cache), batch_size=batch_size,
+                           shuffle=shuffle, num_workers=num_workers,
+                           collate_fn=GroundingCollator(processor, template, strict), generator=generator,
+                           persistent_workers=num_workers > 0, strict=strict)

@@ -34,6 +34,7 @@ import time
 from torch.utils.data import Dataset
 
 from mmpg.data.dataset import GroundingDataset, VideoDataLoader, VideoItem, stand_in_batch, video_key
+from mmpg.data.frame_cache import open_frame_cache
 from mmpg.data.prompts import build_prompt_inputs
 from mmpg.eval.metrics import score_sample, scored_truth
 from mmpg.models.vision_calls import VisionCalls, prefill_tokens
@@ -45,9 +46,9 @@ log = logging.getLogger("mmpg.eval")
 class _Indexed(Dataset):
     """(benchmark index, VideoItem) for each index of `indices`."""
 
-    def __init__(self, samples, indices: list[int], spec):
+    def __init__(self, samples, indices: list[int], spec, cache=None):
         self.indices = indices
-        self.items = GroundingDataset([samples[i] for i in indices], spec, strict=False)
+        self.items = GroundingDataset([samples[i] for i in indices], spec, strict=False, cache=cache)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -214,7 +215,8 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
     for b in mine:
         positions.append(list(range(start, start + len(b))))
         start += len(b)
-    loader = VideoDataLoader(_Indexed(samples, shard, spec), batch_sampler=positions,
+    cache = open_frame_cache(settings.frame_cache, settings.frame_cache_gb)
+    loader = VideoDataLoader(_Indexed(samples, shard, spec, cache), batch_sampler=positions,
                              num_workers=settings.num_workers if shard else 0, collate_fn=_Collate(processor, template))
     from mmpg.grouping.selfcheck import SelfCheck
 

@@ -31,7 +31,7 @@ from mmpg.errors import UserError
 # how fast the same predictions are made.
 RUNTIME_ONLY = ("batch_size", "share_videos", "num_workers", "device", "self_check", "prefill_chunk", "decode",
                 "cascade_backend", "decode_check",
-                "grouping_backend")
+                "grouping_backend", "frame_cache", "frame_cache_gb")
 
 
 @dataclass
@@ -93,6 +93,11 @@ class EvalSettings(VideoSettings):
                                  "encoded in frame chunks (as training's rollout.prefill_chunk): memory follows the "
                                  "chunk, not the video; the same answers. 0: one forward per batch.")
     num_workers: int = setting(2, "DataLoader workers decoding videos (0: in the main process).")
+    frame_cache: str = setting("", "Folder of the decoded-frame cache (empty: off), as training's data.frame_cache: "
+                               "frames read from it where a run or `mmpg prepare-videos` stored them with the same "
+                               "settings, stored there otherwise.")
+    frame_cache_gb: float = setting(100.0, "Most gigabytes frame_cache may hold (least recently used entries "
+                                    "deleted past it), as training's data.frame_cache_gb.")
     device: str = setting("auto", "auto (cuda when available), cpu or cuda.")
     decode: str = setting("auto", "How answers are decoded behind the shared prompt, as training's rollout.decode: "
                           "auto / cascade (each prompt's K/V read once per step for all its rows), copy (the "
@@ -173,6 +178,7 @@ def _validate(s: EvalSettings) -> None:
         ("batch_size", s.batch_size >= 1, "must be >= 1"),
         ("max_samples", s.max_samples >= 0, "must be >= 0 (0: all)"),
         ("num_workers", s.num_workers >= 0, "must be >= 0"),
+        ("frame_cache_gb", s.frame_cache_gb > 0, "must be > 0"),
         ("prefill_chunk", s.prefill_chunk >= 0, "must be >= 0 (0: no chunking)"),
     ]
     for key, ok, what in checks:

@@ -7,6 +7,7 @@ and pull more until every rank has its slice.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import zlib
 
@@ -52,6 +53,49 @@ class Timer:
         return _Phase()
 
 
+class LoaderWaits:
+    """The spans of time spent waiting for the training loader (its next batch, or a slice decoded again), recorded
+    by whichever thread pulls (the main thread, or the rollout thread of `mmpg.rl.overlap`); `within(a, b)` is the
+    part of [a, b] covered by them, a span still open counting up to b. The main thread asks it for the intervals in
+    which it was itself blocked (the whole collect when synchronous; its waits for the rollout thread when
+    overlapped), so timing_s/data is the wait for data the step saw, not data work hidden behind the update."""
+
+    def __init__(self):
+        self.spans: list[list] = []  # [start, end or None], perf_counter seconds
+        self.lock = threading.Lock()
+
+    def __call__(self):
+        waits = self
+
+        class _Span:
+            def __enter__(self):
+                self.span = [time.perf_counter(), None]
+                with waits.lock:
+                    waits.spans.append(self.span)
+
+            def __exit__(self, *exc):
+                self.span[1] = time.perf_counter()
+
+        return _Span()
+
+    def within(self, a: float, b: float) -> float:
+        with self.lock:
+            spans = [(s, b if e is None else e) for s, e in self.spans]
+        return sum(max(0.0, min(e, b) - max(s, a)) for s, e in spans)
+
+    def forget_ended(self) -> None:
+        """Drop the closed spans (after a step: later waits start later); an open one is kept."""
+        with self.lock:
+            self.spans = [s for s in self.spans if s[1] is None]
+
+
+def count_decodes(info: dict, batch) -> None:
+    """Add a batch's `decode_stats` (videos read from their files, or from the frame cache) to the step's info."""
+    stats = getattr(batch, "decode_stats", None) or {}
+    info["videos_decoded"] = info.get("videos_decoded", 0) + int(stats.get("decoded", 0))
+    info["videos_cached"] = info.get("videos_cached", 0) + int(stats.get("cached", 0))
+
+
 class Collect:
     """`GRPOStep`'s collect phase (its attributes are `GRPOStep`'s: cfg, policy, rollout_engine, batches, ...)."""
 
@@ -77,14 +121,23 @@ class Collect:
                 raise
             raise UserError(message) from None
 
-    def _pull(self):
-        batch = next(self.batches)
+    def _pull(self, info: dict):
+        with self.loader_waits():
+            batch = next(self.batches)
+        count_decodes(info, batch)
         self.batches_pulled += 1
         if batch.skipped and self.cfg.data.strict:
             raise strict_error(batch.skipped[0])
         return batch
 
-    def _rebalance(self, batch):
+    def _decode(self, samples, info: dict):
+        """A slice dealt again, decoded here: a wait for data like a pull (`LoaderWaits`), its videos counted."""
+        with self.loader_waits():
+            batch = self.loader.decode(samples)
+        count_decodes(info, batch)
+        return batch
+
+    def _rebalance(self, batch, info: dict):
         """Some rank's whole slice of this global batch was unusable while others' was not: the usable samples of
         all ranks, in stream order (the prompts one process trains), are dealt again, each video's whole where it fits
         (`mmpg.train.data.packed_slices`), each rank decoding its new slice here (`TrainLoader.decode`). A rank left
@@ -98,9 +151,9 @@ class Collect:
         mine = mine or usable[:1]
         if [s.sample_id for s in mine] == [s.sample_id for s in batch.samples]:
             return batch, copies  # already here (also when this rank's one sample is the copy)
-        rebuilt = self.loader.decode(mine)
+        rebuilt = self._decode(mine, info)
         if len(rebuilt) == 0 and not copies:  # its videos decoded on their own ranks but not here: a copy stands in
-            rebuilt, copies = self.loader.decode(usable[:1]), 1
+            rebuilt, copies = self._decode(usable[:1], info), 1
         return rebuilt, copies if len(rebuilt) else 0
 
     def _fit_server(self, batch, info: dict):
@@ -127,11 +180,12 @@ class Collect:
         the ranks stay in lockstep and train what one process trains."""
         version = step - 1
         cfg, groups, spare = self.cfg, [], None
-        info = {"skipped": 0, "rounds": 0, "dropped_groups": 0, "empty_rounds": 0, "prefix_tokens": 0}
+        info = {"skipped": 0, "rounds": 0, "dropped_groups": 0, "empty_rounds": 0, "prefix_tokens": 0,
+                "videos_decoded": 0, "videos_cached": 0}
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         while True:
-            batch = self._fit_server(self._pull(), info)
+            batch = self._fit_server(self._pull(info), info)
             info["skipped"] += len(batch.skipped)
             counts = [int(c) for c in dist.gather_data(len(batch))] if self.world > 1 else [len(batch)]
             if sum(counts) == 0:  # the whole global batch is unusable (so it is for one process too)
@@ -142,7 +196,7 @@ class Collect:
                 continue
             copies = 0
             if min(counts) == 0:
-                batch, copies = self._rebalance(batch)
+                batch, copies = self._rebalance(batch, info)
             info["rounds"] += 1
             seeds = [prompt_seed(cfg.trainer.seed, step, s.sample_id, info["rounds"]) for s in batch.samples]
             if gate is not None:  # the step's weights: every round of the step samples with them

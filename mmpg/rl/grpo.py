@@ -12,6 +12,9 @@
                 (timing_s/weight_sync; under ZeRO-3 every rank gathers them with it), the other ranks wait for it
     overlap:    rollout.max_staleness = k >= 1 (vLLM): collect() runs in a thread for the next k steps while this
                 one updates (`mmpg.rl.overlap`); the sync waits until no rollout that must not see it is running
+    data:       timing_s/data, the seconds the step waited for the training loader (its batches, a slice dealt
+                again): synchronous, every such wait of collect(); overlapped, the part of the step's waits for the
+                rollout thread (timing_s/rollout_wait) in which that thread was waiting for the loader (`LoaderWaits`)
 
 Rank lockstep (ZeRO-3 gathers weights in every forward): every rank pulls the same number of batches, decodes until
 every rank is done, runs the same number of micro-batches (a rank with fewer repeats one with loss weight 0) and
@@ -29,7 +32,7 @@ from mmpg.errors import UserError
 from mmpg.grouping.inputs import pad_token_id
 from mmpg.grouping.selfcheck import SelfCheck
 from mmpg.models.vision_calls import VisionCalls
-from mmpg.rl.collect import Collect, Timer
+from mmpg.rl.collect import Collect, LoaderWaits, Timer
 from mmpg.rl.update import Update
 from mmpg.train.batch import PromptGroup
 
@@ -77,6 +80,7 @@ class GRPOStep(Collect, Update):
         self.sends_weights = not self.rollout_engine.samples_with_policy
         if self.sends_weights:
             self.sync_weights()
+        self.loader_waits = LoaderWaits()  # when a thread waited for the loader (timing_s/data)
         self.batches_pulled = 0  # global batches pulled from the loader
         self.batches_trained = 0  # those of the steps trained (the data position is start + this * batch_size)
         # rollout.max_staleness >= 1: the next steps' groups are sampled while this one trains (`mmpg.rl.overlap`)
@@ -128,12 +132,21 @@ class GRPOStep(Collect, Update):
 
             self.prefetcher = Prefetcher(self._collect_ahead, self.max_staleness, step - 1,
                                          self.cfg.trainer.total_steps)
-        with timer("rollout_wait"):
-            groups, info = self.prefetcher.take(step)
+        groups, info = self._wait_for_rollouts(timer, lambda: self.prefetcher.take(step))
         for phase, seconds in info.pop("timing").items():
             timer.seconds[phase] = timer.seconds.get(phase, 0.0) + seconds
         self.batches_trained = info.pop("pulled_through")
         return groups, info
+
+    def _wait_for_rollouts(self, timer: Timer, wait):
+        """wait() (the rollout thread's take or quiesce) timed as rollout_wait; the part of it in which that thread
+        was waiting for the loader is the step's wait for data too (timing_s/data). Returns wait()'s result."""
+        t0 = time.perf_counter()
+        out = wait()
+        t1 = time.perf_counter()  # the same interval for both: the data wait is never more than rollout_wait
+        timer.seconds["rollout_wait"] = timer.seconds.get("rollout_wait", 0.0) + t1 - t0
+        timer.seconds["data"] = timer.seconds.get("data", 0.0) + self.loader_waits.within(t0, t1)
+        return out
 
     def run(self, step: int) -> tuple[dict, list[PromptGroup], dict]:
         """Returns (update sums, this rank's groups, collect info)."""
@@ -141,6 +154,8 @@ class GRPOStep(Collect, Update):
         t0 = time.perf_counter()
         self.vision.take()  # count this step's encodes only
         groups, info = self._groups(step, timer)
+        if not self.max_staleness:  # the loader was waited for on this thread, within the collect
+            timer.seconds["data"] = self.loader_waits.within(t0, time.perf_counter())
         self.advantages(groups)
         if dist.data_sum([sum(not g.dummy for g in groups)], self._coll_device)[0] == 0 or \
                 not dist.all_true(len(groups) > 0, self._coll_device):
@@ -151,13 +166,13 @@ class GRPOStep(Collect, Update):
         # the engine samples the next step (with overlap: step + k + 1) with this step's weights (a vLLM server
         # gets them now; the HF engine samples with the policy itself: nothing to send)
         if self.prefetcher is not None:  # the rollouts that must not see this step's weights finish first
-            with timer("rollout_wait"):
-                self.prefetcher.quiesce(step)
+            self._wait_for_rollouts(timer, lambda: self.prefetcher.quiesce(step))
         if self.sends_weights:
             with timer("weight_sync"):
                 info["weight_sync"] = self.sync_weights()
         if self.prefetcher is not None:
             self.prefetcher.published(step)
+        self.loader_waits.forget_ended()
         timer.seconds["step"] = time.perf_counter() - t0
         info["timing"] = timer.seconds
         info["vision_calls"] = self.vision.take()  # rollout, reference and update forwards (not the self-check)

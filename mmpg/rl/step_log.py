@@ -66,7 +66,10 @@ def step_metrics(summaries: list[dict], sums: dict, infos: list[dict], skipped_t
     m["data/gt_clamped"] = float(sum(s.get("gt_clamped", False) for s in summaries))
     m["data/dropped_groups"] = float(sum(i["dropped_groups"] for i in infos))
     m["data/sampling_rounds"] = float(max(i["rounds"] for i in infos))
-    for phase in ("rollout", "reward", "logprob", "update", "step"):
+    # data/videos_*: how the step's batches got their videos (`GroundingBatch.decode_stats`), summed over data ranks
+    m["data/videos_decoded"] = float(sum(i.get("videos_decoded", 0) for i in infos))
+    m["data/videos_cached"] = float(sum(i.get("videos_cached", 0) for i in infos))
+    for phase in ("data", "rollout", "reward", "logprob", "update", "step"):
         m[f"timing_s/{phase}"] = max(i["timing"].get(phase, 0.0) for i in infos)
     m.update({k: float(v) for k, v in sums.items() if k.startswith("check/")})  # the steps that self-checked
     if "check/grouped_vs_repeated_max" in sums:

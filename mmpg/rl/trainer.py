@@ -21,7 +21,8 @@ from mmpg.rl.rewards import make_scorer
 from mmpg import dist
 from mmpg.train.data import make_train_loader
 from mmpg.train.loop import StepOutput, run_loop
-from mmpg.train.setup import check_sequence_parallel, grouping_options, load_train_samples, open_session, video_spec
+from mmpg.train.setup import (check_sequence_parallel, frame_cache, grouping_options, load_train_samples, open_session,
+                              video_spec)
 
 log = logging.getLogger("mmpg.train")
 
@@ -96,7 +97,7 @@ class GRPOJob:
                                    global_batch=cfg.data.batch_size, rank=dist.data_rank(), world=dist.data_size(),
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
                                    num_workers=cfg.data.num_workers, strict=cfg.data.strict,
-                                   queries_per_video=cfg.data.queries_per_video)
+                                   queries_per_video=cfg.data.queries_per_video, frame_cache=frame_cache(cfg))
         self.step_fn = GRPOStep(cfg, session.engine, self.ref, session.processor, loader,
                                 make_scorer(cfg.reward, template.think), session.device)
         self.skipped_total = int(session.state.get("skipped_total", 0))  # unusable samples so far, all ranks

@@ -6,8 +6,9 @@ and the loss is the token-mean negative log-likelihood of the target tokens only
 context), over the whole global batch: sum over micro-batches and ranks of -log p, divided by the number of target
 tokens of the global batch. The forward is the grouped one with one "response" per prompt, so the LM head runs only
 on target positions. Same config tree, DeepSpeed engine, run directory, step loop, checkpoints and resume as
-`mmpg train` (`mmpg.train`); metrics: sft/loss, sft/target_tokens, actor/grad_norm, actor/lr, timing_s/*, perf/*
-(perf/videos: distinct videos of the step, perf/vision_calls: videos the vision tower encoded, all ranks).
+`mmpg train` (`mmpg.train`); metrics: sft/loss, sft/target_tokens, actor/grad_norm, actor/lr, timing_s/* (data: the
+slowest rank's wait for its batch and its prompts), data/videos_decoded|cached, perf/* (perf/videos: distinct videos
+of the step, perf/vision_calls: videos the vision tower encoded, all ranks).
 A rank whose whole slice of a global batch is unusable trains a weight-0 stand-in (a blank video) beside the
 others' real micro-batches (ZeRO-3 lockstep), so W ranks update as one process does on the usable samples.
 """
@@ -32,7 +33,7 @@ from mmpg import dist
 from mmpg.train.data import make_train_loader
 from mmpg.train.engine import stage0_grad_norm
 from mmpg.train.loop import StepOutput, run_loop
-from mmpg.train.setup import check_sequence_parallel, load_train_samples, open_session, video_spec
+from mmpg.train.setup import check_sequence_parallel, frame_cache, load_train_samples, open_session, video_spec
 
 log = logging.getLogger("mmpg.train")
 
@@ -61,7 +62,7 @@ class SFTJob:
                                    global_batch=cfg.data.batch_size, rank=dist.data_rank(), world=dist.data_size(),
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
                                    num_workers=cfg.data.num_workers, strict=cfg.data.strict,
-                                   queries_per_video=cfg.data.queries_per_video)
+                                   queries_per_video=cfg.data.queries_per_video, frame_cache=frame_cache(cfg))
         self.batches, self.pulled = iter(loader), 0
         self.skipped_total = int(session.state.get("skipped_total", 0))
         self.tokenizer = getattr(session.processor, "tokenizer", session.processor)
@@ -143,7 +144,7 @@ class SFTJob:
             loss_sum += float(loss)
         infos = dist.gather_data({"skipped": len(batch.skipped), "prompt_tokens": sum(
             int(g.inputs["input_ids"].shape[1]) for g in groups if not g.dummy), "vision_calls": self.vision.take(),
-            "videos": {video_key(s) for s in batch.samples}})
+            "videos": {video_key(s) for s in batch.samples}, "data_s": t_data, "decode": batch.decode_stats})
         self.skipped_total += sum(i["skipped"] for i in infos)
         loss_total = dist.data_sum([loss_sum], self.coll)[0]
         if self.session.rank != 0:
@@ -155,11 +156,14 @@ class SFTJob:
         metrics = {"sft/loss": loss_total, "sft/target_tokens": tokens,
                    "actor/grad_norm": float(norm) if norm is not None else float("nan"),
                    "actor/lr": float(engine.get_lr()[0]), "data/skipped": float(sum(i["skipped"] for i in infos)),
-                   "data/skipped_total": float(self.skipped_total), "timing_s/data": t_data,
+                   "data/skipped_total": float(self.skipped_total),
+                   "timing_s/data": max(i["data_s"] for i in infos),  # the slowest data rank's
                    "timing_s/update": step_s - t_data, "timing_s/step": step_s,
                    "perf/tokens_per_s": all_tokens / step_s, "perf/peak_memory_mb": peak_memory_mb(
                        self.session.device), "perf/videos": float(len(set().union(*(i["videos"] for i in infos)))),
                    "perf/vision_calls": float(sum(i["vision_calls"] for i in infos))}
+        for kind in ("decoded", "cached"):  # data/videos_*: how the batches got their videos, all data ranks
+            metrics[f"data/videos_{kind}"] = float(sum(int(i["decode"].get(kind, 0)) for i in infos))
         return StepOutput(metrics=metrics)
 
     def evaluate(self, step: int) -> dict | None:

@@ -29,6 +29,7 @@ def heldout_settings(cfg) -> EvalSettings:
                         decode_check=cfg.rollout.decode_check,
                         max_samples=cfg.eval.max_samples, format=d.format, batch_size=cfg.eval.batch_size,
                         share_videos=cfg.eval.share_videos, num_workers=d.num_workers, device=cfg.trainer.device,
+                        frame_cache=d.frame_cache, frame_cache_gb=d.frame_cache_gb,
                         self_check="off", scoring="mmpg", prefill_chunk=cfg.rollout.prefill_chunk,
                         grouping_backend=cfg.model.grouping_backend)
 

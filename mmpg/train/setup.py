@@ -287,3 +287,10 @@ def video_spec(cfg, family: str):
     d = cfg.data
     return VideoSpec.for_family(family, fps=d.fps, min_frames=d.min_frames, max_frames=d.max_frames,
                                 min_pixels=d.min_pixels, max_pixels=d.max_pixels, total_pixels=d.total_pixels)
+
+
+def frame_cache(cfg):
+    """The decoded-frame cache of data.frame_cache (capped at data.frame_cache_gb), or None when it is off."""
+    from mmpg.data.frame_cache import open_frame_cache
+
+    return open_frame_cache(cfg.data.frame_cache, cfg.data.frame_cache_gb)

@@ -1,0 +1,264 @@
+"""The decoded-frame cache (`data.frame_cache`) and `mmpg prepare-videos`: a second pass decodes no video and gets the
+very frames; a damaged entry, a changed file or a changed setting decodes again; concurrent writers leave one good
+entry; the cap evicts the least recently used entry; prepare-videos fills the cache training reads. Videos are tiny
+real mp4 files (64x48, 8 fps, 2-3 s) written here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from batches import write_mp4
+from mmpg.data import dataset as dataset_mod
+from mmpg.data.dataset import GroundingDataset, collate_grounding
+from mmpg.data.frame_cache import MAGIC, FrameCache, cache_key
+from mmpg.data.samples import GroundingSample
+from mmpg.data.video import DecodedVideo, VideoSpec, load_video
+
+SPEC = VideoSpec(min_pixels=4 * 28 * 28, max_pixels=8 * 28 * 28)  # 4..8 tokens per frame: fast, no upscaling
+GB = 10 ** 9
+
+
+def _mp4(path, seconds, fps=8, seed=0):
+    rng = np.random.default_rng(seed)
+    n = int(seconds * fps)
+    frames = []
+    for i in range(n):
+        img = np.zeros((48, 64, 3), np.uint8)
+        img[:, : (i * 64) // n] = 200
+        frames.append(img + rng.integers(0, 40, img.shape, dtype=np.uint8))
+    return str(write_mp4(path, frames, fps))
+
+
+@pytest.fixture(scope="module")
+def vids(tmp_path_factory):
+    d = tmp_path_factory.mktemp("videos")
+    return {"a": _mp4(d / "a.mp4", 3.0), "b": _mp4(d / "b.mp4", 2.0, seed=1), "dir": d}
+
+
+def _sample(video, q=0, clip=(None, None)):
+    return GroundingSample(f"{os.path.basename(video)}#{q}", video, None, f"query {q}", (0.5, 1.0),
+                           clip_start=clip[0], clip_end=clip[1])
+
+
+@pytest.fixture
+def decodes(monkeypatch):
+    """Counts the dataset's calls of the real decoder."""
+    calls = []
+
+    def counted(path, spec, clip_start=None, clip_end=None):
+        calls.append(path)
+        return load_video(path, spec, clip_start, clip_end)
+
+    monkeypatch.setattr(dataset_mod, "load_video", counted)
+    return calls
+
+
+def _same(x: DecodedVideo, y: DecodedVideo):
+    assert x.frames.dtype == y.frames.dtype == torch.float32
+    assert torch.equal(x.frames, y.frames)
+    assert (x.timestamps, x.sample_fps, x.metadata, x.path, x.duration) == \
+        (y.timestamps, y.sample_fps, y.metadata, y.path, y.duration)
+
+
+def test_a_second_pass_decodes_nothing_and_gets_the_same_frames_bit_for_bit(vids, tmp_path, decodes):
+    past_the_end = dataclasses.replace(_sample(vids["a"], 9), span=(5.0, 6.0))  # a is 3 s long: a skip
+    samples = [past_the_end, _sample(vids["a"], 0), _sample(vids["b"], 0), _sample(vids["a"], 1),
+               _sample(vids["b"], 1, (0.5, 1.5))]
+    ds = GroundingDataset(samples, SPEC, cache=FrameCache(tmp_path / "cache", GB))
+    first = collate_grounding(ds.__getitems__([0, 1, 2, 3, 4]))
+    assert first.decode_stats == {"decoded": 3, "cached": 0} and len(decodes) == 3  # a, b, b's clip
+    assert len(first.skipped) == 1
+    second = collate_grounding(ds.__getitems__([0, 1, 2, 3, 4]))
+    assert second.decode_stats == {"decoded": 0, "cached": 3} and len(decodes) == 3  # no file read again
+    assert second.videos[0] is second.videos[2]  # a's queries still share one object
+    plain = collate_grounding(GroundingDataset(samples, SPEC).__getitems__([0, 1, 2, 3, 4]))
+    assert plain.decode_stats == {"decoded": 3, "cached": 0}
+    for cached, decoded in zip(second.videos, plain.videos):
+        _same(cached, decoded)
+    assert [s.duration for s in second.samples] == [s.duration for s in plain.samples]
+
+
+def test_epoch_two_of_the_training_stream_and_the_held_out_eval_read_the_cache(vids, tmp_path, decodes):
+    from mmpg.config import load_config
+    from mmpg.eval.batches import _Indexed
+    from mmpg.train.data import make_train_loader
+    from mmpg.train.heldout import heldout_settings
+    from mmpg.train.setup import frame_cache
+
+    cfg = load_config(None, [f"data.frame_cache={tmp_path / 'frames'}", "data.frame_cache_gb=0.5"])
+    cache = frame_cache(cfg)
+    assert (cache.root, cache.max_bytes) == (tmp_path / "frames", 5 * 10 ** 8)
+    samples = [_sample(vids["a"], 0), _sample(vids["b"], 0), _sample(vids["a"], 1)]
+    loader = make_train_loader(samples, SPEC, None, None, global_batch=3, rank=0, world=1, seed=0, shuffle=True,
+                               start=0, num_workers=0, frame_cache=cache)
+    batches = iter(loader)
+    assert [next(batches).decode_stats for _ in range(2)] == [{"decoded": 2, "cached": 0}, {"decoded": 0, "cached": 2}]
+    assert loader.decode(samples[:2]).decode_stats == {"decoded": 0, "cached": 2}  # a rank's slice dealt again
+    settings = heldout_settings(cfg)  # evaluation during training reads the same cache
+    assert (settings.frame_cache, settings.frame_cache_gb) == (str(tmp_path / "frames"), 0.5)
+    items = _Indexed(samples, [0, 1], SPEC, cache).__getitems__([0, 1])
+    assert [it.source for _, it in items] == ["cached", "cached"] and len(decodes) == 2
+
+
+def _entry(cache, path, spec=SPEC):
+    return cache.entry_path(cache_key(path, spec, None, None))
+
+
+def _rewrite_header(file, change):
+    data = file.read_bytes()
+    n = struct.unpack("<I", data[8:12])[0]
+    header = json.loads(data[12:12 + n])
+    change(header)
+    head = json.dumps(header).encode()
+    file.write_bytes(MAGIC + struct.pack("<I", len(head)) + head + data[12 + n:])
+
+
+DAMAGE = {
+    "truncated": lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]),
+    "flipped byte": lambda f: f.write_bytes(f.read_bytes()[:-1] + bytes([f.read_bytes()[-1] ^ 1])),
+    "bad header": lambda f: f.write_bytes(MAGIC + b"\xff\xff\x00\x00{not json" + f.read_bytes()[40:]),
+    "wrong shape": lambda f: _rewrite_header(f, lambda h: h.update(shape=[h["shape"][0] // 2] + h["shape"][1:])),
+    "empty": lambda f: f.write_bytes(b""),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_entry_is_never_trusted_but_decoded_again(vids, tmp_path, damage, caplog):
+    cache = FrameCache(tmp_path, GB)
+    calls = []
+
+    def decode(*args):
+        calls.append(args[0])
+        return load_video(*args)
+
+    fresh, hit = cache.load(vids["a"], SPEC, decode=decode)
+    assert not hit and len(calls) == 1
+    DAMAGE[damage](_entry(cache, vids["a"]))
+    with caplog.at_level(logging.INFO, logger="mmpg.data"):
+        again, hit = cache.load(vids["a"], SPEC, decode=decode)
+    assert not hit and len(calls) == 2  # decoded from the file, not read from the damaged entry
+    _same(again, fresh)
+    assert "not a good entry" in caplog.text and "decoding" in caplog.text
+    _same(cache.load(vids["a"], SPEC, decode=decode)[0], fresh)  # and stored whole again
+    assert len(calls) == 2
+
+
+def test_a_changed_file_or_setting_decodes_again(vids, tmp_path, decodes):
+    import shutil
+
+    path = str(tmp_path / "v.mp4")
+    shutil.copy(vids["a"], path)
+    cache = FrameCache(tmp_path / "cache", GB)
+    run = lambda spec=SPEC, clip=(None, None): collate_grounding(  # noqa: E731
+        GroundingDataset([_sample(path, 0, clip)], spec, cache=cache).__getitems__([0])).decode_stats
+    assert run() == {"decoded": 1, "cached": 0} and run() == {"decoded": 0, "cached": 1}
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))  # the file touched: maybe another video now
+    assert run() == {"decoded": 1, "cached": 0} and run() == {"decoded": 0, "cached": 1}
+    fewer = VideoSpec(**{**SPEC.__dict__, "max_frames": 4})  # data.max_frames changed
+    assert run(fewer) == {"decoded": 1, "cached": 0} and run(fewer) == {"decoded": 0, "cached": 1}
+    assert run(clip=(0.5, 2.0)) == {"decoded": 1, "cached": 0}  # another clip window
+    assert run() == {"decoded": 0, "cached": 1} and len(decodes) == 4  # the first settings' entry is still good
+
+
+def _writer(root, key, video, barrier, rounds, bad):
+    cache = FrameCache(root, GB)
+    barrier.wait()
+    for _ in range(rounds):
+        cache.put(key, video)
+        if cache.get(key, video.path) is None:  # a half-written entry seen (and deleted)
+            bad.value += 1
+
+
+def test_two_processes_filling_one_entry_leave_one_good_entry(tmp_path):
+    frames = torch.randint(0, 256, (8, 3, 224, 224), generator=torch.Generator().manual_seed(0)).float()
+    video = DecodedVideo(frames, [i / 2 for i in range(8)], 2.0, {"fps": 8.0, "frames_indices": list(range(8))},
+                         "v.mp4", 4.0)
+    key = "ab" + "0" * 62
+    ctx = multiprocessing.get_context("fork")
+    barrier, bad = ctx.Barrier(2), ctx.Value("i", 0)
+    procs = [ctx.Process(target=_writer, args=(tmp_path, key, video, barrier, 15, bad)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert bad.value == 0
+    assert sorted(os.listdir(tmp_path / "ab")) == [f"{key}.frames"]  # one entry, no temp file left
+    got = FrameCache(tmp_path, GB).get(key, "v.mp4")
+    _same(got, video)
+
+
+def test_the_cap_evicts_the_least_recently_used_entry(vids, tmp_path):
+    cache = FrameCache(tmp_path, GB)
+    entries = {}
+    for name, path in (("a", vids["a"]), ("b", vids["b"])):
+        cache.load(path, SPEC)
+        entries[name] = _entry(cache, path)
+    old = entries["a"].stat().st_mtime - 100
+    os.utime(entries["a"], (old, old))  # a written first ...
+    os.utime(entries["b"], (old + 10, old + 10))
+    assert cache.load(vids["a"], SPEC)[1]  # ... but read last: b is now the least recently used
+    import shutil
+
+    c = shutil.copy(vids["b"], tmp_path / "c.mp4")  # a third entry of b's size
+    cache.max_bytes = entries["a"].stat().st_size + entries["b"].stat().st_size + 100  # room for two, not three
+    cache.load(str(c), SPEC)
+    third = _entry(cache, str(c))
+    assert entries["a"].exists() and third.exists() and not entries["b"].exists()
+    assert cache.size() == (entries["a"].stat().st_size + third.stat().st_size, 2)
+
+
+# --- mmpg prepare-videos ---
+
+
+def _config(tmp_path, vids, cache: str | None):
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    (vids["dir"] / "broken.mp4").write_bytes(b"\x00" * 2048)
+    ann = tmp_path / "train.jsonl"
+    rows = [("a.mp4", None), ("a.mp4", None), ("b.mp4", None), ("b.mp4", [0.0, 1.5]), ("broken.mp4", None)]
+    ann.write_text("".join(json.dumps({"id": f"s{i}", "video": v, "duration": 2.0, "query": "q", "span": [0.5, 1.0],
+                                       **({"clip": c} if c else {})}) + "\n" for i, (v, c) in enumerate(rows)))
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"model:\n  path: {model}\ndata:\n  train: {ann}\n  videos: {vids['dir']}\n  format: jsonl\n"
+                   f"  min_pixels: {SPEC.min_pixels}\n  max_pixels: {SPEC.max_pixels}\n" +
+                   (f"  frame_cache: {cache}\n" if cache else ""))
+    return str(cfg)
+
+
+def test_prepare_videos_fills_the_cache_training_reads(vids, tmp_path, capsys, decodes):
+    from mmpg.cli import main
+    from mmpg.config import load_config
+    from mmpg.train.setup import frame_cache, load_train_samples, video_spec
+
+    config = _config(tmp_path, vids, str(tmp_path / "frames"))
+    assert main(["prepare-videos", "--config", config, "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "4 videos: 3 decoded, 0 already cached, 1 failed" in out and "broken.mp4" in out
+    assert main(["prepare-videos", "--config", config, "--workers", "1"]) == 0
+    assert "4 videos: 0 decoded, 3 already cached, 1 failed" in capsys.readouterr().out
+    cfg = load_config(config)
+    samples = load_train_samples(cfg)
+    ds = GroundingDataset(samples, video_spec(cfg, "qwen2_5_vl"), cache=frame_cache(cfg))
+    batch = collate_grounding(ds.__getitems__(list(range(len(samples)))))
+    assert batch.decode_stats == {"decoded": 0, "cached": 3} and len(batch.skipped) == 1  # the keys training uses
+    assert [os.path.basename(p) for p in decodes] == ["broken.mp4"]  # a video that fails is never cached
+
+
+def test_prepare_videos_refuses_without_a_cache_folder(vids, tmp_path, capsys):
+    from mmpg.cli import main
+
+    assert main(["prepare-videos", "--config", _config(tmp_path, vids, None)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "data.frame_cache is not set" in err
