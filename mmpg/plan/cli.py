@@ -6,6 +6,7 @@ fits, and the cheapest changes that make it fit — before a GPU is rented.
     mmpg plan --config configs/sft_qwen25vl_7b.yaml --gpus 8       # an SFT step (the config's sft: group; --job)
     mmpg plan --published                                          # the plan beside what users reported
     mmpg plan --run runs/NAME --gpus 8                             # a run's plan beside its measured peak
+    mmpg plan --config configs/grounding_qwen25vl_7b_long.yaml --gpus 8 --decode   # do the data workers keep up?
 The memory model is `mmpg.plan.memory` (validated on CPU runs: `python -m mmpg.plan.validate`), the time model
 `mmpg.plan.timing` (estimates at a stated utilisation). A device is taken to hold 90 % of its memory for tensors
 (the rest: CUDA context, NCCL buffers, allocator fragmentation).
@@ -60,6 +61,18 @@ def add_arguments(p) -> None:
     p.add_argument("--job", choices=("train", "sft"), default=None, help="plan a GRPO step (train) or a supervised "
                    "one (sft: one target per prompt, no rollout, no reference). Default: sft for a config with an "
                    "sft: group, else train; with --run, the run's own kind")
+    dec = p.add_mutually_exclusive_group()
+    dec.add_argument("--decode", action="store_true", help="estimate whether data.num_workers decode videos as fast "
+                     "as a step and how many workers it takes, from a probe of this machine's decoding on one core "
+                     "(a few seconds: generated H.264 at 640x360 and 1280x720; mmpg.plan.decode)")
+    dec.add_argument("--decode-fps", type=float, default=None, metavar="N", help="the decode estimate from your own "
+                     "figure instead of the probe: frames of your footage one core loads per second through mmpg "
+                     "(load_video at the config's settings)")
+    p.add_argument("--video-minutes", type=float, default=None, metavar="M", help="the typical video's length for "
+                   "the decode estimate (default: data.train's mean when readable here, else the plan's video, "
+                   "data.max_frames / data.fps)")
+    p.add_argument("--footage", default=None, metavar="WxH@FPS", help="the source videos' frame size and rate for "
+                   "the decode estimate (default 1280x720@30)")
     p.add_argument("--run", default=None, metavar="RUN_DIR", help="plan a run from its config.yaml and print it "
                    "beside the run's measured perf/peak_memory_mb")
 
@@ -110,6 +123,10 @@ def render(p: dict, where: str) -> str:
         lines.append(f"  {'fits' if row['fits'] else 'no  '}  {_gb(row['peak_bytes'])}  {row['change']}")
     if p["what_fits"]:
         lines.insert(-len(p["what_fits"]), "what would make it fit (each change alone, cheapest first):")
+    if "decode" in p:
+        from mmpg.plan.decode import render as render_decode
+
+        lines += render_decode(p["decode"])
     if p.get("disk"):
         from mmpg.plan.whole import render_disk
 
@@ -164,5 +181,9 @@ def run(args) -> int:
                             "and --device cuda")
         print(f"{p['servers']['colocated']['gpu_memory_utilization']:.2f}")
         return 0
+    if p["video_tokens"]:
+        from mmpg.plan.decode import estimate
+
+        p["decode"] = estimate(cfg, p, args.decode, args.decode_fps, args.video_minutes, args.footage)
     print(json.dumps(p, indent=1) if args.json else f"{JOB_LINES[job]}; {why}\n" + render(p, where))
     return 0
