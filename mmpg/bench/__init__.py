@@ -10,8 +10,9 @@ the upstream PyPI package `prefix_grouper==0.0.1.post1`:
     step       one whole GRPO step of the trainer, per      naive | mmpg | tree         `mmpg.bench.step`
                phase (rollout, reward, logprob, update)
     eval       greedy answers to a video's queries          hf_generate | mmpg | tree   `mmpg.bench.evaluation`
-    lora, async  programs with their own table: LoRA's memory (`mmpg.bench.lora`), rollout/training overlap
-               (`mmpg.bench.overlap`)
+    lora, async, vllm, data  programs with their own table: LoRA's memory (`mmpg.bench.lora`), rollout/training
+               overlap (`mmpg.bench.overlap`), two ranks on one vLLM server (`mmpg.bench.serving`), video decoding
+               on one core (`mmpg.bench.data`)
 Each measurement runs in a fresh process (`mmpg.bench.measure`; memory: `mmpg.bench.memory`), variants interleaved
 over rounds (`mmpg.bench.runner`); each row shows the ceilings of `mmpg.bench.flops` beside the measured speed-up.
 Apart from the levels: `python -m mmpg.bench.sdpa_kernels` (the SDPA kernels of the sdpa backend's masked path),

@@ -14,6 +14,7 @@ table and writes JSON (default runs/bench/<timestamp>.json). A program, never a 
     mmpg bench --preset sp-cpu --sp 2               one GRPO step with its row spread over 2 gloo processes
     mmpg bench --levels lora [--lora-r 16]          memory of full vs LoRA training (its own table)
     mmpg bench --levels async [--S 32 --G 12]       GRPO steps per hour, rollout/training overlap vs synchronous
+    mmpg bench --levels data [--data-minutes 2]     video decoding on one core: presets, sp 2 parts, frame cache
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(async: `mmpg train`; vllm: the two ranks' clients) runs on")
     parser.add_argument("--server-core", type=int, default=1, help="--levels async / vllm: the core the vLLM server "
                         "runs on")
+    parser.add_argument("--data-minutes", type=float, default=20.0, help="--levels data: minutes of the generated "
+                        "1280x720 30 fps video (rendered once into data/generated/bench/, about 5 min for 20 on one "
+                        "core; 2 is a quick run)")
+    parser.add_argument("--data-video", default=None, help="--levels data: time this video file instead of the "
+                        "generated one")
+    parser.add_argument("--data-core", type=int, default=0, help="--levels data: the core decoding runs on (one "
+                        "core and one torch thread: per-core rates); -1 leaves the process on all its cores")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (fresh process each)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per process (>= 1: the memory step)")

@@ -6,7 +6,7 @@ A measured level (attention, model, rollout, step, eval) is run by `mmpg.bench.r
 its module's `setup(case, device) -> (prepare, step, info)`: `prepare` (or None) runs in the memory window before the
 cold step, `step()` is one step (`phased = True`: it times its own phases, see `mmpg.bench.measure`), `info` holds
 "P" (the prompt built) and "tokens" (the tokens the step's forward sees). Its --dry-run prints the plan with ceilings.
-A level that runs alone (lora, async) is a program with its own table: its module's `run(args) -> exit code`; its
+A level that runs alone (lora, async, vllm, data) is a program with its own table: its module's `run(args) -> exit code`; its
 --dry-run prints the row's `alone` sentence.
 """
 
@@ -86,6 +86,9 @@ LEVELS = {  # in the order the plan runs and the tables print them
                   "one GRPO step each in a fresh process, memory per phase"),
     "async": Level("mmpg.bench.overlap", alone="{async_rounds} rounds per arm of {async_steps} GRPO steps on the "
                    "vLLM engine, synchronous (k=0) against overlapped (k=1), {async_iterations} update(s) per step"),
+    "data": Level("mmpg.bench.data", alone="decoding of a generated {data_minutes:g}-minute 1280x720 30 fps video "
+                  "(or --data-video) on one core: throughput at the 7B, long and Time-R1 settings, per-rank decode "
+                  "time at sp 1 vs 2, the frame cache cold vs warm"),
     "vllm": Level("mmpg.bench.serving", alone="two ranks' rollout requests to one vLLM server per size "
                   "{vllm_sizes} (prompts per rank x G x tokens): one request carrying both (the ceiling), both at "
                   "once, one after the other; with --vllm-servers 2, both at once on two servers (a core each)"),

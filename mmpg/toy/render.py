@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import Iterable, Iterator, NamedTuple
 
 import av
 import numpy as np
@@ -149,14 +149,17 @@ def render_frame(planes: tuple[np.ndarray, np.ndarray, np.ndarray], sprites: Ite
     return np.concatenate([y.reshape(-1), u.reshape(-1), v.reshape(-1)]).reshape(-1, width)
 
 
-def encode_video(path: Path, frames: Iterable[np.ndarray], width: int, height: int, fps: float) -> int:
+def encode_video(path: Path, frames: Iterable[np.ndarray], width: int, height: int, fps: float,
+                 gop: int | None = None) -> int:
     """Write H.264 yuv420p frames to an mp4 at `path`; returns the number of frames written.
 
     Byte-deterministic: one x264 thread, no B-frames (keeps decoders' frame counts exact), and
-    `bitexact` so the muxer writes no library version or creation time.
+    `bitexact` so the muxer writes no library version or creation time. A key frame every `gop` frames
+    (default: every 2 seconds).
     """
     rate = Fraction(fps).limit_denominator(1001)
-    options = {"preset": "veryfast", "crf": "23", "threads": "1", "bf": "0", "g": str(max(1, round(2 * fps)))}
+    keyint = gop or max(1, round(2 * fps))
+    options = {"preset": "veryfast", "crf": "23", "threads": "1", "bf": "0", "g": str(keyint)}
     count = 0
     with av.open(str(path), "w", format="mp4", options={"fflags": "+bitexact"}) as container:
         stream = container.add_stream("libx264", rate=rate, options=options)
@@ -170,6 +173,28 @@ def encode_video(path: Path, frames: Iterable[np.ndarray], width: int, height: i
             count += 1
         container.mux(stream.encode(None))
     return count
+
+
+def encode_panning_video(path: Path, seconds: float, width: int = 1280, height: int = 720, fps: float = 30.0,
+                         gop: int = 250, seed: int = 0) -> int:
+    """A long video to time decoders on: a textured background panning 2 pixels a frame (every block moves, as in a
+    camera pan; the view jumps back to the top every height / 2 frames, a cut) under four shapes moving at different
+    speeds; a key frame every `gop` frames (x264's default 250). No events or annotations. Returns the frames written
+    (seconds x fps). Byte-deterministic, as `encode_video`."""
+    rng = np.random.default_rng(seed)
+    y, u, v = background_planes(make_background(rng, width, 2 * height))  # the view slides down this
+    colours = [colour_yuv(PALETTE[c]) for c in ("red", "green", "blue", "yellow")]
+    n = round(seconds * fps)
+
+    def frames() -> Iterator[np.ndarray]:
+        for i in range(n):
+            top = (2 * i) % height  # even, so the chroma rows start at top / 2
+            view = (y[top:top + height], u[top // 2:(top + height) // 2], v[top // 2:(top + height) // 2])
+            sprites = [Sprite(SHAPES[k], (40 + i * (k + 1) * 3) % width, height * (k + 1) / 5, height / 8 + 8 * k,
+                              colours[k]) for k in range(4)]
+            yield render_frame(view, sprites)
+
+    return encode_video(path, frames(), width, height, fps, gop=gop)
 
 
 def _tag_bt601(ctx) -> None:
