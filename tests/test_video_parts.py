@@ -41,9 +41,32 @@ def video(tmp_path_factory) -> str:
     return str(path)
 
 
+def _qwen_vl_utils(path: str, spec, clip_start=None, clip_end=None):
+    """The frames and metadata as qwen-vl-utils' own `fetch_video` gives them (the reference `load_video` once
+    called; it now decodes through `load_video_part` as rank 0 of 1, which must equal this)."""
+    from mmpg.data.video import DecodedVideo, _qwen_vision
+
+    frames, metadata = _qwen_vision.fetch_video(spec.element(path, clip_start, clip_end),
+                                                image_patch_size=spec.image_patch_size, return_video_metadata=True)
+    from mmpg.data.video import verify_video
+
+    metadata = dict(metadata, frames_indices=[int(i) for i in metadata["frames_indices"]])
+    timestamps = [i / metadata["fps"] for i in metadata["frames_indices"]]
+    return DecodedVideo(frames=frames, metadata=metadata, timestamps=timestamps, path=str(path),
+                        sample_fps=len(timestamps) / (metadata["total_num_frames"] / metadata["fps"]),
+                        duration=verify_video(path))
+
+
 @pytest.fixture(scope="module")
 def whole(video):
-    return load_video(video, SPEC)
+    return _qwen_vl_utils(video, SPEC)
+
+
+def test_load_video_is_qwen_vl_utils_own_decode(video, whole):
+    got = load_video(video, SPEC)
+    assert torch.equal(got.frames, whole.frames) and got.metadata == whole.metadata
+    assert (got.timestamps, got.sample_fps, got.path, got.duration) == (whole.timestamps, whole.sample_fps,
+                                                                        whole.path, whole.duration)
 
 
 def _same_whole_facts(part: VideoPart, whole) -> None:
@@ -83,7 +106,7 @@ def test_parts_concatenate_to_the_whole_decode_bit_for_bit(video, whole, sp, chu
 
 def test_a_clip_window_and_ranks_with_no_frames(video):
     # window 1.0..2.0 s: frames 8..16, 9 frames = 1.125 s x 2 fps -> 4 (min_frames): 2 groups over 4 ranks
-    whole = load_video(video, SPEC, 1.0, 2.0)
+    whole = _qwen_vl_utils(video, SPEC, 1.0, 2.0)
     assert whole.metadata["frames_indices"] == [8, 11, 13, 16]
     parts = [load_video_part(video, SPEC, 1.0, 2.0, rank=r, sp=4) for r in range(4)]
     assert [p.groups for p in parts] == frame_ranges(2, 4) == [(0, 0), (0, 1), (1, 1), (1, 2)]
