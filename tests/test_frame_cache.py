@@ -262,3 +262,17 @@ def test_prepare_videos_refuses_without_a_cache_folder(vids, tmp_path, capsys):
     assert main(["prepare-videos", "--config", _config(tmp_path, vids, None)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "data.frame_cache is not set" in err
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_line(tmp_path):
+    """Before: a warning for every video and prepare-videos reporting success with nothing stored."""
+    from mmpg.data.frame_cache import open_frame_cache
+    from mmpg.errors import UserError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UserError) as err:
+        open_frame_cache(str(blocker / "frames"), 1)
+    assert str(err.value).startswith(f"data.frame_cache={blocker / 'frames'}: cannot write there")
+    assert "\n" not in str(err.value)
+    assert open_frame_cache("", 1) is None and open_frame_cache(str(tmp_path / "ok"), 1) is not None

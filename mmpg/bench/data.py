@@ -230,6 +230,9 @@ def run(args) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     path, render_s, made = args.data_video, None, "given"
     if not path:
+        if not args.data_minutes > 0:
+            raise UserError(f"--data-minutes {args.data_minutes:g}: the generated video's length in minutes, above 0 "
+                            "(e.g. 2)")
         path, render_s = generated_video(args.data_minutes, log=log)
         made = "an earlier render" if render_s is None else f"rendered in {render_s:.0f} s"
     try:

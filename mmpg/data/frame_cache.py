@@ -231,8 +231,21 @@ class FrameCache:
 
 
 def open_frame_cache(folder: str, gb: float) -> FrameCache | None:
-    """The cache a config names (`data.frame_cache`, `data.frame_cache_gb`); None when the folder is empty (off)."""
-    return FrameCache(os.path.expanduser(folder), int(gb * GB)) if folder else None
+    """The cache a config names (`data.frame_cache`, `data.frame_cache_gb`); None when the folder is empty (off).
+    A folder that cannot be written is a UserError of one line here, not a warning for every video later."""
+    if not folder:
+        return None
+    root = os.path.expanduser(folder)
+    try:
+        os.makedirs(root, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as e:
+        from mmpg.errors import UserError
+
+        raise UserError(f"data.frame_cache={folder}: cannot write there ({e.strerror or e}); name a writable local "
+                        "folder, or leave data.frame_cache empty (no cache)") from None
+    return FrameCache(root, int(gb * GB))
 
 
 def _parse(data: bytearray, got: int, key: str) -> tuple[dict, int]:

@@ -91,7 +91,7 @@ class LoaderWaits:
 
 def count_decodes(info: dict, batch) -> None:
     """Add a batch's `decode_stats` (videos read from their files, or from the frame cache) to the step's info."""
-    stats = getattr(batch, "decode_stats", None) or {}
+    stats = batch.decode_stats  # empty when the loader did not count
     info["videos_decoded"] = info.get("videos_decoded", 0) + int(stats.get("decoded", 0))
     info["videos_cached"] = info.get("videos_cached", 0) + int(stats.get("cached", 0))
 

@@ -332,12 +332,14 @@ class VLLMEngine(RolloutEngine):
     def _forget_server(self) -> None:
         """After this rank's server restarted: its new /health, and every plan and NCCL group that held it. A server
         of a pool synced by NCCL cannot rejoin the pool's group from here (rank 0 owns it): an error, resume."""
+        pooled = False
         if len(self.urls) > 1 and self.health.get("nccl"):
-            device = self._device or next(self.model.parameters()).device  # where the synced tensors live
-            healths = {u: self.pool_health.get(u, self.health) for u in self.urls}
-            pooled = plan_pool_sync(healths, device.type == "cuda", *local_gpu_facts(device)).kind == "nccl"
-        else:
-            pooled = False
+            plan = self._plans.get(tuple(self.urls))  # the sender's (rank 0), decided at its first sync
+            if plan is None:  # another rank: the same rule on what it knows
+                device = self._device or next(self.model.parameters()).device  # where the synced tensors live
+                healths = {u: self.pool_health.get(u, self.health) for u in self.urls}
+                plan = plan_pool_sync(healths, device.type == "cuda", *local_gpu_facts(device))
+            pooled = plan.kind == "nccl"
         if pooled:
             raise ServerError(f"the vLLM server at {self.url} restarted and serves its checkpoint again; the pool's "
                               "NCCL group lost its workers and is rebuilt only at a start: resume the run "
