@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from batches import completions, processor_batch, random_video, vl_batch  # noqa: E402
 from mmpg.grouping import grouped_logprobs, repeated_logprobs  # noqa: E402
 from mmpg.grouping.adapters import prefix_positions  # noqa: E402
-from mmpg.grouping.inputs import check_completions, placeholder_token_ids, split_visuals_per_prompt  # noqa: E402
+from mmpg.grouping.inputs import (  # noqa: E402
+    VIDEO_PART, check_completions, part_span, placeholder_token_ids, split_visuals_per_prompt)
 from mmpg.grouping.shares import find_shares, pack_shares  # noqa: E402
 from mmpg.grouping.layout import GroupLayout  # noqa: E402
 from mmpg.toy.models import TinySpec, build_tiny_model, build_tiny_processor  # noqa: E402
@@ -88,6 +89,11 @@ def run_case(model, inputs, ids, mask, groups, group, sp) -> dict:
     par, par_grads = _grads(model, lambda: grouped_logprobs(model, inputs, ids, mask, groups, sequence_group=group),
                             weights)
     hook.remove()
+    # each rank holding only its own part of every video's pixel rows (decoded per rank, `VIDEO_PART`): the same
+    # computation, so the same logprobs and gradients
+    part, part_grads = _grads(model, lambda: grouped_logprobs(model, own_part(inputs, dist.get_rank(group), sp), ids,
+                                                                 mask, groups, sequence_group=group), weights)
+    part_grad = max(float((part_grads[n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in par_grads.items())
     shares = [None] * sp
     dist.all_gather_object(shares, sum(seen))
     assert set(one_grads) == set(par_grads), set(one_grads) ^ set(par_grads)
@@ -103,7 +109,21 @@ def run_case(model, inputs, ids, mask, groups, group, sp) -> dict:
             "logp_vs_repeated": float(((par - rep).abs() * mask).max()),
             "zero_outside_mask": bool(torch.all(par[mask == 0] == 0)),
             "grad_rel": worst, "grad_worst": worst_name, "vision_grads": any("visual" in n for n in one_grads),
-            "row": total, "cut": kind, "vision_rows": shares, "pixel_rows": int(inputs["pixel_values_videos"].shape[0])}
+            "row": total, "cut": kind, "vision_rows": shares, "pixel_rows": int(inputs["pixel_values_videos"].shape[0]),
+            "part_logp": float(((part - par).abs() * mask).max()), "part_grad_rel": part_grad,
+            "part_same_grads": set(part_grads) == set(par_grads)}
+
+
+def own_part(inputs, rank: int, sp: int) -> dict:
+    """The inputs with only rank `rank` of `sp`'s pixel rows of each video (its temporal patch groups), marked
+    `VIDEO_PART`: what a rank's loader builds when it decodes only its frames."""
+    grid, pixels = inputs["video_grid_thw"], inputs["pixel_values_videos"]
+    rows, start = [], 0
+    for t, h, w in grid.tolist():
+        a, b = part_span(t, rank, sp)
+        rows.append(pixels[start + a * h * w: start + b * h * w])
+        start += t * h * w
+    return {**inputs, "pixel_values_videos": torch.cat(rows), VIDEO_PART: torch.tensor([[rank, sp]] * len(grid))}
 
 
 def cases(family: str, model, processor, model_kv1, processor_kv1):

@@ -170,6 +170,51 @@ def test_a_changed_file_or_setting_decodes_again(vids, tmp_path, decodes):
     assert run() == {"decoded": 0, "cached": 1} and len(decodes) == 4  # the first settings' entry is still good
 
 
+def test_a_sequence_parallel_rank_caches_and_reads_only_its_part(vids, tmp_path, monkeypatch):
+    """Under sp = 2 each rank decodes its part once, reads it back bit for bit the next epoch, and a whole entry
+    (what `mmpg prepare-videos` stores) serves both ranks with no decode; a rank with no frame of a short clip keeps
+    an empty part."""
+    from mmpg.data.video import VideoPart, load_video_part
+
+    parts = []
+
+    def counted(path, spec, clip_start=None, clip_end=None, *, rank, sp):
+        parts.append((path, rank, sp))
+        return load_video_part(path, spec, clip_start, clip_end, rank=rank, sp=sp)
+
+    monkeypatch.setattr(dataset_mod, "load_video_part", counted)
+    whole = load_video(vids["a"], SPEC)
+    short = (0.5, 1.0)  # 4 frames at most: 2 temporal patches, and over 4 ranks two hold none
+    samples = [_sample(vids["a"], 0), _sample(vids["a"], 1), _sample(vids["b"], 0, short)]
+    for sp in (2, 4):
+        cache = FrameCache(tmp_path / f"cache{sp}", GB)
+        for epoch in range(2):
+            got = []
+            for rank in range(sp):
+                batch = collate_grounding(GroundingDataset(samples, SPEC, cache=cache, part=(rank, sp))
+                                          .__getitems__([0, 1, 2]))
+                want = {"decoded": 2, "cached": 0} if epoch == 0 else {"decoded": 0, "cached": 2}
+                assert batch.decode_stats == want, (sp, epoch, rank)
+                assert all(isinstance(v, VideoPart) and (v.rank, v.sp) == (rank, sp) for v in batch.videos)
+                assert batch.videos[0] is batch.videos[1]  # a's two queries: one part
+                got.append(batch.videos[0].frames)
+                assert batch.decoded_frames == (0 if epoch else sum(int(batch.videos[i].frames.shape[0])
+                                                                    for i in (0, 2)))
+                if sp == 4 and rank in (0, 2):
+                    assert batch.videos[2].frames.shape[0] == 0  # nothing of the short clip's 2 patches here
+            assert torch.equal(torch.cat(got), whole.frames)  # the parts, cached or not, are the whole decode's
+        assert len(parts) == 2 * sp  # each rank decoded each video once, in the first epoch only
+        parts.clear()
+    # a whole entry serves the ranks: no decode, each cuts its part from it
+    cache = FrameCache(tmp_path / "whole", GB)
+    assert cache.load(vids["a"], SPEC)[1] is False
+    for rank in range(2):
+        batch = collate_grounding(GroundingDataset(samples[:1], SPEC, cache=cache, part=(rank, 2)).__getitems__([0]))
+        assert batch.decode_stats == {"decoded": 0, "cached": 1}
+        assert torch.equal(batch.videos[0].frames, whole.part(rank, 2).frames)
+    assert parts == []
+
+
 def _writer(root, key, video, barrier, rounds, bad):
     cache = FrameCache(root, GB)
     barrier.wait()

@@ -45,6 +45,17 @@ def test_a_fixed_figure_scales_to_the_step_by_hand(capsys):
     assert d["video_fps_per_core"] == pytest.approx(600.0)
 
 
+def test_sft_under_sequence_parallelism_decodes_a_ranks_part(capsys):
+    # the long config planned as an SFT step: each of the 4 ranks of a group decodes its quarter of each video
+    p = _decode_json("--job", "sft", "--decode-fps", "600", "--video-minutes", "10", capsys=capsys)
+    d = p["decode"]
+    assert (p["job"], d["sp"], d["rank_share"]) == ("sft", 4, 0.25)
+    assert d["core_seconds_per_step"] == pytest.approx(d["videos_per_step"] * 30.0 / 4)
+    rc, out, _ = _plan("--config", LONG, "--job", "sft", "--gpus", "8", "--gpu", "h100", "--decode-fps", "600",
+                       "--video-minutes", "10", capsys=capsys)
+    assert rc == 0 and "each rank of its sequence-parallel group decoding its 1/4" in out, out
+
+
 def test_a_slow_figure_does_not_keep_up_and_says_what_it_takes(capsys):
     rc, out, _ = _plan("--config", LONG, "--gpus", "8", "--gpu", "h100", "--decode-fps", "100", "--video-minutes",
                        "10", capsys=capsys)

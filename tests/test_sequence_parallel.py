@@ -43,6 +43,8 @@ def test_sp2_equals_one_process(sp_results, family, case):
     assert r["zero_outside_mask"], r
     assert r["grad_rel"] <= GRAD_RTOL, r
     assert r["vision_grads"], "the vision tower's gradients must be compared too"
+    # each rank holding only its part of the pixels (decoded per rank): the same logprobs and gradients
+    assert r["part_logp"] <= LOGP_ATOL and r["part_grad_rel"] <= GRAD_RTOL and r["part_same_grads"], r
     # each rank encodes its share of the frames, not the whole video (a single-group video: one rank, plus a
     # stand-in group on the other for lockstep)
     assert sum(r["vision_rows"]) <= r["pixel_rows"] + min(r["vision_rows"]), r

@@ -1,7 +1,8 @@
 """Sequence parallelism in training (parallel.sequence_parallel_size): 2 gloo processes that share every packed row
 (sp = 2, one data-parallel group) train what one process trains on the same global batch — GRPO under ZeRO-2 and
 ZeRO-3 with a KL reference, two passes per step, a video's queries side by side (the video shared in the grouped
-forward) and gradient checkpointing, GRPO with LoRA, and SFT: the same sampled texts and rewards,
+forward) and gradient checkpointing, GRPO with LoRA, and SFT (each rank decoding only its frames of each video):
+the same sampled texts and rewards,
 losses within 1e-5, gradient norms and final weights within 1e-5 relative. Each rank held about half of every
 packed row (perf/row_tokens), and run.json records sp. Bad settings are one line and exit status 2 before anything
 is written."""
@@ -110,6 +111,11 @@ def test_sp2_lora_grpo_and_sft_train_what_one_process_trains(grpo_data, tmp_path
          procs=2)
     _same_training(tmp_path / "sft_sp2", tmp_path / "sft_one", loss_key="sft/loss")
     assert _rel(final_weights(tmp_path / "sft_sp2", 3), final_weights(tmp_path / "sft_one", 3)) <= WEIGHT_RTOL
+    # each rank decoded only the frames it encodes: its half of every video's temporal patches (a patch is 2 frames;
+    # an odd count leaves one rank a patch more), never the whole video as one process does
+    for x, y in zip(metrics(tmp_path / "sft_sp2"), metrics(tmp_path / "sft_one")):
+        frames, whole = x["data/frames_decoded_max"], y["data/frames_decoded_max"]
+        assert whole > 0 and frames <= whole / 2 + 2 * x["perf/videos"], (x["step"], frames, whole)
 
 
 def _refused(args, procs=1) -> str:

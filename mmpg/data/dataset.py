@@ -32,7 +32,8 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from mmpg.data.frame_cache import FrameCache
 from mmpg.data.prompts import PromptTemplate, build_prompt_inputs
 from mmpg.data.samples import GroundingSample, Skip, fit_span, span_problem
-from mmpg.data.video import DecodedVideo, VideoError, VideoSpec, _first_line, load_video
+from mmpg.data.video import (DecodedVideo, VideoError, VideoPart, VideoSpec, _first_line, load_video,
+                             load_video_part)
 from mmpg.errors import UserError
 
 log = logging.getLogger("mmpg.data")
@@ -44,7 +45,7 @@ class VideoItem:
     reason it cannot be used."""
 
     sample: GroundingSample
-    video: DecodedVideo | None
+    video: DecodedVideo | VideoPart | None
     error: str | None = None
     source: str | None = None
     """How the video was had, on the first usable item of each distinct video of a batch: "decoded" (from its file)
@@ -71,6 +72,10 @@ class GroundingBatch:
     """How this batch's distinct videos were had: {"decoded": read from their files, "cached": read from the frame
     cache (`data.frame_cache`)}, each distinct video of the batch once, a failed one in neither; empty when not
     counted."""
+
+    decoded_frames: int = 0
+    """Frames this process decoded from files for the batch (each distinct video once; under sequence parallelism
+    only this rank's part of each: `GroundingDataset(part=)`); 0 for videos read from the frame cache."""
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -109,11 +114,14 @@ class GroundingDataset(Dataset):
     DataLoader workers (in a worker the failed item is returned; `GroundingLoader` raises for it)."""
 
     def __init__(self, samples: Sequence[GroundingSample], spec: VideoSpec, strict: bool = False,
-                 cache: FrameCache | None = None):
+                 cache: FrameCache | None = None, part: tuple[int, int] | None = None):
         self.samples = list(samples)
         self.spec = spec
         self.strict = strict
         self.cache = cache  # decoded frames kept across epochs (`data.frame_cache`); None: decode every time
+        # (rank, sp): decode only the frames sequence-parallel rank `rank` of `sp` encodes (`load_video_part`); the
+        # items' videos are then `VideoPart`s and the collator builds inputs with only their pixel rows
+        self.part = part if part is not None and part[1] > 1 else None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -127,7 +135,7 @@ class GroundingDataset(Dataset):
         Queries of one video (same file and clip window; the frame spec is the dataset's) get the very same
         `DecodedVideo`, so the processor sees identical pixels and the grouped forward and the rollout can share
         the video (`mmpg.grouping.shares`). A video that cannot be decoded fails each of its queries, one skip each."""
-        decoded: dict[tuple, DecodedVideo | str] = {}  # (file, clip start, clip end) -> frames or the reason
+        decoded: dict[tuple, DecodedVideo | VideoPart | str] = {}  # (file, clip start, clip end) -> frames or why not
         uncounted: dict[tuple, str] = {}  # key -> "decoded" / "cached", until an item of the video is usable
         items = []
         for i in indices:
@@ -141,12 +149,20 @@ class GroundingDataset(Dataset):
             items.append(item)
         return items
 
-    def _decode(self, sample: GroundingSample) -> tuple[DecodedVideo | str, str]:
+    def _decode(self, sample: GroundingSample) -> tuple[DecodedVideo | VideoPart | str, str]:
         """(the frames of the sample's video (clip window) or the reason they cannot be had, "decoded" / "cached")."""
+        clip = (sample.clip_start, sample.clip_end)
         try:
+            if self.part is not None:
+                rank, sp = self.part
+                if self.cache is None:
+                    return load_video_part(sample.video, self.spec, *clip, rank=rank, sp=sp), "decoded"
+                video, hit = self.cache.load_part(sample.video, self.spec, *clip, rank=rank, sp=sp,
+                                                  decode=load_video_part)  # this module's name: tests count the calls
+                return video, "cached" if hit else "decoded"
             if self.cache is None:
-                return load_video(sample.video, self.spec, sample.clip_start, sample.clip_end), "decoded"
-            video, hit = self.cache.load(sample.video, self.spec, sample.clip_start, sample.clip_end,
+                return load_video(sample.video, self.spec, *clip), "decoded"
+            video, hit = self.cache.load(sample.video, self.spec, *clip,
                                          decode=load_video)  # this module's name: tests count the calls
             return video, "cached" if hit else "decoded"
         except VideoError as e:
@@ -154,7 +170,7 @@ class GroundingDataset(Dataset):
         except Exception as e:  # anything else a broken file can trigger inside a decoder: still a skip
             return f"{sample.video}: unexpected error while decoding ({_first_line(e)})", "decoded"
 
-    def _item(self, sample: GroundingSample, video: DecodedVideo | str) -> VideoItem:
+    def _item(self, sample: GroundingSample, video: DecodedVideo | VideoPart | str) -> VideoItem:
         if isinstance(video, str):
             return self._fail(sample, video)
         duration = sample.duration if sample.duration is not None else video.duration
@@ -190,7 +206,9 @@ class GroundingCollator:
         if self.processor is not None and good:
             inputs = build_prompt_inputs(self.processor, samples, videos, self.template)
         stats = {k: sum(it.source == k for it in good) for k in ("decoded", "cached")}  # each distinct video once
-        return GroundingBatch(samples=samples, videos=videos, inputs=inputs, skipped=skipped, decode_stats=stats)
+        frames = sum(int(it.video.frames.shape[0]) for it in good if it.source == "decoded")
+        return GroundingBatch(samples=samples, videos=videos, inputs=inputs, skipped=skipped, decode_stats=stats,
+                              decoded_frames=frames)
 
 
 def collate_grounding(items: list[VideoItem]) -> GroundingBatch:

@@ -8,10 +8,13 @@ second epoch (or a run after `mmpg prepare-videos`) reads them instead of decodi
             MAGIC (8 bytes) | header length (4 bytes, little endian) | header (JSON) | frames (raw uint8, T*C*H*W)
 
 The header holds the shape, timestamps, sample fps, qwen-vl-utils' metadata, the path, the duration, the payload's
-length and its CRC-32. Frames come out of qwen-vl-utils as float32 holding whole numbers 0..255 (torchvision's
-resize of the uint8 decode stays uint8), so uint8 storage is exact; frames that are not (a future qwen-vl-utils) are
-not cached, never rounded. An entry is written to a temp file in its folder and renamed into place (`os.replace`):
-processes filling the same entry at once leave one whole entry. An entry that is short, has a bad header, a wrong
+length and its CRC-32. Under sequence parallelism a rank keeps only its frames (`load_part`): its entry's key adds
+(rank, sp) and its header says where the part sits in the whole (first frame, whole frame count); a whole video's
+entry (`mmpg prepare-videos`) serves every rank, each cutting its part from it. Frames come out of qwen-vl-utils
+as float32 holding whole numbers 0..255 (torchvision's resize of the uint8 decode stays uint8), so uint8 storage is
+exact; frames that are not (a future qwen-vl-utils) are not cached, never rounded. An entry is written to a temp
+file in its folder and renamed into place (`os.replace`): processes filling the same entry at once leave one whole
+entry. An entry that is short, has a bad header, a wrong
 shape or a checksum that does not match is deleted and the video decoded again (one log line), never trusted. A
 read touches the entry's mtime; after a write, entries are deleted oldest first until the folder is under its cap
 (least recently used).
@@ -43,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from mmpg.data.video import DecodedVideo, VideoSpec, load_video
+from mmpg.data.video import DecodedVideo, VideoPart, VideoSpec, load_video, load_video_part
 
 log = logging.getLogger("mmpg.data")
 
@@ -72,9 +75,10 @@ def _decoder_identity() -> dict:
     return {"versions": versions, "qwen_vl_utils": constants}
 
 
-def cache_key(path: str, spec: VideoSpec, clip_start: float | None, clip_end: float | None) -> str | None:
+def cache_key(path: str, spec: VideoSpec, clip_start: float | None, clip_end: float | None,
+              part: tuple[int, int] | None = None) -> str | None:
     """The entry's name (64 hex digits) for these frames, or None when the file cannot be stat'ed (no entry: the
-    decoder then says why the file cannot be used)."""
+    decoder then says why the file cannot be used). part: (rank, sp) for one sequence-parallel rank's frames."""
     try:
         real = os.path.realpath(path)
         st = os.stat(real)
@@ -82,6 +86,8 @@ def cache_key(path: str, spec: VideoSpec, clip_start: float | None, clip_end: fl
         return None
     identity = {"format": FORMAT_VERSION, "file": [real, st.st_size, st.st_mtime_ns],
                 "spec": dataclasses.asdict(spec), "clip": [clip_start, clip_end], **_decoder_identity()}
+    if part is not None:
+        identity["part"] = list(part)
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
@@ -116,9 +122,27 @@ class FrameCache:
             self.put(key, video)
         return video, False
 
-    def get(self, key: str, path: str) -> DecodedVideo | None:
-        """The entry's frames (their `path` set to `path`, as the decoder would), or None when there is none or it
-        cannot be trusted (then it is deleted)."""
+    def load_part(self, path: str, spec: VideoSpec, clip_start: float | None = None, clip_end: float | None = None,
+                  *, rank: int, sp: int, decode=load_video_part) -> tuple[VideoPart, bool]:
+        """Rank `rank` of `sp`'s frames: (its part entry, True), else (the whole video's entry cut to its part, True:
+        what `mmpg prepare-videos` stores), else (decode(path, spec, clip_start, clip_end, rank=, sp=), False),
+        stored as its part entry. Raises what `decode` raises."""
+        key = cache_key(path, spec, clip_start, clip_end, (rank, sp))
+        if key is not None:
+            video = self.get(key, path)
+            if isinstance(video, VideoPart):
+                return video, True
+            whole = self.get(cache_key(path, spec, clip_start, clip_end), path)
+            if isinstance(whole, DecodedVideo):
+                return whole.part(rank, sp), True
+        video = decode(path, spec, clip_start, clip_end, rank=rank, sp=sp)
+        if key is not None:
+            self.put(key, video)
+        return video, False
+
+    def get(self, key: str, path: str) -> DecodedVideo | VideoPart | None:
+        """The entry's frames (their `path` set to `path`, as the decoder would; a `VideoPart` for a part entry), or
+        None when there is none or it cannot be trusted (then it is deleted)."""
         file = self.entry_path(key)
         try:
             with open(file, "rb") as f:
@@ -139,10 +163,15 @@ class FrameCache:
             os.utime(file)  # least recently used: a read makes the entry young again
         except OSError:
             pass
-        frames = torch.frombuffer(data, dtype=torch.uint8, offset=offset, count=header["payload_bytes"])
-        return DecodedVideo(frames=frames.view(header["shape"]).float(), timestamps=header["timestamps"],
-                            sample_fps=header["sample_fps"], metadata=header["metadata"], path=str(path),
-                            duration=header["duration"])
+        frames = torch.frombuffer(data, dtype=torch.uint8, offset=offset, count=header["payload_bytes"]) \
+            if header["payload_bytes"] else torch.empty(0, dtype=torch.uint8)
+        common = dict(frames=frames.view(header["shape"]).float(), timestamps=header["timestamps"],
+                      sample_fps=header["sample_fps"], metadata=header["metadata"], path=str(path),
+                      duration=header["duration"])
+        if "part" in header:
+            first, whole, rank, sp = header["part"]
+            return VideoPart(first_frame=first, whole_frames=whole, rank=rank, sp=sp, **common)
+        return DecodedVideo(**common)
 
     def has(self, key: str) -> bool:
         """Whether a whole entry is there (header and length checked, the checksum not: `get` checks it on use)."""
@@ -157,7 +186,7 @@ class FrameCache:
         except (OSError, ValueError, KeyError, TypeError, struct.error):
             return False
 
-    def put(self, key: str, video: DecodedVideo) -> bool:
+    def put(self, key: str, video: DecodedVideo | VideoPart) -> bool:
         """Store `video` under `key` (atomic rename), then evict down to the cap; False when it is not stored (frames
         that are not whole numbers 0..255, or a write that failed: logged, never raised)."""
         u8 = video.frames.to(torch.uint8)
@@ -168,6 +197,8 @@ class FrameCache:
         header = {"key": key, "shape": list(u8.shape), "timestamps": list(video.timestamps),
                   "sample_fps": video.sample_fps, "metadata": video.metadata, "path": video.path,
                   "duration": video.duration, "payload_bytes": len(payload), "crc32": zlib.crc32(payload)}
+        if isinstance(video, VideoPart):
+            header["part"] = [video.first_frame, video.whole_frames, video.rank, video.sp]
         head = json.dumps(header).encode()
         file = self.entry_path(key)
         tmp = None
@@ -262,7 +293,9 @@ def _parse(data: bytearray, got: int, key: str) -> tuple[dict, int]:
         raise BadEntry(f"unreadable header ({type(e).__name__})") from None
     if header.get("key") != key:
         raise BadEntry("the header names another entry")
-    if len(shape) != 4 or any(not isinstance(d, int) or d <= 0 for d in shape) or \
+    # a part may hold no frame (a rank with no temporal patch of a short video); a whole video has one at least
+    if len(shape) != 4 or any(not isinstance(d, int) or d <= (0 if i or "part" not in header else -1)
+                              for i, d in enumerate(shape)) or \
             shape[0] * shape[1] * shape[2] * shape[3] != length:
         raise BadEntry(f"shape {shape} does not hold {length} bytes")
     if len(data) != 12 + n + length:

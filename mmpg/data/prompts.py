@@ -22,11 +22,16 @@ import dataclasses
 import string
 from typing import Any, Sequence
 
+import torch
+import torch.nn.functional as F
+from transformers import BatchFeature
+
 from mmpg.data.queries import QUERY_CLEANINGS, sample_query
 from mmpg.data.samples import GroundingSample
-from mmpg.data.video import DecodedVideo
+from mmpg.data.video import DecodedVideo, VideoPart
 from mmpg.data.video_form import check_released_form, released_video_text
 from mmpg.errors import UserError
+from mmpg.grouping.inputs import VIDEO_PART
 
 PLACEHOLDERS = ("query", "duration", "window", "num_frames", "frame_times")
 
@@ -143,9 +148,77 @@ def build_prompt_inputs(processor, samples: Sequence[GroundingSample], videos: S
     # Frames are already sized by qwen-vl-utils, so the processor's own per-frame pixel cap (a transformers 5.x
     # option that warns when unset) has nothing to do; set it only where it exists.
     extra = {"cap_pixels_per_frame": True} if hasattr(vp, "cap_pixels_per_frame") else {}
+    parts = [v for v in videos if isinstance(v, VideoPart) and v.sp > 1]
+    if parts:
+        if len(parts) != len(videos) or len({(v.rank, v.sp) for v in parts}) != 1:
+            raise ValueError("a batch's videos are all one sequence-parallel rank's parts, or all whole")
+        return _part_inputs(processor, texts, parts, padding_side, extra)
+    videos = [v.as_video() if isinstance(v, VideoPart) else v for v in videos]
     inputs = processor(text=texts, videos=[v.frames for v in videos],
                        video_metadata=[dict(v.metadata) for v in videos], do_sample_frames=False, do_resize=False,
                        padding=True, padding_side=padding_side, return_tensors="pt", **extra)
     check_released_form(processor, inputs["input_ids"])
     return inputs
+
+
+_ROW_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")  # the [B, P] outputs of a Qwen-VL processor
+
+
+def _part_inputs(processor, texts: list[str], parts: Sequence[VideoPart], padding_side: str, extra: dict):
+    """The processor inputs of the whole videos' prompts with only this rank's pixel rows (`VideoPart`s).
+
+    The prompt text of a video depends on its grid (t, h, w) and metadata only, never on its pixels: the processor is
+    run on stand-ins of the same frame count and metadata at one merged patch a frame (one placeholder per temporal
+    patch: Qwen2.5-VL writes t of them in a run, Qwen3-VL one per `<t seconds>` block), and each placeholder is then
+    repeated h w / merge^2 times, the number the whole frames give it. The pixel rows are the video processor's on the
+    part's frames: its rows are ordered by temporal patch and normalised per pixel, so they equal the whole video's
+    rows of groups [a, b) (tests/test_video_parts.py). `VIDEO_PART` marks every video (rank, sp)."""
+    vp = processor.video_processor
+    factor, merge = vp.patch_size * vp.merge_size, vp.merge_size
+    stand_ins = [torch.zeros(v.whole_frames, v.frames.shape[1], factor, factor) for v in parts]
+    small = processor(text=texts, videos=stand_ins, video_metadata=[dict(v.metadata) for v in parts],
+                      do_sample_frames=False, do_resize=False, padding=True, padding_side=padding_side,
+                      return_tensors="pt", **extra)
+    shape = small["input_ids"].shape
+    unknown = [k for k, v in small.items() if torch.is_tensor(v) and v.shape == shape and k not in _ROW_KEYS]
+    if unknown:
+        raise RuntimeError(f"the processor returned per-token outputs {unknown} that a video decoded per rank cannot "
+                           "rebuild; set parallel.sequence_parallel_size=1 or use a supported transformers release")
+    tok = getattr(processor, "tokenizer", processor)
+    video_id = tok.convert_tokens_to_ids(processor.video_token)
+    attn = small["attention_mask"].bool()
+    rows: dict[str, list[torch.Tensor]] = {k: [] for k in _ROW_KEYS if small.get(k) is not None}
+    grids = []
+    for b, v in enumerate(parts):
+        h, w = (int(x) // vp.patch_size for x in v.frames.shape[-2:])
+        grid = small["video_grid_thw"][b].tolist()
+        if grid[1:] != [merge, merge]:
+            raise RuntimeError(f"{v.path}: the stand-in video's grid is {grid}, expected [t, {merge}, {merge}]")
+        grids.append([grid[0], h, w])
+        ids = small["input_ids"][b][attn[b]]
+        repeat = torch.where(ids == video_id, h * w // merge ** 2, 1)
+        for key in rows:
+            rows[key].append(small[key][b][attn[b]].repeat_interleave(repeat))
+    width = max(r.numel() for r in rows["input_ids"])
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+
+    def padded(r: torch.Tensor, value: int) -> torch.Tensor:
+        gap = width - r.numel()
+        return F.pad(r, (gap, 0) if padding_side == "left" else (0, gap), value=value)
+
+    data = {key: torch.stack([padded(r, pad_id if key == "input_ids" else 0) for r in rows[key]]) for key in rows}
+    data["video_grid_thw"] = torch.tensor(grids, dtype=small["video_grid_thw"].dtype)
+    for key in ("second_per_grid_ts",):
+        if small.get(key) is not None:
+            data[key] = small[key]
+    held = [v for v in parts if v.frames.shape[0] > 0]
+    if held:
+        data["pixel_values_videos"] = vp(videos=[v.frames for v in held], do_sample_frames=False, do_resize=False,
+                                         return_tensors="pt", **extra)["pixel_values_videos"]
+    else:  # every video's part is empty here (fewer temporal patches than ranks)
+        c = parts[0].frames.shape[1]
+        data["pixel_values_videos"] = torch.zeros(0, c * vp.temporal_patch_size * vp.patch_size ** 2)
+    data[VIDEO_PART] = torch.tensor([[v.rank, v.sp] for v in parts])
+    check_released_form(processor, data["input_ids"])
+    return BatchFeature(data=data)
 

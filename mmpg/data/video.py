@@ -31,6 +31,8 @@ os.environ.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
 import torch  # noqa: E402
 from qwen_vl_utils import vision_process as _qwen_vision  # noqa: E402
 
+from mmpg.grouping.inputs import part_span  # noqa: E402
+
 if _qwen_vision.FORCE_QWENVL_VIDEO_READER is None:  # qwen_vl_utils was imported before us without the variable
     _qwen_vision.FORCE_QWENVL_VIDEO_READER = "decord"
     _qwen_vision.get_video_reader_backend.cache_clear()
@@ -180,7 +182,7 @@ def part_groups(groups: int, rank: int, sp: int) -> tuple[int, int]:
     split under sequence parallelism (`mmpg.grouping.sequence.frame_ranges`)."""
     if sp < 1 or not 0 <= rank < sp:
         raise ValueError(f"rank {rank} of sp {sp}: need sp >= 1 and 0 <= rank < sp")
-    return groups * rank // sp, groups * (rank + 1) // sp
+    return part_span(groups, rank, sp)
 
 
 _DECORD_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # "[22:12:03] /src/video/x.cc:218: "

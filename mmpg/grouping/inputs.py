@@ -110,11 +110,54 @@ def mm_token_type_ids(model, prompt_inputs) -> torch.Tensor:
     return types
 
 
+# Per video [n_videos, 2] long: (rank, sp) when the video's pixel rows are only those of sequence-parallel rank `rank`
+# of `sp` (its temporal patch groups [t rank / sp, t (rank + 1) / sp): `mmpg.data.prompts`, decoded per rank), (0, 1)
+# for a whole video. Absent: every video whole. The grid is the whole video's either way (the prompt's placeholders
+# and positions are the whole video's); only the pixel rows differ.
+VIDEO_PART = "video_part"
+
 _VISUALS = (
     # kind, placeholder token id attribute, grid key, pixel key, per-item extra keys
-    ("video", "video_token_id", "video_grid_thw", "pixel_values_videos", ("second_per_grid_ts",)),
+    ("video", "video_token_id", "video_grid_thw", "pixel_values_videos", ("second_per_grid_ts", VIDEO_PART)),
     ("image", "image_token_id", "image_grid_thw", "pixel_values", ()),
 )
+
+
+def part_span(t: int, rank: int, sp: int) -> tuple[int, int]:
+    """Temporal patch groups [a, b) of a t-group video that rank `rank` of `sp` holds (the vision tower's split
+    under sequence parallelism, `mmpg.grouping.sequence.frame_ranges`)."""
+    return t * rank // sp, t * (rank + 1) // sp
+
+
+def pixel_rows(prompt_inputs, grid_key: str = "video_grid_thw") -> list[int]:
+    """Pixel rows each item of `grid_key` holds in the inputs: t h w, or (b - a) h w for a video held as one rank's
+    part (`VIDEO_PART`)."""
+    grid = prompt_inputs[grid_key]
+    part = prompt_inputs.get(VIDEO_PART) if grid_key == "video_grid_thw" else None
+    if part is None:
+        return grid.prod(-1).tolist()
+    if part.shape != (grid.shape[0], 2):
+        raise ValueError(f"{VIDEO_PART} is {tuple(part.shape)} for {grid.shape[0]} videos; it must be [videos, 2]")
+    out = []
+    for (t, h, w), (rank, sp) in zip(grid.tolist(), part.tolist()):
+        a, b = part_span(t, rank, sp)
+        out.append((b - a) * h * w)
+    return out
+
+
+def parts_of(prompt_inputs) -> set[tuple[int, int]]:
+    """The (rank, sp) of the videos held as parts (those with sp > 1); empty when every video is whole."""
+    part = prompt_inputs.get(VIDEO_PART)
+    return set() if part is None else {(r, s) for r, s in part.tolist() if s > 1}
+
+
+def check_whole_videos(prompt_inputs, what: str) -> None:
+    """A ValueError when some video of the inputs is held as one rank's part: `what` needs every pixel row."""
+    parts = parts_of(prompt_inputs)
+    if parts:
+        rank, sp = sorted(parts)[0]
+        raise ValueError(f"{what} needs whole videos, but these inputs hold rank {rank} of {sp}'s part of a video "
+                         f"(decoded per sequence-parallel rank, `{VIDEO_PART}`)")
 
 
 def split_visuals_per_prompt(model, prompt_inputs) -> list[dict[str, torch.Tensor]]:
@@ -129,7 +172,7 @@ def split_visuals_per_prompt(model, prompt_inputs) -> list[dict[str, torch.Tenso
         if grid is None:
             continue
         tokens_per_item = (grid.prod(-1) // merge**2).tolist()
-        rows_per_item = grid.prod(-1).tolist()
+        rows_per_item = pixel_rows(prompt_inputs, grid_key)  # a video decoded per rank holds its part's rows only
         counts = ((ids == getattr(model.config, token_attr)) & attn).sum(dim=1).tolist()
         item, row = 0, 0
         for b, need in enumerate(counts):

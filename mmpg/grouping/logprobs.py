@@ -21,8 +21,8 @@ from mmpg.grouping.adapters import packed_hidden_states, prefix_positions
 from mmpg.grouping.shares import Share, find_shares, leaders_visuals, share_order
 from mmpg.grouping.shares import pack_shares as pack
 from mmpg.grouping.inputs import (
-    Completions, check_completions, mm_token_type_ids, pad_token_id, placeholder_token_ids, prompt_attention_mask,
-    select_prompts, split_visuals_per_prompt,
+    Completions, check_completions, check_whole_videos, mm_token_type_ids, pad_token_id, placeholder_token_ids,
+    prompt_attention_mask, select_prompts, split_visuals_per_prompt,
 )
 from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.layout import GroupLayout, pick_rows
@@ -136,6 +136,8 @@ def grouped_forward(model, prompt_inputs, completion_ids, completion_mask, group
         sequence_group = state.sequence_group
     if group_size(sequence_group) > 1:
         check_model_heads(model, group_size(sequence_group))
+    else:
+        check_whole_videos(prompt_inputs, "the grouped forward on one rank")
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
                                     placeholder_token_ids(model))
     apply_grouped_attention(model)
@@ -216,6 +218,7 @@ def repeated_logprobs(model, prompt_inputs, completion_ids, completion_mask, gro
     _check_temperature(temperature)
     model = base_model(model)  # a peft PeftModel: the transformers model inside it
     use_qwen_positions(model)
+    check_whole_videos(prompt_inputs, "the repeated forward")
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
                                     placeholder_token_ids(model))
     batch = _repeated_rows(model, _on_device(prompt_inputs, model.get_input_embeddings().weight.device), completions)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mmpg.grouping.attention import LAYOUT_KWARG
+from mmpg.grouping.inputs import VIDEO_PART, part_span
 from mmpg.grouping.layout import pick_rows
 from mmpg.grouping.ulysses import check_heads
 
@@ -115,7 +116,7 @@ class _Gather(torch.autograd.Function):
 
 def frame_ranges(t: int, sp: int) -> list[tuple[int, int]]:
     """Temporal patch groups [a, b) of a t-group item that each of the sp ranks encodes."""
-    return [(t * r // sp, t * (r + 1) // sp) for r in range(sp)]
+    return [part_span(t, r, sp) for r in range(sp)]
 
 
 def _features(out) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -128,24 +129,38 @@ def _features(out) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     return emb, deep or None
 
 
-def _encode_slices(inner, pixels, grid, getter: str, shard) -> tuple[torch.Tensor, list | None]:
+def _encode_slices(inner, pixels, grid, getter: str, shard, part=None) -> tuple[torch.Tensor, list | None]:
     """This rank's temporal slices of every item, gathered over the group and put in item order.
     inner: the VL model holding `visual` (the ForConditionalGeneration's `.model`). pixels [sum t h w, C],
-    grid [n, 3] -> features [sum t h w / merge^2, H] and deepstack taps alike."""
+    grid [n, 3] -> features [sum t h w / merge^2, H] and deepstack taps alike. part: [n, 2] (rank, sp) per item
+    (`mmpg.grouping.inputs.VIDEO_PART`) or None; an item held as a part holds only this rank's rows of its pixels
+    (decoded per rank), and must be this rank's of this group."""
     sp = shard.size
     merge2 = inner.config.vision_config.spatial_merge_size ** 2
     rows_per_group = (grid[:, 1] * grid[:, 2]).tolist()
-    starts = [0] + torch.cumsum(grid.prod(-1), 0).tolist()[:-1]
     ranges = [frame_ranges(int(t), sp) for t in grid[:, 0].tolist()]  # [item][rank] (a, b)
-    mine, my_grid = [], []
+    held = [(0, 1)] * len(ranges) if part is None else [tuple(x) for x in part.tolist()]
+    for i, (rank, size) in enumerate(held):
+        if size > 1 and (rank, size) != (shard.rank, sp):
+            raise ValueError(f"video {i}'s pixels were decoded for rank {rank} of a sequence-parallel group of {size}, "
+                             f"but this is rank {shard.rank} of {sp}")
+    mine, my_grid, row = [], [], 0
     for i, rng in enumerate(ranges):
         a, b = rng[shard.rank]
-        if b > a:
-            mine.append(pixels[starts[i] + a * rows_per_group[i]: starts[i] + b * rows_per_group[i]])
+        whole = held[i][1] == 1
+        if b > a:  # a whole item's slice [a, b); a part holds exactly that slice
+            lo = row + (a * rows_per_group[i] if whole else 0)
+            mine.append(pixels[lo: lo + (b - a) * rows_per_group[i]])
             my_grid.append([b - a, int(grid[i, 1]), int(grid[i, 2])])
-    stand_in = not mine  # nothing of this rank's: encode the first group again (ZeRO-3 lockstep), weight 0
-    if stand_in:
-        mine, my_grid = [pixels[:rows_per_group[0]]], [[1, int(grid[0, 1]), int(grid[0, 2])]]
+        row += int(grid[i, 0]) * rows_per_group[i] if whole else (b - a) * rows_per_group[i]
+    if row != pixels.shape[0]:
+        raise ValueError(f"the videos' grids (and parts) give {row} pixel rows here, the inputs hold {pixels.shape[0]}")
+    stand_in = not mine  # nothing of this rank's: encode one group (ZeRO-3 lockstep), weight 0
+    if stand_in:  # the first group's rows, or zeros where this rank holds no pixel (its parts are all empty)
+        first = pixels[:rows_per_group[0]]
+        if first.shape[0] < rows_per_group[0]:
+            first = pixels.new_zeros(rows_per_group[0], pixels.shape[1])
+        mine, my_grid = [first], [[1, int(grid[0, 1]), int(grid[0, 2])]]
     frozen = not any(p.requires_grad for p in inner.visual.parameters())
     with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
         pixels_mine = mine[0] if len(mine) == 1 else torch.cat(mine)  # one slice: a view, not a copy
@@ -187,7 +202,8 @@ def _shard_embeddings(model, visual_inputs, packed_ids, shard) -> tuple[torch.Te
         if visual_inputs.get(pixel_key) is None:
             continue
         token = getattr(config, token_attr)
-        feats, deep = _encode_slices(model, visual_inputs[pixel_key], visual_inputs[grid_key], getter, shard)
+        feats, deep = _encode_slices(model, visual_inputs[pixel_key], visual_inputs[grid_key], getter, shard,
+                                     visual_inputs.get(VIDEO_PART) if kind == "video" else None)
         before = int((packed_ids[:lo] == token).sum())
         mask = ids == token
         n = int(mask.sum())

@@ -44,7 +44,13 @@ from mmpg.plan.decode_probe import KEYFRAME_FRAMES
 SOURCE = (1280, 720, 30.0)  # the footage assumed without --footage: width, height, frames per second
 HEADER_READS = 64  # video files opened for their durations when the annotations lack them (a sample of them)
 NODE_GPUS = 8  # GPUs of a node, for the cores a node needs (fewer when the run has fewer)
-SP_RANKS_SPLIT = False  # each rank of a sequence-parallel group decodes its group's videos whole (True: its part)
+
+
+def rank_share(job: str, sp: int) -> float:
+    """The part of each video one rank of a sequence-parallel group decodes: SFT's loader decodes only the rank's
+    frames (1/sp, `mmpg.data.dataset.GroundingDataset(part=)`); GRPO's ranks decode their videos whole, since each
+    samples its share of the prompts from whole videos (`mmpg.rl.split`)."""
+    return 1 / sp if job == "sft" else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +193,7 @@ def decode_plan(cfg, plan: dict, foot: Footage, decode_fps: float | None = None,
     if decode_fps is not None and not decode_fps > 0:
         raise UserError(f"--decode-fps {decode_fps}: give frames of video one core loads per second, > 0")
     gpus, sp = plan["devices"], plan["sp"]
-    share = 1 / sp if SP_RANKS_SPLIT else 1.0
+    share = rank_share(plan.get("job", "train"), sp)
     prompts = d.batch_size / (gpus // sp)
     per_video = min(foot.runs or max(1, d.queries_per_video), prompts)
     videos = prompts / per_video
@@ -225,8 +231,10 @@ def render(dp: dict | None) -> list[str]:
     f = dp["footage"]
     decoded = f", {_n(dp['decoded_frames'])} decoded" if dp["decoded_frames"] is not None else ""
     q = dp["queries_per_video"]
-    whole = f", each of the {dp['sp']} ranks of its sequence-parallel group decoding them whole" if dp["sp"] > 1 \
-        and dp["rank_share"] == 1 else ""
+    whole = ""
+    if dp["sp"] > 1:
+        whole = f", each of the {dp['sp']} ranks of its sequence-parallel group decoding them whole" \
+            if dp["rank_share"] == 1 else f", each rank of its sequence-parallel group decoding its 1/{dp['sp']}"
     lines = [f"video decoding per rank (ESTIMATE): {_n(dp['videos_per_step'])} videos a step "
              f"({_n(dp['prompts_per_rank'])} prompts, {_n(q)} quer{'y' if q == 1 else 'ies'} a video{whole}), "
              f"{dp['seconds_per_video']:.1f} s each on one core: {dp['video_seconds'] / 60:.1f} min of "

@@ -29,7 +29,8 @@ from transformers import DynamicCache
 
 from mmpg.grouping.adapters import prefix_positions
 from mmpg.grouping.inputs import (
-    pad_token_id, placeholder_token_ids, prompt_attention_mask, select_prompts, split_visuals_per_prompt,
+    check_whole_videos, pad_token_id, placeholder_token_ids, prompt_attention_mask, select_prompts,
+    split_visuals_per_prompt,
 )
 from mmpg.grouping.shares import share_order
 from mmpg.grouping.patch import base_model, model_kind
@@ -107,6 +108,7 @@ class HFEngine(Prefill, RolloutEngine):
         sampling = sampling or SamplingParams()
         if "input_ids" not in prompt_inputs:
             raise ValueError("prompt_inputs needs 'input_ids' (the processor output for the B prompts)")
+        check_whole_videos(prompt_inputs, "sampling with the HF engine")
         attn = prompt_attention_mask(prompt_inputs)
         sizes = group_sizes_for(group_size, int(prompt_inputs["input_ids"].shape[0]))
         if prompt_seeds is not None and len(prompt_seeds) != len(sizes):

@@ -7,8 +7,10 @@ context), over the whole global batch: sum over micro-batches and ranks of -log 
 tokens of the global batch. The forward is the grouped one with one "response" per prompt, so the LM head runs only
 on target positions. Same config tree, DeepSpeed engine, run directory, step loop, checkpoints and resume as
 `mmpg train` (`mmpg.train`); metrics: sft/loss, sft/target_tokens, actor/grad_norm, actor/lr, timing_s/* (data: the
-slowest rank's wait for its batch and its prompts), data/videos_decoded|cached, perf/* (perf/videos: distinct videos
-of the step, perf/vision_calls: videos the vision tower encoded, all ranks).
+slowest rank's wait for its batch and its prompts), data/videos_decoded|cached, data/frames_decoded_max (the most
+frames one rank decoded from files: under sequence parallelism each rank decodes only the frames it encodes, its
+1/sp of each video), perf/* (perf/videos: distinct videos of the step, perf/vision_calls: videos the vision tower
+encoded, all ranks).
 A rank whose whole slice of a global batch is unusable trains a weight-0 stand-in (a blank video) beside the
 others' real micro-batches (ZeRO-3 lockstep), so W ranks update as one process does on the usable samples.
 """
@@ -62,7 +64,8 @@ class SFTJob:
                                    global_batch=cfg.data.batch_size, rank=dist.data_rank(), world=dist.data_size(),
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
                                    num_workers=cfg.data.num_workers, strict=cfg.data.strict,
-                                   queries_per_video=cfg.data.queries_per_video, frame_cache=frame_cache(cfg))
+                                   queries_per_video=cfg.data.queries_per_video, frame_cache=frame_cache(cfg),
+                                   part=(dist.sequence_rank(), dist.sequence_size()))  # sp > 1: only its frames
         self.batches, self.pulled = iter(loader), 0
         self.skipped_total = int(session.state.get("skipped_total", 0))
         self.tokenizer = getattr(session.processor, "tokenizer", session.processor)
@@ -147,6 +150,7 @@ class SFTJob:
             "videos": {video_key(s) for s in batch.samples}, "data_s": t_data, "decode": batch.decode_stats})
         self.skipped_total += sum(i["skipped"] for i in infos)
         loss_total = dist.data_sum([loss_sum], self.coll)[0]
+        frames_max = dist.all_max([float(batch.decoded_frames)], self.coll)[0]  # every rank, sp ones included
         if self.session.rank != 0:
             return StepOutput(metrics=None)
         norm = engine.get_global_grad_norm()
@@ -164,6 +168,7 @@ class SFTJob:
                    "perf/vision_calls": float(sum(i["vision_calls"] for i in infos))}
         for kind in ("decoded", "cached"):  # data/videos_*: how the batches got their videos, all data ranks
             metrics[f"data/videos_{kind}"] = float(sum(int(i["decode"].get(kind, 0)) for i in infos))
+        metrics["data/frames_decoded_max"] = frames_max
         return StepOutput(metrics=metrics)
 
     def evaluate(self, step: int) -> dict | None:

@@ -143,14 +143,18 @@ class RankBatchSampler(Sampler):
 
 def make_train_loader(samples, spec: VideoSpec, processor, template, *, global_batch: int, rank: int, world: int,
                       seed: int, shuffle: bool, start: int, num_workers: int, strict: bool = False,
-                      queries_per_video: int = 1, frame_cache=None) -> TrainLoader:
+                      queries_per_video: int = 1, frame_cache=None, part: tuple[int, int] | None = None) -> TrainLoader:
     """An endless DataLoader of `GroundingBatch`es (this rank's slice of each global batch, left-padded inputs).
     Bad videos are never fatal in the workers; the trainer counts `batch.skipped` (or stops in strict mode).
-    frame_cache: a `mmpg.data.frame_cache.FrameCache` (`mmpg.train.setup.frame_cache(cfg)`), or None."""
+    frame_cache: a `mmpg.data.frame_cache.FrameCache` (`mmpg.train.setup.frame_cache(cfg)`), or None.
+    part: (rank, sp) of this process in its sequence-parallel group: each video decoded only for the temporal
+    patches this rank encodes (`mmpg.data.dataset.GroundingDataset`), the batch's pixel rows only those; `rank`,
+    `world` are then the data-parallel ones (the sp ranks of a group hold the same samples)."""
     runs = video_runs([video_key(s) for s in samples], queries_per_video)
     videos = [video_key(s) for s in samples]
     sampler = RankBatchSampler(len(samples), global_batch, rank, world, seed, shuffle, start, runs, videos)
-    return TrainLoader(GroundingDataset(samples, spec, strict=False, cache=frame_cache), batch_sampler=sampler,
+    return TrainLoader(GroundingDataset(samples, spec, strict=False, cache=frame_cache, part=part),
+                       batch_sampler=sampler,
                        num_workers=num_workers, collate_fn=GroundingCollator(processor, template, strict=strict),
                        persistent_workers=False, prefetch_factor=2 if num_workers > 0 else None)
 
@@ -160,5 +164,5 @@ class TrainLoader(VideoDataLoader):
     global batch dealt again across ranks when a rank's whole slice was unusable, `GRPOStep._rebalance`)."""
 
     def decode(self, samples) -> GroundingBatch:
-        dataset = GroundingDataset(samples, self.dataset.spec, cache=self.dataset.cache)
+        dataset = GroundingDataset(samples, self.dataset.spec, cache=self.dataset.cache, part=self.dataset.part)
         return self.collate_fn(dataset.__getitems__(list(range(len(samples)))))  # each video decoded once
