@@ -93,6 +93,9 @@ PANELS: list[Panel] = [
           "timing_s/"),
     Panel("videos", "Videos read", "videos per step", "the step's videos read from their files (decoded) or "
           "from the frame cache (cached), all ranks", ["data/videos_decoded", "data/videos_cached"], "data/videos_"),
+    Panel("frames", "Frames decoded (busiest rank)", "frames per step", "the most frames one rank decoded from "
+          "files in the step; under sequence parallelism each rank decodes only its part of each video (1/sp)",
+          ["data/frames_decoded_max"], "data/"),
 ]
 EVAL_PANEL = Panel("eval", "Held-out evaluation during training", "share (0-1)",
                    "R1@m and mIoU of the policy on data.val (eval.jsonl)", [], "eval/")

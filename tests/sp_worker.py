@@ -26,7 +26,9 @@ from batches import completions, processor_batch, random_video, vl_batch  # noqa
 from mmpg.grouping import grouped_logprobs, repeated_logprobs  # noqa: E402
 from mmpg.grouping.adapters import prefix_positions  # noqa: E402
 from mmpg.grouping.inputs import (  # noqa: E402
-    VIDEO_PART, check_completions, part_span, placeholder_token_ids, split_visuals_per_prompt)
+    VIDEO_FEATURES, VIDEO_PART, check_completions, part_span, placeholder_token_ids, split_visuals_per_prompt,
+    supports_encoder_outputs)
+from mmpg.grouping.sequence import with_video_features  # noqa: E402
 from mmpg.grouping.shares import find_shares, pack_shares  # noqa: E402
 from mmpg.grouping.layout import GroupLayout  # noqa: E402
 from mmpg.toy.models import TinySpec, build_tiny_model, build_tiny_processor  # noqa: E402
@@ -83,7 +85,31 @@ def _grads(model, fn, weights):
 def run_case(model, inputs, ids, mask, groups, group, sp) -> dict:
     weights = torch.linspace(0.5, 1.5, ids.numel()).view_as(ids)
     one, one_grads = _grads(model, lambda: grouped_logprobs(model, inputs, ids, mask, groups), weights)
-    rep, _ = _grads(model, lambda: repeated_logprobs(model, inputs, ids, mask, groups), weights)
+    rep, rep_grads = _grads(model, lambda: repeated_logprobs(model, inputs, ids, mask, groups), weights)
+    # the repeated reference on a rank that holds only its part of the pixels: the group encodes the whole videos and
+    # passes them as features (a transformers whose forward takes none refuses in one line)
+    rank = dist.get_rank(group)
+    rep_part = rep_part_grads = refused = None
+    rep_part_grad = 0.0
+    if supports_encoder_outputs(model):
+        rep_part, rep_part_grads = _grads(model, lambda: repeated_logprobs(
+            model, own_part(inputs, rank, sp), ids, mask, groups, sequence_group=group), weights)
+        for name, ref in rep_grads.items():
+            g = rep_part_grads[name].clone()
+            dist.all_reduce(g, group=group)
+            rep_part_grad = max(rep_part_grad, float((g / sp - ref).norm() / ref.norm().clamp_min(1e-30)))
+    else:
+        try:
+            repeated_logprobs(model, own_part(inputs, rank, sp), ids, mask, groups, sequence_group=group)
+        except RuntimeError as e:
+            refused = str(e)
+    # the whole videos' features as sampling takes them (each video once by key) against the tower on the whole video
+    keys = [tuple(g) for g in inputs["video_grid_thw"].tolist()]  # equal grids here: equal videos (shared_batch)
+    with torch.no_grad():
+        feats = with_video_features(model, own_part(inputs, rank, sp), group, keys)[VIDEO_FEATURES]
+        whole = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"],
+                                               return_dict=True).pooler_output
+        whole = torch.cat(list(whole)) if isinstance(whole, (tuple, list)) else whole
     seen = []  # pixel rows the vision tower encodes on this rank under SP: its share of the frames, not all
     hook = model.model.visual.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
     par, par_grads = _grads(model, lambda: grouped_logprobs(model, inputs, ids, mask, groups, sequence_group=group),
@@ -111,7 +137,11 @@ def run_case(model, inputs, ids, mask, groups, group, sp) -> dict:
             "grad_rel": worst, "grad_worst": worst_name, "vision_grads": any("visual" in n for n in one_grads),
             "row": total, "cut": kind, "vision_rows": shares, "pixel_rows": int(inputs["pixel_values_videos"].shape[0]),
             "part_logp": float(((part - par).abs() * mask).max()), "part_grad_rel": part_grad,
-            "part_same_grads": set(part_grads) == set(par_grads)}
+            "part_same_grads": set(part_grads) == set(par_grads),
+            "rep_part_logp": None if rep_part is None else float(((rep_part - rep).abs() * mask).max()),
+            "rep_part_grad_rel": rep_part_grad, "rep_part_refused": refused,
+            "rep_part_vision_grads": rep_part_grads is not None and any("visual" in n for n in rep_part_grads),
+            "features_max": float((feats - whole).abs().max()), "features_rows": [int(feats.shape[0]), int(whole.shape[0])]}
 
 
 def own_part(inputs, rank: int, sp: int) -> dict:

@@ -227,7 +227,7 @@ def test_the_data_wait_is_drawn_beside_the_phases_and_against_the_step():
     against the step, and the videos read per step one too; a run without it folds that panel into the note."""
     recs = [{"step": i, "timing_s/update": 2.0, "timing_s/rollout": 3.0, "timing_s/data": 0.5 * i,
              "timing_s/weight_sync": 0.1, "timing_s/step": 6.0 + i, "data/videos_decoded": 4.0 - i,
-             "data/videos_cached": float(i)} for i in (1, 2, 3)]
+             "data/videos_cached": float(i), "data/frames_decoded_max": 8.0 * i} for i in (1, 2, 3)]
     frames = curve_frames(recs, [])
     order = list(dict.fromkeys(frames["timing"]["series"]))
     assert order == ["data", "rollout", "update", "weight_sync", "step"]
@@ -238,10 +238,13 @@ def test_the_data_wait_is_drawn_beside_the_phases_and_against_the_step():
     videos = frames["videos"]
     assert list(videos[videos["series"] == "decoded"]["value"]) == [3.0, 2.0, 1.0]
     assert list(videos[videos["series"] == "cached"]["value"]) == [1.0, 2.0, 3.0]
+    assert list(frames["frames"]["value"]) == [8.0, 16.0, 24.0] and set(frames["frames"]["series"]) == \
+        {"frames_decoded_max"}
     older = [{k: v for k, v in r.items() if not k.startswith("data/") and k != "timing_s/data"} for r in recs]
     assert curve_frames(older, [])["data_wait"].empty
     empty, _ = folded(older, [])
     assert "Data wait (does decoding keep up?)" in empty and "Videos read" in empty and "Time per phase" not in empty
+    assert "Frames decoded (busiest rank)" in empty
 
 
 # ----------------------------------------------------------------------------------------------- compare

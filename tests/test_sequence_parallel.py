@@ -21,6 +21,7 @@ from train_utils import run_forked
 
 LOGP_ATOL = 1e-5
 GRAD_RTOL = 1e-4
+FEATURE_ATOL = 1e-5  # the vision tower on a rank's temporal slices against the whole video, float32
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,12 @@ def test_sp2_equals_one_process(sp_results, family, case):
     assert r["vision_grads"], "the vision tower's gradients must be compared too"
     # each rank holding only its part of the pixels (decoded per rank): the same logprobs and gradients
     assert r["part_logp"] <= LOGP_ATOL and r["part_grad_rel"] <= GRAD_RTOL and r["part_same_grads"], r
+    # the repeated reference from parts (the group encodes the whole videos, passed as features), and those features
+    if r["rep_part_logp"] is None:  # a transformers whose forward takes no features (< 5.18): one clear refusal
+        assert "mm_encoder_outputs, transformers >= 5.18" in (r["rep_part_refused"] or ""), r
+    else:
+        assert r["rep_part_logp"] <= LOGP_ATOL and r["rep_part_grad_rel"] <= GRAD_RTOL and r["rep_part_vision_grads"], r
+    assert r["features_max"] <= FEATURE_ATOL and r["features_rows"][0] == r["features_rows"][1], r
     # each rank encodes its share of the frames, not the whole video (a single-group video: one rank, plus a
     # stand-in group on the other for lockstep)
     assert sum(r["vision_rows"]) <= r["pixel_rows"] + min(r["vision_rows"]), r

@@ -156,9 +156,11 @@ def test_a_second_run_reads_every_video_from_the_frame_cache_and_trains_the_same
     seen = [m["data/videos_decoded"] + m["data/videos_cached"] for m in first]  # each step's distinct videos
     assert first[0]["data/videos_cached"] == 0 and first[0]["data/videos_decoded"] > 0  # an empty cache at first
     assert [m["data/videos_decoded"] for m in second] == [0, 0]
+    assert [m["data/frames_decoded_max"] for m in second] == [0, 0] and first[0]["data/frames_decoded_max"] > 0
     assert [m["data/videos_cached"] for m in second] == seen
     for a, b in zip(first, second):
-        same = [k for k in a if k != "time" and not k.startswith(("timing_s/", "perf/", "data/videos_")) and k in b]
+        same = [k for k in a if k != "time" and not k.startswith(("timing_s/", "perf/", "data/videos_", "data/frames_"))
+                and k in b]
         assert {k: a[k] for k in same} == {k: b[k] for k in same}
     assert _rel(final_weights(tmp_path / "second", 2), final_weights(tmp_path / "first", 2)) == 0.0
 

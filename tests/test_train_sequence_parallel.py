@@ -1,8 +1,8 @@
 """Sequence parallelism in training (parallel.sequence_parallel_size): 2 gloo processes that share every packed row
 (sp = 2, one data-parallel group) train what one process trains on the same global batch — GRPO under ZeRO-2 and
 ZeRO-3 with a KL reference, two passes per step, a video's queries side by side (the video shared in the grouped
-forward) and gradient checkpointing, GRPO with LoRA, and SFT (each rank decoding only its frames of each video):
-the same sampled texts and rewards,
+forward) and gradient checkpointing, GRPO with LoRA, and SFT, each rank decoding only its frames of each video (GRPO
+sampling from the whole videos' features the group encodes together): the same sampled texts and rewards,
 losses within 1e-5, gradient norms and final weights within 1e-5 relative. Each rank held about half of every
 packed row (perf/row_tokens), and run.json records sp. Bad settings are one line and exit status 2 before anything
 is written."""
@@ -84,6 +84,11 @@ def test_sp2_grpo_trains_what_one_process_trains(grpo_data, tmp_path, one_grpo, 
         if procs == 2:  # (with 2 data-parallel groups each row holds one of the video's two queries)
             assert x["perf/row_tokens"] == -(-y["perf/row_tokens"] // 2), (x["perf/row_tokens"],
                                                                              y["perf/row_tokens"])
+        # each rank decoded only its frames of the step's video (8 frames: 4 temporal patches, 2 a rank), and the
+        # group sampled from the features it encoded together; with 2 data-parallel groups a rank's half is of its
+        # group's video only (a quarter of one process's, or a half where both groups got one video's queries)
+        frames, whole = x["data/frames_decoded_max"], y["data/frames_decoded_max"]
+        assert whole > 0 and (frames * 2 == whole if procs == 2 else frames * 2 <= whole), (x["step"], frames, whole)
     log = (tmp_path / "sp2" / "train.log").read_text()
     assert f"{procs // 2} data-parallel x 2 sequence-parallel" in log
     # the self-check ran the sharded rows: the shards' gradient figures summed over the sp group equal the repeated

@@ -6,6 +6,8 @@ Shared by the grouped and the repeated forward so both read the inputs the same 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import sys
 
 import torch
 
@@ -115,6 +117,12 @@ def mm_token_type_ids(model, prompt_inputs) -> torch.Tensor:
 # for a whole video. Absent: every video whole. The grid is the whole video's either way (the prompt's placeholders
 # and positions are the whole video's); only the pixel rows differ.
 VIDEO_PART = "video_part"
+# The whole videos' merged vision features in place of their pixels, one row per video placeholder token in item
+# order: [N, H], and Qwen3-VL's deepstack taps [N, taps, H] (`mmpg.grouping.sequence.with_video_features`: sampling and
+# the repeated reference when every rank holds only its part of the pixels). Split per prompt by tokens, not rows.
+VIDEO_FEATURES = "video_features"
+VIDEO_DEEPSTACK = "video_deepstack_features"
+_TOKEN_KEYS = {"video": (VIDEO_FEATURES, VIDEO_DEEPSTACK), "image": ()}
 
 _VISUALS = (
     # kind, placeholder token id attribute, grid key, pixel key, per-item extra keys
@@ -160,6 +168,47 @@ def check_whole_videos(prompt_inputs, what: str) -> None:
                          f"(decoded per sequence-parallel rank, `{VIDEO_PART}`)")
 
 
+def supports_encoder_outputs(model) -> bool:
+    """Whether the model's forward takes precomputed vision features (`mm_encoder_outputs`, transformers >= 5.18);
+    a peft model's is the one of the model inside it (its own forward passes keywords through)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "mm_encoder_outputs" in inspect.signature(inner.forward).parameters
+
+
+def vision_output_class(model, deepstack: bool) -> type:
+    """The class of the vision tower's output that a Qwen-VL forward takes as precomputed features
+    (`mm_encoder_outputs`, transformers >= 5.18): the model module's own with deepstack features (Qwen3-VL), else
+    BaseModelOutputWithPooling."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    if not deepstack:
+        return BaseModelOutputWithPooling
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: the one inside
+    cls = getattr(sys.modules[type(inner).__module__], "BaseModelOutputWithDeepstackFeatures", None)
+    if cls is None:
+        raise RuntimeError(f"{type(model).__name__}: its module has no BaseModelOutputWithDeepstackFeatures, the "
+                           "output class precomputed Qwen3-VL features travel in; use a supported transformers")
+    return cls
+
+
+def feature_inputs(model, inputs: dict) -> dict:
+    """Model inputs with `VIDEO_FEATURES` (and `VIDEO_DEEPSTACK`) turned into the forward's `mm_encoder_outputs`:
+    the features in the order of the batch's video placeholders (row-major), as the model scatters them."""
+    out = {k: v for k, v in inputs.items() if k not in (VIDEO_FEATURES, VIDEO_DEEPSTACK)}
+    feats = inputs.get(VIDEO_FEATURES)
+    if feats is None:
+        return out
+    if not supports_encoder_outputs(model):
+        raise RuntimeError(f"videos given as features need a {type(model).__name__} forward that takes them "
+                           "(mm_encoder_outputs, transformers >= 5.18)")
+    deep = inputs.get(VIDEO_DEEPSTACK)
+    fields = {"pooler_output": (feats,)}
+    if deep is not None:
+        fields["deepstack_features"] = [(deep[:, k],) for k in range(deep.shape[1])]
+    out["mm_encoder_outputs"] = {"video": vision_output_class(model, deep is not None)(**fields)}
+    return out
+
+
 def split_visuals_per_prompt(model, prompt_inputs) -> list[dict[str, torch.Tensor]]:
     """The visual inputs of each prompt: per prompt a dict with the same keys as the processor output, holding only
     that prompt's videos/images (in order). Items are assigned by counting each prompt's placeholder tokens."""
@@ -172,21 +221,28 @@ def split_visuals_per_prompt(model, prompt_inputs) -> list[dict[str, torch.Tenso
         if grid is None:
             continue
         tokens_per_item = (grid.prod(-1) // merge**2).tolist()
-        rows_per_item = pixel_rows(prompt_inputs, grid_key)  # a video decoded per rank holds its part's rows only
+        # a video decoded per rank holds its part's rows only; features in place of pixels: none
+        rows_per_item = pixel_rows(prompt_inputs, grid_key) if prompt_inputs.get(pixel_key) is not None else \
+            [0] * len(tokens_per_item)
         counts = ((ids == getattr(model.config, token_attr)) & attn).sum(dim=1).tolist()
-        item, row = 0, 0
+        item, row, token = 0, 0, 0
         for b, need in enumerate(counts):
-            first_item, first_row, got = item, row, 0
+            first_item, first_row, first_token, got = item, row, token, 0
             while got < need and item < len(tokens_per_item):
                 got += tokens_per_item[item]
                 row += rows_per_item[item]
                 item += 1
+            token += got
             if got != need:
                 raise ValueError(f"prompt {b} has {need} {kind} tokens but its {kind} grids give {got}; "
                                  f"pass the processor output unchanged")
             if item > first_item:
                 per_prompt[b][grid_key] = grid[first_item:item]
-                per_prompt[b][pixel_key] = prompt_inputs[pixel_key][first_row:row]
+                if prompt_inputs.get(pixel_key) is not None:
+                    per_prompt[b][pixel_key] = prompt_inputs[pixel_key][first_row:row]
+                for key in _TOKEN_KEYS[kind]:  # features in place of pixels: a row per placeholder
+                    if prompt_inputs.get(key) is not None:
+                        per_prompt[b][key] = prompt_inputs[key][first_token:token]
                 for key in extra_keys:
                     if prompt_inputs.get(key) is not None:
                         per_prompt[b][key] = prompt_inputs[key][first_item:item]
@@ -202,8 +258,8 @@ def prompts_alone(model, prompt_inputs) -> list[dict]:
     """Processor inputs of B prompts -> B dicts, each one prompt without padding ([1, P_b] rows, its own visual
     inputs, `split_visuals_per_prompt`)."""
     attn = prompt_attention_mask(prompt_inputs)
-    visuals = split_visuals_per_prompt(model, prompt_inputs) if any(
-        prompt_inputs.get(k) is not None for _, _, _, k, _ in _VISUALS) else [{} for _ in range(attn.shape[0])]
+    visuals = split_visuals_per_prompt(model, prompt_inputs) if any(  # pixels, or features in their place
+        prompt_inputs.get(k) is not None for _, _, k, _, _ in _VISUALS) else [{} for _ in range(attn.shape[0])]
     out = []
     for b in range(attn.shape[0]):
         one = {k: prompt_inputs[k][b:b + 1, attn[b]] for k in _ROW_KEYS if prompt_inputs.get(k) is not None}

@@ -21,15 +21,15 @@ from mmpg.grouping.adapters import packed_hidden_states, prefix_positions
 from mmpg.grouping.shares import Share, find_shares, leaders_visuals, share_order
 from mmpg.grouping.shares import pack_shares as pack
 from mmpg.grouping.inputs import (
-    Completions, check_completions, check_whole_videos, mm_token_type_ids, pad_token_id, placeholder_token_ids,
-    prompt_attention_mask, select_prompts, split_visuals_per_prompt,
+    Completions, check_completions, check_whole_videos, feature_inputs, mm_token_type_ids, pad_token_id, parts_of,
+    placeholder_token_ids, prompt_attention_mask, select_prompts, split_visuals_per_prompt,
 )
 from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.layout import GroupLayout, pick_rows
 from mmpg.grouping.patch import apply_grouped_attention, base_model, grouping_state, model_kind
 from mmpg.grouping.positions import use_qwen_positions
 from mmpg.grouping.sequence import (
-    SequenceShard, check_model_heads, group_size, sharded_head_logprobs, sharded_hidden_states,
+    SequenceShard, check_model_heads, group_size, sharded_head_logprobs, sharded_hidden_states, with_video_features,
 )
 
 
@@ -212,17 +212,24 @@ def _repeated_rows(model, prompt_inputs, completions: Completions) -> dict:
 
 
 def repeated_logprobs(model, prompt_inputs, completion_ids, completion_mask, group_sizes, *,
-                      temperature: float = 1.0) -> torch.Tensor:
+                      temperature: float = 1.0, sequence_group=None) -> torch.Tensor:
     """The naive reference: every prompt and its video repeated G_b times, the model's own forward (Qwen2.5-VL on its
-    trained mRoPE convention, `mmpg.grouping.positions`). [N, S] float32."""
+    trained mRoPE convention, `mmpg.grouping.positions`). [N, S] float32. Inputs whose videos each rank holds only
+    its part of (`VIDEO_PART`) are encoded whole by the sequence-parallel group first (`with_video_features`;
+    `sequence_group` default the model's) and passed as precomputed features (transformers >= 5.18)."""
     _check_temperature(temperature)
     model = base_model(model)  # a peft PeftModel: the transformers model inside it
     use_qwen_positions(model)
-    check_whole_videos(prompt_inputs, "the repeated forward")
+    if parts_of(prompt_inputs):  # every rank holds its part of the pixels: the group encodes the whole videos
+        group = sequence_group if sequence_group is not None else grouping_state(model).sequence_group
+        if group_size(group) <= 1:
+            check_whole_videos(prompt_inputs, "the repeated forward on one rank")
+        prompt_inputs = with_video_features(model, prompt_inputs, group)
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
                                     placeholder_token_ids(model))
     batch = _repeated_rows(model, _on_device(prompt_inputs, model.get_input_embeddings().weight.device), completions)
     keep = max(completions.lengths) + 1
+    batch = feature_inputs(model, batch)  # whole videos' features in place of pixels, where given
     logits = model(**batch, use_cache=False, logits_to_keep=keep).logits.float()  # [N, keep, V]
     if temperature != 1.0:
         logits = logits / temperature

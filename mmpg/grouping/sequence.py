@@ -28,8 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mmpg.grouping.attention import LAYOUT_KWARG
-from mmpg.grouping.inputs import VIDEO_PART, part_span
+from mmpg.grouping.inputs import VIDEO_DEEPSTACK, VIDEO_FEATURES, VIDEO_PART, part_span, pixel_rows
 from mmpg.grouping.layout import pick_rows
+from mmpg.grouping.patch import base_model
 from mmpg.grouping.ulysses import check_heads
 
 _KINDS = (("image", "image_token_id", "pixel_values", "image_grid_thw", "get_image_features"),
@@ -252,3 +253,41 @@ def sharded_head_logprobs(head_fn, lm_head, hidden, layout, packed_ids, temperat
                    calls=calls)
     flat = torch.zeros(pred.numel(), dtype=mine.dtype, device=mine.device).masked_scatter(own, mine)
     return _SumRanks.apply(flat, shard.group)
+
+
+def with_video_features(model, prompt_inputs, group, keys: list | None = None) -> dict:
+    """Inputs whose videos are held as this rank's parts (`VIDEO_PART`, decoded per rank) -> the same prompts with the
+    whole videos' merged features (`VIDEO_FEATURES`; Qwen3-VL's deepstack taps, `VIDEO_DEEPSTACK`) in place of the
+    pixels, on every rank of the group: each rank encodes its temporal patch groups and the group gathers them
+    (`_encode_slices`), so no rank ever holds a whole video's pixels. `keys`: one per video, equal for the same video
+    (a video asked several questions is encoded once), the same on every rank; None: each encoded on its own.
+    Autograd records the encode when enabled (the gather's backward sums the ranks' gradients). What sampling from
+    whole videos and the repeated reference take when every rank holds a part (`mmpg.rl.collect`, `repeated_logprobs`).
+    """
+    inner = base_model(model).model  # the VL model holding `visual` (a peft model: the transformers one inside)
+    grid, part = prompt_inputs["video_grid_thw"], prompt_inputs[VIDEO_PART]
+    pixels = prompt_inputs["pixel_values_videos"]
+    n = grid.shape[0]
+    keys = list(range(n)) if keys is None else list(keys)
+    if len(keys) != n:
+        raise ValueError(f"{len(keys)} video keys for {n} videos")
+    merge2 = inner.config.vision_config.spatial_merge_size ** 2
+    rows = pixel_rows(prompt_inputs)
+    starts = [0] + torch.cumsum(torch.tensor(rows), 0).tolist()[:-1]
+    first: dict = {}  # key -> index among the distinct videos
+    for i, key in enumerate(keys):
+        first.setdefault(key, len(first))
+    leaders = [keys.index(k) for k in first]  # the first video of each key, in order
+    lead_pixels = torch.cat([pixels[starts[i]: starts[i] + rows[i]] for i in leaders]) if leaders else pixels[:0]
+    size = group_size(group)
+    shard = SequenceShard(group, size, dist.get_rank(group), 0)
+    emb, deep = _encode_slices(inner, lead_pixels, grid[leaders], "get_video_features", shard, part[leaders])
+    tokens = (grid[leaders].prod(-1) // merge2).tolist()
+    offsets = [0] + torch.cumsum(torch.tensor(tokens), 0).tolist()[:-1]
+    pick = torch.cat([torch.arange(offsets[first[k]], offsets[first[k]] + tokens[first[k]]) for k in keys])
+    pick = pick.to(emb.device)
+    out = {k: v for k, v in prompt_inputs.items() if k not in ("pixel_values_videos", VIDEO_PART)}
+    out[VIDEO_FEATURES] = emb[pick]
+    if deep:
+        out[VIDEO_DEEPSTACK] = torch.stack([d[pick] for d in deep], dim=1)  # [N, taps, H]
+    return out

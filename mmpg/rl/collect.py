@@ -6,6 +6,7 @@ and pull more until every rank has its slice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -16,6 +17,9 @@ import torch
 from mmpg import dist
 from mmpg.data.dataset import strict_error, video_key
 from mmpg.errors import UserError
+from mmpg.grouping.inputs import parts_of
+from mmpg.grouping.sequence import with_video_features
+from mmpg.models.lora import without_dropout
 from mmpg.models.vision_calls import prefill_tokens
 from mmpg.rl import algos
 from mmpg.rl.split import generate_split
@@ -94,6 +98,7 @@ def count_decodes(info: dict, batch) -> None:
     stats = batch.decode_stats  # empty when the loader did not count
     info["videos_decoded"] = info.get("videos_decoded", 0) + int(stats.get("decoded", 0))
     info["videos_cached"] = info.get("videos_cached", 0) + int(stats.get("cached", 0))
+    info["frames_decoded"] = info.get("frames_decoded", 0) + int(batch.decoded_frames)
 
 
 class Collect:
@@ -101,8 +106,15 @@ class Collect:
 
     def _generate(self, batch, sampling, seeds):
         """The batch's rollout. Under sequence parallelism the ranks of a group hold the same batch: each samples
-        its part of the prompts and the group gathers them (`mmpg.rl.split`)."""
+        its part of the prompts and the group gathers them (`mmpg.rl.split`). A batch whose videos each rank decoded
+        only its part of is first encoded by the group, each distinct video once, and sampled from the whole
+        videos' features (`mmpg.grouping.sequence.with_video_features`)."""
         if dist.sequence_size() > 1:
+            if parts_of(batch.inputs):  # as the engine samples: no autograd, no adapter dropout
+                with torch.no_grad(), without_dropout(self.policy):
+                    inputs = with_video_features(self.policy, batch.inputs, dist.sequence_group(),
+                                                 [video_key(s) for s in batch.samples])
+                batch = dataclasses.replace(batch, inputs=inputs)
             return generate_split(lambda part, part_seeds: self._generate_here(part, sampling, part_seeds),
                                   self.policy, batch, seeds, self.pad_id, dist.sequence_size(),
                                   dist.sequence_rank(), dist.gather_sequence)
@@ -181,7 +193,7 @@ class Collect:
         version = step - 1
         cfg, groups, spare = self.cfg, [], None
         info = {"skipped": 0, "rounds": 0, "dropped_groups": 0, "empty_rounds": 0, "prefix_tokens": 0,
-                "videos_decoded": 0, "videos_cached": 0}
+                "videos_decoded": 0, "videos_cached": 0, "frames_decoded": 0}
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         while True:

@@ -143,9 +143,10 @@ def tokens(g, i: int) -> dict:
 
 
 def thumbnails(video, count: int) -> tuple[list[np.ndarray], list[float]]:
-    """`count` evenly spaced frames of a DecodedVideo as HxWx3 uint8 arrays, and their times in seconds."""
+    """`count` evenly spaced frames of a DecodedVideo as HxWx3 uint8 arrays, and their times in seconds. Of a
+    `VideoPart` (a sequence-parallel rank decodes only its frames): its own frames, at their times in the whole."""
     frames = video.frames  # [T, C, H, W] float 0..255
-    t = frames.shape[0]
+    t, first = frames.shape[0], getattr(video, "first_frame", 0)
     idx = sorted({round(i * (t - 1) / max(1, count - 1)) for i in range(min(count, t))})
     pics = [frames[i].permute(1, 2, 0).clamp(0, 255).to(torch.uint8).numpy() for i in idx]
-    return pics, [float(video.timestamps[i]) for i in idx]
+    return pics, [float(video.timestamps[first + i]) for i in idx]

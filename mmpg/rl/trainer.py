@@ -69,6 +69,23 @@ def check_vllm_config(cfg: Config) -> None:
     # ZeRO-3 works: the ranks gather the sharded parameters together for each weight sync (VLLMEngine.sync_weights)
 
 
+def sequence_part(session) -> tuple[int, int] | None:
+    """(rank, sp) for a loader that decodes only this rank's frames under sequence parallelism (the group then
+    samples from the whole videos' gathered features: `mmpg.rl.collect`), or None: whole videos on every rank (sp 1,
+    or a transformers whose forward takes no precomputed features, said once)."""
+    if session.sp <= 1:
+        return None
+    from mmpg.rollout.chunks import supports_encoder_outputs
+
+    if not supports_encoder_outputs(session.model):
+        if session.rank == 0:
+            log.warning("parallel.sequence_parallel_size=%d: each rank decodes its videos whole; decoding only its "
+                        "frames needs a forward that takes precomputed vision features (mm_encoder_outputs, "
+                        "transformers >= 5.18) to sample from the group's", session.sp)
+        return None
+    return dist.sequence_rank(), dist.sequence_size()
+
+
 class GRPOJob:
     kind = "grpo"
 
@@ -97,7 +114,8 @@ class GRPOJob:
                                    global_batch=cfg.data.batch_size, rank=dist.data_rank(), world=dist.data_size(),
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
                                    num_workers=cfg.data.num_workers, strict=cfg.data.strict,
-                                   queries_per_video=cfg.data.queries_per_video, frame_cache=frame_cache(cfg))
+                                   queries_per_video=cfg.data.queries_per_video, frame_cache=frame_cache(cfg),
+                                   part=sequence_part(session))
         self.step_fn = GRPOStep(cfg, session.engine, self.ref, session.processor, loader,
                                 make_scorer(cfg.reward, template.think), session.device)
         self.skipped_total = int(session.state.get("skipped_total", 0))  # unusable samples so far, all ranks
@@ -128,6 +146,8 @@ class GRPOJob:
         # over the ranks holding different samples (the ranks of a sequence-parallel group hold the same)
         summaries = dist.gather_data([group_summary(g, step) for g in groups])
         infos = dist.gather_data(info)
+        # the most frames one rank decoded (every rank: under sequence parallelism each decodes its part)
+        frames_max = dist.all_max([float(info.get("frames_decoded", 0))], self.step_fn._coll_device)[0]
         write_rollouts = self.cfg.logging.rollouts_every > 0 and step % self.cfg.logging.rollouts_every == 0
         local_records = group_records(step, groups, 0, {}, self.cfg.logging.rollout_logprobs) if write_rollouts else []
         media = dist.gather_data(self._media(groups) if write_rollouts else [])
@@ -143,6 +163,7 @@ class GRPOJob:
         if self.cfg.rollout.max_staleness:
             metrics["timing_s/rollout_wait"] = max(i["timing"].get("rollout_wait", 0.0) for i in infos)
         metrics["data/split_videos"] = float(split_videos(summaries))
+        metrics["data/frames_decoded_max"] = frames_max
         if self.cfg.rollout.engine == "vllm":
             metrics.update(vllm_metrics(infos))
         alarm = self.drift.update(step, metrics)

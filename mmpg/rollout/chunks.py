@@ -22,9 +22,12 @@ placeholder tokens as `mm_encoder_outputs` (transformers >= 5.18), in the row-ma
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import torch
+
+from mmpg.grouping.inputs import (  # noqa: F401 - supports_encoder_outputs: this module's callers read it here
+    VIDEO_DEEPSTACK, VIDEO_FEATURES, supports_encoder_outputs, vision_output_class,
+)
 
 # (modality, pixel key, grid key, config attribute of the placeholder id, the model's feature method)
 _MODALITIES = (("image", "pixel_values", "image_grid_thw", "image_token_id", "get_image_features"),
@@ -36,11 +39,6 @@ def chunk_spans(length: int, chunk: int) -> list[tuple[int, int]]:
     if chunk <= 0 or length <= chunk:
         return [(0, length)]
     return [(a, min(a + chunk, length)) for a in range(0, length, chunk)]
-
-
-def supports_encoder_outputs(model) -> bool:
-    """Whether the model's forward takes precomputed vision features (`mm_encoder_outputs`, transformers >= 5.18)."""
-    return "mm_encoder_outputs" in inspect.signature(model.forward).parameters
 
 
 @dataclasses.dataclass
@@ -123,6 +121,14 @@ def encoder_outputs(model, visuals: dict, max_tokens: int) -> list[EncodedVisual
     """Every modality present in `visuals` (processor keys for the prompts of one forward, in order) encoded in frame
     chunks of at most max_tokens merged tokens (0: each modality in one call)."""
     out = []
+    if visuals.get(VIDEO_FEATURES) is not None:  # the videos' features, computed already (`with_video_features`)
+        if not supports_encoder_outputs(model):
+            raise RuntimeError(f"videos given as features need a {type(model).__name__} forward that takes them "
+                               "(mm_encoder_outputs, transformers >= 5.18)")
+        deep = visuals.get(VIDEO_DEEPSTACK)
+        taps = None if deep is None else [deep[:, k] for k in range(deep.shape[1])]
+        out.append(EncodedVisuals(vision_output_class(model, deep is not None), visuals[VIDEO_FEATURES], taps,
+                                  model.config.video_token_id, "video"))
     for modality, pixel_key, grid_key, token_attr, method in _MODALITIES:
         if visuals.get(pixel_key) is None:
             continue

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from mmpg.grouping.attention import LAYOUT_KWARG
-from mmpg.grouping.inputs import pad_token_id
+from mmpg.grouping.inputs import VIDEO_DEEPSTACK, VIDEO_FEATURES, pad_token_id
 from mmpg.rollout.cascade import SharedPrefixCache
 from mmpg.rollout.cascade_attention import CASCADE_KWARG, CHUNK_KWARG, ChunkCall, cascade_attention_enabled
 from mmpg.rollout.cascade_kernels import resolve_cascade_kernel
@@ -28,7 +28,9 @@ log = logging.getLogger("mmpg.rollout")
 
 # Processor outputs the prefill forward takes besides ids and mask; positions are passed explicitly, so
 # mm_token_type_ids and second_per_grid_ts are only read by `prefix_positions`.
-_VISUAL_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+# the videos may come as their features (`mmpg.grouping.sequence.with_video_features`) instead of pixels
+_VISUAL_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", VIDEO_FEATURES,
+                VIDEO_DEEPSTACK)
 
 
 class Prefill:
@@ -44,7 +46,7 @@ class Prefill:
         ids_list, pos_list, starts = prefixes
         start = torch.tensor(starts, device=device)  # [B] where each prompt's completions continue, on every axis
         if shared is not None:
-            chunked = self._chunked(shared.ids.numel())
+            chunked = self._chunked(shared.ids.numel(), VIDEO_FEATURES in shared.visuals)
             logits = (self._prefill_shared_chunked if chunked else self._prefill_shared)(shared, cache, extra)
             self._prefill_sync(device)
             return logits, torch.ones(len(starts), 1, device=device), start
@@ -55,7 +57,7 @@ class Prefill:
         pos = torch.stack([F.pad(p, (width - p.shape[1], 0)) for p in pos_list], dim=1).to(device)  # [A, B, L]
         position_ids = pos if self._is_vl else pos[0]  # [3, B, L] mRoPE or [B, L]
         visuals = {k: prompt_inputs[k].to(device) for k in _VISUAL_KEYS if prompt_inputs.get(k) is not None}
-        if self._chunked(width):
+        if self._chunked(width, VIDEO_FEATURES in visuals):
             logits = self._prefill_chunks(ids, attn, position_ids, visuals, cache)
         else:
             logits = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True,
@@ -93,12 +95,16 @@ class Prefill:
                     self.all_done(False)  # one vote per forward: a rank with fewer chunks idles (`_prefill_sync`)
         return out.logits[:, -1]
 
-    def _chunked(self, length: int) -> bool:
+    def _chunked(self, length: int, features: bool = False) -> bool:
         """Whether a prefill of `length` tokens per row goes in chunks. Under synced decoding every rank decides
         alike, chunks when some rank's batch is longer than one chunk: ZeRO-3 gathers weights module by module, so
         every rank must call the vision tower and the decoder in the same order (the chunked path encodes the
         videos before its first forward, the one forward inside it). A VL model whose forward cannot take
-        precomputed features (transformers < 5.18: no `mm_encoder_outputs`) prefills in one forward, said once."""
+        precomputed features (transformers < 5.18: no `mm_encoder_outputs`) prefills in one forward, said once.
+        `features`: the videos come as features (`VIDEO_FEATURES`, every rank of a run alike): only the chunked path
+        takes them (one chunk when prefill_chunk is 0), with no vote."""
+        if features:  # a forward that cannot take them is refused where they are handed over (`encoder_outputs`)
+            return True
         if self.prefill_chunk <= 0:
             return False
         if self._is_vl and not supports_encoder_outputs(self.model):

@@ -34,7 +34,7 @@ import torch
 
 from mmpg.grouping.adapters import Prefixes
 from mmpg.grouping.backends import compute_dtype, resolve_backend
-from mmpg.grouping.inputs import placeholder_token_ids
+from mmpg.grouping.inputs import VIDEO_DEEPSTACK, VIDEO_FEATURES, placeholder_token_ids
 from mmpg.grouping.layout import GroupLayout
 from mmpg.grouping.patch import grouping_state
 from mmpg.grouping.shares import Share, find_shares
@@ -42,7 +42,9 @@ from mmpg.rollout.cascade import ShareSplit
 
 MIN_TEXT_SHARED = 64  # least shared text tokens (no video or image in the shared part) for a share to be kept
 
-_VISUAL_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+# the videos may come as their features (`mmpg.grouping.sequence.with_video_features`) instead of pixels
+_VISUAL_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", VIDEO_FEATURES,
+                VIDEO_DEEPSTACK)
 
 
 @dataclasses.dataclass
