@@ -31,7 +31,15 @@ def _decode_json(*args, capsys) -> dict:
     return json.loads(out)
 
 
-def test_a_fixed_figure_scales_to_the_step_by_hand(capsys):
+@pytest.fixture
+def whole_videos(monkeypatch):
+    """A transformers whose forward takes no precomputed features: GRPO's sp ranks decode their videos whole."""
+    from mmpg.plan import decode
+
+    monkeypatch.setattr(decode, "samples_from_features", lambda: False)
+
+
+def test_a_fixed_figure_scales_to_the_step_by_hand(capsys, whole_videos):
     p = _decode_json("--decode-fps", "600", "--video-minutes", "10", capsys=capsys)
     d, step = p["decode"], p["step_seconds"]["total"]
     assert d["source"] == "--decode-fps" and d["probe"] is None and d["video_from"] == "yours (--video-minutes)"
@@ -56,7 +64,15 @@ def test_sft_under_sequence_parallelism_decodes_a_ranks_part(capsys):
     assert rc == 0 and "each rank of its sequence-parallel group decoding its 1/4" in out, out
 
 
-def test_a_slow_figure_does_not_keep_up_and_says_what_it_takes(capsys):
+def test_grpo_ranks_decode_their_part_where_sampling_takes_features(capsys, monkeypatch):
+    from mmpg.plan import decode
+
+    monkeypatch.setattr(decode, "samples_from_features", lambda: True)
+    d = _decode_json("--decode-fps", "600", "--video-minutes", "10", capsys=capsys)["decode"]
+    assert d["rank_share"] == 0.25 and d["core_seconds_per_step"] == pytest.approx(15.0)  # 60 s of one rank / 4
+
+
+def test_a_slow_figure_does_not_keep_up_and_says_what_it_takes(capsys, whole_videos):
     rc, out, _ = _plan("--config", LONG, "--gpus", "8", "--gpu", "h100", "--decode-fps", "100", "--video-minutes",
                        "10", capsys=capsys)
     assert rc == 0
@@ -69,7 +85,7 @@ def test_a_slow_figure_does_not_keep_up_and_says_what_it_takes(capsys):
     assert "data.frame_cache=DIR, filled by `mmpg prepare-videos`" in out
 
 
-def test_no_workers_the_cache_and_the_footage(capsys):
+def test_no_workers_the_cache_and_the_footage(capsys, whole_videos):
     p = _decode_json("--decode-fps", "300", "--video-minutes", "2", "--footage", "1920x1080@25",
                      "data.num_workers=0", "data.frame_cache=cache", capsys=capsys)
     d = p["decode"]

@@ -46,11 +46,21 @@ HEADER_READS = 64  # video files opened for their durations when the annotations
 NODE_GPUS = 8  # GPUs of a node, for the cores a node needs (fewer when the run has fewer)
 
 
+def samples_from_features() -> bool:
+    """Whether this transformers' Qwen-VL forward takes precomputed vision features (mm_encoder_outputs, >= 5.18),
+    which GRPO's sampling from the sequence-parallel group's features needs (`mmpg.rl.trainer.sequence_part`)."""
+    import inspect
+
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return "mm_encoder_outputs" in inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters
+
+
 def rank_share(job: str, sp: int) -> float:
-    """The part of each video one rank of a sequence-parallel group decodes: SFT's loader decodes only the rank's
-    frames (1/sp, `mmpg.data.dataset.GroundingDataset(part=)`); GRPO's ranks decode their videos whole, since each
-    samples its share of the prompts from whole videos (`mmpg.rl.split`)."""
-    return 1 / sp if job == "sft" else 1.0
+    """The part of each video one rank of a sequence-parallel group decodes: only its own frames (1/sp,
+    `mmpg.data.dataset.GroundingDataset(part=)`), but for GRPO on a transformers whose forward takes no precomputed
+    features, where each rank decodes its videos whole to sample from them (`mmpg.rl.trainer.sequence_part`)."""
+    return 1 / sp if job == "sft" or samples_from_features() else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
