@@ -114,6 +114,18 @@ fi
 # here), and scripts/flash_attn.sh adds flash-attn after torch with --no-build-isolation, stamped on its own.
 _pip_extras="$(echo ",$_extras," | sed 's/,gpu-auto,/,/g; s/,gpu,/,/g; s/^,//; s/,$//')"
 _want="$(cat "$MMPG_ROOT/pyproject.toml" | sha256sum | cut -c1-16) $_pip_extras $_torch"
+# A new .venv takes ~6 GB, most of it torch's build with its CUDA libraries (on a machine without a GPU too): a disk
+# without that room is one line here, not pip's "No space left on device" halfway through. MMPG_ENV_MIN_FREE_GB: the
+# room asked for (default 7).
+if [ ! -x "$_venv/bin/python" ]; then
+  _need_gb="${MMPG_ENV_MIN_FREE_GB:-7}"
+  _free_kb="$(df -Pk "$MMPG_ROOT" | awk 'NR==2 {print $4}')"
+  if [ -n "$_free_kb" ] && [ "$_free_kb" -lt $((_need_gb * 1024 * 1024)) ]; then
+    echo "[mmpg] a new .venv needs about $_need_gb GB free on the disk of $MMPG_ROOT; it has" \
+         "$((_free_kb / 1024 / 1024)) GB: free some room (old clones' .venv folders are ~6 GB each) and run again" >&2
+    return 1 2>/dev/null || exit 1
+  fi
+fi
 [ -x "$_venv/bin/python" ] || python3 -m venv "$_venv"
 if [ "$(cat "$_venv/.mmpg-installed" 2>/dev/null)" != "$_want" ]; then
   echo "[mmpg] installing into .venv (first time takes a few minutes; torch: $_why) ..."

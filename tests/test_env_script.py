@@ -168,3 +168,19 @@ def test_flash_attn_skip_says_what_to_do(tmp_path):
     (line,) = res.stderr.splitlines()
     assert "nvcc 12.4" in line and "does not match torch's CUDA 13.0: install the CUDA 13.x toolkit and set " \
            "CUDA_HOME to it (nvcc and torch must share the CUDA major), or put a flash_attn wheel" in line
+
+
+def test_a_disk_without_room_for_a_new_venv_is_one_line(tmp_path):
+    """A new .venv needs ~6 GB (torch and its CUDA libraries): without the room asked for, one line naming the disk
+    and what it has, exit 1, and no half-made .venv (before: pip's "No space left on device" mid-install)."""
+    root = tmp_path / "project"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "env.sh", root / "scripts" / "env.sh")
+    shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
+    env = {k: v for k, v in _machine(tmp_path, None).items() if k != "MMPG_ENV_DRY_RUN"}
+    proc = _env_sh({**env, "MMPG_ENV_MIN_FREE_GB": "1000000"}, script=root / "scripts" / "env.sh")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"[mmpg] a new .venv needs about 1000000 GB free on the disk of "
+                                                   f"{root}; it has "), proc.stderr
+    assert not (root / ".venv").exists()

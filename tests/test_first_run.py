@@ -7,10 +7,10 @@ stand-ins for the weights only.
   over short synthetic videos, at the paths the docs use.
 - Each README line runs as printed, placeholders filled, `NUM_GPUS=8` as `NUM_GPUS=1` (one CPU process through the
   DeepSpeed launcher; GRPO: `NUM_GPUS=2`, two) and the CPU's sizes appended (float32, a few small frames, 2 prompts,
-  8 new tokens, 3 steps): check-data, plan, SFT through scripts/sft_grounding.sh, GRPO through
+  8 new tokens, 2 steps): check-data, plan, SFT through scripts/sft_grounding.sh, GRPO through
   scripts/train_grounding.sh with `VLLM=1` (the colocated layout: one real vLLM server on the CPU per training
   process, each rank's requests served by its own, their --max-model-len derived from the config), killed (SIGKILL
-  of the trainer) after its second checkpoint and continued with `RESUME=auto`, `mmpg eval --run`, the
+  of the trainer) after its first checkpoint and continued with `RESUME=auto`, `mmpg eval --run`, the
   paper-protocol evaluations of docs/evaluation.md on the Charades-STA and TVGBench files (the prompt files from a
   stand-in curl, as tests/test_eval_commands.py serves them), and `mmpg inspect` on the run.
 """
@@ -45,7 +45,7 @@ CPU_TRAIN = ["trainer.device=cpu", "model.dtype=float32", "model.attn_implementa
              "model.grouping_backend=sdpa", "data.fps=0.5", "data.min_frames=2", "data.max_frames=4",
              "data.min_pixels=3136", "data.max_pixels=3136", "data.total_pixels=12544", "data.batch_size=2",
              "data.num_workers=0", "data.val=", "eval.every_n_steps=0", "rollout.max_new_tokens=8",
-             "trainer.total_steps=3", "checkpoint.every_n_steps=1", "rollout.vllm_wait_s=900"]
+             "trainer.total_steps=2", "checkpoint.every_n_steps=1", "rollout.vllm_wait_s=900"]
 CPU_EVAL = ["fps=0.5", "max_frames=4", "min_pixels=3136", "max_pixels=3136", "total_pixels=12544",
             "max_new_tokens=8", "num_workers=0", "batch_size=4", "self_check=off"]
 
@@ -251,10 +251,10 @@ def test_the_documented_first_run_on_stand_ins(user):
     assert recorded["repo_id"] == HUB_ID and recorded["revision"] == "a" * 40
     sft_ckpt = sorted((sft_run / "checkpoints").glob("step_*"))[-1]
 
-    # GRPO from the SFT checkpoint with the vLLM server, killed after its second checkpoint, then RESUME=auto
+    # GRPO from the SFT checkpoint with the vLLM server, killed after its first checkpoint, then RESUME=auto
     grpo_words = ["VLLM=1"] + _fill(grpo, home, sft_ckpt=str(sft_ckpt), ranks=GRPO_RANKS) + CPU_TRAIN + [
         f"trainer.output_dir={runs / 'grpo'}"]
-    _launch_and_kill(grpo_words, e, runs / "grpo", after_step=2)
+    _launch_and_kill(grpo_words, e, runs / "grpo", after_step=1)
     (run,) = [p for p in (runs / "grpo").iterdir() if p.is_dir()]
     ports, sessions, done = [int(e["VLLM_PORT"]) + i for i in range(GRPO_RANKS)], {}, threading.Event()
 
@@ -275,7 +275,7 @@ def test_the_documented_first_run_on_stand_ins(user):
     logs = [ROOT / "runs" / f"vllm-serve-{p}.log" for p in ports]
     assert proc.returncode == 0, out[-5000:] + "".join(f"\n{log.name}:\n{log.read_text()[-3000:]}" for log in logs
                                                        if log.exists())
-    assert f"checkpoint.resume=auto: continuing {run} from its step 2" in out
+    assert f"checkpoint.resume=auto: continuing {run} from its step 1" in out
     assert [len(sessions[p]) for p in ports] == [1] * GRPO_RANKS, sessions  # a server per rank, seen running
     every = set().union(*sessions.values())
     for _ in range(60):
@@ -296,8 +296,8 @@ def test_the_documented_first_run_on_stand_ins(user):
         assert served and served.group(2) == f"rank {rank}: {served.group(1)}", text[-2000:]
         log.unlink(missing_ok=True)
     m = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in m] == [1, 2, 3]
-    assert [r["step"] for r in m if "timing_s/weight_sync" in r] == [1, 2, 3]  # sampled through the server
+    assert [r["step"] for r in m] == [1, 2]
+    assert [r["step"] for r in m if "timing_s/weight_sync" in r] == [1, 2]  # sampled through the server
     assert [p.name for p in (runs / "grpo").iterdir() if p.is_dir()] == [run.name]  # no second run started
 
     # evaluation: README's every-checkpoint line, then the papers' protocols of docs/evaluation.md
