@@ -22,21 +22,6 @@ SHARED_SERVER_MODULES = ("test_vllm_engine.py", "test_vllm_lora.py", "test_vllm_
                          "test_vllm_pool.py")
 
 
-# The modules (and the shared server's unit) that took a minute or more of a full run, about longest first
-# (`--durations` in scripts/test.sh's output), the first run's two servers beside modules that start none rather than
-# beside the shared server; every other module keeps its place after them.
-LONG_UNITS = ("test_first_run.py", "test_gpu_layouts.py", "test_eval_commands.py", SHARED_SERVER_MODULES,
-              "test_vllm_remote.py", "test_launch_real.py", "test_train_sequence_parallel.py", "test_vllm_lengths.py",
-              "test_slurm.py", "test_train_grpo.py", "test_doctor.py", "test_checkpoint_disk.py")
-
-
-def _weight(module: str) -> int:
-    for i, unit in enumerate(LONG_UNITS):
-        if module == unit if isinstance(unit, str) else module in unit:
-            return len(LONG_UNITS) - i
-    return 0
-
-
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadFileScheduling
 
@@ -53,10 +38,8 @@ def pytest_collection_modifyitems(config, items):
                     - set(SHARED_SERVER_MODULES))
     if strays:
         raise pytest.UsageError(f"tests/conftest.py: add {strays} to SHARED_SERVER_MODULES (they use qwen25_vllm)")
-    # The longest units first, so the workers end together instead of one finishing a long module alone (xdist hands
-    # out the modules in this order); a test that stops the shared server goes last: before another module it would
-    # cost a second start (~40 s)
-    items.sort(key=lambda item: ("stops_server" in item.keywords, -_weight(item.path.name)))
+    # a test that stops the shared server goes last: before another module it would cost a second start (~40 s)
+    items.sort(key=lambda item: "stops_server" in item.keywords)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
