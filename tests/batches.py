@@ -59,6 +59,70 @@ def completions(group_sizes: list[int], lengths: list[int], vocab: int, seed: in
     return ids, mask
 
 
+# Trajectory trees (a zoom tool's clips inside completions, tests/test_trajectory_tree.py)
+CLIP_TEXT = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def zoom_clip(processor, frames: int, height: int, width: int, seed: int) -> tuple[torch.Tensor, dict]:
+    """A zoom clip as a tool turn writes it: the family's video text (Qwen3-VL: a timestamp before each frame) for
+    [T, C, H, W] frames -> (its token ids [L], its visual inputs)."""
+    from mmpg.data.video_form import released_video_text
+
+    meta = {"fps": 4.0, "total_num_frames": frames, "frames_indices": list(range(frames))}
+    out = processor_batch(processor, [released_video_text(processor, CLIP_TEXT)],
+                          [random_video(frames, height, width, seed)], [meta])
+    visuals = {k: out[k] for k in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts") if k in out}
+    return out["input_ids"][0], visuals
+
+
+def video_prompts(processor, videos: list[int | None], padding_side: str):
+    """One prompt per entry: the seed of its (6, 56, 84) video, or None for a text-only prompt; equal seeds are one
+    video asked several questions."""
+    from mmpg.data.video_form import released_video_text
+
+    texts, frames, meta = [], [], []
+    for b, seed in enumerate(videos):
+        content = ([{"type": "video"}] if seed is not None else []) + \
+            [{"type": "text", "text": QUESTIONS[b % len(QUESTIONS)]}]
+        texts.append(released_video_text(processor, processor.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)))
+        if seed is not None:
+            frames.append(random_video(6, 56, 84, seed))
+            meta.append({"fps": 2.0, "total_num_frames": 6, "frames_indices": list(range(6))})
+    return processor_batch(processor, texts, frames, meta, padding_side)
+
+
+def zoom_branches(model, processor, zooms: list[int], seed: int):
+    """Completion rows, one per entry of `zooms`: text, then that many clips (each of its own size) each followed by
+    text. -> ids [N, S], right-padded mask, per-row visual inputs."""
+    from mmpg.grouping.inputs import merge_visuals, placeholder_token_ids
+
+    g = torch.Generator().manual_seed(seed)
+    banned = torch.tensor(placeholder_token_ids(model))
+    vocab = model.config.text_config.vocab_size
+
+    def text(n):
+        ids = torch.randint(0, vocab, (n,), generator=g)
+        return ids[~torch.isin(ids, banned)][:max(1, n - 1)]
+
+    rows, visuals = [], []
+    for i, k in enumerate(zooms):
+        parts, clips = [text(int(torch.randint(1, 6, (1,), generator=g)))], []
+        for z in range(k):
+            frames = 2 * int(torch.randint(1, 3, (1,), generator=g))  # 2 or 4 frames (1 or 2 temporal patches)
+            size = [(56, 56), (56, 84), (84, 56)][(i + z) % 3]
+            ids, vis = zoom_clip(processor, frames, *size, seed=100 * seed + 10 * i + z)
+            parts += [ids, text(int(torch.randint(1, 5, (1,), generator=g)))]
+            clips.append(vis)
+        rows.append(torch.cat(parts))
+        visuals.append(merge_visuals(clips) if clips else {})
+    width = max(r.numel() for r in rows)
+    ids = torch.stack([torch.nn.functional.pad(r, (0, width - r.numel()), value=int(r[0])) for r in rows])
+    mask = (torch.arange(width)[None, :] < torch.tensor([r.numel() for r in rows])[:, None]).long()
+    return ids, mask, visuals
+
+
+
 def assert_recompute_matches(model, inputs, rollout, temperature: float, atol: float) -> None:
     """The rollout's logprobs equal `grouped_logprobs` recomputed on the same responses, within `atol`."""
     from mmpg.grouping import grouped_logprobs

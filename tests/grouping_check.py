@@ -20,11 +20,13 @@ def _grads(model, fn, weights):
     return logps.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def compare(model, inputs, ids, mask, group_sizes, backend=None, check_grads=True, atol=LOGP_ATOL, rtol=GRAD_RTOL):
-    """Returns (max logprob diff, worst relative gradient diff) and asserts both bounds."""
+def compare(model, inputs, ids, mask, group_sizes, backend=None, check_grads=True, atol=LOGP_ATOL, rtol=GRAD_RTOL,
+            **both):
+    """Returns (max logprob diff, worst relative gradient diff) and asserts both bounds. `both`: keywords for both
+    forwards (`completion_visuals`)."""
     weights = torch.linspace(0.5, 1.5, ids.numel(), device=ids.device).view_as(ids)
-    run_g = lambda: grouped_logprobs(model, inputs, ids, mask, group_sizes, backend=backend)  # noqa: E731
-    run_r = lambda: repeated_logprobs(model, inputs, ids, mask, group_sizes)  # noqa: E731
+    run_g = lambda: grouped_logprobs(model, inputs, ids, mask, group_sizes, backend=backend, **both)  # noqa: E731
+    run_r = lambda: repeated_logprobs(model, inputs, ids, mask, group_sizes, **both)  # noqa: E731
     if not check_grads:
         with torch.no_grad():
             g, r = run_g(), run_r()

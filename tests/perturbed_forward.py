@@ -10,8 +10,8 @@ from reward_fns import digit_share  # noqa: F401  (the reward the run uses)
 _pack = shares.pack_shares
 
 
-def _shifted_pack(prefixes, completions, shares, device):
-    ids, pos, *rest = _pack(prefixes, completions, shares, device)
+def _shifted_pack(prefixes, completions, shares, device, **options):
+    ids, pos, *rest = _pack(prefixes, completions, shares, device, **options)
     shifted = pos.clone()
     shifted[:, shares[0].length:] += 8  # everything after the first prefix
     return (ids, shifted, *rest)

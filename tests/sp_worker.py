@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from batches import completions, processor_batch, random_video, vl_batch  # noqa: E402
+from batches import completions, processor_batch, random_video, video_prompts, vl_batch, zoom_branches  # noqa: E402
 from mmpg.grouping import grouped_logprobs, repeated_logprobs  # noqa: E402
 from mmpg.grouping.adapters import prefix_positions  # noqa: E402
 from mmpg.grouping.inputs import (  # noqa: E402
@@ -144,6 +144,40 @@ def run_case(model, inputs, ids, mask, groups, group, sp) -> dict:
             "features_max": float((feats - whole).abs().max()), "features_rows": [int(feats.shape[0]), int(whole.shape[0])]}
 
 
+def run_tree_case(model, processor, group, sp) -> dict:
+    """A trajectory tree (branches holding zoom clips, `completion_visuals`) with its row over the group: against the
+    one-process grouped forward and the repeated one, with the prompts' videos whole on every rank and as each rank's
+    part; the clips are whole on every rank (a tool turn's frames), each rank encoding its share of them too."""
+    inputs = video_prompts(processor, [0, None, 1], "left")
+    groups = [2, 1, 2]
+    ids, mask, clips = zoom_branches(model, processor, [2, 0, 1, 3, 0], seed=7)
+    weights = torch.linspace(0.5, 1.5, ids.numel()).view_as(ids)
+    one, one_grads = _grads(model, lambda: grouped_logprobs(model, inputs, ids, mask, groups,
+                                                            completion_visuals=clips), weights)
+    rep = repeated_logprobs(model, inputs, ids, mask, groups, completion_visuals=clips).detach()
+    out = {"logp_vs_repeated_one": float(((one - rep).abs() * mask).max())}
+    rank = dist.get_rank(group)
+    for name, given in (("whole", inputs), ("part", own_part(inputs, rank, sp))):
+        par, par_grads = _grads(model, lambda: grouped_logprobs(model, given, ids, mask, groups, sequence_group=group,
+                                                                completion_visuals=clips), weights)
+        worst = 0.0
+        for key, ref in one_grads.items():
+            g = par_grads[key].clone()
+            dist.all_reduce(g, group=group)
+            worst = max(worst, float((g / sp - ref).norm() / ref.norm().clamp_min(1e-30)))
+        out[f"{name}_logp"] = float(((par - one).abs() * mask).max())
+        out[f"{name}_grad_rel"] = worst
+        out[f"{name}_same_grads"] = set(par_grads) == set(one_grads)
+    # the repeated reference from each rank's part (the prompts' videos and the clips encoded by the group, as features)
+    if supports_encoder_outputs(model):
+        rep_part = repeated_logprobs(model, own_part(inputs, rank, sp), ids, mask, groups, sequence_group=group,
+                                     completion_visuals=clips).detach()
+        out["rep_part_logp"] = float(((rep_part - rep).abs() * mask).max())
+    out["vision_grads"] = any("visual" in n for n in one_grads)
+    out["clips"] = int(sum(int(c["video_grid_thw"].shape[0]) for c in clips if c))
+    return out
+
+
 def own_part(inputs, rank: int, sp: int) -> dict:
     """The inputs with only rank `rank` of `sp`'s pixel rows of each video (its temporal patch groups), marked
     `VIDEO_PART`: what a rank's loader builds when it decodes only its frames."""
@@ -203,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
             results[name] = run_case(m, inputs, ids, mask, groups, group, sp)
             if dist.get_rank() == 0:
                 print(name, results[name], flush=True)
+        name = f"{family}/trajectory_tree"
+        if not wanted or name in wanted or family in wanted:
+            results[name] = run_tree_case(model, processor, group, sp)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -4,8 +4,9 @@
 Qwen2.5-VL and Qwen3-VL: logprobs within 1e-5 of the one-process grouped forward and of `repeated_logprobs`, every
 parameter's gradient (vision tower included; the mean over the 2 ranks) within 1e-4 relative of the one-process
 gradient. Cases: several prompts of different videos (and one without) with unequal groups, left and right padding,
-odd row lengths (padding to a multiple of sp), a shared video, 1 kv head (repeated) and 2 (split), and the cut
-between the ranks inside a video, inside a query's tail and inside a response. Each rank's vision tower encodes only
+odd row lengths (padding to a multiple of sp), a shared video, 1 kv head (repeated) and 2 (split), the cut
+between the ranks inside a video, inside a query's tail and inside a response, and a trajectory tree (zoom clips
+inside the responses). Each rank's vision tower encodes only
 its share of the frames.
 """
 
@@ -33,6 +34,19 @@ def sp_results(tmp_path_factory):
 
 
 CASES = ["several_left", "several_right", "kv1_replicated", "shared_cut_in_tail", "cut_in_video", "cut_in_response_odd"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_sp2_trajectory_tree_equals_one_process(sp_results, family):
+    """Branches holding zoom clips (tests/test_trajectory_tree.py) with the row over 2 ranks: the prompts' videos
+    whole on each rank or each rank's part, the clips whole and each rank encoding its share of their frames."""
+    r = sp_results[f"{family}/trajectory_tree"]
+    assert r["clips"] == 6 and r["vision_grads"], r
+    assert r["logp_vs_repeated_one"] <= LOGP_ATOL, r
+    for held in ("whole", "part"):
+        assert r[f"{held}_logp"] <= LOGP_ATOL and r[f"{held}_grad_rel"] <= GRAD_RTOL and r[f"{held}_same_grads"], r
+    if "rep_part_logp" in r:  # transformers >= 5.18: the repeated reference from parts, clips as features too
+        assert r["rep_part_logp"] <= LOGP_ATOL, r
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])

@@ -69,6 +69,30 @@ def prefix_positions(model, prompt_inputs, visuals: list[dict] | None = None) ->
     return Prefixes(rows, positions, starts)
 
 
+def completion_positions(model, completions, row_visuals: list[dict], starts: list[int]) -> list:
+    """Positions [A, L_i] of each completion row that holds visual inputs (a trajectory's tool turns with a zoom
+    clip's frames), None for a row of text alone (it continues at its prompt's start, 0, 1, 2, ...). starts[i]: the
+    start of row i's prompt (`Prefixes.starts`).
+
+    The model's own index of the row's tokens and clips, shifted to the prompt's start: every block of Qwen-VL's
+    3-D index (a text run, an image, a video or, for Qwen3-VL, one frame) starts one past the largest position
+    before it and is otherwise the same wherever it starts, so the tail of [prompt | completion] indexed whole equals
+    the completion indexed alone plus the prompt's start (the trajectory-tree tests hold it against the whole
+    conversation forwarded by the model itself)."""
+    out = []
+    for i, visuals in enumerate(row_visuals):
+        if not any(k in visuals for k in ("video_grid_thw", "image_grid_thw")):
+            out.append(None)
+            continue
+        tokens = completions.tokens(i)
+        types = mm_token_type_ids(model, {"input_ids": tokens[None]})
+        pos, _ = model.model.get_rope_index(
+            tokens[None], mm_token_type_ids=types, image_grid_thw=visuals.get("image_grid_thw"),
+            video_grid_thw=visuals.get("video_grid_thw"), second_per_grid_ts=visuals.get("second_per_grid_ts"))
+        out.append(pos[:, 0] + starts[i])  # [3, L_i]
+    return out
+
+
 def _marker(device) -> torch.Tensor:
     # A 4-D tensor passes through every Qwen text model's mask creation untouched; the layout is the real mask.
     return torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)

@@ -209,9 +209,11 @@ def feature_inputs(model, inputs: dict) -> dict:
     return out
 
 
-def split_visuals_per_prompt(model, prompt_inputs) -> list[dict[str, torch.Tensor]]:
+def split_visuals_per_prompt(model, prompt_inputs, what: str = "prompt", first: int = 0
+                             ) -> list[dict[str, torch.Tensor]]:
     """The visual inputs of each prompt: per prompt a dict with the same keys as the processor output, holding only
-    that prompt's videos/images (in order). Items are assigned by counting each prompt's placeholder tokens."""
+    that prompt's videos/images (in order). Items are assigned by counting each prompt's placeholder tokens. `what`
+    and `first` name a row in the errors ("prompt" b, or "completion row" first + b for `completion_visuals_per_row`)."""
     ids = prompt_inputs["input_ids"]
     attn = prompt_attention_mask(prompt_inputs)
     merge = model.config.vision_config.spatial_merge_size
@@ -219,6 +221,10 @@ def split_visuals_per_prompt(model, prompt_inputs) -> list[dict[str, torch.Tenso
     for kind, token_attr, grid_key, pixel_key, extra_keys in _VISUALS:
         grid = prompt_inputs.get(grid_key)
         if grid is None:
+            stray = ((ids == getattr(model.config, token_attr)) & attn).sum(dim=1)
+            if stray.any():
+                b = int(stray.nonzero()[0])
+                raise ValueError(f"{what} {first + b} has {int(stray[b])} {kind} tokens but no {grid_key} was given")
             continue
         tokens_per_item = (grid.prod(-1) // merge**2).tolist()
         # a video decoded per rank holds its part's rows only; features in place of pixels: none
@@ -234,7 +240,7 @@ def split_visuals_per_prompt(model, prompt_inputs) -> list[dict[str, torch.Tenso
                 item += 1
             token += got
             if got != need:
-                raise ValueError(f"prompt {b} has {need} {kind} tokens but its {kind} grids give {got}; "
+                raise ValueError(f"{what} {first + b} has {need} {kind} tokens but its {kind} grids give {got}; "
                                  f"pass the processor output unchanged")
             if item > first_item:
                 per_prompt[b][grid_key] = grid[first_item:item]
@@ -246,9 +252,56 @@ def split_visuals_per_prompt(model, prompt_inputs) -> list[dict[str, torch.Tenso
                 for key in extra_keys:
                     if prompt_inputs.get(key) is not None:
                         per_prompt[b][key] = prompt_inputs[key][first_item:item]
+        where = f"{what} {first}" if ids.shape[0] == 1 else f"the {what}s"
         if item != len(tokens_per_item):
-            raise ValueError(f"{len(tokens_per_item)} {kind}s given but the prompts' placeholders cover {item}")
+            raise ValueError(f"{len(tokens_per_item)} {kind}s given but the placeholders of {where} cover {item}")
+        pixels = prompt_inputs.get(pixel_key)
+        if pixels is not None and pixels.shape[0] != row:
+            raise ValueError(f"{pixel_key} of {where} has {pixels.shape[0]} rows but the {kind} grids give {row}; "
+                             "pass the processor output unchanged")
     return per_prompt
+
+
+def completion_visuals_per_row(model, completion_ids, completion_mask, completion_visuals) -> list[dict]:
+    """The visual inputs that sit inside completions (a trajectory's tool turns: a zoom clip's frames between the
+    model's own tokens) -> one dict per completion row, as `split_visuals_per_prompt` gives per prompt.
+
+    completion_visuals: processor output for the clips of all N rows, items in row order and within a row in
+    placeholder order (`pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts`, ...), or already one dict per
+    row. A row's placeholder tokens must be exactly what its items' grids give (a ValueError names the row)."""
+    if isinstance(completion_visuals, (list, tuple)):
+        if len(completion_visuals) != completion_ids.shape[0]:
+            raise ValueError(f"{len(completion_visuals)} completion visual dicts for {completion_ids.shape[0]} "
+                             "completion rows; give one per row (empty for a row without clips)")
+        for i, row in enumerate(completion_visuals):  # each row's placeholders against its own items
+            split_visuals_per_prompt(model, {"input_ids": completion_ids[i:i + 1],
+                                             "attention_mask": completion_mask[i:i + 1], **row},
+                                     what="completion row", first=i)
+        return [dict(v) for v in completion_visuals]
+    inputs = {"input_ids": completion_ids, "attention_mask": completion_mask, **completion_visuals}
+    return split_visuals_per_prompt(model, inputs, what="completion row")
+
+
+def _has_videos(v: dict) -> bool:
+    return v.get("video_grid_thw") is not None and v["video_grid_thw"].shape[0] > 0
+
+
+def merge_visuals(items: list[dict]) -> dict:
+    """Per-prompt (or per-row) visual dicts -> one processor-style dict with their items in that order, as the model
+    scatters features at the placeholders of one row. A video held as one rank's part (`VIDEO_PART`) beside whole
+    ones: the whole ones get (0, 1). A per-video key some videos have and others lack is a ValueError."""
+    if any(_has_videos(v) and VIDEO_PART in v for v in items):
+        items = [dict(v, **{VIDEO_PART: v["video_grid_thw"].new_tensor([[0, 1]] * v["video_grid_thw"].shape[0])})
+                 if _has_videos(v) and VIDEO_PART not in v else v for v in items]
+    have = [("second_per_grid_ts" in v) for v in items if _has_videos(v)]
+    if any(have) and not all(have):
+        raise ValueError("some videos carry second_per_grid_ts and others do not; give every video (the prompts' "
+                         "and the completions') the processor's same keys")
+    out: dict = {}
+    for v in items:
+        for k, x in v.items():
+            out.setdefault(k, []).append(x)
+    return {k: (x[0] if len(x) == 1 else torch.cat(x)) for k, x in out.items()}
 
 
 _ROW_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")

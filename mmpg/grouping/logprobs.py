@@ -17,12 +17,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mmpg.grouping.adapters import packed_hidden_states, prefix_positions
+from mmpg.grouping.adapters import completion_positions, packed_hidden_states, prefix_positions
 from mmpg.grouping.shares import Share, find_shares, leaders_visuals, share_order
 from mmpg.grouping.shares import pack_shares as pack
 from mmpg.grouping.inputs import (
-    Completions, check_completions, check_whole_videos, feature_inputs, mm_token_type_ids, pad_token_id, parts_of,
-    placeholder_token_ids, prompt_attention_mask, select_prompts, split_visuals_per_prompt,
+    VIDEO_PART, Completions, check_completions, check_whole_videos, completion_visuals_per_row, feature_inputs,
+    merge_visuals,
+    mm_token_type_ids, pad_token_id, parts_of, placeholder_token_ids, prompt_attention_mask, select_prompts,
+    split_visuals_per_prompt,
 )
 from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.layout import GroupLayout, pick_rows
@@ -118,7 +120,7 @@ def grouped_logprobs(model, prompt_inputs, completion_ids, completion_mask, grou
 
 def grouped_forward(model, prompt_inputs, completion_ids, completion_mask, group_sizes, *, backend=None,
                     temperature: float = 1.0, chunk_size: int = 2048, share: bool = True,
-                    sequence_group=None) -> GroupedLogprobs:
+                    sequence_group=None, completion_visuals=None) -> GroupedLogprobs:
     """Each prompt (and its video) forwarded once with its responses packed behind it (`GroupedLogprobs`).
 
     prompt_inputs: processor output for B prompts (left or right padded). completion_ids/mask: [N, S] right-padded,
@@ -128,10 +130,18 @@ def grouped_forward(model, prompt_inputs, completion_ids, completion_mask, group
     forwards each prompt on its own. Prompts of one video anywhere in the batch share it: they are computed side by
     side (`mmpg.grouping.shares.share_order`) and the rows given back in the caller's order.
     sequence_group: a torch.distributed process group of sp ranks that hold the same inputs and share the packed row
-    (`mmpg.grouping.sequence`); default the model's (`GroupingState.sequence_group`), None or size 1: one rank."""
+    (`mmpg.grouping.sequence`); default the model's (`GroupingState.sequence_group`), None or size 1: one rank.
+    completion_visuals: visual inputs inside the completions (a trajectory tree: each row a branch whose tool turns
+    hold a zoom clip's frames), processor output for all rows' clips in row order or one dict per row
+    (`mmpg.grouping.inputs.completion_visuals_per_row`); the vision tower encodes each clip once, its features land
+    at its row's placeholders and the row's positions are the model's own for [prompt | completion]. Placeholders in
+    a completion without them are refused. The logprobs cover every completion token (a caller's loss mask leaves
+    out the tool turns)."""
     _check_temperature(temperature)
     model = base_model(model)  # a peft PeftModel: the transformers model inside it
     state = grouping_state(model)
+    is_vl = model_kind(model) == "vl"
+    row_visuals = _row_visuals(model, is_vl, completion_ids, completion_mask, completion_visuals)
     if sequence_group is None:
         sequence_group = state.sequence_group
     if group_size(sequence_group) > 1:
@@ -139,12 +149,11 @@ def grouped_forward(model, prompt_inputs, completion_ids, completion_mask, group
     else:
         check_whole_videos(prompt_inputs, "the grouped forward on one rank")
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
-                                    placeholder_token_ids(model))
+                                    [] if row_visuals else placeholder_token_ids(model))
     apply_grouped_attention(model)
     device = model.get_input_embeddings().weight.device
     prompt_inputs = _on_device(prompt_inputs, device)
     backend = resolve_backend(backend or state.backend, device, compute_dtype(model, device))
-    is_vl = model_kind(model) == "vl"
     visuals = split_visuals_per_prompt(model, prompt_inputs) if is_vl else None
     order = share_order(visuals) if share and is_vl else list(range(len(completions.group_sizes)))
     if order != sorted(order):  # a video's prompts apart in the batch: computed side by side, given back in order
@@ -153,7 +162,8 @@ def grouped_forward(model, prompt_inputs, completion_ids, completion_mask, group
         out = grouped_forward(model, select_prompts(model, prompt_inputs, order, pad_id), completion_ids[rows],
                               completion_mask[rows], [completions.group_sizes[b] for b in order], backend=backend,
                               temperature=temperature, chunk_size=chunk_size, share=True,
-                              sequence_group=sequence_group)
+                              sequence_group=sequence_group,
+                              completion_visuals=[row_visuals[i] for i in rows] if row_visuals else None)
         back = torch.tensor(rows, device=out.logprobs.device).argsort()
         return dataclasses.replace(out, logprobs=out.logprobs[back])
     prefixes = prefix_positions(model, prompt_inputs, visuals)
@@ -161,11 +171,17 @@ def grouped_forward(model, prompt_inputs, completion_ids, completion_mask, group
     # prompts that begin alike (a video's queries) share that part in the packed row (mmpg.grouping.shares)
     shares = find_shares(prefixes, visuals, placeholder_token_ids(model), completions.group_sizes) if share else \
         [Share((b,), p.numel()) for b, p in enumerate(prefixes.ids)]
-    packed_ids, packed_pos, row_lens, row_skip = pack(prefixes, completions, shares, device)
+    row_positions = None
+    if row_visuals:  # rows holding clips: their own positions; each row's prompt start from its prompt
+        row_visuals = [_on_device(v, device) for v in row_visuals]
+        row_starts = [prefixes.starts[b] for b in range(len(completions.group_sizes)) for _ in completions.rows_of(b)]
+        row_positions = completion_positions(model, completions, row_visuals, row_starts)
+    packed_ids, packed_pos, row_lens, row_skip = pack(prefixes, completions, shares, device,
+                                                      row_positions=row_positions)
     layout = GroupLayout(prefix_lens=[s.length for s in shares], response_lens=row_lens, device=device,
                          backend=backend, row_skip=row_skip if any(any(k) for k in row_skip) else None,
                          deterministic=state.deterministic, kernel_dtype=state.kernel_dtype)
-    visual_inputs = leaders_visuals(prompt_inputs, visuals, shares)
+    visual_inputs = leaders_visuals(prompt_inputs, visuals, shares, completions, row_visuals)
     if group_size(sequence_group) > 1:  # the row cut over the sp ranks (mmpg.grouping.sequence)
         layout.sequence = SequenceShard(sequence_group, group_size(sequence_group), dist.get_rank(sequence_group),
                                         layout.total)
@@ -184,21 +200,47 @@ def grouped_forward(model, prompt_inputs, completion_ids, completion_mask, group
                            row_tokens=int(row_tokens))
 
 
-def _repeated_rows(model, prompt_inputs, completions: Completions) -> dict:
-    """Model inputs for N rows [pad | prompt of row i | completion i], left-padded, visuals repeated per row."""
+def _row_visuals(model, is_vl: bool, completion_ids, completion_mask, completion_visuals) -> list[dict] | None:
+    """Per completion row its clips' visual inputs (`completion_visuals_per_row`), None when no row holds any."""
+    if completion_visuals is None:
+        return None
+    if not is_vl:
+        raise ValueError(f"completion_visuals were given to {type(model).__name__}, a model without a vision tower")
+    rows = completion_visuals_per_row(model, completion_ids, completion_mask, completion_visuals)
+    return rows if any(rows) else None
+
+
+def _clip_features(model, completion_ids, completion_mask, row_visuals: list[dict], group) -> list[dict]:
+    """The rows' clips (whole on every rank) encoded by the sequence-parallel group as `with_video_features` encodes
+    the prompts' videos, split per row again: features in place of pixels."""
+    clips = merge_visuals(row_visuals)
+    if clips.get("image_grid_thw") is not None:
+        raise ValueError("the repeated forward from a rank's video parts takes video clips in completions, not images")
+    grid = clips["video_grid_thw"]
+    clips[VIDEO_PART] = grid.new_tensor([[0, 1]] * grid.shape[0])
+    return completion_visuals_per_row(model, completion_ids, completion_mask,
+                                      with_video_features(model, clips, group))
+
+
+def _repeated_rows(model, prompt_inputs, completions: Completions, row_visuals: list[dict] | None = None) -> dict:
+    """Model inputs for N rows [pad | prompt of row i | completion i], left-padded, visuals repeated per row (and
+    behind them row i's own clips, `row_visuals`)."""
     ids, attn = prompt_inputs["input_ids"], prompt_attention_mask(prompt_inputs)
     is_vl = model_kind(model) == "vl"
     types = mm_token_type_ids(model, prompt_inputs) if is_vl else None
     visuals = split_visuals_per_prompt(model, prompt_inputs) if is_vl else None
     pad_id = pad_token_id(model)
-    rows, row_types, row_visuals = [], [], []
+    rows, row_types, per_row = [], [], []
     for b, group in enumerate(completions.group_sizes):
         for i in completions.rows_of(b):
             tokens = completions.tokens(i).to(ids.device)
             rows.append(torch.cat([ids[b][attn[b]], tokens]))
             if is_vl:
-                row_types.append(torch.cat([types[b][attn[b]], torch.zeros_like(tokens, dtype=types.dtype)]))
-                row_visuals.append(visuals[b])
+                own = row_visuals[i] if row_visuals else {}
+                tail = mm_token_type_ids(model, {"input_ids": tokens}).to(types.dtype) if own else \
+                    torch.zeros_like(tokens, dtype=types.dtype)
+                row_types.append(torch.cat([types[b][attn[b]], tail]))
+                per_row.append(merge_visuals([visuals[b], own]) if own else visuals[b])
     width = max(r.numel() for r in rows)
     batch = {
         "input_ids": torch.stack([F.pad(r, (width - r.numel(), 0), value=pad_id) for r in rows]),
@@ -206,28 +248,35 @@ def _repeated_rows(model, prompt_inputs, completions: Completions) -> dict:
     }
     if is_vl:
         batch["mm_token_type_ids"] = torch.stack([F.pad(t, (width - t.numel(), 0)) for t in row_types])
-        for key in {k for v in row_visuals for k in v}:
-            batch[key] = torch.cat([v[key] for v in row_visuals if key in v])
+        for key in {k for v in per_row for k in v}:
+            batch[key] = torch.cat([v[key] for v in per_row if key in v])
     return batch
 
 
 def repeated_logprobs(model, prompt_inputs, completion_ids, completion_mask, group_sizes, *,
-                      temperature: float = 1.0, sequence_group=None) -> torch.Tensor:
+                      temperature: float = 1.0, sequence_group=None, completion_visuals=None) -> torch.Tensor:
     """The naive reference: every prompt and its video repeated G_b times, the model's own forward (Qwen2.5-VL on its
     trained mRoPE convention, `mmpg.grouping.positions`). [N, S] float32. Inputs whose videos each rank holds only
     its part of (`VIDEO_PART`) are encoded whole by the sequence-parallel group first (`with_video_features`;
-    `sequence_group` default the model's) and passed as precomputed features (transformers >= 5.18)."""
+    `sequence_group` default the model's) and passed as precomputed features (transformers >= 5.18).
+    completion_visuals: as `grouped_forward`'s; row i forwards [prompt | completion i] with the prompt's visuals and
+    then its own clips, the whole conversation as the model's own forward reads it."""
     _check_temperature(temperature)
     model = base_model(model)  # a peft PeftModel: the transformers model inside it
     use_qwen_positions(model)
+    row_visuals = _row_visuals(model, model_kind(model) == "vl", completion_ids, completion_mask, completion_visuals)
     if parts_of(prompt_inputs):  # every rank holds its part of the pixels: the group encodes the whole videos
         group = sequence_group if sequence_group is not None else grouping_state(model).sequence_group
         if group_size(group) <= 1:
             check_whole_videos(prompt_inputs, "the repeated forward on one rank")
         prompt_inputs = with_video_features(model, prompt_inputs, group)
+        if row_visuals:  # the clips as features too (one forward takes pixels or features, not both)
+            row_visuals = _clip_features(model, completion_ids, completion_mask, row_visuals, group)
     completions = check_completions(prompt_inputs, completion_ids, completion_mask, group_sizes,
-                                    placeholder_token_ids(model))
-    batch = _repeated_rows(model, _on_device(prompt_inputs, model.get_input_embeddings().weight.device), completions)
+                                    [] if row_visuals else placeholder_token_ids(model))
+    device = model.get_input_embeddings().weight.device
+    batch = _repeated_rows(model, _on_device(prompt_inputs, device), completions,
+                           [_on_device(v, device) for v in row_visuals] if row_visuals else None)
     keep = max(completions.lengths) + 1
     batch = feature_inputs(model, batch)  # whole videos' features in place of pixels, where given
     logits = model(**batch, use_cache=False, logits_to_keep=keep).logits.float()  # [N, keep, V]

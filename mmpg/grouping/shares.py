@@ -25,6 +25,8 @@ import dataclasses
 
 import torch
 
+from mmpg.grouping.inputs import merge_visuals
+
 
 @dataclasses.dataclass(frozen=True)
 class Share:
@@ -98,8 +100,11 @@ def find_shares(prefixes, visuals: list[dict], banned: list[int], group_sizes: l
     return shares
 
 
-def pack_shares(prefixes, completions, shares: list[Share], device) -> tuple[torch.Tensor, torch.Tensor, list, list]:
-    """Packed ids [T], positions [A, T], and per share the row lengths (tail + response) and the tails' lengths."""
+def pack_shares(prefixes, completions, shares: list[Share], device, row_positions: list | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+    """Packed ids [T], positions [A, T], and per share the row lengths (tail + response) and the tails' lengths.
+    row_positions[i]: completion row i's own positions [A, L_i] (a row holding a clip's frames,
+    `adapters.completion_positions`), None: its prompt's start, then one more per token."""
     ids, pos, row_lens, row_skip = [], [], [], []
     for share in shares:
         lead, n = share.prompts[0], share.length
@@ -112,7 +117,9 @@ def pack_shares(prefixes, completions, shares: list[Share], device) -> tuple[tor
             for i in completions.rows_of(b):
                 tokens = completions.tokens(i).to(device)
                 ids += [tail_ids, tokens]
-                pos += [tail_pos, (start + torch.arange(tokens.numel(), device=device)).expand(tail_pos.shape[0], -1)]
+                own = row_positions[i] if row_positions is not None else None
+                pos += [tail_pos, own.to(device) if own is not None else
+                        (start + torch.arange(tokens.numel(), device=device)).expand(tail_pos.shape[0], -1)]
                 lens.append(tail_ids.numel() + tokens.numel())
                 skips.append(tail_ids.numel())
         row_lens.append(lens)
@@ -120,8 +127,17 @@ def pack_shares(prefixes, completions, shares: list[Share], device) -> tuple[tor
     return torch.cat(ids), torch.cat(pos, dim=1), row_lens, row_skip
 
 
-def leaders_visuals(prompt_inputs, visuals: list[dict], shares: list[Share]) -> dict:
-    """The visual inputs of each share's first prompt only (the packed row holds each shared video once)."""
+def leaders_visuals(prompt_inputs, visuals: list[dict], shares: list[Share], completions=None,
+                    row_visuals: list[dict] | None = None) -> dict:
+    """The visual inputs in the packed row's placeholder order: each share's first prompt's only (the row holds
+    each shared video once), and behind it the clips inside its rows' completions (`row_visuals`, a trajectory's
+    zoom frames), row by row."""
+    if row_visuals is not None and any(row_visuals):
+        items = []
+        for s in shares:
+            items.append(visuals[s.prompts[0]])
+            items += [row_visuals[i] for b in s.prompts for i in completions.rows_of(b)]
+        return merge_visuals(items)
     if all(len(s.prompts) == 1 for s in shares) or not any(visuals):
         return prompt_inputs
     out: dict = {}
