@@ -25,12 +25,16 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from mmpg.doctor import checks, environment, results, speed, train_check
+from mmpg.doctor import environment, results
 from mmpg.doctor.results import Row, not_run
-from mmpg.grouping.backends.probe import flash_status
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and the checks (the grouped forward, transformers) are imported where the doctor runs: `mmpg`'s parser builds
+# this command's arguments on every command (`add_arguments`), which must not cost a torch import
 
 NO_CUDA = "needs a CUDA device: "
 
@@ -53,20 +57,29 @@ def _wanted(only: str):
 
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2")
-F32, BF16 = torch.float32, torch.bfloat16
-# (backend, dtype): where each runs. CPU: float32 (the equivalence tests' bounds); CUDA: also bf16, what runs train
-GROUPED = {"cpu": [("sdpa", F32), ("lse_reference", F32)],
-           "cuda": [("sdpa", F32), ("sdpa", BF16), ("lse_reference", F32), ("flash", BF16), ("flex", BF16)]}
+
+
+def grouped_plans() -> dict:
+    """(backend, dtype) of each grouped row by device. CPU: float32 (the equivalence tests' bounds); CUDA: also
+    bf16, what runs training."""
+    import torch
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    return {"cpu": [("sdpa", f32), ("lse_reference", f32)],
+            "cuda": [("sdpa", f32), ("sdpa", bf16), ("lse_reference", f32), ("flash", bf16), ("flex", bf16)]}
 
 
 def _grouped(device: torch.device, cuda_why: str) -> list:
     """(row id, function, args...) for each grouped backend check; those this machine cannot run as NOT RUN rows."""
-    plans = [("grouped/auto", checks.grouped_auto_row, device)]
+    from mmpg.doctor import checks
+    from mmpg.grouping.backends.probe import flash_status
+
+    plans, table = [("grouped/auto", checks.grouped_auto_row, device)], grouped_plans()
     for family in FAMILIES:
-        for backend, dtype in GROUPED["cuda"]:
+        for backend, dtype in table["cuda"]:
             name = str(dtype).split(".")[-1]
             row_id, what = f"grouped/{backend}/{family}/{name}", f"grouped forward, backend {backend}, {family} ({name})"
-            if (backend, dtype) in GROUPED[device.type]:
+            if (backend, dtype) in table[device.type]:
                 plans.append((row_id, checks.grouped_row, family, backend, device, dtype))
             elif device.type != "cuda":
                 plans.append(not_run("grouped", row_id, what, NO_CUDA + cuda_why))
@@ -78,6 +91,11 @@ def _grouped(device: torch.device, cuda_why: str) -> list:
 
 
 def _cascade_and_decode(device: torch.device, cuda_why: str) -> list:
+    import torch
+
+    from mmpg.doctor import checks
+    from mmpg.grouping.backends.probe import flash_status
+
     plans = [("cascade/sdpa/float32", checks.cascade_row, "sdpa", device, torch.float32)]
     for kernel in ("sdpa", "flash"):
         row_id = f"cascade/{kernel}/bfloat16"
@@ -89,7 +107,7 @@ def _cascade_and_decode(device: torch.device, cuda_why: str) -> list:
                                  "flash-attn: " + flash_status(device)[1]))
         else:
             plans.append((row_id, checks.cascade_row, kernel, device, torch.bfloat16))
-    dtype = BF16 if device.type == "cuda" else F32
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for family in FAMILIES:
         for kernel in ("sdpa", "math", "flash"):
             row_id = f"decode/{kernel}/{family}"
@@ -112,6 +130,8 @@ SYNC_ROWS = {  # row: (what, GPUs it needs, why that many, the tests of tests/te
 
 def sync_row(row_id: str, device: torch.device, cuda_why: str) -> Row:
     """The NCCL weight sync of the vLLM engine: its GPU tests (tests/test_vllm_gpu.py) where they can run."""
+    import torch
+
     text, gpus, why_gpus, select = SYNC_ROWS[row_id]
     what = f"{text} (tests/test_vllm_gpu.py -k '{select}')"
     if device.type != "cuda":
@@ -134,6 +154,8 @@ def sync_row(row_id: str, device: torch.device, cuda_why: str) -> Row:
 
 
 def plan_rows(device: torch.device, cuda_why: str, quick: bool, work: Path) -> list:
+    from mmpg.doctor import speed, train_check
+
     plans = [*_grouped(device, cuda_why), *_cascade_and_decode(device, cuda_why)]
     if quick:
         plans.append(not_run("train", "train/bf16", "mmpg train: 3 GRPO steps in bf16 with the self-check",
@@ -149,6 +171,8 @@ def plan_rows(device: torch.device, cuda_why: str, quick: bool, work: Path) -> l
 
 
 def _device(choice: str, cuda: bool, cuda_why: str) -> torch.device:
+    import torch
+
     if choice == "cuda" and not cuda:
         from mmpg.errors import UserError
 
@@ -157,6 +181,8 @@ def _device(choice: str, cuda: bool, cuda_why: str) -> torch.device:
 
 
 def run(args) -> int:
+    from mmpg.doctor import checks
+
     os.environ.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     stamp = datetime.now(timezone.utc)

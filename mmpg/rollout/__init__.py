@@ -14,7 +14,15 @@ for all G rows (`mmpg.rollout.cascade`), and prefills a video asked by several a
 (`mmpg.rollout.shares`); `decode="copy"` copies each prompt's prefill G ways (the A/B reference).
 """
 
-from mmpg.rollout.engine import FINISH_LENGTH, FINISH_STOP, Rollout, RolloutEngine, SamplingParams
-from mmpg.rollout.hf import HFEngine
-
 __all__ = ["FINISH_LENGTH", "FINISH_STOP", "HFEngine", "Rollout", "RolloutEngine", "SamplingParams"]
+_HOME = {"HFEngine": "mmpg.rollout.hf", **{name: "mmpg.rollout.engine" for name in __all__ if name != "HFEngine"}}
+
+
+def __getattr__(name: str):
+    """The engines imported on first use (torch and transformers with them), so a command that only reads a config
+    (`mmpg train --get`, `mmpg vllm-len`'s parser) does not pay for them."""
+    if name not in _HOME:
+        raise AttributeError(f"module 'mmpg.rollout' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_HOME[name]), name)

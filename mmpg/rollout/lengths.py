@@ -30,12 +30,16 @@ import logging
 import math
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
-from mmpg.data.prompts import build_prompt_inputs, get_template
-from mmpg.data.samples import GroundingSample
-from mmpg.data.video import PATCH_SIZE, DecodedVideo, VideoSpec
 from mmpg.errors import UserError
+
+if TYPE_CHECKING:
+    from mmpg.data.samples import GroundingSample
+    from mmpg.data.video import DecodedVideo, VideoSpec
+
+# torch, the prompt builder and the video module are imported where a length is computed: `mmpg`'s parser builds
+# this command's arguments on every command (`add_arguments`), which must not cost a torch import
 
 log = logging.getLogger("mmpg.rollout.lengths")
 
@@ -96,6 +100,8 @@ def worst_video_tokens(spec: VideoSpec, temporal: int = 2) -> tuple[int, int]:
 
 
 def data_spec(cfg, patch: int) -> VideoSpec:
+    from mmpg.data.video import VideoSpec
+
     d = cfg.data
     return VideoSpec(fps=d.fps, min_frames=d.min_frames, max_frames=d.max_frames, min_pixels=d.min_pixels,
                      max_pixels=d.max_pixels, total_pixels=d.total_pixels, image_patch_size=patch)
@@ -103,6 +109,11 @@ def data_spec(cfg, patch: int) -> VideoSpec:
 
 def _stand_in(frames: int, side: int) -> tuple[GroundingSample, DecodedVideo]:
     """A sample of a WORST_DURATION_S-second video whose `frames` frames are one merged patch (side x side) each."""
+    import torch
+
+    from mmpg.data.samples import GroundingSample
+    from mmpg.data.video import DecodedVideo
+
     indices = [round(i * (WORST_DURATION_S - 1) / max(1, frames - 1)) for i in range(frames)]
     video = DecodedVideo(frames=torch.zeros(frames, 3, side, side), timestamps=[float(i) for i in indices],
                          sample_fps=frames / WORST_DURATION_S,
@@ -116,6 +127,8 @@ def _stand_in(frames: int, side: int) -> tuple[GroundingSample, DecodedVideo]:
 def worst_prompt(cfg, processor) -> WorstPrompt | None:
     """The config's longest prompt for this processor (module docstring); None for a text-only model (no video
     processor: its prompts are as long as their text)."""
+    from mmpg.data.prompts import build_prompt_inputs, get_template
+
     vp = getattr(processor, "video_processor", None)
     if vp is None:
         return None
@@ -133,6 +146,9 @@ def estimate(cfg, family: str | None) -> WorstPrompt:
     """The worst prompt without the model's processor: the video as `worst_prompt` counts it (Qwen2.5-VL's 28-pixel
     tokens unless the family is known to be Qwen3-VL's 32), the text bounded by its bytes, QUERY_TOKENS for the
     query, CHAT_BYTES for the chat template, FRAME_BLOCK_BYTES per temporal patch unless the family is Qwen2.5-VL."""
+    from mmpg.data.prompts import get_template
+    from mmpg.data.video import PATCH_SIZE
+
     spec = data_spec(cfg, PATCH_SIZE.get(family or "", PATCH_SIZE["qwen2_5_vl"]))
     video_tokens, frames = worst_video_tokens(spec)
     sample, video = _stand_in(frames, spec.factor)
@@ -145,6 +161,8 @@ def estimate(cfg, family: str | None) -> WorstPrompt:
 
 def family_of(path: str) -> str | None:
     """The model family of a checkpoint folder (its config.json), or guessed from a hub id's name; None: unknown."""
+    from mmpg.data.video import PATCH_SIZE
+
     config = Path(path).expanduser() / "config.json"
     if config.is_file():
         try:
