@@ -17,7 +17,7 @@ tests=(tests/test_grouping_equivalence.py tests/test_grouping_positions.py tests
        tests/test_flash_loaded_models.py tests/test_rollout.py
        tests/test_rollout_seeds.py tests/test_cascade.py tests/test_rollout_shares.py tests/test_eval_run.py
        tests/test_lora.py tests/test_sequence_parallel.py tests/test_prefill_chunks.py tests/test_share_any_order.py
-       tests/test_qwen3_prompt_form.py tests/test_trajectory_tree.py)
+       tests/test_qwen3_prompt_form.py tests/test_trajectory_tree.py tests/test_zoom_tool.py tests/test_zoom_rollout.py)
 # on test.sh's workers (MMPG_TEST_WORKERS, default 2; 0: one process), one thread each
 workers=${MMPG_TEST_WORKERS:-2}
 pytest=(python -m pytest -p no:cacheprovider -q)
