@@ -301,6 +301,13 @@ def _decode_part(ele: dict, patch: int, rank: int, sp: int) -> tuple[torch.Tenso
     return frames[: 2 * (b - a)], 2 * a, metadata
 
 
+def sampled_indices(spec: VideoSpec, path: str, total_frames: int, fps: float, clip_start: float | None = None,
+                    clip_end: float | None = None) -> list[int]:
+    """The frame indices `load_video` decodes from a video of `total_frames` frames at `fps` under `spec`, without
+    opening it (what the toy world places its events around)."""
+    return _sampled_indices(spec.element(path, clip_start, clip_end), total_frames, fps)[0]
+
+
 def _sampled_indices(ele: dict, total_frames: int, fps: float) -> tuple[list[int], int]:
     """(frame indices of the T sampled frames, frames in the window): qwen-vl-utils' decord reader's sampling,
     linspace(first, last, smart_nframes) rounded."""

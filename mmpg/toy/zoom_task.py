@@ -1,0 +1,167 @@
+"""The toy task where zooming wins: the overview says where to look, only a zoom shows when exactly.
+
+Each video is black with two events: a large coloured square (the *field*) visible for FIELD_S seconds, and inside
+that time a small white circle (the *flash*) visible for FLASH_S seconds, in a corner of the frame. The query asks
+for the flash. The overview samples the video at `overview_fps` (qwen-vl-utils' sampling, as training decodes it),
+and the flash is placed where no overview frame falls, so one look sees the field but never the flash: the best a
+single turn can answer is the field's time (tIoU about FLASH_S / FIELD_S). A zoom on the field's window at
+`zoom.fps` shows the flash in several frames.
+
+`rule_trajectory` is the rule-based policy that writes the cold start's multi-turn trajectories, as VideoZoomer and
+VITAL distil theirs: from the overview frames that show the field, a zoom on the window between the overview frames
+around them; from the clip's frames that show the flash, the answer. `write_zoom_dataset` writes the videos, the
+annotations (the captions JSON mmpg reads) and those trajectories (`trajectories.jsonl`, chat messages with the
+tool call and the tool's turn, the clip named by its window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from mmpg.errors import UserError
+from mmpg.toy import render
+from mmpg.toy.scenes import Event, Scene
+
+FIELD_S = (6.0, 8.0)  # how long the field is visible (drawn per video)
+FLASH_S = 0.5
+QUERY = "the white flash"
+FIELD_COLOURS = ("red", "green", "blue", "yellow", "magenta", "cyan", "orange")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZoomTask:
+    """The task's sizes: videos of `duration` seconds at `fps`, `size` pixels square; the overview's frame rate and
+    the zoom tool's (its settings: `mmpg.rollout.zoom.ZoomSettings`)."""
+
+    duration: float = 40.0
+    fps: float = 8.0
+    size: int = 64
+    overview_fps: float = 0.5
+    zoom_fps: float = 4.0
+    zoom_max_frames: int = 48
+
+    def overview_times(self) -> list[float]:
+        """Seconds of the frames the overview samples (qwen-vl-utils' rule, as `mmpg.data.video` decodes)."""
+        from mmpg.data.video import VideoSpec, sampled_indices
+
+        spec = VideoSpec(fps=self.overview_fps, min_frames=4, max_frames=768)
+        indices = sampled_indices(spec, "", int(round(self.duration * self.fps)), self.fps)
+        return [i / self.fps for i in indices]
+
+
+def zoom_scene(rng: np.random.Generator, video_id: str, task: ZoomTask) -> Scene:
+    """One video of the task (module docstring), drawn from its own rng: the field somewhere in the video, the
+    flash inside it between two overview frames."""
+    times = task.overview_times()
+    field_len = float(rng.uniform(*FIELD_S))
+    start = float(rng.uniform(2.0, task.duration - field_len - 2.0))
+    field_start, field_end = round(start * task.fps) / task.fps, round((start + field_len) * task.fps) / task.fps
+    frame = 1.0 / task.fps
+    gaps = [(max(a, field_start) + frame, min(b, field_end) - frame - FLASH_S)  # flash starts where it misses both
+            for a, b in zip(times, times[1:])]
+    gaps = [(lo, hi) for lo, hi in gaps if hi > lo]
+    lo, hi = gaps[int(rng.integers(len(gaps)))]
+    flash_start = round(float(rng.uniform(lo, hi)) * task.fps) / task.fps
+    colour = FIELD_COLOURS[int(rng.integers(len(FIELD_COLOURS)))]
+    s = float(task.size)
+    field = Event(colour, "square", "appears", field_start, field_end, 0.5 * s, (0.4 * s, 0.6 * s), (0.4 * s, 0.6 * s))
+    flash = Event("white", "circle", "appears", flash_start, flash_start + FLASH_S, 0.25 * s, (0.82 * s, 0.18 * s),
+                  (0.82 * s, 0.18 * s))
+    n = int(round(task.duration * task.fps))
+    return Scene(video_id, task.fps, task.size, task.size, n, round(n / task.fps, 3), (field, flash))
+
+
+def _visible(scene: Scene, event: int, t: float) -> bool:
+    return scene.events[event].colour_at(t) is not None
+
+
+def call_text(start: float, end: float) -> str:
+    """The zoom call as the model writes it (`mmpg.rollout.zoom`)."""
+    return '<tool_call>\n' + json.dumps({"name": "zoom", "arguments": {"start": start, "end": end}}) + '\n</tool_call>'
+
+
+def rule_trajectory(scene: Scene, task: ZoomTask) -> dict:
+    """The rule-based policy's trajectory for one video: what it sees in the overview frames, its zoom call, the
+    clip's window and what it sees there, its answer. Reads only what the frames it is shown hold (`Scene`'s
+    drawing rule at the sampled times), never the drawn spans directly."""
+    times = task.overview_times()
+    seen = [t for t in times if _visible(scene, 0, t)]
+    before = max([t for t in times if t < seen[0]], default=0.0)
+    after = min([t for t in times if t > seen[-1]], default=scene.duration)
+    start, end = before, min(after, before + task.zoom_max_frames / task.zoom_fps)
+    clip_times = [start + k / task.zoom_fps for k in range(int(round((end - start) * task.zoom_fps)))]
+    flashes = [t for t in clip_times if _visible(scene, 1, t)]
+    colour = scene.events[0].colour
+    think = (f"<think>The {colour} square is on screen from about {seen[0]:.1f} to {seen[-1]:.1f} seconds; the flash "
+             f"is too short to see here, so I look again between {start:.1f} and {end:.1f} seconds.</think>")
+    if flashes:
+        answer = (flashes[0], flashes[-1] + 1.0 / task.zoom_fps)
+        final = (f"<think>The flash is visible from {answer[0]:.2f} to {answer[1]:.2f} seconds.</think>"
+                 f"<answer>{answer[0]:.2f} to {answer[1]:.2f}</answer>")
+    else:  # the clip missed it: answer the field, as one look would
+        answer = (seen[0], seen[-1])
+        final = f"<think>No flash in the clip.</think><answer>{answer[0]:.2f} to {answer[1]:.2f}</answer>"
+    return {"window": [start, end], "answer": list(answer), "messages": [
+        {"role": "assistant", "content": think + "\n" + call_text(start, end)},
+        {"role": "tool", "content": [{"type": "text", "text": f"Frames from {start:.1f} to {end:.1f} seconds:"},
+                                     {"type": "video", "video_start": start, "video_end": end}]},
+        {"role": "assistant", "content": final}]}
+
+
+def write_zoom_dataset(out: Path | str, n: int, seed: int = 0, task: ZoomTask | None = None, *,
+                       overwrite: bool = False, test_fraction: float = 0.25) -> dict:
+    """Write n videos of the task into `out`: videos/*.mp4, train.json and test.json (captions format: duration,
+    timestamps, sentences), events.json (what was drawn) and trajectories.jsonl (the rule policy's trajectory of
+    each training video). Written to a hidden sibling first and renamed into place. Returns a summary."""
+    from mmpg.toy.videos import _check_out, _move_into_place, _write_json
+
+    task = task or ZoomTask()
+    if n < 2:
+        raise UserError(f"n={n}: the zoom task needs >= 2 videos (a training and a test split)")
+    out = Path(os.path.abspath(Path(out).expanduser()))
+    _check_out(out, overwrite)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        (tmp / "videos").mkdir(parents=True)
+        scenes = [zoom_scene(rng, f"zoom_{i:05d}", task) for i, rng in enumerate(np.random.default_rng(seed).spawn(n))]
+        for scene in scenes:
+            _encode(tmp / "videos" / f"{scene.video_id}.mp4", scene)
+        n_test = max(1, int(round(n * test_fraction)))
+        splits = {"train": scenes[:-n_test], "test": scenes[-n_test:]}
+        for name, part in splits.items():
+            _write_json(tmp / f"{name}.json", {sc.video_id: {
+                "duration": sc.duration, "timestamps": [[sc.events[1].start, sc.events[1].end]],
+                "sentences": [QUERY]} for sc in part})
+        _write_json(tmp / "events.json", {sc.video_id: {
+            "field": [sc.events[0].start, sc.events[0].end], "colour": sc.events[0].colour,
+            "flash": [sc.events[1].start, sc.events[1].end]} for sc in scenes})
+        with open(tmp / "trajectories.jsonl", "w") as f:
+            for sc in splits["train"]:
+                f.write(json.dumps({"video": f"videos/{sc.video_id}.mp4", "query": QUERY,
+                                    "span": [sc.events[1].start, sc.events[1].end],
+                                    **rule_trajectory(sc, task)}) + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"videos": n, "train": len(splits["train"]), "test": len(splits["test"]), "out": str(out)}
+
+
+def _encode(path: Path, scene: Scene) -> None:
+    planes = render.background_planes(np.zeros((scene.height, scene.width, 3), np.uint8))
+
+    def frames():
+        for i in range(scene.n_frames):
+            t = i / scene.fps
+            yield render.render_frame(planes, [s for s in (e.sprite_at(t) for e in scene.events) if s is not None])
+
+    written = render.encode_video(path, frames(), scene.width, scene.height, scene.fps)
+    assert written == scene.n_frames, f"{path}: wrote {written} frames, expected {scene.n_frames}"
