@@ -53,6 +53,14 @@ def _cmd_make_tiny(args) -> int:
 def _cmd_synth(args) -> int:
     from mmpg.toy.videos import generate_dataset
 
+    if args.zoom:
+        from mmpg.toy.zoom_task import write_zoom_dataset
+
+        summary = write_zoom_dataset(args.out, args.n, args.seed, overwrite=args.overwrite)
+        print(f"wrote {args.n} zoom-task videos (seed {args.seed}) and the rule policy's trajectories to {args.out}")
+        for key, value in summary.items():
+            print(f"  {key}: {value}")
+        return 0
     summary = generate_dataset(args.out, args.n, args.seed, overwrite=args.overwrite,
                                min_duration=args.min_duration, max_duration=args.max_duration, easy=args.easy,
                                queries=args.queries)
@@ -183,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "shape on black, 64x64, 2 fps, whole seconds")
     p.add_argument("--queries", type=_positive_int, default=1, help="with --easy: ask about each video's moment in "
                    "2..N wordings (N <= 5), several queries per video as real datasets have (default 1)")
+    p.add_argument("--zoom", action="store_true", help="the task where zooming wins (multi-turn grounding): a "
+                   "0.5 s white flash inside a coloured square's 6-8 s, placed between the overview's frames; also "
+                   "writes the rule policy's zoom trajectories (trajectories.jsonl); duration options ignored")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=_cmd_synth)
 

@@ -75,3 +75,13 @@ def test_same_seed_same_videos(dataset, tmp_path):
     assert again["videos"] == 4
     with pytest.raises(Exception, match="is not empty; pass --overwrite"):
         write_zoom_dataset(tmp_path / "again", 4, seed=3, task=TASK)
+
+
+def test_mmpg_synth_zoom_writes_the_task(tmp_path):
+    from train_utils import run_cli
+
+    proc = run_cli(["synth", "--zoom", "--out", str(tmp_path / "z"), "--n", "2", "--seed", "1"])
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote 2 zoom-task videos" in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "z").iterdir()) == ["events.json", "test.json", "train.json",
+                                                                  "trajectories.jsonl", "videos"]
