@@ -33,6 +33,7 @@ import pytest
 from doc_commands import ROOT, documented_commands, words_after_env
 from mmpg.serve.launch import free_port
 from train_utils import env as cli_env
+from vllm_server import IN_PROCESS
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -125,6 +126,9 @@ def _environ(home: Path) -> dict:
     e.pop("MMPG_EXTRAS", None)
     e.update(HF_HOME=str(home / "hf"), HF_HUB_OFFLINE="1", MASTER_PORT=str(free_port()),
              VLLM_PORT=str(_free_ports(GRPO_RANKS)), PATH=f"{home / 'bin'}:{e['PATH']}")
+    # the servers' engine and worker in one process each (tests/vllm_server.py: a start in 20 s of CPU instead of 42,
+    # four starts here); the default layout is test_launch_real.py's VLLM=1 run's
+    e.update(IN_PROCESS)
     e.pop("HF_HUB_CACHE", None)
     return e
 
