@@ -22,9 +22,8 @@ from mmpg.grouping.shares import Share, find_shares, leaders_visuals, share_orde
 from mmpg.grouping.shares import pack_shares as pack
 from mmpg.grouping.inputs import (
     VIDEO_PART, Completions, check_completions, check_whole_videos, completion_visuals_per_row, feature_inputs,
-    merge_visuals,
-    mm_token_type_ids, pad_token_id, parts_of, placeholder_token_ids, prompt_attention_mask, select_prompts,
-    split_visuals_per_prompt,
+    merge_visuals, mm_token_type_ids, pad_token_id, parts_of, placeholder_token_ids, prompt_attention_mask,
+    select_prompts, split_visuals_per_prompt,
 )
 from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.layout import GroupLayout, pick_rows
