@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from mmpg.errors import UserError
 from mmpg.sft.trajectories import load_trajectories
@@ -77,3 +78,38 @@ def test_an_empty_or_missing_file_is_one_line(tmp_path):
         load_trajectories(tmp_path / "e.jsonl")
     with pytest.raises(UserError, match="cannot read the trajectories"):
         load_trajectories(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_trajectory_trains_as_its_whole_conversation(family, tmp_path, load_tiny):
+    """The rule trajectory's completion (model turns, the tool's turns with their clips) behind its overview prompt:
+    the grouped forward equals the whole conversation forwarded by the model (logprobs and gradients, float32), the
+    model's own tokens are the loss's, and the tool turns are the environment's."""
+    from grouping_check import compare
+
+    from mmpg.data.prompts import build_prompt_inputs, get_template
+    from mmpg.data.video import VideoSpec, load_video
+    from mmpg.rollout.zoom import ZoomEnvironment, ZoomSettings, clip_turn, turn_inputs
+    from mmpg.sft.trajectories import trajectory_completion
+
+    model, processor = load_tiny(family)
+    task = ZoomTask(duration=30.0)
+    write_zoom_dataset(tmp_path / "z", 3, seed=1, task=task)
+    (trajectory, *_) = load_trajectories(tmp_path / "z" / "trajectories.jsonl")
+    f2 = VideoSpec.for_family(family).factor ** 2
+    spec = VideoSpec.for_family(family, fps=task.overview_fps, min_frames=4, max_frames=768, min_pixels=4 * f2,
+                                max_pixels=4 * f2)
+    env = ZoomEnvironment(ZoomSettings(fps=task.zoom_fps, max_frames=task.zoom_max_frames, max_turns=2), spec)
+    stop = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids, own, clips = trajectory_completion(processor, trajectory, env, stop)
+    window = trajectory.windows[0]
+    tool_ids, _ = turn_inputs(processor, env.step(trajectory.sample, trajectory.turns[0], 0))
+    assert int((own == 0).sum()) == tool_ids.numel() and clips["video_grid_thw"].shape[0] == 1
+    assert processor.tokenizer.decode(ids[own == 0][:12]).startswith(clip_turn(*window)[:12])
+    sample = trajectory.sample
+    video = load_video(sample.video, spec)
+    inputs = build_prompt_inputs(processor, [sample], [video], get_template("time_r1"))
+    compare(model, inputs, ids[None], torch.ones_like(ids)[None], [1], completion_visuals=[clips])
+    with pytest.raises(UserError, match="refuses the call of message 0"):
+        strict = ZoomEnvironment(ZoomSettings(fps=task.zoom_fps, max_frames=8, max_turns=2), spec)
+        trajectory_completion(processor, trajectory, strict, stop)  # its window is longer than 8 frames show

@@ -177,6 +177,10 @@ class ZoomEnvironment:
         """The part of the file the overview shows, in seconds of the file."""
         lo = sample.clip_start or 0.0
         hi = sample.clip_end if sample.clip_end is not None else sample.duration
+        if hi is None:  # a sample whose duration was not filled in: the file says it
+            from mmpg.data.video import read_duration
+
+            hi = read_duration(sample.video)
         return lo, hi
 
     def step(self, sample, turn: str, tool_turns: int) -> ToolTurn | None:

@@ -125,3 +125,39 @@ def load_trajectories(path: str | Path, videos: str | Path | None = None) -> lis
     if not out:
         raise UserError(f"{path}: no trajectories")
     return out
+
+
+def trajectory_completion(processor, trajectory: Trajectory, env, stop_id: int):
+    """The trajectory's completion as training forwards it, the same conversation multi-turn sampling writes
+    (`mmpg.rollout.multiturn`): each model turn's tokens and `stop_id`, then the tool's turn for its call (the
+    environment's own text and the clip it decodes, `mmpg.rollout.zoom`). -> (ids [L] long, own [L] long: 1 on the
+    model's tokens, what the loss covers; the clips' visual inputs, {} without). `env`: a `ZoomEnvironment`; a call
+    it refuses (a window outside the video or longer than it shows) is a UserError naming the line."""
+    import dataclasses as dc
+
+    import torch
+
+    from mmpg.data.video import read_duration
+    from mmpg.grouping.inputs import merge_visuals
+    from mmpg.rollout.zoom import turn_inputs
+
+    sample = trajectory.sample
+    if sample.duration is None:
+        sample = dc.replace(sample, duration=read_duration(sample.video))
+    tokenizer = getattr(processor, "tokenizer", processor)
+    ids, own, clips = [], [], []
+    for k, turn in enumerate(trajectory.turns):
+        tokens = tokenizer(turn, add_special_tokens=False)["input_ids"] + [int(stop_id)]
+        ids.append(torch.tensor(tokens, dtype=torch.long))
+        own.append(torch.ones(len(tokens), dtype=torch.long))
+        if k == len(trajectory.windows):
+            break
+        tool = env.step(sample, turn, k)
+        if tool is None or tool.clip is None:
+            why = tool.error if tool is not None else f"the tool allows {env.settings.max_turns} turn(s)"
+            raise UserError(f"{sample.origin}: the zoom tool refuses the call of message {2 * k}: {why}")
+        tool_ids, visuals = turn_inputs(processor, tool)
+        ids.append(tool_ids)
+        own.append(torch.zeros(tool_ids.numel(), dtype=torch.long))
+        clips.append(visuals)
+    return torch.cat(ids), torch.cat(own), (merge_visuals(clips) if clips else {})
