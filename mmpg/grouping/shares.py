@@ -132,16 +132,12 @@ def leaders_visuals(prompt_inputs, visuals: list[dict], shares: list[Share], com
     """The visual inputs in the packed row's placeholder order: each share's first prompt's only (the row holds
     each shared video once), and behind it the clips inside its rows' completions (`row_visuals`, a trajectory's
     zoom frames), row by row."""
-    if row_visuals is not None and any(row_visuals):
-        items = []
-        for s in shares:
-            items.append(visuals[s.prompts[0]])
-            items += [row_visuals[i] for b in s.prompts for i in completions.rows_of(b)]
-        return merge_visuals(items)
-    if all(len(s.prompts) == 1 for s in shares) or not any(visuals):
+    clips = row_visuals is not None and any(row_visuals)
+    if not clips and (all(len(s.prompts) == 1 for s in shares) or not any(visuals)):
         return prompt_inputs
-    out: dict = {}
+    items = []
     for s in shares:
-        for k, v in visuals[s.prompts[0]].items():
-            out.setdefault(k, []).append(v)
-    return {k: torch.cat(v) for k, v in out.items()}
+        items.append(visuals[s.prompts[0]])
+        if clips:
+            items += [row_visuals[i] for b in s.prompts for i in completions.rows_of(b)]
+    return merge_visuals(items)

@@ -51,11 +51,10 @@ class Trajectories:
         return [sum(t.clip is not None for t in row) for row in self.tools]
 
 
-def _continuations(model, prompt_inputs, rows: list[int], prompt_of: list[int], history: list[list[torch.Tensor]],
-                   clips: list[list[dict]], pad_id: int) -> dict:
-    """Processor-style inputs of the branches `rows`: each one's prompt, then its history (turns and tool turns), the
-    prompt's visual inputs followed by its clips; left-padded."""
-    alone = prompts_alone(model, prompt_inputs)
+def _continuations(model, alone: list[dict], rows: list[int], prompt_of: list[int],
+                   history: list[list[torch.Tensor]], clips: list[list[dict]], pad_id: int) -> dict:
+    """Processor-style inputs of the branches `rows`: each one's prompt (`alone`: `prompts_alone` of the batch), then
+    its history (turns and tool turns), the prompt's visual inputs followed by its clips; left-padded."""
     out = []
     for i in rows:
         base = alone[prompt_of[i]]
@@ -106,7 +105,7 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
             finish[i] = out.finish_reasons[k]
 
     take(list(range(n)), first)
-    going = list(range(n))
+    going, alone = list(range(n)), None
     for turn in range(1, env.settings.max_turns + 1):
         nxt = []
         for i in going:
@@ -123,7 +122,8 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
             nxt.append(i)
         if not nxt:
             break
-        inputs = _continuations(model, prompt_inputs, nxt, prompt_of, history, clips, pad_id)
+        alone = alone or prompts_alone(model, prompt_inputs)  # the B prompts unpadded, split once
+        inputs = _continuations(model, alone, nxt, prompt_of, history, clips, pad_id)
         seeds = None if prompt_seeds is None else \
             [int(prompt_seeds[prompt_of[i]]) * 1_000_003 + 1_009 * row_in_group[i] + turn for i in nxt]
         take(nxt, engine.generate_groups(inputs, 1, sampling, prompt_seeds=seeds))

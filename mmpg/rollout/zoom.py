@@ -149,6 +149,12 @@ class ToolTurn:
     error: str | None = None
 
 
+def call_text(start: float, end: float) -> str:
+    """A zoom call on [start, end] as the model writes it (module docstring): what rule-based trajectories write."""
+    return "<tool_call>\n" + json.dumps({"name": TOOL_NAME, "arguments": {"start": start, "end": end}}) + \
+        "\n</tool_call>"
+
+
 def clip_turn(start: float, end: float) -> str:
     return TOOL_TURN.format(body=f"Frames from {start:.1f} to {end:.1f} seconds:{VIDEO_TEXT}")
 

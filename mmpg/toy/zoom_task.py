@@ -81,15 +81,12 @@ def _visible(scene: Scene, event: int, t: float) -> bool:
     return scene.events[event].colour_at(t) is not None
 
 
-def call_text(start: float, end: float) -> str:
-    """The zoom call as the model writes it (`mmpg.rollout.zoom`)."""
-    return '<tool_call>\n' + json.dumps({"name": "zoom", "arguments": {"start": start, "end": end}}) + '\n</tool_call>'
-
-
 def rule_trajectory(scene: Scene, task: ZoomTask) -> dict:
     """The rule-based policy's trajectory for one video: what it sees in the overview frames, its zoom call, the
     clip's window and what it sees there, its answer. Reads only what the frames it is shown hold (`Scene`'s
     drawing rule at the sampled times), never the drawn spans directly."""
+    from mmpg.rollout.zoom import call_text
+
     times = task.overview_times()
     seen = [t for t in times if _visible(scene, 0, t)]
     before = max([t for t in times if t < seen[0]], default=0.0)
