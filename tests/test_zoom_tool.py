@@ -164,3 +164,33 @@ def test_the_released_qwen25_tokenizer_template_writes_the_same_tool_turn():
     whole = tok.apply_chat_template([user, assistant, tool], tools=[tool_schema()], tokenize=False,
                                     add_generation_prompt=True)
     assert whole == prompt + call_text({"start": 4.0, "end": 8.0}) + "<|im_end|>" + clip_turn(4.0, 8.0)
+
+
+@real
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_zoom_template_writes_the_released_tools_prompt(family):
+    """The `zoom` prompt template offers the tool in the system turn exactly as the families' released templates
+    write `tools=`: Qwen3-VL's processor template itself, Qwen2.5-VL's tokenizer template (its processor template
+    has no tools; its default system text goes before them)."""
+    from transformers import AutoTokenizer
+
+    from mmpg.data.prompts import build_messages, get_template
+    from mmpg.data.samples import GroundingSample
+    from mmpg.models.loading import load_processor
+
+    processor = load_processor(REAL / family)
+    sample = GroundingSample("s", "v.mp4", 30.0, "the cat jumps", (1.0, 2.0))
+    template = get_template("zoom")
+    ours = processor.apply_chat_template(build_messages(sample, None, template, processor), tokenize=False,
+                                         add_generation_prompt=True)
+    text = template.render(sample)
+    if family == "qwen3_vl":
+        user = {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}
+        released = processor.apply_chat_template([user], tools=[tool_schema()], tokenize=False,
+                                                 add_generation_prompt=True)
+    else:
+        tok = AutoTokenizer.from_pretrained(REAL / family)
+        user = {"role": "user", "content": "<|vision_start|><|video_pad|><|vision_end|>" + text}
+        released = tok.apply_chat_template([user], tools=[tool_schema()], tokenize=False, add_generation_prompt=True)
+    assert ours == released
+    assert '"name": "zoom"' in ours and ours.count("<|im_start|>system") == 1

@@ -22,7 +22,7 @@ CHOICES = {
     "optim.scheduler": ("constant", "cosine", "linear"),
     "checkpoint.optimizer_state": ("last", "all", "none"),  # mmpg.train.checkpoint.OPTIMIZER_STATE
     "trainer.device": ("auto", "cpu", "cuda"),
-    "data.template": ("time_r1", "time_r1_frames", "answer_only"),
+    "data.template": ("time_r1", "time_r1_frames", "answer_only", "zoom"),
     # mmpg.data.formats.FORMAT_CHOICES (tests/test_config.py keeps the two equal)
     "data.format": ("auto", "charades", "captions", "time_r1", "tvgbench", "timelens", "jsonl", "activitynet", "anet",
                     "charades_json", "charades_txt", "timelens_bench"),
@@ -62,10 +62,26 @@ def validate(cfg) -> None:
             group, name = key.split(".")
             raise UserError(f"config key '{key}' is {getattr(getattr(cfg, group), name)!r}; it {what}")
     _validate_lora(cfg.model.lora)
+    _validate_zoom(cfg)
     if cfg.model.train_merger and (not cfg.model.freeze_vision or cfg.model.lora.r):
         why = "model.freeze_vision=false trains the whole tower already" if not cfg.model.freeze_vision else \
             f"with model.lora.r={cfg.model.lora.r} only the adapters train"
         raise UserError(f"config key 'model.train_merger' is True; {why}: set model.train_merger=false")
+
+
+def _validate_zoom(cfg) -> None:
+    """zoom.*'s values, and the trajectories SFT needs the template that offers the tool."""
+    from mmpg.rollout.zoom import ZoomSettings
+
+    problem = ZoomSettings(cfg.zoom.fps, cfg.zoom.max_frames, cfg.zoom.max_turns).problem()
+    if problem:
+        raise UserError(f"config key {problem}")
+    if cfg.sft.trajectories and cfg.data.template != "zoom":
+        raise UserError(f"config key 'sft.trajectories' is set but data.template is {cfg.data.template!r}: "
+                        "trajectories with zoom calls train behind the prompt that offers the tool (data.template=zoom)")
+    if cfg.data.template == "zoom" and cfg.data.val and cfg.eval.every_n_steps > 0:
+        raise UserError(f"config key 'eval.every_n_steps' is {cfg.eval.every_n_steps} with data.template=zoom: held-out "
+                        "evaluation runs one turn and the zoom protocol's is not built yet; set eval.every_n_steps=0")
 
 
 def video_checks(v) -> list[tuple[str, bool, str]]:

@@ -113,7 +113,8 @@ class DataConfig(VideoSettings):
     videos: str = setting("", "Folder holding the videos the annotations name.")
     format: str = setting("auto", "Annotation format: auto, charades (txt), captions (Charades-STA / ActivityNet "
                           "JSON), time_r1, tvgbench, jsonl (data/README.md).")
-    template: str = setting("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only.")
+    template: str = setting("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only, or zoom (multi-turn: "
+                            "the prompt offers the zoom tool, zoom.*).")
     batch_size: int = setting(8, "Prompts per training step over all ranks (each gets rollout.n responses).")
     num_workers: int = setting(2, "DataLoader workers decoding videos (0: in the main process).")
     shuffle: bool = setting(True, "Shuffle the training samples (a new order every epoch, from trainer.seed).")
@@ -313,6 +314,21 @@ class SFTConfig:
                          "<think>..</think> of the supervised target (used when the prompt template asks for "
                          "reasoning); the answer follows as <answer>START to END</answer>.")
     decimals: int = setting(2, "Decimals of the target times (trailing zeros dropped: 12.5, 17).")
+    trajectories: str = setting("", "Multi-turn trajectories to train on instead of data.train's answers (JSON Lines: "
+                                "the model's turns, its zoom calls and the tool's turns; `mmpg synth --zoom` writes "
+                                "trajectories.jsonl; mmpg/sft/trajectories.py): the zoom tool's cold start. Needs "
+                                "data.template=zoom; video paths relative to data.videos, else to the file's folder.")
+
+
+@dataclass
+class ZoomConfig:
+    fps: float = setting(4.0, "The zoom tool's frame rate (data.template=zoom offers the tool): a window the model "
+                         "asks for comes back as its frames at this rate, sized as data.* sizes frames "
+                         "(mmpg/rollout/zoom.py).")
+    max_frames: int = setting(16, "Most frames one zoom returns: windows of at most max_frames / fps seconds; a "
+                              "longer one gets an error turn.")
+    max_turns: int = setting(2, "Most tool turns in one trajectory; a call past them ends the trajectory "
+                             "unanswered.")
 
 
 @dataclass
@@ -330,6 +346,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    zoom: ZoomConfig = field(default_factory=ZoomConfig)
 
 
 GROUPS = [f.name for f in dataclasses.fields(Config)]

@@ -19,6 +19,7 @@ that makes its processor write the released prompt on every transformers version
 from __future__ import annotations
 
 import dataclasses
+import json
 import string
 from typing import Any, Sequence
 
@@ -51,6 +52,9 @@ class PromptTemplate:
     """Whether the template asks for <think>...</think> before <answer> (the format reward checks the same)."""
     query_clean: str = "mmpg"
     """How {query} is cleaned (`mmpg.data.queries`): mmpg (trailing periods dropped), or a paper's rule."""
+    tools: tuple[str, ...] = ()
+    """The tools the prompt offers the model (`zoom`: `mmpg.rollout.zoom`), written into the system turn as the
+    families' chat templates write tools (`tools_system`); a template with tools makes rollouts multi-turn."""
 
     def __post_init__(self):
         if self.query_clean not in QUERY_CLEANINGS:
@@ -95,6 +99,11 @@ TEMPLATES: dict[str, PromptTemplate] = {
     "answer_only": PromptTemplate(
         'The video lasts {duration} seconds{window}. Find the moment described by "{query}" and ' + _ANSWER_RULE,
         think=False),
+    "zoom": PromptTemplate(
+        'The video lasts {duration} seconds{window}; you see it at a low frame rate. To find the moment described '
+        'by "{query}", you may call the zoom tool to watch a window of the video again at a higher frame rate, one '
+        "call per turn. First output your reasoning within <think> </think> tags, then either call the tool or "
+        + _ANSWER_RULE, tools=("zoom",)),
 }
 DEFAULT_TEMPLATE = TEMPLATES["time_r1"]
 
@@ -111,12 +120,52 @@ def get_template(template: str | PromptTemplate | None) -> PromptTemplate:
     return TEMPLATES[template]
 
 
+_TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+               "with function signatures within <tools></tools> XML tags:\n<tools>")
+_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+               "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+               "<args-json-object>}\n</tool_call>")
+
+
+def tool_schemas(names: Sequence[str]) -> list[dict]:
+    """The chat-template schemas (OpenAI function format) of the named tools."""
+    from mmpg.rollout.zoom import TOOL_NAME, tool_schema
+
+    unknown = [n for n in names if n != TOOL_NAME]
+    if unknown:
+        raise UserError(f"unknown tool {unknown[0]!r}; mmpg's tools: {TOOL_NAME}")
+    return [tool_schema() for _ in names]
+
+
+def default_system(processor) -> str | None:
+    """The system text the processor's chat template adds to a conversation without a system turn (Qwen2.5-VL's
+    "You are a helpful assistant."), None where it adds none (Qwen3-VL)."""
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+                                         tokenize=False, add_generation_prompt=False)
+    head = "<|im_start|>system\n"
+    return text[len(head):text.index("<|im_end|>")] if text.startswith(head) else None
+
+
+def tools_system(tools: Sequence[str], system: str | None) -> str:
+    """The system turn's text offering `tools`, as both families' released chat templates write it when given
+    `tools=` (Hermes style): the system text (the template's or the family's default), a blank line, then the tools'
+    signatures and the call form. The processor's own template then renders it as any system turn, so every
+    family's processor (also one whose chat template takes no tools) writes the released prompt."""
+    block = _TOOLS_HEAD + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tool_schemas(tools)) + _TOOLS_TAIL
+    return f"{system}\n\n{block}" if system else block
+
+
 def build_messages(sample: GroundingSample, video: DecodedVideo | None = None,
-                   template: str | PromptTemplate | None = None) -> list[dict]:
-    """Qwen chat messages for one sample: optional system turn, then a user turn with the video and the text."""
+                   template: str | PromptTemplate | None = None, processor=None) -> list[dict]:
+    """Qwen chat messages for one sample: optional system turn, then a user turn with the video and the text. A
+    template with tools needs the `processor` (its default system text goes before the tools, `tools_system`)."""
     template = get_template(template)
     messages: list[dict] = []
     system = template.render_system(sample, video)
+    if template.tools:
+        if processor is None:
+            raise ValueError("a template with tools needs the processor to write its system turn")
+        system = tools_system(template.tools, system or default_system(processor))
     if system:
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": [
@@ -144,7 +193,8 @@ def build_prompt_inputs(processor, samples: Sequence[GroundingSample], videos: S
             raise UserError(f"{sample.where}: frames are {h}x{w}, not multiples of {factor} for this processor; "
                             "decode with VideoSpec.for_family(<the model family>)")
     texts = [released_video_text(processor, processor.apply_chat_template(
-        build_messages(s, v, template), tokenize=False, add_generation_prompt=True)) for s, v in zip(samples, videos)]
+        build_messages(s, v, template, processor), tokenize=False, add_generation_prompt=True))
+        for s, v in zip(samples, videos)]
     # Frames are already sized by qwen-vl-utils, so the processor's own per-frame pixel cap (a transformers 5.x
     # option that warns when unset) has nothing to do; set it only where it exists.
     extra = {"cap_pixels_per_frame": True} if hasattr(vp, "cap_pixels_per_frame") else {}

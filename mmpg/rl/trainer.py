@@ -47,6 +47,9 @@ def check_grpo_config(cfg: Config) -> None:
     if cfg.rollout.engine == "vllm":
         check_vllm_config(cfg)
     check_staleness(cfg)
+    if cfg.data.template == "zoom":
+        raise UserError("data.template=zoom: GRPO with the zoom tool (multi-turn rollouts) is not built yet; the zoom "
+                        "tool trains by SFT on trajectories today (mmpg sft with sft.trajectories)")
 
 
 def check_staleness(cfg: Config) -> None:

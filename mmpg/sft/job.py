@@ -13,6 +13,11 @@ frames one rank decoded from files: under sequence parallelism each rank decodes
 encoded, all ranks).
 A rank whose whole slice of a global batch is unusable trains a weight-0 stand-in (a blank video) beside the
 others' real micro-batches (ZeRO-3 lockstep), so W ranks update as one process does on the usable samples.
+
+With `sft.trajectories` (the zoom tool's cold start, data.template=zoom) the samples are the file's trajectories and
+each target is the whole multi-turn completion behind the overview prompt (`mmpg.sft.trajectories`): the model's
+turns, each with its stop token, and the tool's turns with the clips the tool decodes now; the forward is the
+trajectory tree (`grouped_logprobs(completion_visuals=)`) and the loss covers the model's own tokens only.
 """
 
 from __future__ import annotations
@@ -55,16 +60,24 @@ def target_text(sample, think: str | None, decimals: int = 2) -> str:
 class SFTJob:
     kind = "sft"
 
-    def __init__(self, session, samples):
+    def __init__(self, session, samples, trajectories=None):
         cfg = session.cfg
         self.session, self.cfg = session, cfg
         self.template = get_template(cfg.data.template)
         self.position = int(session.state.get("data_position", 0))
+        cache = frame_cache(cfg)
+        self.trajectories, self.env = None, None
+        if trajectories is not None:  # sft.trajectories: the targets are whole multi-turn completions
+            from mmpg.rollout.zoom import ZoomEnvironment, ZoomSettings
+
+            self.trajectories = {t.sample.sample_id: t for t in trajectories}
+            self.env = ZoomEnvironment(ZoomSettings(cfg.zoom.fps, cfg.zoom.max_frames, cfg.zoom.max_turns),
+                                       video_spec(cfg, session.family), decode=cache.load if cache else None)
         loader = make_train_loader(samples, video_spec(cfg, session.family), session.processor, self.template,
                                    global_batch=cfg.data.batch_size, rank=dist.data_rank(), world=dist.data_size(),
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
                                    num_workers=cfg.data.num_workers, strict=cfg.data.strict,
-                                   queries_per_video=cfg.data.queries_per_video, frame_cache=frame_cache(cfg),
+                                   queries_per_video=cfg.data.queries_per_video, frame_cache=cache,
                                    part=(dist.sequence_rank(), dist.sequence_size()))  # sp > 1: only its frames
         self.batches, self.pulled = iter(loader), 0
         self.skipped_total = int(session.state.get("skipped_total", 0))
@@ -89,16 +102,23 @@ class SFTJob:
         visuals = split_visuals_per_prompt(self.session.model, batch.inputs)
         groups = []
         for b, sample in enumerate(batch.samples):
-            ids = self.tokenizer(target_text(sample, think, self.cfg.sft.decimals),
-                                 add_special_tokens=False)["input_ids"] + [self.stop_id]
+            own, clips = None, None
+            trajectory = self.trajectories.get(sample.sample_id) if self.trajectories is not None else None
+            if trajectory is not None:  # the whole conversation after the prompt; the loss on the model's turns
+                from mmpg.sft.trajectories import trajectory_completion
+
+                target, own, clip = trajectory_completion(self.session.processor, trajectory, self.env, self.stop_id)
+                target, own, clips = target[None], own[None], [clip]
+            else:  # a single answer (also the stand-in's)
+                target = torch.tensor([self.tokenizer(target_text(sample, think, self.cfg.sft.decimals),
+                                                      add_special_tokens=False)["input_ids"] + [self.stop_id]])
             one = {k: batch.inputs[k][b:b + 1, attn[b]] for k in ("input_ids", "attention_mask", "mm_token_type_ids")
                    if batch.inputs.get(k) is not None}
             one.update(visuals[b])
-            target = torch.tensor([ids])
             groups.append(PromptGroup(
                 sample=sample, video=None, inputs=one, completion_ids=target, completion_mask=torch.ones_like(target),
-                rollout_logprobs=torch.zeros(1, len(ids)), texts=[""], finish_reasons=["stop"],
-                advantages=torch.zeros(1)))
+                rollout_logprobs=torch.zeros(target.shape, dtype=torch.float32), texts=[""], finish_reasons=["stop"],
+                advantages=torch.zeros(1), own_mask=own, completion_visuals=clips))
         return groups
 
     def _stand_in(self) -> list[PromptGroup]:
@@ -115,7 +135,7 @@ class SFTJob:
         from mmpg.grouping import grouped_logprobs
 
         return grouped_logprobs(policy, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
-                                chunk_size=chunk)
+                                chunk_size=chunk, completion_visuals=mb.completion_visuals)
 
     def train_step(self, step: int) -> StepOutput:
         t0 = time.perf_counter()
@@ -132,14 +152,14 @@ class SFTJob:
         while len(mbs) < target:  # lockstep filler (ZeRO-3), weight 0
             mbs.append(micro_batches(groups[:1], 1, self.pad_id)[0])
             mbs[-1].dummy = True
-        tokens = dist.data_sum([sum(float(mb.completion_mask.sum()) for mb in mbs if not mb.dummy)], self.coll)[0]
+        tokens = dist.data_sum([sum(float(mb.own_mask.sum()) for mb in mbs if not mb.dummy)], self.coll)[0]
         if tokens == 0:  # no rank has a usable sample (nor would one process): nothing to train on
             raise UserError("a whole global batch of unusable videos; check the data with mmpg check-data")
         loss_sum = 0.0
         for i, mb in enumerate(mbs):
             engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
             logp = engine(self._nll, mb, 2048)
-            mask = mb.completion_mask.to(logp.device).float() * (0.0 if mb.dummy else 1.0)
+            mask = mb.own_mask.to(logp.device).float() * (0.0 if mb.dummy else 1.0)
             loss = -(logp * mask).sum() / tokens
             engine.backward(loss * dist.data_size(), scale_wrt_gas=False)  # DeepSpeed averages over data ranks
             own_norm = stage0_grad_norm(engine) if i == len(mbs) - 1 else None
@@ -180,10 +200,21 @@ class SFTJob:
 def sft(cfg: Config, command: list[str]) -> int:
     """Run (or resume) a supervised warm start; returns the exit status."""
     check_sequence_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # the launcher's; no process group yet
-    samples = load_train_samples(cfg)
+    trajectories = None
+    if cfg.sft.trajectories:
+        from mmpg.sft.trajectories import load_trajectories
+        from mmpg.train.setup import check_video_budget
+
+        check_video_budget(cfg)
+        trajectories = load_trajectories(cfg.sft.trajectories, cfg.data.videos or None)
+        if cfg.data.max_samples > 0:
+            trajectories = trajectories[:cfg.data.max_samples]
+        samples = [t.sample for t in trajectories]
+    else:
+        samples = load_train_samples(cfg)
     micro = cfg.trainer.micro_batch_size
     session = open_session(cfg, "sft", command, micro_batch=micro, total_updates=cfg.trainer.total_steps)
-    run_loop(SFTJob(session, samples), session)
+    run_loop(SFTJob(session, samples, trajectories), session)
     if session.rank == 0:
         print(f"[mmpg] run directory: {session.run_dir}", flush=True)
     return 0

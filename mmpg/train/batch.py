@@ -43,6 +43,10 @@ class PromptGroup:
     train_logprobs: torch.Tensor | None = None  # [G, S_b] the update's first forward, no grad (rollout_logprobs)
     dummy: bool = False  # a copy rolled out only to keep a rank without a group of its own in lockstep: weight 0,
     # left out of the advantages' batch statistics, the metrics and the rollout records
+    own_mask: torch.Tensor | None = None  # [G, S_b] multi-turn: 1 on the model's own tokens (the loss's), 0 on the
+    # tool's turns (context); None: every completion token is the model's
+    completion_visuals: list[dict] | None = None  # [G] multi-turn: each row's clips (`grouped_forward`'s
+    # completion_visuals), None: no row holds any
 
     @property
     def size(self) -> int:
@@ -66,6 +70,8 @@ class MicroBatch:
     advantages: torch.Tensor  # [n]
     rollout_logprobs: torch.Tensor  # [n, S]
     truncated: torch.Tensor  # [n] bool: finish reason "length"
+    own_mask: torch.Tensor  # [n, S] the model's own tokens (the loss's): completion_mask without the tool's turns
+    completion_visuals: list[dict] | None = None  # [n] the rows' clips, None when no group has any
     dummy: bool = False  # a stand-in that keeps ranks in lockstep; its loss is multiplied by 0
 
 
@@ -101,11 +107,16 @@ def collate_groups(groups: list[PromptGroup], pad_id: int) -> MicroBatch:
     mask = torch.cat([_right_pad(g.completion_mask, s) for g in groups])
     sizes = [g.size for g in groups]
     assert sum(sizes) == ids.shape[0], "every group must be whole inside its micro-batch"
+    own = torch.cat([_right_pad(g.completion_mask if g.own_mask is None else g.own_mask, s) for g in groups])
+    visuals = None
+    if any(g.completion_visuals is not None for g in groups):
+        visuals = [v for g in groups for v in (g.completion_visuals or [{}] * g.size)]
     return MicroBatch(
         groups=groups, inputs=inputs, completion_ids=ids, completion_mask=mask, group_sizes=sizes,
         advantages=torch.cat([g.advantages for g in groups]),
         rollout_logprobs=torch.cat([_right_pad(g.rollout_logprobs, s) for g in groups]),
-        truncated=torch.tensor([r == "length" for g in groups for r in g.finish_reasons]))
+        truncated=torch.tensor([r == "length" for g in groups for r in g.finish_reasons]), own_mask=own,
+        completion_visuals=visuals)
 
 
 def micro_batches(groups: list[PromptGroup], size: int, pad_id: int) -> list[MicroBatch]:
