@@ -76,6 +76,10 @@ def _validate_zoom(cfg) -> None:
     problem = ZoomSettings(cfg.zoom.fps, cfg.zoom.max_frames, cfg.zoom.max_turns).problem()
     if problem:
         raise UserError(f"config key {problem}")
+    for name in ("call_cost", "error_penalty", "window_weight"):
+        value = getattr(cfg.zoom, name)
+        if not value >= 0:
+            raise UserError(f"config key 'zoom.{name}' is {value!r}; it must be >= 0")
     if cfg.sft.trajectories and cfg.data.template != "zoom":
         raise UserError(f"config key 'sft.trajectories' is set but data.template is {cfg.data.template!r}: "
                         "trajectories with zoom calls train behind the prompt that offers the tool (data.template=zoom)")

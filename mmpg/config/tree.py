@@ -329,6 +329,12 @@ class ZoomConfig:
                               "longer one gets an error turn.")
     max_turns: int = setting(2, "Most tool turns in one trajectory; a call past them ends the trajectory "
                              "unanswered.")
+    call_cost: float = setting(0.0, "GRPO: reward subtracted per zoom that returned a clip (so the policy learns when "
+                               "one look is enough); logged as reward/zoom_cost.")
+    error_penalty: float = setting(0.0, "GRPO: reward subtracted per error turn (a malformed call, a window outside "
+                                   "the video or longer than zoom.max_frames show); reward/zoom_error_penalty.")
+    window_weight: float = setting(0.0, "GRPO: weight of the last zoom window's tIoU with the truth, added to the "
+                                   "reward (a guard against zooming on the whole video); reward/zoom_window.")
 
 
 @dataclass

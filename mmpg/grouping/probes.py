@@ -13,7 +13,8 @@ parallelism the group sums the shards' figures and divides by sp (each rank's lo
 reference runs one row at a time, so its memory is one prompt + response.
 
 Leak probe. In the first and last response of every group the tokens after the first are replaced by a token t*
-found nowhere in the batch, its embedding by a large random vector. Nothing else can see them under the layout's
+found nowhere in the batch, its embedding by a large random vector (the tokens that place a clip inside a response,
+its placeholders and vision start and end, stay: the clip's features keep their places). Nothing else can see them under the layout's
 rule: every other response's logprobs, and the changed responses' first logprob (the prefix/response boundary), must
 stay bit for bit as they were (a masked key adds an exact zero), whatever the weights; a sibling leak that moves a
 confident model's logprobs by 4e-6, under the 1e-4 bound, moves these by orders more.
@@ -146,6 +147,14 @@ def probe_embedding(model, token: int):
         handle.remove()
 
 
+def _visual_token_ids(model) -> torch.Tensor:
+    """The ids that place a vision input in a sequence (placeholders, vision start and end): kept when a row is
+    perturbed, so the clips inside responses keep their places and positions."""
+    config = model.config
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return torch.tensor([i for i in (getattr(config, n, None) for n in names) if i is not None], dtype=torch.long)
+
+
 def leak_probe(model, grouped_fn, prompt_inputs, completion_ids, completion_mask, group_sizes,
                base: torch.Tensor) -> tuple[float, int]:
     """(max |change| of the logprobs nothing perturbed can reach, number of entries compared) when the leak probe's
@@ -156,8 +165,10 @@ def leak_probe(model, grouped_fn, prompt_inputs, completion_ids, completion_mask
     token = _probe_token(model, prompt_inputs, completion_ids)
     ids = completion_ids.clone()
     keep = completion_mask.bool().clone()
+    visual = _visual_token_ids(model).to(ids.device)
     for i in rows:
-        ids[i, 1:lengths[i]] = token
+        tail = ids[i, 1:lengths[i]]  # a clip's tokens (a trajectory tree) stay, so its features still have a place
+        ids[i, 1:lengths[i]] = torch.where(torch.isin(tail, visual), tail, torch.full_like(tail, token))
         keep[i, 1:] = False  # its own later tokens changed; its first logprob must not
     with probe_embedding(model, token):
         changed = grouped_fn(ids)

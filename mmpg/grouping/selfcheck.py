@@ -31,7 +31,7 @@ import transformers
 from mmpg.grouping import probes, sequence
 from mmpg.grouping.backends import compute_dtype, resolve_backend
 from mmpg.grouping.bounds import LEAK_BOUND, bound_for, gradient_bound, precise_bound
-from mmpg.grouping.inputs import pad_token_id, select_prompts
+from mmpg.grouping.inputs import completion_visuals_per_row, pad_token_id, select_prompts
 from mmpg.grouping.logprobs import grouped_forward, grouped_logprobs, repeated_logprobs
 from mmpg.grouping.patch import base_model, grouping_state, set_grouping_options
 from mmpg.grouping.precise import float32_compute
@@ -114,7 +114,8 @@ class SelfCheck:
             with torch.no_grad():
                 if candidate is not None:
                     bound = bound_for(model, key[1])
-                    reference = repeated_logprobs(*args, temperature=kwargs["temperature"])
+                    reference = repeated_logprobs(*args, temperature=kwargs["temperature"],
+                                                  completion_visuals=kwargs["completion_visuals"])
                     figures.add("logprobs", _masked_max(candidate, reference, args[3]), bound)
                     return figures.reduced(reduce_max)
                 precise = self.precise
@@ -124,7 +125,8 @@ class SelfCheck:
                 with torch.autocast(device.type, enabled=False) if precise else contextlib.nullcontext(), scope:
                     result = grouped_forward(*args, backend=key[0], **kwargs)
                     grouped, figures.shared_prompts = result.logprobs, result.shared_prompts
-                    reference = repeated_logprobs(*args, temperature=kwargs["temperature"])
+                    reference = repeated_logprobs(*args, temperature=kwargs["temperature"],
+                                                  completion_visuals=kwargs["completion_visuals"])
                     figures.add("logprobs", _masked_max(grouped, reference, args[3]), bound)
                     if leak:
                         def again(ids):
@@ -155,9 +157,11 @@ class SelfCheck:
                 i = chosen[min(n, len(chosen) - 1)]  # past this rank's rows: its last again, weight 0 (lockstep)
                 b = next(b for b in range(len(sizes)) if sum(sizes[:b + 1]) > i)
                 one = select_prompts(model_, prompt_inputs, [b], pad_token_id(model_))
+                clips = kwargs["completion_visuals"]
                 row_logp, row_grads = probes.probe_gradients(
                     model_, lambda: repeated_logprobs(model_, one, ids[i:i + 1], mask[i:i + 1], [1],
-                                                      temperature=kwargs["temperature"]),
+                                                      temperature=kwargs["temperature"],
+                                                      completion_visuals=[clips[i]] if clips else None),
                     weights[i:i + 1] * (1.0 if n < len(chosen) else 0.0))
                 if n < len(chosen):
                     ref_logp[i] = row_logp[0].to(ref_logp.device)
@@ -181,18 +185,23 @@ class SelfCheck:
 
     def run(self, model, prompt_inputs, completion_ids, completion_mask, group_sizes, *, temperature: float = 1.0,
             chunk_size: int = 2048, candidate: torch.Tensor | None = None, backend: str | None = None,
-            reduce_max=None, share: bool = True, gradients: bool = False) -> dict:
+            reduce_max=None, share: bool = True, gradients: bool = False, completion_visuals=None) -> dict:
         """Compare on real groups (or a few), no gradient; grow the envelope. `candidate` [N, S]: logprobs to
         check instead of the grouped forward's (an engine's). `reduce_max(float) -> float`: the max over ranks (all
         ranks call `run` together under ZeRO-3). `share`: as `grouped_logprobs` (the path the caller's forward takes).
         `gradients`: also the training check: the leak probe, and the logprobs and probe gradients of a forward with
         autograd recording (module docstring; a trainer passes its step's first micro-batch).
+        `completion_visuals`: as `grouped_forward`'s (a trajectory tree: the clips inside the responses).
         The model's own flash / flex backend (`backend` None) that fails falls back to sdpa (module docstring); one
         asked for by name is checked as it is. Returns the check/* metrics; raises
         `SelfCheckError` in mode "on"."""
         key = self.key(model, backend)
         args = (model, prompt_inputs, completion_ids, completion_mask, group_sizes)
-        kwargs = {"temperature": temperature, "chunk_size": chunk_size, "share": share}
+        if completion_visuals is not None:  # one dict per row, so that a row's reference takes its own clips
+            completion_visuals = completion_visuals_per_row(model, completion_ids, completion_mask,
+                                                            completion_visuals)
+        kwargs = {"temperature": temperature, "chunk_size": chunk_size, "share": share,
+                  "completion_visuals": completion_visuals}
         named = backend is not None
         figures = self._measure(model, key, args, kwargs, candidate, reduce_max, named, gradients)
         why = ""

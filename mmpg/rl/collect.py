@@ -125,6 +125,12 @@ class Collect:
         a prompt it cannot hold) is a UserError naming the sample (`RolloutEngine.user_error`)."""
         engine = self.rollout_engine
         try:
+            if self.zoom is not None:  # multi-turn: G trajectories per prompt, with the zoom tool's turns
+                from mmpg.rollout.multiturn import sample_trajectories
+
+                return sample_trajectories(engine, self.policy, self.processor, batch.inputs, batch.samples,
+                                           self.cfg.rollout.n, self.zoom, sampling, prompt_seeds=seeds,
+                                           all_done=self.all_done)
             return engine.generate_groups(batch.inputs, self.cfg.rollout.n, sampling, prompt_seeds=seeds,
                                           videos=batch.videos)
         except Exception as e:  # noqa: BLE001 - the engine says which errors are the user's; the rest are raised
@@ -220,7 +226,7 @@ class Collect:
             for g in new:
                 g.policy_version = version
             with timer("reward"):
-                score_groups(self.scorer, new)
+                score_groups(self.scorer, new, self.cfg.zoom if self.zoom is not None else None)
             for g in new[len(new) - copies:]:
                 g.dummy = True
             new, spare = new[:len(new) - copies], spare or (new[-1] if copies else None)

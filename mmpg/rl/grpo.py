@@ -60,14 +60,16 @@ def on_every_rank(fn, engine=None):
 class GRPOStep(Collect, Update):
     """Holds what a step needs; `run(step)` does one step and returns (metrics on rank 0, groups of this rank)."""
 
-    def __init__(self, cfg, engine, ref_model, processor, loader, scorer, device: str):
+    def __init__(self, cfg, engine, ref_model, processor, loader, scorer, device: str, zoom=None):
         self.cfg, self.engine, self.ref, self.processor = cfg, engine, ref_model, processor
+        self.zoom = zoom  # the zoom tool's environment (data.template=zoom): multi-turn rollouts, else None
         self.loader = loader  # `mmpg.train.data.TrainLoader`: this rank's slice of each global batch; its `decode`
         self.batches = iter(loader)  # builds a slice dealt again (`_rebalance`)
         self.scorer, self.device = scorer, device
         self.world = dist.data_size()  # ranks holding different samples (the world / sequence_parallel_size)
         self.local_batch = cfg.data.batch_size // self.world
         sync = (lambda done: dist.all_true(done, self._coll_device)) if dist.world_size() > 1 else None
+        self.all_done = sync  # every rank done (multi-turn rollouts' turns in lockstep), None for one process
         self.policy = engine.module.policy
         self.pad_id = pad_token_id(self.policy)  # the collators pad with what the engines pad completions with
         from mmpg.rollout.build import make_rollout_engine

@@ -36,8 +36,18 @@ def make_scorer(reward_cfg, think: bool) -> Callable:
     return score
 
 
-def score_groups(scorer: Callable, groups) -> None:
-    """Each group's `rewards` and `spans`, one `scorer` call per response."""
+def score_groups(scorer: Callable, groups, zoom=None) -> None:
+    """Each group's `rewards` and `spans`, one `scorer` call per response (of a multi-turn trajectory: its last
+    turn, the answer). `zoom` (the zoom.* config, with multi-turn groups): each trajectory's reward adds the tool's
+    terms (`mmpg.rewards.zoom.zoom_reward`: call cost, error penalty, the last window's tIoU), each kept apart."""
     for g in groups:
         scored = [scorer(text, g.sample) for text in g.texts]
         g.rewards, g.spans = [s.rewards for s in scored], [s.span for s in scored]
+        if zoom is not None and g.tools is not None:
+            from mmpg.rewards.zoom import zoom_reward
+
+            g.rewards = [zoom_reward(r, [t.window for t in tools if t.window is not None],
+                                     sum(t.error is not None for t in tools), g.sample.span,
+                                     call_cost=zoom.call_cost, error_penalty=zoom.error_penalty,
+                                     window_weight=zoom.window_weight)
+                         for r, tools in zip(g.rewards, g.tools)]

@@ -122,7 +122,7 @@ def group_records(step: int, groups, first_index: int, media_keys: dict, logprob
         s = g.sample
         responses = [
             ResponseRecord(text=text, parsed_span=span, rewards=dict(r), advantage=float(a), length=int(n),
-                           finish_reason=fr, **(tokens(g, i) if logprobs else {}))
+                           finish_reason=fr, turns=trajectory(g, i), **(tokens(g, i) if logprobs else {}))
             for i, (text, r, span, a, n, fr) in enumerate(zip(g.texts, g.rewards, g.spans, g.advantages.tolist(),
                                                               g.completion_mask.sum(dim=1).tolist(),
                                                               g.finish_reasons))]
@@ -131,6 +131,19 @@ def group_records(step: int, groups, first_index: int, media_keys: dict, logprob
                                                                                     float(s.span[1])],
                                media_key=media_keys.get(s.video), policy_version=g.policy_version,
                                responses=responses))
+    return out
+
+
+def trajectory(g, i: int) -> list[dict] | None:
+    """Row i of a multi-turn group as its record writes it (`ResponseRecord.turns`), None for one turn."""
+    if g.turns is None:
+        return None
+    out = []
+    for k, text in enumerate(g.turns[i]):
+        out.append({"model": text})
+        if k < len(g.tools[i]):
+            tool = g.tools[i][k]
+            out.append({"zoom": list(tool.window)} if tool.window is not None else {"error": tool.error})
     return out
 
 

@@ -48,8 +48,17 @@ def check_grpo_config(cfg: Config) -> None:
         check_vllm_config(cfg)
     check_staleness(cfg)
     if cfg.data.template == "zoom":
-        raise UserError("data.template=zoom: GRPO with the zoom tool (multi-turn rollouts) is not built yet; the zoom "
-                        "tool trains by SFT on trajectories today (mmpg sft with sft.trajectories)")
+        check_zoom_config(cfg)
+
+
+def check_zoom_config(cfg: Config) -> None:
+    """data.template=zoom (multi-turn rollouts with the zoom tool): what that path does not support yet."""
+    if cfg.rollout.engine != "hf":
+        raise UserError(f"data.template=zoom with rollout.engine={cfg.rollout.engine}: multi-turn rollouts run on the "
+                        "hf engine so far; use rollout.engine=hf")
+    if cfg.parallel.sequence_parallel_size > 1:
+        raise UserError("data.template=zoom with parallel.sequence_parallel_size > 1: multi-turn rollouts are not "
+                        "split over a sequence-parallel group yet; use parallel.sequence_parallel_size=1")
 
 
 def check_staleness(cfg: Config) -> None:
@@ -113,14 +122,24 @@ class GRPOJob:
 
         template = get_template(cfg.data.template)
         self.position = int(session.state.get("data_position", 0))  # stream position of the next global batch
+        cache = frame_cache(cfg)
+        zoom = None
+        if template.tools:  # multi-turn rollouts with the zoom tool (mmpg.rollout.multiturn)
+            from mmpg.rollout.lengths import check_zoom_length
+            from mmpg.rollout.zoom import ZoomEnvironment, ZoomSettings
+
+            check_zoom_length(cfg, session.model, session.processor)
+
+            zoom = ZoomEnvironment(ZoomSettings(cfg.zoom.fps, cfg.zoom.max_frames, cfg.zoom.max_turns),
+                                   video_spec(cfg, session.family), decode=cache.load if cache else None)
         loader = make_train_loader(samples, video_spec(cfg, session.family), session.processor, template,
                                    global_batch=cfg.data.batch_size, rank=dist.data_rank(), world=dist.data_size(),
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,
                                    num_workers=cfg.data.num_workers, strict=cfg.data.strict,
-                                   queries_per_video=cfg.data.queries_per_video, frame_cache=frame_cache(cfg),
+                                   queries_per_video=cfg.data.queries_per_video, frame_cache=cache,
                                    part=sequence_part(session))
         self.step_fn = GRPOStep(cfg, session.engine, self.ref, session.processor, loader,
-                                make_scorer(cfg.reward, template.think), session.device)
+                                make_scorer(cfg.reward, template.think), session.device, zoom=zoom)
         self.skipped_total = int(session.state.get("skipped_total", 0))  # unusable samples so far, all ranks
         from mmpg.grouping.backends import compute_dtype
         from mmpg.grouping.bounds import bound_for

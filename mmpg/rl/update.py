@@ -52,13 +52,14 @@ class Update:
         from mmpg.grouping import grouped_forward, repeated_logprobs
 
         args = (model, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes)
+        clips = mb.completion_visuals  # multi-turn: the clips inside the responses (a trajectory tree)
         if self.cfg.algorithm.grouping:
             out = grouped_forward(*args, temperature=self.cfg.rollout.temperature, chunk_size=chunk,
-                                  share=self.cfg.algorithm.share_videos)
+                                  share=self.cfg.algorithm.share_videos, completion_visuals=clips)
             self.shared_prompts += out.shared_prompts  # prompts forwarded behind another's shared part
             self.row_tokens = max(self.row_tokens, out.row_tokens)
             return out.logprobs
-        return repeated_logprobs(*args, temperature=self.cfg.rollout.temperature)
+        return repeated_logprobs(*args, temperature=self.cfg.rollout.temperature, completion_visuals=clips)
 
     def _chunk_sizes(self, mbs) -> list[int]:
         """Per micro-batch LM-head chunk size giving every rank the same number of chunks."""
@@ -76,7 +77,7 @@ class Update:
         return mbs
 
     def _loss_mask(self, mb) -> torch.Tensor:
-        mask = mb.completion_mask
+        mask = mb.own_mask  # the model's own tokens (multi-turn: without the tool's turns)
         if self.cfg.algorithm.mask_truncated:
             mask = algos.truncation_mask(mask, mb.truncated)
         return mask.float() * (0.0 if mb.dummy else 1.0)
@@ -103,7 +104,8 @@ class Update:
             out = self.checker.run(self.policy, mb.inputs, mb.completion_ids, mb.completion_mask, mb.group_sizes,
                                    temperature=self.cfg.rollout.temperature, chunk_size=max(1, math.ceil(rows / count)),
                                    reduce_max=lambda x: dist.all_max([x], self._coll_device)[0],
-                                   share=self.cfg.algorithm.share_videos, gradients=True)
+                                   share=self.cfg.algorithm.share_videos, gradients=True,
+                                   completion_visuals=mb.completion_visuals)
         except SelfCheckError as e:
             choices.record("self_check", "stopped", str(e))
             raise UserError(str(e)) from None
@@ -203,7 +205,7 @@ class Update:
         """Token sums for the step's metrics (first pass only: with mu > 1 later passes repeat the same data)."""
         with torch.no_grad():
             tokens = float(mask.sum())
-            real = mb.completion_mask.to(logp.device).float() * (0.0 if mb.dummy else 1.0)
+            real = mb.own_mask.to(logp.device).float() * (0.0 if mb.dummy else 1.0)
             gap = (logp.detach() - mb.rollout_logprobs.to(logp.device)).abs() * real
             sums["loss"] += float(loss)
             sums["tokens"] += tokens

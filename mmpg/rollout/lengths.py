@@ -154,6 +154,10 @@ def estimate(cfg, family: str | None) -> WorstPrompt:
     sample, video = _stand_in(frames, spec.factor)
     template = get_template(cfg.data.template)
     text = len(template.render(sample, video).encode()) + len((template.render_system(sample, video) or "").encode())
+    if template.tools:  # the tools' system text (`tools_system`) and a default system prompt before it
+        from mmpg.data.prompts import tools_system
+
+        text += len(tools_system(template.tools, "You are a helpful assistant.").encode())
     blocks = 0 if family == "qwen2_5_vl" else frames // 2 * FRAME_BLOCK_BYTES
     return WorstPrompt(video_tokens=video_tokens, text_tokens=text + CHAT_BYTES + blocks + QUERY_TOKENS,
                        frames=frames, counted=False)
@@ -237,3 +241,42 @@ def run(args) -> int:
           f"to a multiple of {ROUND_TO}", file=sys.stderr)
     print(worst.server_len(n))
     return 0
+
+
+def worst_clip_tokens(cfg, processor) -> int:
+    """The most LM tokens one zoom tool turn adds (data.template=zoom): its text, counted by the model's processor
+    on a stand-in clip of zoom.max_frames frames of one merged patch each, whose video tokens are swapped for the
+    largest clip the tool returns (zoom.max_frames frames sized as data.* sizes frames)."""
+    from mmpg.data.video import VideoSpec
+    from mmpg.rollout.zoom import ToolTurn, clip_turn, turn_inputs
+
+    vp = processor.video_processor
+    d, z = cfg.data, cfg.zoom
+    temporal = int(getattr(vp, "temporal_patch_size", 2))
+    spec = VideoSpec(fps=z.fps, min_frames=2, max_frames=z.max_frames, min_pixels=d.min_pixels,
+                     max_pixels=d.max_pixels, total_pixels=d.total_pixels, image_patch_size=int(vp.patch_size))
+    video_tokens, _ = worst_video_tokens(spec, temporal)
+    frames = z.max_frames - z.max_frames % temporal
+    _, clip = _stand_in(frames, spec.factor)
+    ids, _ = turn_inputs(processor, ToolTurn(clip_turn(WORST_DURATION_S, WORST_DURATION_S), clip=clip))
+    return int(ids.numel()) - frames // temporal + video_tokens
+
+
+def check_zoom_length(cfg, model, processor) -> None:
+    """data.template=zoom: the longest trajectory the config allows (the worst prompt, zoom.max_turns tool turns
+    of the largest clip, zoom.max_turns + 1 model turns of rollout.max_new_tokens) must fit the model's positions
+    (max_position_embeddings), or one UserError line says which settings to lower, before anything trains."""
+    config = getattr(model.config, "text_config", model.config)
+    limit = getattr(config, "max_position_embeddings", None)
+    prompt = worst_prompt(cfg, processor)
+    if limit is None or prompt is None:
+        return
+    clip = worst_clip_tokens(cfg, processor)
+    turns = cfg.zoom.max_turns
+    total = prompt.tokens + turns * clip + (turns + 1) * cfg.rollout.max_new_tokens
+    if total > limit:
+        raise UserError(f"zoom.max_frames={cfg.zoom.max_frames}: the longest trajectory is {total} tokens (prompt "
+                        f"{prompt.tokens}, {turns} zoom(s) of up to {clip}, {turns + 1} turns of rollout.max_new_tokens="
+                        f"{cfg.rollout.max_new_tokens}), past the model's {limit} positions; lower zoom.max_frames, "
+                        "zoom.max_turns, data.max_frames or the pixels")
+

@@ -46,6 +46,11 @@ class Trajectories:
     logprobs: torch.Tensor | None = None  # [N, S] the engine's logprobs of the model's tokens, 0 elsewhere
 
     @property
+    def texts(self) -> list[str]:
+        """[N] each row's last model turn: its answer (what the grounding reward reads), or its last call."""
+        return [row[-1] if row else "" for row in self.turns]
+
+    @property
     def zooms(self) -> list[int]:
         """[N] tool turns that returned a clip."""
         return [sum(t.clip is not None for t in row) for row in self.tools]
@@ -73,10 +78,13 @@ def _continuations(model, alone: list[dict], rows: list[int], prompt_of: list[in
 
 def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, samples: Sequence,
                         group_size: int | Sequence[int], env: ZoomEnvironment, sampling: SamplingParams | None = None,
-                        *, prompt_seeds: Sequence[int] | None = None) -> Trajectories:
+                        *, prompt_seeds: Sequence[int] | None = None, all_done=None) -> Trajectories:
     """G_b zoom trajectories for each of the B prompts (module docstring). samples: the B prompts' samples (their
     video files and shown windows, for the tool). prompt_seeds: as `RolloutEngine.generate_groups`'s; turn k of
-    row j of prompt b is then seeded by (prompt_seeds[b], j, k), so a branch does not depend on the others."""
+    row j of prompt b is then seeded by (prompt_seeds[b], j, k), so a branch does not depend on the others.
+    all_done(this_rank_done) -> whether every rank is done (ranks in lockstep under ZeRO-3, which gathers weights in
+    every forward): a rank whose branches have all ended while another's go on samples a stand-in turn (its first
+    branch again, the result discarded) for each turn the others take; None: one process."""
     sampling = sampling or SamplingParams()
     sizes = group_sizes_for(group_size, int(prompt_inputs["input_ids"].shape[0]))
     if len(samples) != len(sizes):
@@ -120,9 +128,14 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
             if visuals:
                 clips[i].append(visuals)
             nxt.append(i)
-        if not nxt:
+        if (not nxt) if all_done is None else all_done(not nxt):
             break
         alone = alone or prompts_alone(model, prompt_inputs)  # the B prompts unpadded, split once
+        if not nxt:  # every branch here has ended, another rank's go on: a stand-in turn, for lockstep only
+            engine.generate_groups(_continuations(model, alone, [0], prompt_of, history, clips, pad_id), 1, sampling,
+                                   prompt_seeds=None if prompt_seeds is None else [0])
+            going = nxt
+            continue
         inputs = _continuations(model, alone, nxt, prompt_of, history, clips, pad_id)
         seeds = None if prompt_seeds is None else \
             [int(prompt_seeds[prompt_of[i]]) * 1_000_003 + 1_009 * row_in_group[i] + turn for i in nxt]

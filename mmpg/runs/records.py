@@ -40,7 +40,7 @@ def _need(d: dict, keys: tuple[str, ...], what: str) -> None:
         raise ValueError(f"{what} record lacks {', '.join(missing)}: {str(d)[:200]}")
 
 
-_OPTIONAL_TOKENS = ("token_ids", "logprobs", "train_logprobs")
+_OPTIONAL_TOKENS = ("token_ids", "logprobs", "train_logprobs", "turns")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -59,6 +59,10 @@ class ResponseRecord:
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
     train_logprobs: list[float] | None = None
+    # multi-turn rollouts (the zoom tool) only, else None: the trajectory in order, the model's turns
+    # {"model": text} and the tool's {"zoom": [start_s, end_s]} (a clip shown) or {"error": reason}; `text` is
+    # the last model turn (the answer the reward read)
+    turns: list[dict] | None = None
 
     def __post_init__(self):
         self.parsed_span = _span(self.parsed_span, "ResponseRecord.parsed_span")

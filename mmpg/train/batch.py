@@ -47,6 +47,8 @@ class PromptGroup:
     # tool's turns (context); None: every completion token is the model's
     completion_visuals: list[dict] | None = None  # [G] multi-turn: each row's clips (`grouped_forward`'s
     # completion_visuals), None: no row holds any
+    turns: list[list[str]] | None = None  # [G] multi-turn: each row's model turns (texts: its last one)
+    tools: list[list] | None = None  # [G] multi-turn: each row's tool turns (`mmpg.rollout.zoom.ToolTurn`)
 
     @property
     def size(self) -> int:
@@ -78,17 +80,24 @@ class MicroBatch:
 def split_groups(model, batch, rollout, seeds: list[int]) -> list[PromptGroup]:
     """Cut a rolled-out batch into per-prompt groups (each prompt's inputs without padding)."""
     alone = prompts_alone(model, batch.inputs)
+    own = getattr(rollout, "own_mask", None)  # multi-turn (`mmpg.rollout.multiturn.Trajectories`): tool turns
     groups, row = [], 0
     for b, g in enumerate(rollout.group_sizes):
         one = alone[b]
         rows = slice(row, row + g)
         width = int(rollout.completion_mask[rows].sum(dim=1).max())
-        groups.append(PromptGroup(
+        group = PromptGroup(
             sample=batch.samples[b], video=batch.videos[b], inputs=one,
             completion_ids=rollout.completion_ids[rows, :width], completion_mask=rollout.completion_mask[rows, :width],
             rollout_logprobs=(rollout.logprobs[rows, :width] if rollout.logprobs is not None
                               else torch.zeros(g, width)),
-            texts=rollout.texts[rows], finish_reasons=rollout.finish_reasons[rows], seed=seeds[b]))
+            texts=rollout.texts[rows], finish_reasons=rollout.finish_reasons[rows], seed=seeds[b])
+        if own is not None:
+            group.own_mask = own[rows, :width]
+            group.completion_visuals = rollout.completion_visuals[rows]
+            group.turns = rollout.turns[rows]
+            group.tools = rollout.tools[rows]
+        groups.append(group)
         row += g
     return groups
 
