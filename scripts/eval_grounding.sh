@@ -13,7 +13,8 @@
 #   NUM_GPUS=8 bash scripts/eval_grounding.sh runs/grpo/checkpoints/step_00000200 \
 #       data/charades/charades_sta_test.txt data/charades/Charades_v1_480 time_r1 prompt_file=data/prompts/time_r1.py
 # Knobs, as key=value after the protocol (`mmpg eval --fields` lists all, with each protocol's sources):
-#   template=time_r1|time_r1_frames|answer_only   mmpg's own prompts (default time_r1, the one training uses)
+#   template=time_r1|time_r1_frames|answer_only|zoom   mmpg's own prompts (default time_r1, the one training uses;
+#                       zoom: the zoom protocol, multi-turn, with zoom_fps, zoom_max_frames, zoom_max_turns)
 #   prompt_file=PATH    a paper's prompt file (.py: read, never run) or a text file with {query} (instead of template)
 #   fps=2 max_frames=768 min_pixels=12544 max_pixels=602112 total_pixels=2809856   what the model sees of a video
 #   max_new_tokens=1024 answer length (too short cuts the <answer> off: unparseable, IoU 0)

@@ -156,7 +156,7 @@ def test_mmpg_sft_trains_on_the_zoom_trajectories(grpo_data, zoom_data, tmp_path
 
 def test_bad_zoom_configs_are_one_line(grpo_data, zoom_data, tmp_path):
     """Refused before anything trains, exit 2, one line: trajectories behind a prompt without the tool, a line the
-    templates cannot express, a zoom setting out of range, GRPO with the tool (not built yet)."""
+    templates cannot express, a zoom setting out of range."""
     from train_utils import run_cli
 
     def refused(args):
@@ -173,5 +173,3 @@ def test_bad_zoom_configs_are_one_line(grpo_data, zoom_data, tmp_path):
         _zoom_overrides(grpo_data, zoom_data, tmp_path, "b", **{"sft.trajectories": str(bad)}))
     assert "zoom.max_frames=1" in refused(_zoom_overrides(grpo_data, zoom_data, tmp_path, "c",
                                                           **{"zoom.max_frames": 1}))
-    grpo = _zoom_overrides(grpo_data, zoom_data, tmp_path, "d", **{"sft.trajectories": "", "trainer.micro_batch_size": 4})
-    assert "GRPO with the zoom tool" in refused(["train"] + grpo[1:])

@@ -152,3 +152,32 @@ def test_lora_with_the_zoom_tool(grpo_data, zoom_data, tmp_path):
     assert first["check/gradient_rel_max"] <= first["check/gradient_rel_bound"]
     assert all(m["actor/logprob_gap_max"] <= 1e-5 for m in lines) and any(m["reward/zoom_calls"] > 0 for m in lines)
     assert all(m["actor/grad_norm"] > 0 and m["actor/kl"] >= 0 for m in lines)
+
+
+@pytest.mark.slow
+def test_mmpg_eval_runs_the_zoom_protocol(grpo_data, zoom_data, tmp_path):
+    """`mmpg eval template=zoom`: each answer a multi-turn trajectory (the engine's logprobs of the model's turns
+    checked against the repeated forward of the whole conversation), its record holding the turns, metrics.json and
+    report.md the zooms, error turns, clip frames and mIoU by zoom count; two ranks write what one process writes."""
+    from mmpg.runs.evals import EvalReader
+
+    def run(out, procs):
+        args = ["eval", "--checkpoint", grpo_data["model"], "--annotations", str(zoom_data / "train.json"),
+                "--videos", str(zoom_data / "videos"), "--out", str(out), "template=zoom", "fps=0.5",
+                "max_frames=768", "min_pixels=3136", "max_pixels=3136", "max_new_tokens=6", "num_workers=0",
+                "batch_size=1", "zoom_fps=2", "zoom_max_frames=4", "zoom_max_turns=2", "share_videos=false"]
+        proc = run_forked("zoom_worker:main", args, procs=procs)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return EvalReader(out)
+
+    one = run(tmp_path / "one", 1)
+    records, metrics = one.predictions(), one.metrics()
+    assert len(records) == 3 and all(r.turns and r.turns[-1] == {"model": r.text} for r in records)
+    zooms = [sum("zoom" in t for t in r.turns) for r in records]
+    assert sum(zooms) > 0 and all(t["frames"] > 0 for r in records for t in r.turns if "zoom" in t)
+    assert metrics["zoom/calls_mean"] == pytest.approx(sum(zooms) / 3)
+    assert sum(metrics[f"zoom/count@{k}"] for k in set(zooms)) == 3
+    report = (tmp_path / "one" / "report.md").read_text()
+    assert "## Zoom protocol" in report and "| zooms | samples | mIoU (%) |" in report
+    two = run(tmp_path / "two", 2)
+    assert [(r.index, r.text, r.turns) for r in two.predictions()] == [(r.index, r.text, r.turns) for r in records]

@@ -77,8 +77,9 @@ class _Collate:
         return [i for i, _ in good], [it for _, it in good], inputs, failed
 
 
-def record_for(index: int, item, text: str | None, settings) -> PredictionRecord:
-    """The record of one sample: an answer scored against the truth, or (text None) a failed video."""
+def record_for(index: int, item, text: str | None, settings, turns: list[dict] | None = None) -> PredictionRecord:
+    """The record of one sample: an answer scored against the truth, or (text None) a failed video; `turns`: the
+    zoom protocol's trajectory (`PredictionRecord.turns`)."""
     sample = item.sample
     video = os.path.abspath(sample.video)  # readers (the app) may run from another folder
     duration = sample.duration if sample.duration is not None else math.nan
@@ -89,15 +90,30 @@ def record_for(index: int, item, text: str | None, settings) -> PredictionRecord
     scored, truth = score_sample(text, sample, settings.scoring, settings.swap_reversed)
     return PredictionRecord(index=index, sample_id=sample.sample_id, video=video, duration=duration,
                             query=sample.query, gt_span=list(truth),
-                            pred_span=list(scored.span) if scored.span else None, text=text, iou=scored.iou)
+                            pred_span=list(scored.span) if scored.span else None, text=text, iou=scored.iou,
+                            turns=turns)
+
+
+@dataclasses.dataclass
+class ZoomProtocol:
+    """template=zoom: the tool's environment, the processor that writes its turns, and the ranks' all_done (None:
+    one process, or ranks not in lockstep)."""
+
+    env: object  # mmpg.rollout.zoom.ZoomEnvironment
+    processor: object
+    all_done: object = None
 
 
 def _answer(engine, batch, sampling, settings, checker=None, counts: dict | None = None, vision=None,
-            stand_in=None) -> list:
+            stand_in=None, zoom: ZoomProtocol | None = None) -> list:
     """The records of one batch (None: no batch this round); `counts` (when given) gains the batch's prefilled
     tokens and its videos' keys; `vision` (a `VisionCalls`) is paused over the self-check, whose repeated forward is
     not the decoding's work. `stand_in` (lockstep): a callable giving the inputs decoded, answer dropped, when
-    nothing of this batch can be decoded, so this rank still joins every forward of the others."""
+    nothing of this batch can be decoded, so this rank still joins every forward of the others. `zoom`: each answer
+    is a multi-turn trajectory with the zoom tool (`mmpg.rollout.multiturn`), its record holding the turns."""
+    from mmpg.rollout.multiturn import sample_trajectories, stand_in_turns
+    from mmpg.rollout.zoom import trajectory_turns
+
     indices, items, inputs, failed = batch if batch is not None else ([], [], None, [])
     records = [record_for(i, it, None, settings) for i, it in failed]
     for i, it in failed:
@@ -105,18 +121,28 @@ def _answer(engine, batch, sampling, settings, checker=None, counts: dict | None
     if not items:
         if stand_in is not None:
             filler = stand_in()
-            engine.generate_groups(filler, 1, sampling)
+            if zoom is not None and zoom.all_done is not None:  # as many turns as the other ranks take
+                stand_in_turns(engine, filler, sampling, zoom.env.settings.max_turns, zoom.all_done)
+            else:
+                engine.generate_groups(filler, 1, sampling)
             if counts is not None:
                 counts["prefix_tokens"] += prefill_tokens(engine, filler)  # its forwards ran
         return records
-    rollout = engine.generate_groups(inputs, 1, sampling)  # [B] answers, rows in prompt order
+    if zoom is not None:
+        rollout = sample_trajectories(engine, engine.model, zoom.processor, inputs, [it.sample for it in items], 1,
+                                      zoom.env, sampling, all_done=zoom.all_done)
+    else:
+        rollout = engine.generate_groups(inputs, 1, sampling)  # [B] answers, rows in prompt order
     if counts is not None:
         counts["prefix_tokens"] += prefill_tokens(engine, inputs)
         counts["videos"] |= {video_key(it.sample) for it in items}
     if checker is not None:
         with vision.paused() if vision is not None else contextlib.nullcontext():
             _self_check(checker, engine.model, inputs, rollout)
-    return records + [record_for(i, it, text, settings) for i, it, text in zip(indices, items, rollout.texts)]
+    turns = [trajectory_turns(t, tools) for t, tools in zip(rollout.turns, rollout.tools)] if zoom is not None \
+        else [None] * len(items)
+    return records + [record_for(i, it, text, settings, turn)
+                      for i, it, text, turn in zip(indices, items, rollout.texts, turns)]
 
 
 def _self_check(checker, model, inputs, rollout) -> None:
@@ -127,9 +153,10 @@ def _self_check(checker, model, inputs, rollout) -> None:
 
     if not checker.needed(model, batch_dims(inputs, rollout.completion_mask, rollout.group_sizes)):
         return
-    try:
+    try:  # a trajectory's tool turns are context: compared where the engine sampled (own_mask)
         checker.run(model, inputs, rollout.completion_ids, rollout.completion_mask, rollout.group_sizes,
-                    candidate=rollout.logprobs)
+                    candidate=rollout.logprobs, completion_visuals=getattr(rollout, "completion_visuals", None),
+                    own_mask=getattr(rollout, "own_mask", None))
     except SelfCheckError as e:
         raise UserError(str(e)) from None
 
@@ -230,6 +257,13 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
         if settings.self_check != "off" and not lockstep else None
     stand_in = functools.cache(lambda: stand_in_batch(processor, template).inputs) if lockstep else None
     sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, logprobs=checker is not None)
+    zoom = None
+    if template.tools:  # the zoom protocol: multi-turn answers
+        from mmpg.rollout.zoom import ZoomEnvironment, ZoomSettings
+
+        env = ZoomEnvironment(ZoomSettings(settings.zoom_fps, settings.zoom_max_frames, settings.zoom_max_turns),
+                              spec, decode=cache.load if cache is not None else None)
+        zoom = ZoomProtocol(env, processor, (lambda d: dist.all_true(d, coll)) if lockstep else None)
     batches = iter(loader)
     bar = tqdm(total=len(pending), desc="eval", unit="sample", disable=session.rank != 0, dynamic_ncols=True)
     done, start = 0, time.time()
@@ -238,7 +272,7 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
         engine.check_scope = vision.paused  # the decode check's forwards go uncounted
         for r in range(rounds):
             batch = next(batches, None)
-            records = _answer(engine, batch, sampling, settings, checker, counts, vision, stand_in)
+            records = _answer(engine, batch, sampling, settings, checker, counts, vision, stand_in, zoom)
             every = sorted((rec for part in dist.gather_objects(records) for rec in part), key=lambda rec: rec.index)
             writer.append(every)  # rank 0 writes; a no-op elsewhere
             done += len(every)

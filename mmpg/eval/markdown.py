@@ -173,6 +173,20 @@ def _fast_paths(fast: dict) -> list[str]:
     return rows + [f"| {k} | {v.get('value')} | {v.get('why') or ''} |" for k, v in fast.items()]
 
 
+def _zoom(metrics: dict) -> list[str]:
+    """The zoom protocol's section (template=zoom), nothing otherwise."""
+    if "zoom/calls_mean" not in metrics:
+        return []
+    counts = sorted(int(k.split("@")[1]) for k in metrics if k.startswith("zoom/count@"))
+    lines = ["", "## Zoom protocol", "",
+             f"Zooms per sample {metrics['zoom/calls_mean']:.2f} (samples that zoomed: "
+             f"{pct(metrics['zoom/used_share'])} %), error turns per sample {metrics['zoom/errors_mean']:.2f}, clip "
+             f"frames per sample {metrics['zoom/clip_frames_mean']:.1f} (beside the overview's).", "",
+             "| zooms | samples | mIoU (%) |", "|---|---|---|"]
+    lines += [f"| {k} | {int(metrics[f'zoom/count@{k}'])} | {pct(metrics[f'zoom/miou@{k}'])} |" for k in counts]
+    return lines + [""]
+
+
 def eval_report(info: dict, metrics: dict, records, protocol_summary: str = "") -> str:
     """report.md: what was evaluated, the metrics under both conventions (the protocol's first), unparseable and
     failed samples, every setting that changes the numbers, the plots."""
@@ -192,6 +206,7 @@ def eval_report(info: dict, metrics: dict, records, protocol_summary: str = "") 
               "row); the other row is the other convention. mIoU does not depend on it.", ""]
     lines += _coverage(info, metrics, settings, records)
     lines += _decoding(metrics, info.get("runtime", {}).get("share_videos"))
+    lines += _zoom(metrics)
     lines += _problems(metrics, records, settings)
     if left_out:
         count = info.get("annotations_left_out_count", len(left_out))

@@ -238,3 +238,23 @@ def denominator_metrics(records: Sequence, bad_videos: str = "fail", duplicates:
 def _record_metrics(records: Sequence, bad_videos: str) -> dict:
     return benchmark_metrics([r.iou for r in records], [r.error is None and r.pred_span is None for r in records],
                              [r.error is not None for r in records], bad_videos)
+
+
+def zoom_metrics(records: Sequence) -> dict:
+    """The zoom protocol's figures (template=zoom: records holding their `turns`), over the answered samples: the
+    mean zooms (tool turns that showed a clip), error turns and clip frames per sample, the share that zoomed at
+    least once, and per zoom count k the samples that made k zooms and their mIoU (%: the keys' values are 0..1 as
+    every metric). {} when no record has turns."""
+    rows = [r for r in records if r.turns is not None and r.error is None]
+    if not rows:
+        return {}
+    zooms = [sum("zoom" in t for t in r.turns) for r in rows]
+    out = {"zoom/calls_mean": sum(zooms) / len(rows),
+           "zoom/errors_mean": sum(sum("error" in t for t in r.turns) for r in rows) / len(rows),
+           "zoom/clip_frames_mean": sum(sum(t.get("frames", 0) for t in r.turns) for r in rows) / len(rows),
+           "zoom/used_share": sum(z > 0 for z in zooms) / len(rows)}
+    for k in sorted(set(zooms)):
+        ious = [r.iou for r, z in zip(rows, zooms) if z == k]
+        out[f"zoom/count@{k}"] = len(ious)
+        out[f"zoom/miou@{k}"] = sum(ious) / len(ious)
+    return out

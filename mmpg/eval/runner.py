@@ -283,6 +283,9 @@ def finish(folder, n: int, settings: EvalSettings, counts: DecodeCounts | None =
     metrics, counted = denominator_metrics(records, settings.bad_videos, settings.duplicates)
     metrics.update(threshold_rule=settings.threshold_rule, bad_videos=settings.bad_videos)
     metrics.update((counts or DecodeCounts()).metrics())
+    from mmpg.eval.metrics import zoom_metrics
+
+    metrics.update(zoom_metrics(counted))  # template=zoom: zooms, errors, clip frames, mIoU by zoom count
     writer = EvalWriter(folder)
     writer.write_metrics(metrics)
     scored = [r for r in counted if settings.bad_videos == "fail" or r.error is None]

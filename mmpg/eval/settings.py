@@ -37,8 +37,12 @@ RUNTIME_ONLY = ("batch_size", "share_videos", "num_workers", "device", "self_che
 @dataclass
 class EvalSettings(VideoSettings):
     # fps, min_frames, max_frames, min_pixels, max_pixels, total_pixels: VideoSettings' (the same defaults as data.*)
-    template: str = setting("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only (mmpg/data/prompts.py), "
-                            "or file: the text of prompt_file (what the papers' protocols use).")
+    template: str = setting("time_r1", "Prompt template: time_r1, time_r1_frames, answer_only, zoom (multi-turn: the "
+                            "model may call the zoom tool, zoom_*; mmpg/data/prompts.py), or file: the text of "
+                            "prompt_file (what the papers' protocols use).")
+    zoom_fps: float = setting(4.0, "template=zoom: the zoom tool's frame rate (as training's zoom.fps).")
+    zoom_max_frames: int = setting(16, "template=zoom: most frames one zoom returns (as training's zoom.max_frames).")
+    zoom_max_turns: int = setting(2, "template=zoom: most tool turns per answer (as training's zoom.max_turns).")
     prompt_file: Optional[str] = setting(None, "The prompt, from a file; setting it selects template=file. Either the "
                                          "paper's own Python file that holds its prompt (.py: the string is read, the "
                                          "file never run; mmpg eval --fields gives each protocol's file and the "
@@ -184,6 +188,11 @@ def _validate(s: EvalSettings) -> None:
     for key, ok, what in checks:
         if not ok:
             raise UserError(f"eval setting '{key}' is {getattr(s, key)!r}; it {what}")
+    from mmpg.rollout.zoom import ZoomSettings
+
+    problem = ZoomSettings(s.zoom_fps, s.zoom_max_frames, s.zoom_max_turns).problem()
+    if problem:  # "zoom.fps=0: ..." -> the eval setting's name
+        raise UserError("eval setting " + problem.replace("zoom.", "zoom_", 1))
 
 
 def load_settings(protocol: str = "default", overrides: list[str] | tuple[str, ...] = ()) -> EvalSettings:

@@ -105,7 +105,8 @@ class SelfCheck:
         env = self.envelopes.get(self.key(model, backend))
         return env is None or not env.covers(dims)
 
-    def _logprob_figures(self, model, key, args, kwargs, candidate, reduce_max, named: bool, leak: bool) -> Figures:
+    def _logprob_figures(self, model, key, args, kwargs, candidate, reduce_max, named: bool, leak: bool,
+                         own_mask=None) -> Figures:
         """The no-grad comparison (and the leak probe): an exception in a grouped forward that may fall back (not
         `named`, not sdpa) counts as an infinite difference (every rank still joins `reduce_max`), its first line kept.
         """
@@ -116,7 +117,8 @@ class SelfCheck:
                     bound = bound_for(model, key[1])
                     reference = repeated_logprobs(*args, temperature=kwargs["temperature"],
                                                   completion_visuals=kwargs["completion_visuals"])
-                    figures.add("logprobs", _masked_max(candidate, reference, args[3]), bound)
+                    figures.add("logprobs", _masked_max(candidate, reference, args[3] if own_mask is None else
+                                                        own_mask), bound)
                     return figures.reduced(reduce_max)
                 precise = self.precise
                 bound, kernel = precise_bound(model, key[0], key[1]) if precise else (bound_for(model, key[1]), None)
@@ -177,21 +179,25 @@ class SelfCheck:
         figures.add("gradients", probes.relative_difference(grads, ref_grads), gradient_bound(model, key[1]))
         return figures.reduced(reduce_max)
 
-    def _measure(self, model, key, args, kwargs, candidate, reduce_max, named: bool, gradients: bool) -> Figures:
-        figures = self._logprob_figures(model, key, args, kwargs, candidate, reduce_max, named, leak=gradients)
+    def _measure(self, model, key, args, kwargs, candidate, reduce_max, named: bool, gradients: bool,
+                 own_mask=None) -> Figures:
+        figures = self._logprob_figures(model, key, args, kwargs, candidate, reduce_max, named, leak=gradients,
+                                        own_mask=own_mask)
         if gradients and candidate is None:
             figures.extend(self._gradient_figures(model, key, args, kwargs, reduce_max, named))
         return figures
 
     def run(self, model, prompt_inputs, completion_ids, completion_mask, group_sizes, *, temperature: float = 1.0,
             chunk_size: int = 2048, candidate: torch.Tensor | None = None, backend: str | None = None,
-            reduce_max=None, share: bool = True, gradients: bool = False, completion_visuals=None) -> dict:
+            reduce_max=None, share: bool = True, gradients: bool = False, completion_visuals=None,
+            own_mask=None) -> dict:
         """Compare on real groups (or a few), no gradient; grow the envelope. `candidate` [N, S]: logprobs to
         check instead of the grouped forward's (an engine's). `reduce_max(float) -> float`: the max over ranks (all
         ranks call `run` together under ZeRO-3). `share`: as `grouped_logprobs` (the path the caller's forward takes).
         `gradients`: also the training check: the leak probe, and the logprobs and probe gradients of a forward with
         autograd recording (module docstring; a trainer passes its step's first micro-batch).
-        `completion_visuals`: as `grouped_forward`'s (a trajectory tree: the clips inside the responses).
+        `completion_visuals`: as `grouped_forward`'s (a trajectory tree: the clips inside the responses); `own_mask`
+        [N, S]: where a `candidate` has logprobs of its own (the model's turns, not the tool's), default the mask.
         The model's own flash / flex backend (`backend` None) that fails falls back to sdpa (module docstring); one
         asked for by name is checked as it is. Returns the check/* metrics; raises
         `SelfCheckError` in mode "on"."""
@@ -203,7 +209,7 @@ class SelfCheck:
         kwargs = {"temperature": temperature, "chunk_size": chunk_size, "share": share,
                   "completion_visuals": completion_visuals}
         named = backend is not None
-        figures = self._measure(model, key, args, kwargs, candidate, reduce_max, named, gradients)
+        figures = self._measure(model, key, args, kwargs, candidate, reduce_max, named, gradients, own_mask)
         why = ""
         if candidate is None and backend is None and key[0] != FALLBACK and not figures.ok:
             dtype = str(key[1]).removeprefix("torch.")

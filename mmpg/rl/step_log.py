@@ -136,15 +136,9 @@ def group_records(step: int, groups, first_index: int, media_keys: dict, logprob
 
 def trajectory(g, i: int) -> list[dict] | None:
     """Row i of a multi-turn group as its record writes it (`ResponseRecord.turns`), None for one turn."""
-    if g.turns is None:
-        return None
-    out = []
-    for k, text in enumerate(g.turns[i]):
-        out.append({"model": text})
-        if k < len(g.tools[i]):
-            tool = g.tools[i][k]
-            out.append({"zoom": list(tool.window)} if tool.window is not None else {"error": tool.error})
-    return out
+    from mmpg.rollout.zoom import trajectory_turns
+
+    return None if g.turns is None else trajectory_turns(g.turns[i], g.tools[i])
 
 
 def tokens(g, i: int) -> dict:

@@ -152,3 +152,14 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
     mask = (torch.arange(width)[None] < torch.tensor([r.numel() for r in rows])[:, None]).long()
     return Trajectories(ids, mask, own_mask, [merge_visuals(c) if c else {} for c in clips], list(sizes), turns,
                         tools, finish, lp if sampling.logprobs else None)
+
+
+def stand_in_turns(engine: RolloutEngine, inputs, sampling: SamplingParams, max_turns: int, all_done) -> None:
+    """A rank with nothing to sample while the others sample trajectories (ZeRO-3 lockstep): `inputs` (a stand-in
+    prompt) sampled once for the first turn and again for every later turn another rank takes, as
+    `sample_trajectories` asks `all_done` once per turn; the results are discarded."""
+    engine.generate_groups(inputs, 1, sampling)
+    for _ in range(max_turns):
+        if all_done(True):
+            return
+        engine.generate_groups(inputs, 1, sampling)

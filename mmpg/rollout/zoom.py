@@ -149,6 +149,19 @@ class ToolTurn:
     error: str | None = None
 
 
+def trajectory_turns(turns: list[str], tools: list[ToolTurn]) -> list[dict]:
+    """One trajectory as the run's records write it: the model's turns {"model": text} and, after each but the
+    last, the tool's {"zoom": [start_s, end_s], "frames": n} (a clip of n frames) or {"error": reason}."""
+    out = []
+    for k, text in enumerate(turns):
+        out.append({"model": text})
+        if k < len(tools):
+            tool = tools[k]
+            out.append({"zoom": list(tool.window), "frames": int(tool.clip.frames.shape[0])}
+                       if tool.clip is not None else {"error": tool.error})
+    return out
+
+
 def call_text(start: float, end: float) -> str:
     """A zoom call on [start, end] as the model writes it (module docstring): what rule-based trajectories write."""
     return "<tool_call>\n" + json.dumps({"name": TOOL_NAME, "arguments": {"start": start, "end": end}}) + \

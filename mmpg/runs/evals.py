@@ -50,6 +50,10 @@ class PredictionRecord:
     text: str  # the decoded answer ("" when the sample failed)
     iou: float  # tIoU with the ground truth; 0 when pred_span is None
     error: str | None = None  # why the sample could not be evaluated (missing or corrupt video), else None
+    # template=zoom only (else None): the answer's trajectory in order, the model's turns {"model": text} and the
+    # tool's {"zoom": [start_s, end_s], "frames": n} (a clip of n frames shown) or {"error": reason}; `text` is the
+    # last model turn
+    turns: list[dict] | None = None
 
     def to_json(self) -> dict:
         return jsonable(dataclasses.asdict(self))
@@ -58,7 +62,7 @@ class PredictionRecord:
     def from_json(cls, d: dict) -> PredictionRecord:
         check_version(d, f"prediction {d.get('index')}")
         keys = [f.name for f in dataclasses.fields(cls)]
-        missing = [k for k in keys if k not in d and k not in ("v", "error")]
+        missing = [k for k in keys if k not in d and k not in ("v", "error", "turns")]
         if missing:
             raise ValueError(f"prediction record lacks {', '.join(missing)}: {str(d)[:200]}")
         kwargs = {k: d[k] for k in keys if k in d}

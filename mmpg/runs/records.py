@@ -60,7 +60,8 @@ class ResponseRecord:
     logprobs: list[float] | None = None
     train_logprobs: list[float] | None = None
     # multi-turn rollouts (the zoom tool) only, else None: the trajectory in order, the model's turns
-    # {"model": text} and the tool's {"zoom": [start_s, end_s]} (a clip shown) or {"error": reason}; `text` is
+    # {"model": text} and the tool's {"zoom": [start_s, end_s], "frames": n} (a clip of n frames shown) or
+    # {"error": reason}; `text` is
     # the last model turn (the answer the reward read)
     turns: list[dict] | None = None
 

@@ -31,7 +31,8 @@ def heldout_settings(cfg) -> EvalSettings:
                         share_videos=cfg.eval.share_videos, num_workers=d.num_workers, device=cfg.trainer.device,
                         frame_cache=d.frame_cache, frame_cache_gb=d.frame_cache_gb,
                         self_check="off", scoring="mmpg", prefill_chunk=cfg.rollout.prefill_chunk,
-                        grouping_backend=cfg.model.grouping_backend)
+                        grouping_backend=cfg.model.grouping_backend, zoom_fps=cfg.zoom.fps,
+                        zoom_max_frames=cfg.zoom.max_frames, zoom_max_turns=cfg.zoom.max_turns)
 
 
 def evaluate_heldout(job, step: int) -> dict | None:
@@ -53,7 +54,8 @@ def evaluate_heldout(job, step: int) -> dict | None:
                              family=session.family, dtype=session.dtype, step=step, lockstep=True)
     if result.metrics is None:
         return None
-    keep = ("count", "miou", "unparseable", "failed") + tuple(k for k in result.metrics if k.startswith("r1@"))
+    keep = ("count", "miou", "unparseable", "failed") + tuple(k for k in result.metrics if k.startswith("r1@")) + \
+        tuple(k for k in result.metrics if k.startswith("zoom/") and "@" not in k)  # template=zoom
     metrics = {f"eval/{k}": float(result.metrics[k]) for k in keep if isinstance(result.metrics.get(k), (int, float))}
     metrics["eval/skipped"] = metrics.pop("eval/failed", 0.0)
     return metrics
