@@ -16,7 +16,8 @@ the upstream PyPI package `prefix_grouper==0.0.1.post1`:
 Each measurement runs in a fresh process (`mmpg.bench.measure`; memory: `mmpg.bench.memory`), variants interleaved
 over rounds (`mmpg.bench.runner`); each row shows the ceilings of `mmpg.bench.flops` beside the measured speed-up.
 Apart from the levels: `python -m mmpg.bench.sdpa_kernels` (the SDPA kernels of the sdpa backend's masked path),
-`python -m mmpg.bench.prefill` (chunked prefill's memory), `python -m mmpg.bench.inspector` (the inspector's timings).
+`python -m mmpg.bench.prefill` (chunked prefill's memory), `python -m mmpg.bench.inspector` (the inspector's timings),
+`python -m mmpg.bench.zoom` (a trajectory tree's update against the per-branch forward).
 """
 
 from mmpg.bench.flops import paper_reduction, rho_attn, rho_flops, rho_lin, step_flops

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -91,16 +92,15 @@ def rule_trajectory(scene: Scene, task: ZoomTask) -> dict:
     seen = [t for t in times if _visible(scene, 0, t)]
     before = max([t for t in times if t < seen[0]], default=0.0)
     after = min([t for t in times if t > seen[-1]], default=scene.duration)
-    start, end = before, min(after, before + task.zoom_max_frames / task.zoom_fps)
+    step = 1.0 / task.zoom_fps  # the window on the zoom's frame grid: short numbers, the frames where they were
+    start = math.floor(before / step + 1e-9) * step
+    end = min(math.ceil(after / step - 1e-9) * step, start + task.zoom_max_frames * step)
     clip_times = [start + k / task.zoom_fps for k in range(int(round((end - start) * task.zoom_fps)))]
     flashes = [t for t in clip_times if _visible(scene, 1, t)]
-    colour = scene.events[0].colour
-    think = (f"<think>The {colour} square is on screen from about {seen[0]:.1f} to {seen[-1]:.1f} seconds; the flash "
-             f"is too short to see here, so I look again between {start:.1f} and {end:.1f} seconds.</think>")
+    think = "<think>The square is there; I look again to find the flash.</think>"
     if flashes:
         answer = (flashes[0], flashes[-1] + 1.0 / task.zoom_fps)
-        final = (f"<think>The flash is visible from {answer[0]:.2f} to {answer[1]:.2f} seconds.</think>"
-                 f"<answer>{answer[0]:.2f} to {answer[1]:.2f}</answer>")
+        final = f"<think>The flash is visible.</think><answer>{answer[0]:.2f} to {answer[1]:.2f}</answer>"
     else:  # the clip missed it: answer the field, as one look would
         answer = (seen[0], seen[-1])
         final = f"<think>No flash in the clip.</think><answer>{answer[0]:.2f} to {answer[1]:.2f}</answer>"
