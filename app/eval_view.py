@@ -18,7 +18,7 @@ import pandas as pd
 from mmpg_app.evals import EvalSource, headline_html, metrics_rows, prediction_rows, sample_header, worst_first
 from mmpg_app.frames import decoded_items, event_frames, frame_src, strip_html
 from mmpg_app.guard import guarded
-from mmpg_app.render import fmt, message_html, text_parts_html
+from mmpg_app.render import fmt, message_html, text_parts_html, turns_html
 from mmpg_app.timeline import Bar, timeline_data, timeline_svg
 from mmpg_app.widgets import SORT_HINT, as_int, picker
 from mmpg.errors import UserError
@@ -168,7 +168,14 @@ class EvalView:
             self.header: sample_header(record),
             self.gallery: strip_html(items),
             self.frames_note: message_html(note, "info" if items else "note"),
-            self.timeline: timeline_svg(timeline_data(record.gt_span, record.duration, [bar], scale="IoU"),
-                                        uid="eval", frames=self.event(record)),
-            self.text: text_parts_html(record.text) if record.text else message_html("no answer text", "info"),
+            self.timeline: timeline_svg(timeline_data(record.gt_span, record.duration, [bar] + zoom_rows(record),
+                                                      scale="IoU"), uid="eval", frames=self.event(record)),
+            self.text: (turns_html(record.turns) if record.turns else text_parts_html(record.text) if record.text
+                        else message_html("no answer text", "info")),
         }
+
+
+def zoom_rows(record) -> list[Bar]:
+    """The zoom protocol's windows of one prediction (template=zoom) as grey timeline rows, in turn order."""
+    windows = [t["zoom"] for t in (record.turns or []) if "zoom" in t]
+    return [Bar(f"z{k}", [a, b], None, f"zoom {k} on {a:.2f}–{b:.2f} s", "zoom") for k, (a, b) in enumerate(windows, 1)]

@@ -23,6 +23,7 @@ CSS = """
 .mmpg-think { background: #eef2f7; color: #27323f; border-left: 4px solid #8aa1bd; }
 .mmpg-answer { background: #e6f4ea; color: #17351f; border-left: 4px solid #2e9d57; }
 .mmpg-text { background: #f6f6f6; color: #333; border-left: 4px solid #bbb; }
+.mmpg-tool { background: #fdf3e1; color: #4a3410; border-left: 4px solid #d89b2b; }
 .mmpg-response-facts { color: var(--body-text-color-subdued); margin-bottom: 4px; }
 #timeline, #eval-timeline { min-height: 60px; }
 .mmpg-strip { display: flex; gap: 6px; overflow-x: auto; padding: 4px 0 8px; }
@@ -64,10 +65,30 @@ def response_html(index: int, r: ResponseRecord, fate=None) -> str:
     failure = (f'<div class="mmpg-error mmpg-fate"><b>{html.escape(fate.label)}</b>: {html.escape(fate.why)}</div>'
                if fate is not None and fate.failed else "")
     rewards = ", ".join(f"{k} {fmt(v)}" for k, v in r.rewards.items())
+    zooms = sum("zoom" in t for t in r.turns) if r.turns else 0
     facts = (f"<b>Response #{index}</b> · parsed span {span} · {rewards} · advantage {fmt(r.advantage)} · "
-             f"{r.length} tokens · finish: {html.escape(r.finish_reason)}"
-             + (" (hit max_new_tokens: truncated)" if r.finish_reason == "length" else ""))
-    return failure + f'<div class="mmpg-response-facts">{facts}</div>' + text_parts_html(r.text)
+             f"{r.length} tokens" + (f" · {zooms} zoom(s)" if r.turns else "") + f" · finish: "
+             f"{html.escape(r.finish_reason)}" + (" (hit max_new_tokens: truncated)" if r.finish_reason == "length"
+                                                  else ""))
+    body = turns_html(r.turns) if r.turns else text_parts_html(r.text)
+    return failure + f'<div class="mmpg-response-facts">{facts}</div>' + body
+
+
+def turns_html(turns: list[dict]) -> str:
+    """A multi-turn response (the zoom tool): each model turn's parts, and between them the tool's turn, the
+    window it showed (and its frame count) or its error."""
+    out = []
+    for t in turns:
+        if "model" in t:
+            out.append(text_parts_html(t["model"]))
+        elif "zoom" in t:
+            a, b = t["zoom"]
+            out.append(f'<div class="mmpg-part mmpg-tool"><div class="tag">zoom</div><pre>{fmt(a, 2)} – {fmt(b, 2)} s'
+                       f", {int(t.get('frames', 0))} frames</pre></div>")
+        else:
+            out.append(f'<div class="mmpg-part mmpg-tool mmpg-error"><div class="tag">tool error</div>'
+                       f"<pre>{html.escape(str(t.get('error')))}</pre></div>")
+    return "".join(out)
 
 
 def text_parts_html(text: str) -> str:

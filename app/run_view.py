@@ -279,6 +279,7 @@ class RunView:
                     + f", tIoU {fmt(span_iou(r, g.gt_span))}, reward {fmt(r.rewards.get('overall'))}, advantage "
                     f"{fmt(r.advantage)}" + (f" ({v.why})" if v.why else ""), "" if v.label == "ok" else v.text())
                 for i, (r, v) in enumerate(zip(g.responses, fates))]
+        bars += zoom_bars(g.responses)  # multi-turn: each zoom window on the same axis as the truth
         pred = g.responses[chosen].parsed_span if chosen is not None and chosen < len(g.responses) else None
         frames, note = event_frames(self.src.reader(), g.media_key, g.video, g.gt_span, pred, g.duration)
         svg = timeline_svg(timeline_data(g.gt_span, g.duration, bars), uid="run",
@@ -327,3 +328,14 @@ class RunView:
         parts.append(f"checked {datetime.datetime.now():%H:%M:%S}")
         alarm = drift_note(self.src.metrics())
         return " · ".join(parts) + (f"\n\n**⚠ {alarm}**" if alarm else "")
+
+
+def zoom_bars(responses) -> list[Bar]:
+    """The zoom windows of a multi-turn group's responses as timeline rows ("#3 zoom 1", grey: a window is not an
+    answer), in response and turn order; none for one turn."""
+    bars = []
+    for i, r in enumerate(responses):
+        windows = [t["zoom"] for t in (r.turns or []) if "zoom" in t]
+        for k, (a, b) in enumerate(windows, 1):
+            bars.append(Bar(f"#{i} z{k}", [a, b], None, f"#{i}: zoom {k} on {a:.2f}–{b:.2f} s", "zoom"))
+    return bars

@@ -576,3 +576,32 @@ def test_staleness_beyond_the_bound_or_from_newer_weights_is_an_error(stale_run)
     assert "up to 3 steps stale (mean 1.00)" in card and 'class="mmpg-down' in card and "mmpg-up" not in card
     assert "a group 3 steps stale: more than rollout.max_staleness = 1" in card
     assert "up to 2 steps stale</b>" in rollouts_card_html(2, [])  # configured, nothing logged yet
+
+
+def test_a_zoom_trajectory_shows_its_turns_and_windows():
+    """A multi-turn response (the zoom tool): its model turns in their parts, each tool turn as the window it showed
+    (and its frames) or its error, the zoom count in its facts; its windows as grey rows on the group's timeline."""
+    from mmpg.runs import ResponseRecord
+    from mmpg_app.render import response_html
+    from mmpg_app.run_view import zoom_bars
+
+    turns = [{"model": "<think>look</think>\n<tool_call>{...}</tool_call>"}, {"zoom": [4.0, 8.5], "frames": 18},
+             {"model": "<tool_call>bad</tool_call>"}, {"error": "the call is not JSON"},
+             {"model": "<think>seen</think><answer>5.0 to 5.5</answer>"}]
+    r = ResponseRecord(text=turns[-1]["model"], parsed_span=[5.0, 5.5], rewards={"overall": 1.0}, advantage=0.5,
+                       length=90, finish_reason="stop", turns=turns)
+    page = response_html(2, r)
+    assert "1 zoom(s)" in page and "4.00 – 8.50 s, 18 frames" in page and "the call is not JSON" in page
+    assert page.index("look") < page.index("4.00 – 8.50") < page.index("not JSON") < page.index("5.0 to 5.5")
+    one = ResponseRecord(text="<answer>1 to 2</answer>", parsed_span=[1.0, 2.0], rewards={"overall": 1.0},
+                         advantage=0.0, length=5, finish_reason="stop")
+    bars = zoom_bars([one, r])
+    assert [(b.label, b.span, b.value) for b in bars] == [("#1 z1", [4.0, 8.5], None)]
+    data = timeline_data([5.0, 5.5], 20.0, bars)
+    assert [(row["x0"], row["x1"]) for row in data["rows"]] == [(4.0, 8.5)]
+    from mmpg.runs.evals import PredictionRecord
+    from mmpg_app.eval_view import zoom_rows
+
+    record = PredictionRecord(index=0, sample_id="s", video="v.mp4", duration=20.0, query="q", gt_span=[5.0, 5.5],
+                              pred_span=[5.0, 5.5], text=turns[-1]["model"], iou=1.0, turns=turns)
+    assert [(b.label, b.span, b.value) for b in zoom_rows(record)] == [("z1", [4.0, 8.5], None)]
