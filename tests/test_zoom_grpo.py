@@ -60,14 +60,16 @@ def test_grpo_with_the_zoom_tool(grpo_data, zoom_data, tmp_path):
         assert r["rewards"]["zoom_calls"] == sum("zoom" in t for t in r["turns"])
 
 
-def test_zoom_refusals(grpo_data, zoom_data, tmp_path):
+def test_zoom_refusals(grpo_data, zoom_data, tmp_path, tiny_dirs):
     """One line, exit 2, before anything trains: the paths multi-turn rollouts do not take yet, a reward term out of
-    range, a zoom longer than the model's positions (checked when the model is loaded, before the first step)."""
+    range, a zoom longer than the model's positions (checked when the model is loaded, before the first step), a
+    text-only model."""
     from train_utils import run_cli
 
     for extra, words in (({"rollout.engine": "vllm"}, "rollout.engine=vllm"),
                          ({"zoom.call_cost": -1}, "zoom.call_cost"),
-                         ({"zoom.max_frames": 20000, "zoom.fps": 100.0}, "past the model's 32768 positions")):
+                         ({"zoom.max_frames": 20000, "zoom.fps": 100.0}, "past the model's 32768 positions"),
+                         ({"model.path": str(tiny_dirs["qwen2"])}, "needs a video model")):
         proc = run_cli(_args(grpo_data, zoom_data, tmp_path, "r", **extra))
         assert proc.returncode == 2 and words in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
 

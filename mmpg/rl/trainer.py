@@ -125,10 +125,7 @@ class GRPOJob:
         cache = frame_cache(cfg)
         zoom = None
         if template.tools:  # multi-turn rollouts with the zoom tool (mmpg.rollout.multiturn)
-            from mmpg.rollout.lengths import check_zoom_length
             from mmpg.rollout.zoom import ZoomEnvironment, ZoomSettings
-
-            check_zoom_length(cfg, session.model, session.processor)
 
             zoom = ZoomEnvironment(ZoomSettings(cfg.zoom.fps, cfg.zoom.max_frames, cfg.zoom.max_turns),
                                    video_spec(cfg, session.family), decode=cache.load if cache else None)
@@ -228,6 +225,14 @@ def vllm_metrics(infos: list[dict]) -> dict:
 def train(cfg: Config, command: list[str]) -> int:
     """Run (or resume) a GRPO job; returns the exit status."""
     check_grpo_config(cfg)
+    if cfg.data.template == "zoom":  # the longest trajectory against the model's positions, before a run exists
+        from transformers import AutoConfig
+
+        from mmpg.models.loading import load_processor, resolve_checkpoint
+        from mmpg.rollout.lengths import check_zoom_length
+
+        path = resolve_checkpoint(cfg.model.path)  # a missing folder: one line
+        check_zoom_length(cfg, AutoConfig.from_pretrained(path), load_processor(path))
     samples = load_train_samples(cfg)
     micro = cfg.trainer.micro_batch_size
     session = open_session(cfg, "grpo", command, micro_batch=micro,

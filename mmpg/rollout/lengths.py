@@ -262,11 +262,11 @@ def worst_clip_tokens(cfg, processor) -> int:
     return int(ids.numel()) - frames // temporal + video_tokens
 
 
-def check_zoom_length(cfg, model, processor) -> None:
+def check_zoom_length(cfg, model_config, processor) -> None:
     """data.template=zoom: the longest trajectory the config allows (the worst prompt, zoom.max_turns tool turns
     of the largest clip, zoom.max_turns + 1 model turns of rollout.max_new_tokens) must fit the model's positions
     (max_position_embeddings), or one UserError line says which settings to lower, before anything trains."""
-    config = getattr(model.config, "text_config", model.config)
+    config = getattr(model_config, "text_config", model_config)
     limit = getattr(config, "max_position_embeddings", None)
     prompt = worst_prompt(cfg, processor)
     if limit is None or prompt is None:
