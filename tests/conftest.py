@@ -80,6 +80,17 @@ def grpo_data(tiny_dirs, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def zoom_data(tmp_path_factory):
+    """The zoom task (`mmpg synth --zoom`) at 24-second videos: 4 videos (3 train, 1 test) and the rule policy's
+    trajectories.jsonl, for the multi-turn tests."""
+    from mmpg.toy.zoom_task import ZoomTask, write_zoom_dataset
+
+    root = tmp_path_factory.mktemp("zoom_data")
+    write_zoom_dataset(root / "zoom", 4, seed=2, task=ZoomTask(duration=24.0))
+    return root / "zoom"
+
+
+@pytest.fixture(scope="session")
 def step_process():
     """The bench's step level in this process (tests/test_bench.py, tests/test_lora_bench.py): dist.init /
     prepare_deepspeed_env set a process group and environment variables for the process; they stay for every test

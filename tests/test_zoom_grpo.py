@@ -8,15 +8,7 @@ import json
 
 import pytest
 
-from mmpg.toy.zoom_task import ZoomTask, write_zoom_dataset
 from train_utils import metrics, overrides, run_forked
-
-
-@pytest.fixture(scope="module")
-def zoom_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zoom_grpo")
-    write_zoom_dataset(root / "zoom", 4, seed=3, task=ZoomTask(duration=16.0))
-    return root / "zoom"
 
 
 def _args(grpo_data, zoom_data, out, name, **extra):
