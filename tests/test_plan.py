@@ -313,3 +313,19 @@ def test_plan_prints_the_vllm_servers_and_the_colocated_share(capsys):
     assert rc == 0 and 0.1 <= float(share) <= 0.9 and f"gpu_memory_utilization {float(share):.2f} (VLLM_MEM)" in out
     rc, _, err = _plan_json(*base[:2], "--gpus", "8", "--vllm-mem", capsys=capsys)
     assert rc == 2 and "--vllm-mem plans the vLLM servers" in err
+
+
+def test_a_zoom_config_plans_its_longest_trajectory():
+    """data.template=zoom: each response row is the longest trajectory (max_turns + 1 model turns, max_turns clips of
+    zoom.max_frames frames at data.max_pixels), so the plan's responses and its peak grow with the tool's settings."""
+    from mmpg.config import load_config
+    from mmpg.plan.memory import predict
+    from mmpg.plan.recipe import ZOOM_TURN_TEXT, recipe_from_config
+
+    base = ["data.max_pixels=200704", "rollout.max_new_tokens=256"]
+    one = recipe_from_config(load_config("configs/grounding_qwen25vl_7b.yaml", base), 8)
+    zoom = recipe_from_config(load_config("configs/grounding_qwen25vl_7b.yaml", base + [
+        "data.template=zoom", "zoom.max_frames=32", "zoom.max_turns=2"]), 8)
+    clip = 32 // 2 * 200704 // 28 ** 2  # 16 temporal patches of 256 tokens
+    assert one.S == 256 and zoom.S == 3 * 256 + 2 * (clip + ZOOM_TURN_TEXT)
+    assert predict(zoom)["peak_bytes"] > predict(one)["peak_bytes"]

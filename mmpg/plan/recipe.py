@@ -113,6 +113,22 @@ def video_tokens(cfg, g: Geometry) -> int:
     return int(min(cfg.data.max_frames / v.temporal_patch * per_frame, total))
 
 
+ZOOM_TURN_TEXT = 40  # tokens of a zoom tool turn besides its clip (<tool_response>, the window's times)
+
+
+def response_tokens(cfg, g: Geometry) -> int:
+    """The longest response of a row: rollout.max_new_tokens, or with the zoom tool (data.template=zoom) the longest
+    trajectory after the prompt: zoom.max_turns + 1 model turns and zoom.max_turns tool turns, each a clip of up to
+    zoom.max_frames frames sized as data.* sizes frames."""
+    S = cfg.rollout.max_new_tokens
+    if cfg.data.template != "zoom" or g.vision is None:
+        return S
+    v = g.vision
+    per_frame = cfg.data.max_pixels / (v.patch * v.merge) ** 2 if cfg.data.max_pixels else 256
+    clip = int(cfg.zoom.max_frames / v.temporal_patch * per_frame)
+    return (cfg.zoom.max_turns + 1) * S + cfg.zoom.max_turns * (clip + ZOOM_TURN_TEXT)
+
+
 def zero_stage(cfg) -> tuple[int, bool]:
     """(stage, offload) from deepspeed.config (a JSON file) or deepspeed.zero_stage / deepspeed.offload."""
     stage, offload = cfg.deepspeed.zero_stage, cfg.deepspeed.offload
@@ -157,7 +173,7 @@ def recipe_from_config(cfg, gpus: int, device: str = "cuda", video: int | None =
     if cfg.algorithm.beta > 0:
         ref = "adapters_off" if lora and cfg.model.ref_path in ("", cfg.model.path) else "copy"
     decode = "copy" if cfg.rollout.decode == "copy" else "cascade"
-    return Recipe(g, P=P, S=cfg.rollout.max_new_tokens, G=G, video_tokens=vt, b=b, mixed=b == 2, zero=zero,
+    return Recipe(g, P=P, S=response_tokens(cfg, g), G=G, video_tokens=vt, b=b, mixed=b == 2, zero=zero,
                   offload=offload, world=gpus, sp=sp, lora_r=lora, freeze_vision=cfg.model.freeze_vision,
                   train_merger=cfg.model.train_merger, reference=ref, micro_groups=mb // G,
                   queries=cfg.data.queries_per_video if cfg.algorithm.share_videos else 1,
