@@ -57,9 +57,8 @@ def _cmd_synth(args) -> int:
         from mmpg.toy.zoom_task import write_zoom_dataset
 
         summary = write_zoom_dataset(args.out, args.n, args.seed, overwrite=args.overwrite)
-        print(f"wrote {args.n} zoom-task videos (seed {args.seed}) and the rule policy's trajectories to {args.out}")
-        for key, value in summary.items():
-            print(f"  {key}: {value}")
+        print(f"wrote {summary['videos']} zoom-task videos (seed {args.seed}: {summary['train']} train, "
+              f"{summary['test']} test) and the rule policy's trajectories to {summary['out']}")
         return 0
     summary = generate_dataset(args.out, args.n, args.seed, overwrite=args.overwrite,
                                min_duration=args.min_duration, max_duration=args.max_duration, easy=args.easy,

@@ -133,8 +133,6 @@ def trajectory_completion(processor, trajectory: Trajectory, env, stop_id: int):
     environment's own text and the clip it decodes, `mmpg.rollout.zoom`). -> (ids [L] long, own [L] long: 1 on the
     model's tokens, what the loss covers; the clips' visual inputs, {} without). `env`: a `ZoomEnvironment`; a call
     it refuses (a window outside the video or longer than it shows) is a UserError naming the line."""
-    import dataclasses as dc
-
     import torch
 
     from mmpg.data.video import read_duration
@@ -143,7 +141,7 @@ def trajectory_completion(processor, trajectory: Trajectory, env, stop_id: int):
 
     sample = trajectory.sample
     if sample.duration is None:
-        sample = dc.replace(sample, duration=read_duration(sample.video))
+        sample = dataclasses.replace(sample, duration=read_duration(sample.video))
     tokenizer = getattr(processor, "tokenizer", processor)
     ids, own, clips = [], [], []
     for k, turn in enumerate(trajectory.turns):
