@@ -252,3 +252,40 @@ def test_run_json_fast_paths_are_replaced_whole_and_the_rest_kept(tmp_path):
     assert info["parameters"] == {"text": "x"} and info["kind"] == "grpo"
     RunWriter(tmp_path / "other", rank=1).set_fast_paths({"x": {}})  # not rank 0: nothing written
     assert not (tmp_path / "other").exists()
+
+
+def test_a_model_sure_of_its_tokens_passes_and_a_backward_fault_still_stops_it(load_tiny, monkeypatch):
+    """A checkpoint that samples what it was fine-tuned on is sure of every token (p > 0.99): at temperature 1 the
+    gradient of log p is 1 - p, which float32 rounds to ~1e-3 relative in either layout, so a correct grouped forward
+    read 9e-4 against the 1e-4 bound (the first GRPO run after a zoom SFT stopped on it). The probe runs at
+    `probes.PROBE_TEMPERATURE`: the correct forward passes, a 1 % error in the attention's backward still stops it."""
+    import injected_faults
+    from batches import video_prompts
+
+    from mmpg.grouping import probes, repeated_logprobs
+
+    model, processor = load_tiny("qwen2_5_vl")
+    inputs = video_prompts(processor, [0], "left")
+    target = torch.randint(0, 600, (1, 48), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(200):  # memorize the completion
+        loss = -repeated_logprobs(model, inputs, target, torch.ones_like(target), [1]).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    ids = target.repeat(4, 1)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        assert bool((repeated_logprobs(model, inputs, ids, mask, [4]) > -0.01).all())  # p > 0.99 everywhere
+    m = SelfCheck("on").run(model, inputs, ids, mask, [4], backend="sdpa", gradients=True)
+    assert m["check/gradient_rel_max"] <= 1e-5 and m["check/with_grad_max"] <= 1e-4, m  # measured 2e-7, 7.6e-6
+    monkeypatch.setattr(probes, "PROBE_TEMPERATURE", 1.0)  # the probe as it was: rounding above the bound
+    assert SelfCheck("warn").run(model, inputs, ids, mask, [4], backend="sdpa", gradients=True)[
+        "check/gradient_rel_max"] > 1e-4
+    monkeypatch.undo()
+    injected_faults.install("backward")
+    try:
+        with pytest.raises(SelfCheckError, match="has gradients"):
+            SelfCheck("on").run(model, inputs, ids, mask, [4], backend="sdpa", gradients=True)
+    finally:
+        injected_faults.uninstall()

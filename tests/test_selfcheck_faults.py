@@ -55,7 +55,7 @@ def test_a_correct_forward_passes_every_figure_and_the_leak_probe_is_exact(row):
     ("grad_mode", "check/with_grad_max"),
 ])
 def test_each_fault_is_caught_by_its_figure(row, fault, figure):
-    """The figure that sees each fault is over its bound (measured, float32, 2 layers: 0.0036, 0.011, 0.00014 against
+    """The figure that sees each fault is over its bound (measured, float32, 2 layers: 0.0036, 0.017, 0.00014 against
     1e-4), and the figures blind to it stay within theirs: each figure is needed."""
     injected_faults.install(fault)
     m = _check(row, gradients=True)

@@ -1,7 +1,7 @@
 """`grouped_forward` / `grouped_logprobs` (each prompt once, responses packed behind it) and `repeated_logprobs`
 (the naive reference).
 
-The logprobs are [N, S] float32 with entry [i, t] = log p(completion_ids[i, t] | prompt of row i, completion_ids[i, :t])
+The logprobs are [N, S] float32 (float64 for a float64 model: its head is not rounded down) with entry [i, t] = log p(completion_ids[i, t] | prompt of row i, completion_ids[i, :t])
 and 0 where completion_mask is 0. The grouped forward equals the repeated one up to float rounding (tests hold it
 to 1e-5 on logprobs and 1e-4 relative on every gradient in float32). `grouped_forward` returns them with what the
 forward packed (`GroupedLogprobs`); `grouped_logprobs` returns the tensor alone.
@@ -37,7 +37,8 @@ from mmpg.grouping.sequence import (
 def _token_logprobs(lm_head, hidden, targets, temperature):
     """hidden [n, H], targets [n] -> [n] float32 log-softmax of the LM head at the targets. The head is called as a
     module, so ZeRO-3 gathers and LoRA wrappers apply."""
-    logits = lm_head(hidden).float()
+    logits = lm_head(hidden)
+    logits = logits if logits.dtype == torch.float64 else logits.float()  # float32 at least, float64 kept
     if temperature != 1.0:
         logits = logits / temperature
     targets = targets.to(logits.device)  # a no-op unless the head sits on another device (device_map)
@@ -278,7 +279,8 @@ def repeated_logprobs(model, prompt_inputs, completion_ids, completion_mask, gro
                            [_on_device(v, device) for v in row_visuals] if row_visuals else None)
     keep = max(completions.lengths) + 1
     batch = feature_inputs(model, batch)  # whole videos' features in place of pixels, where given
-    logits = model(**batch, use_cache=False, logits_to_keep=keep).logits.float()  # [N, keep, V]
+    logits = model(**batch, use_cache=False, logits_to_keep=keep).logits  # [N, keep, V]
+    logits = logits if logits.dtype == torch.float64 else logits.float()  # float32 at least, float64 kept
     if temperature != 1.0:
         logits = logits / temperature
     logps = torch.log_softmax(logits, dim=-1)

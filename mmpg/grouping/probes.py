@@ -8,7 +8,13 @@ dL/dh_l(token) is the same number in the grouped forward and the repeated one: a
 once feeds all G responses, so its gradient is the sum of its G copies'. Every attention backward above l (dq, dk,
 dv) flows into it, so a backward wrong anywhere (a kernel's backward, a mask applied in forward only, a fault only
 while autograd records) moves it. No parameter gradient is taken (`torch.autograd.grad` on the probes only), so it
-runs alike under ZeRO 0-3, LoRA and a frozen tower and leaves the optimizer's gradients alone. Under sequence
+runs alike under ZeRO 0-3, LoRA and a frozen tower and leaves the optimizer's gradients alone. The probe's logprobs
+are taken at temperature PROBE_TEMPERATURE (logits / 8), whatever the run's: at a token the model is sure of
+(p -> 1, a checkpoint sampling what it was fine-tuned on) the gradient of log p is 1 - p, which float32 computes to
+about (rounding of the logits) / (1 - p) relative in either layout: 1e-3 at p = 0.999, the two layouts' gradients
+then differ by rounding alone, above any bound that still sees a fault (measured on a tiny model trained to
+memorize its completions: 9e-4 at temperature 1 in float32, and the same comparison in float64 2e-6). At logits / 8
+no token is that sure and the comparison measures the layouts again; the backward runs through the same layers. Under sequence
 parallelism the group sums the shards' figures and divides by sp (each rank's loss is the whole row's). The repeated
 reference runs one row at a time, so its memory is one prompt + response.
 
@@ -30,6 +36,7 @@ from mmpg.grouping.inputs import placeholder_token_ids
 from mmpg.grouping.logprobs import keep_head_logits
 from mmpg.grouping.patch import base_model, model_kind
 
+PROBE_TEMPERATURE = 8.0  # the gradient probe's logprobs: logits / 8 (module docstring)
 SEED = 20_260_502  # the loss weights, the probe token and its embedding: the same on every rank and every call
 LEAK_SCALE = 16.0  # the probe token's embedding: this many times the row's embedding RMS
 

@@ -143,8 +143,10 @@ class SelfCheck:
     def _gradient_figures(self, model, key, args, kwargs, reduce_max, named: bool) -> Figures:
         """The comparison with autograd recording: the logprobs of a forward with grad, and the probes' gradients
         (`mmpg.grouping.probes`), grouped (the whole micro-batch) against repeated (one row at a time; every rank
-        runs as many rows as the rank with most, ZeRO-3 gathers in lockstep). In the run's dtype."""
+        runs as many rows as the rank with most, ZeRO-3 gathers in lockstep). In the run's dtype, at the probe's
+        temperature (`probes.PROBE_TEMPERATURE`: a model sure of its tokens would make the comparison one of rounding)."""
         model_, prompt_inputs, ids, mask, sizes = args
+        kwargs = dict(kwargs, temperature=probes.PROBE_TEMPERATURE)
         figures = Figures()
         chosen = probes.end_rows(sizes)  # the loss's rows: the first and last response of every group
         weights = probes.loss_weights(mask, chosen)
@@ -175,7 +177,10 @@ class SelfCheck:
             return figures.reduced(reduce_max)
         rows = torch.zeros_like(mask)
         rows[chosen] = 1
-        figures.add("logprobs_with_grad", _masked_max(logp, ref_logp, mask * rows), bound_for(model, key[1]))
+        # at the probe's temperature a logit error e moves a logprob by about e / T: scaled back, the figure is in
+        # the units of the no-grad one (the run's temperature 1) and takes its bound
+        figures.add("logprobs_with_grad", probes.PROBE_TEMPERATURE * _masked_max(logp, ref_logp, mask * rows),
+                    bound_for(model, key[1]))
         figures.add("gradients", probes.relative_difference(grads, ref_grads), gradient_bound(model, key[1]))
         return figures.reduced(reduce_max)
 
