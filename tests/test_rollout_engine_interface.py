@@ -106,6 +106,7 @@ def _step(engine):
 
     step = GRPOStep.__new__(GRPOStep)
     step.rollout_engine, step.cfg = engine, types.SimpleNamespace(rollout=types.SimpleNamespace(n=2))
+    step.zoom = None  # one-turn rollouts
     return step
 
 
