@@ -22,7 +22,7 @@ from mmpg import dist
 from mmpg.train.data import make_train_loader
 from mmpg.train.loop import StepOutput, run_loop
 from mmpg.train.setup import (check_sequence_parallel, frame_cache, grouping_options, load_train_samples, open_session,
-                              video_spec)
+                              video_spec, zoom_environment)
 
 log = logging.getLogger("mmpg.train")
 
@@ -125,10 +125,7 @@ class GRPOJob:
         cache = frame_cache(cfg)
         zoom = None
         if template.tools:  # multi-turn rollouts with the zoom tool (mmpg.rollout.multiturn)
-            from mmpg.rollout.zoom import ZoomEnvironment, ZoomSettings
-
-            zoom = ZoomEnvironment(ZoomSettings(cfg.zoom.fps, cfg.zoom.max_frames, cfg.zoom.max_turns),
-                                   video_spec(cfg, session.family), decode=cache.load if cache else None)
+            zoom = zoom_environment(cfg, session.family, cache)
         loader = make_train_loader(samples, video_spec(cfg, session.family), session.processor, template,
                                    global_batch=cfg.data.batch_size, rank=dist.data_rank(), world=dist.data_size(),
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,

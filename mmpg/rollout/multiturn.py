@@ -53,7 +53,7 @@ class Trajectories:
     @property
     def zooms(self) -> list[int]:
         """[N] tool turns that returned a clip."""
-        return [sum(t.clip is not None for t in row) for row in self.tools]
+        return [sum(t.window is not None for t in row) for row in self.tools]
 
 
 def _continuations(model, alone: list[dict], rows: list[int], prompt_of: list[int],

@@ -147,6 +147,7 @@ class ToolTurn:
     window: tuple[float, float] | None = None
     clip: object | None = None  # mmpg.data.video.DecodedVideo
     error: str | None = None
+    frames: int = 0  # the clip's frame count
 
 
 def trajectory_turns(turns: list[str], tools: list[ToolTurn]) -> list[dict]:
@@ -157,8 +158,8 @@ def trajectory_turns(turns: list[str], tools: list[ToolTurn]) -> list[dict]:
         out.append({"model": text})
         if k < len(tools):
             tool = tools[k]
-            out.append({"zoom": list(tool.window), "frames": int(tool.clip.frames.shape[0])}
-                       if tool.clip is not None else {"error": tool.error})
+            out.append({"zoom": list(tool.window), "frames": tool.frames}
+                       if tool.window is not None else {"error": tool.error})
     return out
 
 
@@ -214,7 +215,8 @@ class ZoomEnvironment:
         if problem:
             return ToolTurn(error_turn(problem), error=problem)
         clip = self.decode(sample.video, self.spec, call.start, call.end)
-        return ToolTurn(clip_turn(call.start, call.end), window=(call.start, call.end), clip=clip)
+        return ToolTurn(clip_turn(call.start, call.end), window=(call.start, call.end), clip=clip,
+                        frames=int(clip.frames.shape[0]))
 
 
 def turn_inputs(processor, turn: ToolTurn):

@@ -40,7 +40,8 @@ from mmpg import dist
 from mmpg.train.data import make_train_loader
 from mmpg.train.engine import stage0_grad_norm
 from mmpg.train.loop import StepOutput, run_loop
-from mmpg.train.setup import check_sequence_parallel, frame_cache, load_train_samples, open_session, video_spec
+from mmpg.train.setup import (check_sequence_parallel, frame_cache, load_train_samples, open_session, video_spec,
+                              zoom_environment)
 
 log = logging.getLogger("mmpg.train")
 
@@ -68,11 +69,8 @@ class SFTJob:
         cache = frame_cache(cfg)
         self.trajectories, self.env = None, None
         if trajectories is not None:  # sft.trajectories: the targets are whole multi-turn completions
-            from mmpg.rollout.zoom import ZoomEnvironment, ZoomSettings
-
             self.trajectories = {t.sample.sample_id: t for t in trajectories}
-            self.env = ZoomEnvironment(ZoomSettings(cfg.zoom.fps, cfg.zoom.max_frames, cfg.zoom.max_turns),
-                                       video_spec(cfg, session.family), decode=cache.load if cache else None)
+            self.env = zoom_environment(cfg, session.family, cache)
         loader = make_train_loader(samples, video_spec(cfg, session.family), session.processor, self.template,
                                    global_batch=cfg.data.batch_size, rank=dist.data_rank(), world=dist.data_size(),
                                    seed=cfg.trainer.seed, shuffle=cfg.data.shuffle, start=self.position,

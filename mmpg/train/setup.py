@@ -289,6 +289,15 @@ def video_spec(cfg, family: str):
                                 min_pixels=d.min_pixels, max_pixels=d.max_pixels, total_pixels=d.total_pixels)
 
 
+def zoom_environment(cfg, family: str, cache=None):
+    """The zoom tool of data.template=zoom (zoom.fps, zoom.max_frames, zoom.max_turns; frames sized as data.*),
+    decoding through the frame cache `cache` where one is open."""
+    from mmpg.rollout.zoom import ZoomEnvironment, ZoomSettings
+
+    return ZoomEnvironment(ZoomSettings(cfg.zoom.fps, cfg.zoom.max_frames, cfg.zoom.max_turns), video_spec(cfg, family),
+                           decode=cache.load if cache is not None else None)
+
+
 def frame_cache(cfg):
     """The decoded-frame cache of data.frame_cache (capped at data.frame_cache_gb), or None when it is off."""
     from mmpg.data.frame_cache import open_frame_cache
