@@ -64,6 +64,73 @@ def test_decode_attention_equals_dense(backend, row_prompt):
     assert float((got.double() - ref).abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_a_later_turn_attends_to_prefix_history_and_its_chunk(backend):
+    """Multi-turn bookkeeping (`keep_branches`, `retire_live`, `begin_turn`): three rows of two prompts; row 1 ends
+    its first turn before feeding a token (an empty history), rows 0 and 2 feed 4. Rows 1 and 2 go on: their tool
+    turns as one left-padded chunk (row 1's 2 tokens, row 2's 3), then one decode step. Each against dense attention
+    over [prefix without padding | the row's kept keys | its chunk's real keys so far (causal) | its new token]."""
+    g = torch.Generator().manual_seed(3)
+    hkv, d, scale = 2, 16, 0.25
+    row_prompt = [0, 0, 1]
+    cache = SharedPrefixCache(num_layers=1, capacity=4)
+    mask = torch.tensor([[True] * 7, [False] * 4 + [True] * 3])  # [B, L] left padding
+    cache.update(torch.randn(2, hkv, 7, d, generator=g), torch.randn(2, hkv, 7, d, generator=g), 0)
+    cache.start_decode(torch.tensor(row_prompt), mask)
+    cache.keep_branches()
+    layer = cache.layers[0]
+    fed = {0: [], 1: [], 2: []}  # each row's keys and values, in order
+
+    def feed(rows, c=1):
+        k, v = torch.randn(len(rows), hkv, c, d, generator=g), torch.randn(len(rows), hkv, c, d, generator=g)
+        for j, r in enumerate(rows):
+            fed[r].append((k[j], v[j]))
+        return cache.update(k, v, 0)
+
+    cache.reorder_cache(torch.tensor([0, 2]))  # row 1 leaves with nothing fed
+    for _ in range(4):
+        feed([0, 2])
+    cache.retire_live()
+    assert sorted(cache.branches) == [0, 1, 2] and cache.branches[1][0][0].shape == (hkv, 0, d)
+    chunk_mask = torch.tensor([[False, True, True], [True, True, True]])
+    cache.begin_turn(torch.tensor([1, 2]), torch.tensor([0, 1]), chunk_mask, capacity=4)
+    assert sorted(cache.branches) == [] and cache.history_mask.tolist() == [[False] * 4, [True] * 4]  # row 1: none
+
+    def dense(query, rows, own_real, causal):
+        out = []
+        for j, r in enumerate(rows):
+            b = row_prompt[r]
+            keys = [layer.prefilled[0][0][b][:, mask[b]], *[k[:, own_real[j][i]] for i, (k, _) in enumerate(fed[r])]]
+            vals = [layer.prefilled[1][0][b][:, mask[b]], *[v[:, own_real[j][i]] for i, (_, v) in enumerate(fed[r])]]
+            k, v = torch.cat(keys, 1).double(), torch.cat(vals, 1).double()
+            rows_out = []
+            for q_pos in range(query.shape[2]):
+                kk, vv = (k[:, : k.shape[1] - causal[j][q_pos]], v[:, : v.shape[1] - causal[j][q_pos]])
+                p = torch.softmax(query[j][:, q_pos: q_pos + 1].double() @ kk.repeat_interleave(2, 0).transpose(1, 2)
+                                  * scale, dim=-1)
+                rows_out.append((p @ vv.repeat_interleave(2, 0)).transpose(0, 1))  # [1, Hq, D]
+            out.append(torch.cat(rows_out))
+        return torch.stack(out)  # [n, C, Hq, D]
+
+    # the chunk: row 1's first position is padding; query l sees the chunk's real keys <= l
+    own_k, own_v = feed([1, 2], c=3)
+    query = torch.randn(2, 4, 3, d, generator=g)
+    got = decode_attention(query, own_k, own_v, layer.prefix_keys, layer.prefix_values, cache, scale, backend,
+                           history_k=layer.history_keys, history_v=layer.history_values)
+    real = [[chunk_mask[0]], [slice(None)] * 4 + [chunk_mask[1]]]  # per fed piece, its real keys
+    later = [[2, 1, 0], [2, 1, 0]]  # chunk keys after query l, not seen
+    ref = dense(query, [1, 2], real, later)
+    assert float((got[0, 1:].double() - ref[0, 1:]).abs().max()) < 1e-5  # row 1's padding query is never read
+    assert float((got[1].double() - ref[1]).abs().max()) < 1e-5
+    # a decode step behind the chunk
+    own_k, own_v = feed([1, 2])
+    query = torch.randn(2, 4, 1, d, generator=g)
+    got = decode_attention(query, own_k, own_v, layer.prefix_keys, layer.prefix_values, cache, scale, backend,
+                           history_k=layer.history_keys, history_v=layer.history_values)
+    ref = dense(query, [1, 2], [real[0] + [slice(None)], real[1] + [slice(None)]], [[0], [0]])
+    assert float((got.double() - ref).abs().max()) < 1e-5
+
+
 def _kvcache_standin(q, k_cache, v_cache, cache_seqlens=None, cache_leftpad=None, softmax_scale=None, causal=False,
                      return_softmax_lse=False):
     """flash-attn's `flash_attn_with_kvcache` as its docstring states it, in plain torch: [B, L, H, D] layouts, keys

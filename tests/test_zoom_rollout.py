@@ -4,6 +4,9 @@
   (prompt, turns, tool turns with their clips) re-sent to the model's own forward for every token, no cache.
 - The engine's logprobs of the model's own tokens equal the grouped forward's trajectory tree over the same
   completions and clips (`completion_visuals`, float32, 1e-5), so rollout and training score the same thing.
+- The HF engine keeps each branch's K/V between turns (`keep_turns`, the default): the same tokens as re-sending
+  every turn's conversation (greedy and seeded sampling, shared videos, prompts of one video apart in the batch),
+  and the overview is prefilled once for the whole trajectory tree.
 - Tool turns are context: `own_mask` is 0 on them; each zoom's clip is the row's; a branch that answers (no call),
   or is cut at max_new_tokens, ends.
 
@@ -89,8 +92,22 @@ def _reference(model, processor, prompt: dict, env, sample, sampling: SamplingPa
             clips.append(vis)
 
 
+def _spy(monkeypatch) -> list[int]:
+    """How many branches each later turn of the K/V-keeping path fed (`HFEngine.continue_branches`)."""
+    calls, real = [], HFEngine.continue_branches
+
+    def spy(self, branches, rows, *args, **kwargs):
+        calls.append(len(rows))
+        return real(self, branches, rows, *args, **kwargs)
+
+    monkeypatch.setattr(HFEngine, "continue_branches", spy)
+    return calls
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kv-kept", "re-sent"])
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_greedy_trajectories_equal_each_branch_alone_and_score_as_trained(family, video, load_tiny):
+def test_greedy_trajectories_equal_each_branch_alone_and_score_as_trained(family, keep, video, load_tiny,
+                                                                          monkeypatch):
     model, processor = load_tiny(family)
     vocab = model.config.text_config.vocab_size
     sampling = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=tuple(range(0, vocab, 2)))
@@ -98,7 +115,10 @@ def test_greedy_trajectories_equal_each_branch_alone_and_score_as_trained(family
     samples = [GroundingSample(f"v#{b}", video, 20.0, "q", (5.0, 6.0)) for b in range(4)]
     env = _env(family)
     sizes = [2, 1, 1, 1]
-    out = sample_trajectories(HFEngine(model, processor), model, processor, inputs, samples, sizes, env, sampling)
+    calls = _spy(monkeypatch)
+    out = sample_trajectories(HFEngine(model, processor, keep_turns=keep), model, processor, inputs, samples, sizes,
+                              env, sampling)
+    assert (len(calls) == env.settings.max_turns) if keep else not calls, calls
     assert sum(out.zooms) >= 3 and any(t.error for row in out.tools for t in row), \
         (out.zooms, [[t.error for t in row] for row in out.tools])
     # token for token: each branch generated alone with its whole conversation re-sent
@@ -121,6 +141,38 @@ def test_greedy_trajectories_equal_each_branch_alone_and_score_as_trained(family
                                 completion_visuals=out.completion_visuals)
     diff = ((tree - out.logprobs).abs() * out.own_mask).max()
     assert float(diff) <= LOGP_ATOL, float(diff)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_kept_kv_samples_what_resending_samples(family, video, load_tiny, monkeypatch):
+    """Seeded sampling at temperature 1 with a video asked two questions whose prompts lie apart in the batch (the
+    engine samples them side by side, their shared part prefilled once): the K/V-keeping path gives the re-sent
+    path's tokens, turn by turn, and logprobs within 1e-5; the vision tower sees the overviews once."""
+    model, processor = load_tiny(family)
+    vocab = model.config.text_config.vocab_size
+    sampling = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=tuple(range(0, vocab, 2)))
+    inputs = video_prompts(processor, [0, 1, 0], "left")
+    samples = [GroundingSample(f"v#{b}", video, 20.0, "q", (5.0, 6.0)) for b in range(3)]
+    env, sizes, seeds = _env(family), [3, 2, 2], [5, 6, 7]
+    calls = _spy(monkeypatch)
+    towers = []
+    hook = model.model.visual.register_forward_hook(
+        lambda m, a, kw, o: towers.append(kw["grid_thw"].tolist()), with_kwargs=True)
+    kept = sample_trajectories(HFEngine(model, processor), model, processor, inputs, samples, sizes, env, sampling,
+                               prompt_seeds=seeds)
+    hook.remove()
+    sent = sample_trajectories(HFEngine(model, processor, keep_turns=False), model, processor, inputs, samples, sizes,
+                               env, sampling, prompt_seeds=seeds)
+    assert calls and sum(kept.zooms) >= 3, (calls, kept.zooms)
+    assert torch.equal(kept.completion_ids, sent.completion_ids) and torch.equal(kept.own_mask, sent.own_mask)
+    assert kept.turns == sent.turns
+    assert float(((kept.logprobs - sent.logprobs).abs() * kept.own_mask).max()) <= LOGP_ATOL
+    # the first forward through the vision tower holds the two videos, later ones only clips (4 frames: 2 patches)
+    assert len(towers[0]) == 2 and all(t == 2 for grids in towers[1:] for t, _, _ in grids), towers
+    with torch.no_grad():
+        tree = grouped_logprobs(model, inputs, kept.completion_ids, kept.completion_mask, sizes,
+                                completion_visuals=kept.completion_visuals)
+    assert float(((tree - kept.logprobs).abs() * kept.own_mask).max()) <= LOGP_ATOL
 
 
 def test_a_branch_that_answers_or_is_cut_ends(video, load_tiny):

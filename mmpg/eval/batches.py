@@ -133,8 +133,8 @@ def _answer(engine, batch, sampling, settings, checker=None, counts: dict | None
                                       zoom.env, sampling, all_done=zoom.all_done)
     else:
         rollout = engine.generate_groups(inputs, 1, sampling)  # [B] answers, rows in prompt order
-    if counts is not None:
-        counts["prefix_tokens"] += prefill_tokens(engine, inputs)
+    if counts is not None:  # a multi-turn rollout counts every turn's prefill
+        counts["prefix_tokens"] += rollout.prefix_tokens if zoom is not None else prefill_tokens(engine, inputs)
         counts["videos"] |= {video_key(it.sample) for it in items}
     if checker is not None:
         with vision.paused() if vision is not None else contextlib.nullcontext():

@@ -221,7 +221,9 @@ class Collect:
                 version, gate = gate(), None
             with timer("rollout"):
                 rollout = self._generate(batch, sampling, seeds)
-            info["prefix_tokens"] += prefill_tokens(self.rollout_engine, batch.inputs)  # perf/prefix_tokens
+            # perf/prefix_tokens; a multi-turn rollout counts every turn's prefill
+            info["prefix_tokens"] += rollout.prefix_tokens if self.zoom is not None else \
+                prefill_tokens(self.rollout_engine, batch.inputs)
             new = split_groups(self.policy, batch, rollout, seeds)
             for g in new:
                 g.policy_version = version

@@ -15,6 +15,15 @@ rows of its queries and each query's tail [Q', Hkv, L_t, D] by its G_q rows: thr
 rather than one per-row mask over [shared | every tail]: each level needs only a per-entry padding mask, which every
 kernel here takes, flash-attn's `flash_attn_with_kvcache` included.)
 
+Multi-turn rollouts (`keep_branches`, `mmpg.rollout.multiturn`): a row that ends its turn leaves the live rows but
+its K/V is kept as its branch (`branches`: every key it wrote, in order). A later turn (`begin_turn`) takes the
+branches that go on as a fourth part, history [n, Hkv, H, D] left-padded with a key mask (branches differ in length),
+reads the prompts' levels as prefilled (held for the whole trajectory), and feeds the tool turn of every branch as one
+left-padded chunk [n, Hkv, C, D] into the own buffer (causal within it, its padding masked), the turn's tokens after
+it:
+
+    keys of branch i in turn k:  prefix levels of its prompt | history_i (turns 1..k-1, tool turns) | own_i
+
 Where this departs from Hydragen / FlashInfer: no paged KV and no inter-request sharing; the prefix is the whole
 prompt (video included) or a shared part found from the inputs, and the rows' own K/V are dense per row.
 """
@@ -80,6 +89,11 @@ class _Level:
         return keep
 
 
+def _pad_keys(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[Hkv, H, D] -> [Hkv, width, D], zeros in front (masked keys: left padding, as every kernel takes it)."""
+    return torch.nn.functional.pad(x, (0, 0, width - x.shape[1], 0))
+
+
 def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Packed [1, Hkv, T, D] at index [E, L] -> [E, Hkv, L, D]."""
     return x[0][:, index].transpose(0, 1).contiguous()
@@ -102,6 +116,10 @@ class CascadeLayer(CacheLayerMixin):
         self.level_values: list[torch.Tensor] = []
         self.own_keys = self.own_values = None  # [n, Hkv, capacity, D]
         self.own_len = 0
+        # multi-turn: each live branch's earlier turns [n, Hkv, H, D] (None in a first turn), and the levels as
+        # prefilled, which a later turn reads again (`SharedPrefixCache.begin_turn`)
+        self.history_keys = self.history_values = None
+        self.prefilled: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @property
     def prefix_keys(self):
@@ -152,21 +170,22 @@ class CascadeLayer(CacheLayerMixin):
                                      _gather(value_states, split.tail_index)]
             return key_states, value_states
         n, hkv, q_len, d = key_states.shape
-        if q_len != 1:
-            raise ValueError(f"cascade decoding feeds one token per row, got {q_len}")
+        if q_len != 1 and not (self.own_len == 0 and self.owner.own_mask is not None):
+            raise ValueError(f"cascade decoding feeds one token per row (or a turn's chunk first), got {q_len}")
         if self.own_keys is None:
             cap = self.owner.capacity
             self.own_keys = key_states.new_empty(n, hkv, cap, d)
             self.own_values = value_states.new_empty(n, hkv, cap, d)
-        if self.own_len >= self.own_keys.shape[2]:
+        if self.own_len + q_len > self.own_keys.shape[2]:
             raise RuntimeError(f"SharedPrefixCache capacity {self.own_keys.shape[2]} exceeded; raise max_new_tokens")
-        self.own_keys[:, :, self.own_len] = key_states[:, :, 0]
-        self.own_values[:, :, self.own_len] = value_states[:, :, 0]
-        self.own_len += 1
+        self.own_keys[:, :, self.own_len: self.own_len + q_len] = key_states
+        self.own_values[:, :, self.own_len: self.own_len + q_len] = value_states
+        self.own_len += q_len
         return self.own_keys[:, :, : self.own_len], self.own_values[:, :, : self.own_len]
 
     def get_seq_length(self) -> int:
-        return sum(k.shape[2] for k in self.level_keys) + self.own_len
+        history = 0 if self.history_keys is None else self.history_keys.shape[2]
+        return sum(k.shape[2] for k in self.level_keys) + history + self.own_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -175,16 +194,35 @@ class CascadeLayer(CacheLayerMixin):
         return -1
 
     def select_rows(self, keep_rows: torch.Tensor) -> None:
-        """Keep own rows `keep_rows` [n']."""
+        """Keep own rows `keep_rows` [n'] (and their history)."""
         if self.own_keys is not None:
             self.own_keys, self.own_values = self.own_keys[keep_rows], self.own_values[keep_rows]
+        if self.history_keys is not None:
+            self.history_keys, self.history_values = self.history_keys[keep_rows], self.history_values[keep_rows]
+
+    def branch(self, r: int, history_mask, own_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """Live row r's keys and values so far, history then own tokens, padding dropped: ([Hkv, H_r, D], same)."""
+        ks, vs = [], []
+        if self.history_keys is not None:
+            keep = history_mask[r] if history_mask is not None else slice(None)
+            ks.append(self.history_keys[r][:, keep])
+            vs.append(self.history_values[r][:, keep])
+        if self.own_keys is not None and self.own_len:
+            keep = own_mask[r, : self.own_len] if own_mask is not None else slice(None)
+            ks.append(self.own_keys[r, :, : self.own_len][:, keep])
+            vs.append(self.own_values[r, :, : self.own_len][:, keep])
+        if not ks:  # a row whose first token ended its turn: no key fed yet
+            empty = self.level_keys[0].new_zeros(self.level_keys[0].shape[1], 0, self.level_keys[0].shape[3])
+            return empty, empty
+        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
 
     def select_level(self, level: int, keep: torch.Tensor) -> None:
         """Keep entries `keep` [E'] of shared level `level`."""
         self.level_keys[level], self.level_values[level] = self.level_keys[level][keep], self.level_values[level][keep]
 
     def nbytes(self) -> int:
-        tensors = (*self.level_keys, *self.level_values, self.own_keys, self.own_values)
+        tensors = (*self.level_keys, *self.level_values, self.own_keys, self.own_values, self.history_keys,
+                   self.history_values)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -207,7 +245,14 @@ class SharedPrefixCache(Cache):
         self.split: ShareSplit | None = None  # set by expect_shares before a packed shared prefill
         self.tails = False  # set by expect_tails: the next prefill forward is a chunked shared prefill's tails
         self.levels: list[_Level] = []  # [prefixes] or [shared parts, tails]
+        self._level_masks: list[tuple] = []  # each level's (mask, entry_of_query) as prefilled
         self.row_query: torch.Tensor | None = None  # [n] the query (prompt) of each live row, original ids
+        # multi-turn (`keep_branches`): row id -> each layer's (keys [Hkv, H, D], values) of a row that left, and
+        # the live rows' ids, history key mask [n, H] and own key mask [n, capacity] (False: a chunk's padding)
+        self.branches: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self.row_ids: torch.Tensor | None = None
+        self.history_mask: torch.Tensor | None = None
+        self.own_mask: torch.Tensor | None = None
 
     @classmethod
     def for_model(cls, model, capacity: int) -> SharedPrefixCache:
@@ -251,17 +296,82 @@ class SharedPrefixCache(Cache):
         if self.split is None:
             if prompt_mask is None:
                 raise ValueError("SharedPrefixCache.start_decode needs the prefill's prompt_mask [B, L]")
-            self.levels = [_Level(prompt_mask)]
+            self._level_masks = [(prompt_mask, None)]
         else:
-            self.levels = [_Level(self.split.shared_mask, self.split.query_share), _Level(self.split.tail_mask)]
+            self._level_masks = [(self.split.shared_mask, self.split.query_share), (self.split.tail_mask, None)]
+        self.levels = [_Level(*m) for m in self._level_masks]
         self.decoding, self.tails = True, False
         self._place(row_prompt)
+
+    def keep_branches(self) -> None:
+        """Right after `start_decode`: rows that leave are kept as branches for a later turn (module docstring), and
+        the levels as prefilled are held for it."""
+        if not self.decoding or any(layer.own_len for layer in self.layers):
+            raise RuntimeError("SharedPrefixCache.keep_branches comes right after start_decode")
+        self.branches = {}
+        self.row_ids = torch.arange(self.row_query.numel(), device=self.row_query.device)
+        for layer in self.layers:
+            layer.prefilled = (list(layer.level_keys), list(layer.level_values))
+
+    def retire_live(self) -> None:
+        """The end of a turn: every live row leaves, kept as its branch."""
+        if self.branches is None:
+            raise RuntimeError("SharedPrefixCache.retire_live needs keep_branches")
+        self._retire(range(self.row_ids.numel()))
+        for layer in self.layers:
+            layer.own_keys = layer.own_values = layer.history_keys = layer.history_values = None
+            layer.own_len = 0
+        self.row_ids = self.row_query = self.history_mask = self.own_mask = None
+
+    def begin_turn(self, row_ids: torch.Tensor, row_query: torch.Tensor, chunk_mask: torch.Tensor,
+                   capacity: int) -> None:
+        """A later turn of the branches `row_ids` [n] (increasing; their prompts `row_query` [n], non-decreasing):
+        their kept K/V becomes the history level, the others are dropped; the next forward feeds each branch's tool
+        turn as a left-padded chunk (`chunk_mask` [n, C], False on padding), then one token per step, at most
+        `capacity` own tokens in all (chunk included)."""
+        if self.branches is None or self.row_ids is not None:
+            raise RuntimeError("SharedPrefixCache.begin_turn follows retire_live")
+        missing = [int(r) for r in row_ids if int(r) not in self.branches]
+        if missing:
+            raise ValueError(f"SharedPrefixCache.begin_turn: rows {missing} have no kept branch")
+        kept, self.branches = [self.branches[int(r)] for r in row_ids], {}
+        lengths = torch.tensor([k[0][0].shape[1] for k in kept], device=row_ids.device)
+        width = int(lengths.max())
+        mask = torch.arange(width, device=row_ids.device)[None] >= width - lengths[:, None]  # [n, H], left-padded
+        self.history_mask = None if bool(mask.all()) else mask  # a row may hold none (its first token ended a turn)
+        for i, layer in enumerate(self.layers):
+            pieces = [k[i] for k in kept]
+            if width:
+                layer.history_keys = torch.stack([_pad_keys(k, width) for k, _ in pieces])
+                layer.history_values = torch.stack([_pad_keys(v, width) for _, v in pieces])
+            layer.level_keys, layer.level_values = list(layer.prefilled[0]), list(layer.prefilled[1])
+            layer.own_keys = layer.own_values = None
+            layer.own_len = 0
+        self.capacity = capacity
+        self.own_mask = torch.cat([chunk_mask.bool(), chunk_mask.new_ones(chunk_mask.shape[0],
+                                                                         capacity - chunk_mask.shape[1]).bool()], 1)
+        self.levels = [_Level(*m) for m in self._level_masks]
+        self.row_ids = row_ids
+        self._place(row_query)
+
+    def _retire(self, rows) -> None:
+        for r in rows:
+            self.branches[int(self.row_ids[r])] = [layer.branch(r, self.history_mask, self.own_mask)
+                                                   for layer in self.layers]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep only the live rows `beam_idx` [n'] (indices into the current live rows, increasing), as `DynamicCache.
         reorder_cache` does in the copy path; entries left without rows leave their level."""
         if not self.decoding:
             raise RuntimeError("SharedPrefixCache.reorder_cache selects live rows; the prefix itself is never copied")
+        if self.branches is not None:  # the rows that leave are kept as branches
+            leaving = torch.ones(self.row_ids.numel(), dtype=torch.bool, device=beam_idx.device)
+            leaving[beam_idx] = False
+            self._retire(leaving.nonzero()[:, 0].tolist())
+            self.row_ids = self.row_ids[beam_idx]
+            for name in ("history_mask", "own_mask"):
+                if getattr(self, name) is not None:
+                    setattr(self, name, getattr(self, name)[beam_idx])
         for layer in self.layers:
             layer.select_rows(beam_idx)
         self._place(self.row_query[beam_idx])

@@ -10,7 +10,9 @@ possibly mmpg's grouped one) unless the layer call carries one of mmpg's kwargs:
       prefix part: rows of prompt b stacked  [B', Hkv, G_max·rep, D] x prefix K/V [B', Hkv, L, D]   one call
       tails part (video sharing):            [Q', Hkv, G_max·rep, D] x tail K/V   [Q', Hkv, L_t, D] with its key mask
       own part:                              [n, Hkv, rep, D]        x own K/V   [n, Hkv, t + 1, D]  one call
-      merged by log-sum-exp -> [n, 1, Hq, D]  (what transformers expects back)
+      history part (a later turn):           [n, Hkv, rep, D]        x history   [n, Hkv, H, D]      its key mask
+      merged by log-sum-exp -> [n, 1, Hq, D]  (what transformers expects back); a later turn's chunk of C tokens
+      folds C into the query length the same way ([n, Hkv, rep·C, D]), its own part causal
     CascadeCall(prefill=True): the prefill; a packed shared prefill (with `mmpg_layout`) runs the grouped attention
     CascadeCall(tails=True): a chunked shared prefill's tails forward (`tails_attention`)
     mmpg_prefill_chunk=ChunkCall: a chunk of a chunked prefill (`chunk_attention`: no [chunk × prompt] mask)
@@ -91,7 +93,8 @@ def _make_attention(base: str):
             raise ValueError("cascade decoding does not support sliding-window layers (use_sliding_window=False)")
         layer = call.cache.layers[module.layer_idx]
         return decode_attention(query, key, value, layer.prefix_keys, layer.prefix_values, call.cache, scale,
-                                call.backend, layer.tail_keys, layer.tail_values), None
+                                call.backend, layer.tail_keys, layer.tail_values, layer.history_keys,
+                                layer.history_values), None
 
     cascade_attention.__name__ = cascade_name(base).replace("-", "_")
     return cascade_attention
@@ -133,24 +136,42 @@ def _set_text_attention(model, name: str) -> None:
 
 
 def decode_attention(query, own_k, own_v, prefix_k, prefix_v, cache: SharedPrefixCache, scale: float,
-                     backend: str, tail_k=None, tail_v=None) -> torch.Tensor:
-    """query [n, Hq, 1, D]; own K/V [n, Hkv, t + 1, D]; prefix K/V [B', Hkv, L, D] (the shared videos' parts);
-    tail K/V [Q', Hkv, L_t, D] or None (no sharing) -> out [n, 1, Hq, D]."""
+                     backend: str, tail_k=None, tail_v=None, history_k=None, history_v=None) -> torch.Tensor:
+    """query [n, Hq, C, D]; own K/V [n, Hkv, t + C, D]; prefix K/V [B', Hkv, L, D] (the shared videos' parts);
+    tail K/V [Q', Hkv, L_t, D] or None (no sharing); history K/V [n, Hkv, H, D] or None (a first turn) -> out
+    [n, C, Hq, D]. C = 1 (a decode step) or, in a later turn of a multi-turn rollout, the turn's chunk (its own part
+    causal, its left padding masked by `cache.own_mask`; the module docstring of `mmpg.rollout.cascade`)."""
     n, hq, q_len, d = query.shape
     hkv = own_k.shape[1]
-    if q_len != 1:
+    if q_len != 1 and cache.own_mask is None:
         raise ValueError(f"cascade decode attention takes one query per row, got {q_len}")
     rep = hq // hkv
-    q = query.reshape(n, hkv, rep, d)  # query head h uses kv head h // rep (transformers' repeat_kv)
+    q = query.reshape(n, hkv, rep * q_len, d)  # query head h uses kv head h // rep (transformers' repeat_kv)
     levels = [(prefix_k, prefix_v, cache.levels[0])]
     if tail_k is not None:
         levels.append((tail_k, tail_v, cache.levels[1]))
-    parts = []  # (o [n, Hkv, rep, D], lse [n, Hkv, rep]) per part: the shared levels, then the own tokens
+    parts = []  # (o [n, Hkv, rep·C, D], lse [n, Hkv, rep·C]) per part: the shared levels, history, the own tokens
     for k, v, level in levels:
         o, lse = attend(_stack(q, level.rows), k, v, level.mask, scale, backend)
-        parts.append((_unstack(o, level.rows, rep), _unstack(lse[..., None], level.rows, rep)[..., 0]))
-    parts.append(attend(q, own_k, own_v, None, scale, backend))
-    return merge_attention(parts, query.dtype)[0].reshape(n, 1, hq, d)
+        parts.append((_unstack(o, level.rows, rep * q_len), _unstack(lse[..., None], level.rows, rep * q_len)[..., 0]))
+    if history_k is not None:
+        mask = cache.history_mask
+        empty = None if mask is None else ~mask.any(dim=1)  # [n] branches with no earlier key
+        if empty is not None and bool(empty.any()):
+            mask = mask | empty[:, None]  # computed on the padding, then weighted 0
+        else:
+            empty = None
+        o, lse = attend(q, history_k, history_v, mask, scale, backend)
+        parts.append((o, lse if empty is None else lse.masked_fill(empty[:, None, None], float("-inf"))))
+    own = None if cache.own_mask is None else cache.own_mask[:, : own_k.shape[2]]
+    if q_len == 1:
+        parts.append(attend(q, own_k, own_v, None if own is None or bool(own.all()) else own, scale, backend))
+    else:  # a turn's chunk: causal, real keys only, each query sees itself
+        at = torch.arange(q_len, device=query.device)
+        mask = (own[:, None, :] & (at[:, None] >= at[None, :])) | (at[:, None] == at[None, :])  # [n, C, C]
+        parts.append(_masked_attention(q, own_k, own_v, mask.repeat(1, rep, 1), scale))
+    out = merge_attention(parts, query.dtype)[0]  # [n, Hkv, rep·C, D]
+    return out.reshape(n, hkv, rep, q_len, d).permute(0, 3, 1, 2, 4).reshape(n, q_len, hq, d)
 
 
 def tails_attention(query, tail_k, tail_v, shared_k, shared_v, split, scale: float, backend: str) -> torch.Tensor:

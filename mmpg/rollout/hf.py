@@ -21,16 +21,19 @@ eos and pad ids, nothing else). docs/rollouts.md, "The HF engine", has the detai
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from mmpg.grouping.adapters import prefix_positions
 from mmpg.grouping.inputs import (
-    check_whole_videos, pad_token_id, placeholder_token_ids, prompt_attention_mask, select_prompts,
-    split_visuals_per_prompt,
+    check_whole_videos, merge_visuals, mm_token_type_ids, pad_token_id, placeholder_token_ids, prompt_attention_mask,
+    select_prompts, split_visuals_per_prompt,
 )
 from mmpg.grouping.shares import share_order
 from mmpg.grouping.patch import base_model, model_kind
@@ -40,7 +43,7 @@ from mmpg.rollout.decode_choice import DecodeChoice
 from mmpg.rollout.engine import (
     FINISH_LENGTH, FINISH_STOP, Rollout, RolloutEngine, SamplingParams, group_sizes_for,
 )
-from mmpg.rollout.prefill import Prefill
+from mmpg.rollout.prefill import _VISUAL_KEYS, Prefill
 from mmpg.rollout.sampling import next_tokens
 from mmpg.rollout.shares import decode_shares, prefill_stats, shared_prefill
 
@@ -60,7 +63,7 @@ class HFEngine(Prefill, RolloutEngine):
 
     def __init__(self, model, processor, all_done: Callable[[bool], bool] | None = None, decode: str = "auto",
                  cascade_backend: str = "auto", share_videos: bool = True, prefill_chunk: int = 0,
-                 decode_check: str = "auto"):
+                 decode_check: str = "auto", keep_turns: bool = True):
         model = base_model(model)  # a peft PeftModel: the transformers model inside it (LoRA wrappers included)
         model_kind(model)  # refuses unsupported model types with a clear message
         if decode not in DECODE_MODES:
@@ -92,6 +95,9 @@ class HFEngine(Prefill, RolloutEngine):
         # the same number of forwards): all_done(this_rank_done) -> whether every rank is done. A rank that is done
         # early runs one-token idle forwards until then. None: stop as soon as this process is done.
         self.all_done = all_done
+        # multi-turn rollouts: each branch's K/V kept between turns (`generate_branches`); False: `generate_branches`
+        # samples the first turn alone and the caller re-sends every later turn's conversation (the reference)
+        self.keep_turns = keep_turns
         params = inspect.signature(model.forward).parameters
         # transformers renamed `past_key_values` to `cache` during 5.x; accept either
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -122,19 +128,111 @@ class HFEngine(Prefill, RolloutEngine):
             seeds = None if prompt_seeds is None else [prompt_seeds[b] for b in order]
             out = self.generate_groups(part, [sizes[b] for b in order], sampling, prompt_seeds=seeds)
             return _rows_back(out, order, sizes)
+        with self._sampling_mode():
+            return self._generate(prompt_inputs, sizes, sampling, prompt_seeds)
+
+    # ---- multi-turn: the K/V kept between turns -----------------------------------------------------------------
+    def generate_branches(self, prompt_inputs, group_size: int | Sequence[int], sampling: SamplingParams | None = None,
+                          *, prompt_seeds: Sequence[int] | None = None) -> tuple[Rollout, Branches | None]:
+        """The first turn of multi-turn rollouts (`mmpg.rollout.multiturn`): `generate_groups`, the cache kept.
+        Returns the rollout and its `Branches` (every row's K/V, the prompts' as prefilled), which
+        `continue_branches` extends turn by turn; None where the K/V cannot be kept (copy decoding, or synced decoding
+        under ZeRO-3, whose ranks must run alike forwards): the caller then re-sends each branch's conversation."""
+        sampling = sampling or SamplingParams()
+        if not self.keep_turns or self.all_done is not None or resolve_decode(self.decode) != "cascade" \
+                or not self._is_vl:
+            return self.generate_groups(prompt_inputs, group_size, sampling, prompt_seeds=prompt_seeds), None
+        sizes = group_sizes_for(group_size, int(prompt_inputs["input_ids"].shape[0]))
+        order = self._share_order(prompt_inputs)
+        inputs, run_sizes, seeds = prompt_inputs, sizes, prompt_seeds
+        if order != sorted(order):  # sampled in the share order (as `generate_groups`), answered in the caller's
+            inputs = select_prompts(self.model, prompt_inputs, order, pad_token_id(self.model))
+            run_sizes = [sizes[b] for b in order]
+            seeds = None if prompt_seeds is None else [prompt_seeds[b] for b in order]
+        with self._sampling_mode():
+            out, branches = self._generate(inputs, run_sizes, sampling, seeds, keep=True)
+        if order != sorted(order):
+            out = _rows_back(out, order, sizes)
+            if branches is not None:
+                starts = [sum(sizes[:b]) for b in range(len(sizes))]
+                engine_rows = [starts[b] + j for b in order for j in range(sizes[b])]  # engine row k = caller row
+                branches.engine_row = torch.tensor(engine_rows).argsort()
+        return out, branches
+
+    def continue_branches(self, branches: Branches, rows: Sequence[int], completions: Sequence[torch.Tensor],
+                          chunk_lengths: Sequence[int], clips: Sequence[Sequence[dict]],
+                          sampling: SamplingParams | None = None, *,
+                          row_seeds: Sequence[int] | None = None) -> Rollout:
+        """A later turn of the branches `rows` (caller row ids, increasing), one response each, behind their kept K/V.
+        completions[k]: row k's whole completion so far, its last chunk_lengths[k] tokens not yet fed (the previous
+        turn's last token, then the tool's turn); clips[k]: the row's clips so far (the tool turn's is the last,
+        where the chunk holds its placeholders). row_seeds: as `generate_groups`'s prompt_seeds, one per row. Every
+        row of `branches` not named here has ended and its K/V is dropped."""
+        sampling = sampling or SamplingParams()
+        device = self.model.get_input_embeddings().weight.device
+        cache = branches.cache
+        engine = [int(branches.engine_row[r]) for r in rows]
+        order = sorted(range(len(rows)), key=lambda k: engine[k])  # the cache's rows are in the engine's order
+        chunks, positions, starts, visuals = [], [], [], []
+        placeholders = torch.tensor(placeholder_token_ids(self.model))
+        for k in order:
+            tokens, c = completions[k].cpu(), int(chunk_lengths[k])
+            row_clips = [x for x in clips[k] if x]
+            merged = merge_visuals(row_clips) if row_clips else {}
+            pos, _ = self.model.model.get_rope_index(
+                tokens[None], mm_token_type_ids=mm_token_type_ids(self.model, {"input_ids": tokens[None]}),
+                video_grid_thw=merged.get("video_grid_thw"), second_per_grid_ts=merged.get("second_per_grid_ts"))
+            pos = pos[:, 0] + branches.starts[int(branches.prompt_of[engine[k]])]  # [3, L]: the tree's positions
+            chunks.append(tokens[-c:])
+            positions.append(pos[:, -c:])
+            starts.append(int(pos[0, -1]) + 1)  # the chunk ends in text: the turn's first token comes next
+            if bool(torch.isin(tokens[-c:], placeholders).any()):
+                visuals.append(row_clips[-1])
+        width = max(c.numel() for c in chunks)
+        pad = pad_token_id(self.model)
+        ids = torch.stack([F.pad(c, (width - c.numel(), 0), value=pad) for c in chunks]).to(device)  # left-padded
+        chunk_mask = torch.stack([F.pad(torch.ones_like(c, dtype=torch.bool), (width - c.numel(), 0))
+                                  for c in chunks]).to(device)
+        pos = torch.stack([F.pad(p, (width - p.shape[1], 0), value=int(p[0, 0])) for p in positions], dim=1)
+        forward_visuals = {key: v.to(device) for key, v in merge_visuals(visuals).items() if key in _VISUAL_KEYS} \
+            if visuals else {}
+        engine_rows = torch.tensor(sorted(engine), device=device)
+        cache.begin_turn(engine_rows, branches.prompt_of.to(device)[engine_rows], chunk_mask,
+                         width + sampling.max_new_tokens)
+        tokens = sum(c.numel() for c in chunks)
+        self.last_stats = {"prompts": len(chunks), "prefixes": len(chunks), "prefix_tokens": tokens,
+                           "shared_prompts": 0}  # the tool turns' chunks (`mmpg.rollout.shares.prefill_stats`'s keys)
+        seeds = None if row_seeds is None else [row_seeds[k] for k in order]
+        watched = (self._cache_kwarg, "logits_to_keep")
+        call = CascadeCall(cache, branches.path, model_inputs=watched)
+        marker = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)  # the cascade attention masks itself
+        n = len(order)
+        with self._sampling_mode(), cascade_attention_enabled(self.model):
+            logits = self.model(input_ids=ids, attention_mask=marker, position_ids=pos.to(device), use_cache=True,
+                                logits_to_keep=1, **{self._cache_kwarg: cache, CASCADE_KWARG: call},
+                                **forward_visuals).logits[:, -1]
+            out = self._decode(call, logits, torch.ones(n, 1, device=device), torch.tensor(starts, device=device),
+                               torch.arange(n, device=device), [1] * n, sampling, seeds)
+        cache.retire_live()
+        return _rows_back(out, order, [1] * n) if order != sorted(order) else out
+
+    @contextlib.contextmanager
+    def _sampling_mode(self):
+        """Eval mode and no autograd inside; each module's train/eval mode restored after."""
         modes = {m: m.training for m in self.model.modules()}
         self.model.eval()
         try:
             with torch.no_grad():
-                return self._generate(prompt_inputs, sizes, sampling, prompt_seeds)
+                yield
         finally:
             for module, training in modes.items():
                 module.training = training
 
     # ---- the three stages -------------------------------------------------------------------------------------------
     def _generate(self, prompt_inputs, sizes: list[int], sampling: SamplingParams, prompt_seeds=None,
-                  path: str | None = None) -> Rollout:
-        """`path`: "copy" or a cascade kernel name (the decode check's two runs); None: the engine's choice."""
+                  path: str | None = None, keep: bool = False):
+        """`path`: "copy" or a cascade kernel name (the decode check's two runs); None: the engine's choice. `keep`:
+        returns (rollout, `Branches` or None), the cache kept for a later turn (`generate_branches`)."""
         device = self.model.get_input_embeddings().weight.device
         path = path or self.choice.choose(self, prompt_inputs, sizes, device)
         self._path = path  # the chunked prefill's kernel (`_prefill_chunks`)
@@ -158,12 +256,19 @@ class HFEngine(Prefill, RolloutEngine):
                     logits, attn, start = self._prefill(prefixes, prompt_inputs, device, cache, prefill, shared)
                     cache.start_decode(rows)
                 call = CascadeCall(cache, backend, model_inputs=watched)
-                return self._decode(call, logits, attn, start, rows, sizes, sampling, prompt_seeds)
+                if keep:
+                    cache.keep_branches()
+                out = self._decode(call, logits, attn, start, rows, sizes, sampling, prompt_seeds)
+                if not keep:
+                    return out
+                cache.retire_live()
+                return out, Branches(cache, backend, rows.cpu(), prefixes.starts, torch.arange(rows.numel()))
         self.last_stats = prefill_stats(prefixes, None)
         cache = DynamicCache(config=self.model.config)
         logits, attn, start = self._prefill(prefixes, prompt_inputs, device, cache)
         cache.reorder_cache(rows)  # [B, ...] -> [N, ...]: the G-way copy of each prompt's K/V
-        return self._decode(cache, logits, attn, start, rows, sizes, sampling, prompt_seeds)
+        out = self._decode(cache, logits, attn, start, rows, sizes, sampling, prompt_seeds)
+        return (out, None) if keep else out
 
     def check_decode(self, prompt_inputs, picks: list[int], g_max: int, steps: int, kernel: str):
         """The decode check's two runs (`mmpg.rollout.decode_choice`): prompts `picks` of the batch, g_max rows each,
@@ -282,6 +387,19 @@ class HFEngine(Prefill, RolloutEngine):
         if eos is None:
             raise ValueError("the model's generation_config has no eos_token_id; pass SamplingParams(stop_token_ids=)")
         return [eos] if isinstance(eos, int) else list(eos)
+
+
+@dataclasses.dataclass
+class Branches:
+    """What a multi-turn rollout keeps between turns (`HFEngine.generate_branches`): the cascade cache with every
+    row's K/V as a branch, the kernel, each engine row's prompt [N], each prompt's first completion position [B],
+    and the engine row of each caller row [N] (they differ where a video's prompts were sampled side by side)."""
+
+    cache: SharedPrefixCache
+    path: str
+    prompt_of: torch.Tensor
+    starts: list[int]
+    engine_row: torch.Tensor
 
 
 def _rows_back(out: Rollout, order: list[int], sizes: list[int]) -> Rollout:

@@ -13,10 +13,12 @@ each row's clips, as the grouped forward's trajectory tree takes them (`mmpg.gro
 logprobs of the model's tokens are the engine's, each under the whole conversation before it, so they equal the
 grouped forward's at those tokens (tests/test_zoom_rollout.py).
 
-This first form asks the engine for each turn anew: the branches of turn k + 1 are new prompts whose overview the
-engine prefills again (once per turn for all branches of a prompt where the engine shares a video's prefill, once
-per branch where it does not). Keeping the overview's K/V across turns, each branch's tool turn prefilled into its
-own K/V, is the next stage (docs/ARCHITECTURE.md, "A trajectory tree").
+The HF engine keeps the K/V between turns (`HFEngine.generate_branches` / `continue_branches`, one process with
+cascade decoding): the overview is prefilled once for the whole trajectory tree, turn k + 1 feeds each branch's tool
+turn (the clip's frames through the vision tower, its tokens) as one chunk behind the branch's own K/V, and every
+decode step reads each prompt's overview once for all its branches (`mmpg.rollout.cascade`). Elsewhere (the copy
+decoding, synced ranks under ZeRO-3, an engine without branches) each turn asks the engine anew: the branches of turn
+k + 1 are new prompts whose overview the engine prefills again. Both give the same tokens (tests/test_zoom_rollout.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from mmpg.grouping.inputs import merge_visuals, mm_token_type_ids, pad_prompts, pad_token_id, prompts_alone
+from mmpg.models.vision_calls import prefill_tokens
 from mmpg.rollout.engine import FINISH_STOP, RolloutEngine, SamplingParams, group_sizes_for
 from mmpg.rollout.zoom import ToolTurn, ZoomEnvironment, turn_inputs
 
@@ -44,6 +47,7 @@ class Trajectories:
     tools: list[list[ToolTurn]]  # [N] each tool turn (a window and its clip, or an error)
     finish_reasons: list[str]  # [N] of the last model turn: FINISH_STOP or FINISH_LENGTH
     logprobs: torch.Tensor | None = None  # [N, S] the engine's logprobs of the model's tokens, 0 elsewhere
+    prefix_tokens: int = 0  # tokens the engine prefilled over every turn (`mmpg.models.vision_calls.prefill_tokens`)
 
     @property
     def texts(self) -> list[str]:
@@ -90,7 +94,12 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
     if len(samples) != len(sizes):
         raise ValueError(f"{len(samples)} samples for {len(sizes)} prompts; give one per prompt")
     pad_id = pad_token_id(model)
-    first = engine.generate_groups(prompt_inputs, sizes, sampling, prompt_seeds=prompt_seeds)
+    branches = None
+    if all_done is None and hasattr(engine, "generate_branches"):
+        first, branches = engine.generate_branches(prompt_inputs, sizes, sampling, prompt_seeds=prompt_seeds)
+    else:
+        first = engine.generate_groups(prompt_inputs, sizes, sampling, prompt_seeds=prompt_seeds)
+    prefilled = prefill_tokens(engine, prompt_inputs)
     n = sum(sizes)
     prompt_of = [b for b, g in enumerate(sizes) for _ in range(g)]
     row_in_group = [j for g in sizes for j in range(g)]
@@ -130,16 +139,26 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
             nxt.append(i)
         if (not nxt) if all_done is None else all_done(not nxt):
             break
-        alone = alone or prompts_alone(model, prompt_inputs)  # the B prompts unpadded, split once
+        if branches is None:
+            alone = alone or prompts_alone(model, prompt_inputs)  # the B prompts unpadded, split once
         if not nxt:  # every branch here has ended, another rank's go on: a stand-in turn, for lockstep only
-            engine.generate_groups(_continuations(model, alone, [0], prompt_of, history, clips, pad_id), 1, sampling,
-                                   prompt_seeds=None if prompt_seeds is None else [0])
+            stand_in = _continuations(model, alone, [0], prompt_of, history, clips, pad_id)
+            engine.generate_groups(stand_in, 1, sampling, prompt_seeds=None if prompt_seeds is None else [0])
+            prefilled += prefill_tokens(engine, stand_in)
             going = nxt
             continue
-        inputs = _continuations(model, alone, nxt, prompt_of, history, clips, pad_id)
         seeds = None if prompt_seeds is None else \
             [int(prompt_seeds[prompt_of[i]]) * 1_000_003 + 1_009 * row_in_group[i] + turn for i in nxt]
-        take(nxt, engine.generate_groups(inputs, 1, sampling, prompt_seeds=seeds))
+        if branches is not None:  # behind each branch's kept K/V: its last token (never fed) and the tool's turn
+            out = engine.continue_branches(branches, nxt, [torch.cat(history[i]) for i in nxt],
+                                           [1 + history[i][-1].numel() for i in nxt], [clips[i] for i in nxt],
+                                           sampling, row_seeds=seeds)
+            prefilled += prefill_tokens(engine, None)
+        else:
+            inputs = _continuations(model, alone, nxt, prompt_of, history, clips, pad_id)
+            out = engine.generate_groups(inputs, 1, sampling, prompt_seeds=seeds)
+            prefilled += prefill_tokens(engine, inputs)
+        take(nxt, out)
         going = nxt
     rows = [torch.cat(h) for h in history]
     width = max(r.numel() for r in rows)
@@ -151,7 +170,7 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
         lp[i, :r.numel()] = torch.cat(logps[i])
     mask = (torch.arange(width)[None] < torch.tensor([r.numel() for r in rows])[:, None]).long()
     return Trajectories(ids, mask, own_mask, [merge_visuals(c) if c else {} for c in clips], list(sizes), turns,
-                        tools, finish, lp if sampling.logprobs else None)
+                        tools, finish, lp if sampling.logprobs else None, prefilled)
 
 
 def stand_in_turns(engine: RolloutEngine, inputs, sampling: SamplingParams, max_turns: int, all_done) -> None:
