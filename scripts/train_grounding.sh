@@ -168,6 +168,12 @@ server_args() {  # the flags every server shares (serve_head, serve_tail: its --
     [ -n "$max_len" ] || max_len="$(mmpg vllm-len --config "$config" "$@" "model.path=$model")"
     serve_tail+=(--max-model-len "$max_len")
   fi
+  # multi-turn grounding with the zoom tool: a request holds the overview and every clip (`mmpg vllm-len --videos`)
+  if [[ "${VLLM_ARGS:-}" != *--videos-per-prompt* ]]; then
+    local videos
+    videos="$(mmpg vllm-len --videos --config "$config" "$@" "model.path=$model")"
+    [ "$videos" = 1 ] || serve_tail+=(--videos-per-prompt "$videos")
+  fi
   if [ "${VLLM_TP:-1}" != 1 ] && [[ "${VLLM_ARGS:-}" != *--tensor-parallel-size* ]]; then
     serve_tail+=(--tensor-parallel-size "$VLLM_TP")
   fi

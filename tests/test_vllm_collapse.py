@@ -100,11 +100,53 @@ def test_server_builds_one_item_per_video_named_by_content():
     assert video_digest(one_pixel, ma) != name != video_digest(arrays["video_0"], dict(ma, fps=3.0))
 
 
+def test_a_prompt_holds_several_videos_in_order():
+    """Wire 3 (multi-turn: an overview and its clips): the server gives vLLM a prompt's videos in order, each named
+    by its content, the overview shared with the other prompts that hold it; the engine sends each prompt's videos
+    as a list of table indices, each distinct video once, and refuses a count that does not match the prompt's
+    video tokens or the server's --videos-per-prompt."""
+    import pytest
+
+    from mmpg.rollout.vllm import VLLMEngine
+    from mmpg.serve.requests import video_table as _video_table, vllm_prompt as _prompt
+    from mmpg.serve.wire import ServerError, frames_array
+
+    (fa, ma), (fb, mb) = _video(0), _video(1)
+    arrays = {"video_0": frames_array(fa), "video_1": frames_array(fb)}
+    table = _video_table({"videos": [{"key": "video_0", "metadata": ma}, {"key": "video_1", "metadata": mb}]}, arrays)
+    two = _prompt({"token_ids": [7, 1, 9, 1], "videos": [0, 1]}, arrays, table)
+    one = _prompt({"token_ids": [7, 1], "videos": [0]}, arrays, table)
+    assert [item[0] for item in two["multi_modal_data"]["video"]] == [table[0][0][0], table[1][0][0]]
+    assert two["multi_modal_uuids"]["video"] == [table[0][1], table[1][1]]
+    assert one["multi_modal_uuids"]["video"] == [table[0][1]]
+    assert _prompt({"token_ids": [7], "videos": []}, arrays, table) == {"prompt_token_ids": [7]}
+    with pytest.raises(ValueError, match="names video 2; the request's table holds 2"):
+        _prompt({"token_ids": [7], "videos": [0, 2]}, arrays, table)
+
+    class Model:  # a text-free stand-in: video token 1, no brackets (ids already as the wire sends them)
+        config = type("C", (), {"video_token_id": 1, "model_type": "qwen2_5_vl"})()
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.model, engine.processor, engine.url, engine.banned = Model(), None, "http://x", []
+    engine.health, engine.version = {"instance": "i", "videos_per_prompt": 2}, 0
+    clip = _video(2)
+    from mmpg.rollout import SamplingParams
+
+    sampling = SamplingParams(stop_token_ids=(0,))
+    meta, sent = engine._request([[7, 1, 9, 1], [8, 1]], [2, 1], [3, 4], sampling, None, [[fa_ma := (fa, ma), clip],
+                                                                                          fa_ma])
+    assert [p["videos"] for p in meta["prompts"]] == [[0, 1], [0]] and len(sent) == 2  # the overview sent once
+    with pytest.raises(ValueError, match="prompt 0 holds 2 videos and 1 were given"):
+        engine._request([[7, 1, 9, 1]], [1], [3], sampling, None, [[fa_ma]])
+    with pytest.raises(ServerError, match="takes 2 per prompt: restart it with --videos-per-prompt 3"):
+        engine._request([[1, 9, 1, 9, 1]], [1], [3], sampling, None, [[fa_ma, clip, clip]])
+
+
 def test_wire_version_check():
     import pytest
 
     from mmpg.serve.wire import WIRE_VERSION, ServerError, check_wire
 
     check_wire({"wire": WIRE_VERSION}, "http://x")
-    with pytest.raises(ServerError, match="speaks wire format 1, this client 2.*restart it from this checkout"):
+    with pytest.raises(ServerError, match=f"speaks wire format 1, this client {WIRE_VERSION}.*restart it from this"):
         check_wire({}, "http://x")

@@ -130,6 +130,23 @@ def test_sampled_logprobs_match_grouped_recompute_unequal_groups_and_stops(serve
     assert again.completion_ids.tolist() == r.completion_ids.tolist(), "same seeds, same samples"
 
 
+def test_zoom_trajectories_through_the_server(server, policy, tmp_path):
+    """Multi-turn rollouts with the zoom tool (scripted: tests/vllm_zoom.py): each later turn one request of the
+    whole conversation, the overview and its clips as the prompt's videos; vLLM's expansion of every clip is the
+    trainer's prompt (checked per request), the greedy trajectories are the HF engine's up to near-ties, and vLLM's
+    logprobs of the model's tokens are the trajectory tree's within LOGP_ATOL."""
+    from vllm_zoom import clip_source, zoom_agreement
+
+    model, processor = policy
+    specs = [(4, 56, 84), (4, 56, 112)]
+    inputs, videos = vl_batch(processor, "qwen2_5_vl", specs), _videos(specs)
+    report = zoom_agreement(_engine(server, model, processor), model, processor, "qwen2_5_vl", inputs, videos,
+                            clip_source(tmp_path))
+    print(f"\nzoom through vLLM: {report}")
+    assert report["zooms"] >= 2 and report["turns"] >= 2, report
+    assert not report["bad"] and report["logprob_diff"] <= LOGP_ATOL, report
+
+
 def test_health_reports_what_the_weight_sync_needs(server):
     """The worker count, GPUs and NCCL version come from vLLM's own workers (`collective_rpc`): here one CPU worker."""
     from mmpg.rollout.vllm_nccl import plan_weight_sync
@@ -196,6 +213,36 @@ def test_grpo_run_with_vllm_engine(server, vllm_ckpt, tmp_path):
         assert r["actor/logprob_gap_max"] <= LOGP_ATOL and abs(r["actor/tis_weight_mean"] - 1) < 1e-3
         assert r["perf/prefix_tokens"] > 0  # the engine's last_stats
     assert call(server.url, "/health", timeout=10)["version"] == version + 4  # at start, then after each step
+
+
+def test_grpo_with_the_zoom_tool_through_the_server(server, vllm_ckpt, grpo_data, zoom_data, tmp_path):
+    """GRPO with the zoom tool (scripted: tests/zoom_worker.py) sampling through the server, synchronous and with
+    rollout.max_staleness 1 (the next step's trajectories sampled while this one trains): every turn's request
+    expands as the trainer's prompt, the engine's logprobs of the model's tokens agree with the update's, and the
+    self-check holds on the trajectory tree."""
+    from test_zoom_grpo import _args
+    from train_utils import metrics, run_forked
+
+    data = dict(grpo_data, model=str(vllm_ckpt))
+    extra = {"rollout.engine": "vllm", "rollout.vllm_url": server.url, "rollout.vllm_wait_s": 30,
+             "rollout.tis_cap": 2.0, "data.max_frames": 12, "zoom.max_turns": 1}  # within the server's length
+    for name, more in (("zoom", {}), ("stale", {"rollout.max_staleness": 1, "trainer.total_steps": 3})):
+        proc = run_forked("zoom_worker:main", _args(data, zoom_data, tmp_path, name, **extra, **more))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = metrics(tmp_path / name)
+        assert [m["step"] for m in lines] == list(range(1, len(lines) + 1)) and len(lines) >= 2
+        assert any(m["reward/zoom_calls"] > 0 for m in lines)
+        assert lines[0]["check/grouped_vs_repeated_max"] <= lines[0]["check/bound"]
+        for m in lines:
+            print(f"\n{name} step {m['step']}: zoom calls {m['reward/zoom_calls']:.2f}, logprob gap max "
+                  f"{m['actor/logprob_gap_max']:.1e}, staleness {m['rollout/staleness_max']:.0f}, prefix tokens "
+                  f"{m['perf/prefix_tokens']:.0f}")
+        # synchronous: every step sampled with the trainer's weights; overlapped: step 1 did, later steps with the
+        # weights one step old (their gap is the policy's change, which the TIS weights correct)
+        fresh = lines if name == "zoom" else lines[:1]
+        assert all(m["actor/logprob_gap_max"] <= LOGP_ATOL for m in fresh), [m["actor/logprob_gap_max"] for m in lines]
+        assert [m["rollout/staleness_max"] for m in lines] == [0.0] * len(lines) if name == "zoom" else \
+            [0.0] + [1.0] * (len(lines) - 1)
 
 
 def test_a_prompt_past_the_servers_length_is_a_counted_skip(server, vllm_ckpt, tmp_path):

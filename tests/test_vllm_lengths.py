@@ -22,7 +22,7 @@ from mmpg.config import load_config
 from mmpg.errors import UserError
 from mmpg.rollout import lengths
 from mmpg.serve.launch import free_port
-from mmpg.serve.wire import ServerError
+from mmpg.serve.wire import WIRE_VERSION, ServerError
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT / ".." / "shared" / "data" / "real"  # ../shared from the repository root
@@ -174,6 +174,9 @@ def test_the_launch_gives_the_server_the_configs_length(tmp_path):
     assert args.endswith("--max-model-len 9728"), args  # 8,440 + 1,024 + 64 -> 9,728
     args, _ = _launch(tmp_path, CONFIG_7B, model, VLLM_MAX_LEN="12345")
     assert args.endswith("--max-model-len 12345"), args
+    # the zoom tool: the longest trajectory's length, and the overview and every clip in one request
+    args, _ = _launch(tmp_path, CONFIG_7B, model, "data.template=zoom", "zoom.max_turns=2")
+    assert args.endswith("--videos-per-prompt 3") and "--max-model-len 8960" not in args, args
     args, _ = _launch(tmp_path, CONFIG_7B, model, VLLM_ARGS="--max-model-len 16384")
     assert args.count("--max-model-len") == 1 and args.endswith("--max-model-len 16384"), args
 
@@ -184,7 +187,8 @@ class _Health(BaseHTTPRequestHandler):
     max_model_len = 0
 
     def do_GET(self):  # noqa: N802 - http.server's name
-        body = json.dumps({"instance": "i0", "version": 0, "max_model_len": self.max_model_len, "wire": 2,
+        body = json.dumps({"instance": "i0", "version": 0, "max_model_len": self.max_model_len,
+                           "wire": WIRE_VERSION,
                            "checkpoint": "/ckpt", "device": "cpu", "nccl": False}).encode()
         self.send_response(200 if self.path == "/health" else 404)
         self.send_header("Content-Type", "application/json")
@@ -225,6 +229,26 @@ def test_check_server_len_passes_at_the_need_and_refuses_below():
     lengths.check_server_len(10, None, 256, "http://s")  # a text-only model: nothing to plan
     with pytest.raises(UserError, match=r"max_model_len 8695, below this config's 8,696 .* --max-model-len 8960"):
         lengths.check_server_len(8695, worst, 256, "http://s")
+
+
+def test_the_zoom_tool_plans_the_servers_length_and_videos(tiny_dirs):
+    """data.template=zoom: every turn re-sends the conversation, so the server holds the worst prompt and the longest
+    trajectory (zoom.max_turns clips, zoom.max_turns + 1 turns), counted by the processor or bounded without it; and
+    it takes 1 + zoom.max_turns videos per prompt, refused in one line otherwise."""
+    from mmpg.models.loading import load_processor
+
+    zoom = load_config(None, [f"model.path={tiny_dirs['qwen2_5_vl']}", "data.template=zoom", "zoom.max_turns=2",
+                              "zoom.max_frames=8", "rollout.max_new_tokens=32"])
+    processor = load_processor(str(tiny_dirs["qwen2_5_vl"]))
+    clip = lengths.worst_clip_tokens(zoom, processor)
+    assert lengths.response_tokens(zoom, processor) == 2 * clip + 3 * 32
+    assert lengths.response_tokens(zoom) >= lengths.response_tokens(zoom, processor)  # the bound holds the count
+    one = load_config(None, ["rollout.max_new_tokens=32"])
+    assert lengths.response_tokens(one, processor) == 32 and lengths.videos_per_prompt(one) == 1
+    lengths.check_server_videos(3, zoom, "http://s")
+    with pytest.raises(UserError, match=r"takes 1 video\(s\) per prompt; .*zoom.max_turns=2 sends up to 3 .*"
+                                        r"--videos-per-prompt 3"):
+        lengths.check_server_videos(1, zoom, "http://s")
 
 
 def test_too_long_prompts_leave_the_batch_as_skips(load_tiny):

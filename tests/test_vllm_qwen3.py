@@ -127,6 +127,20 @@ def test_greedy_matches_trainer_before_and_after_weight_sync(server, policy):
     assert not report["bad"], f"after sync, vLLM greedy rows differ beyond a near-tie: {report['bad']}"
 
 
+def test_zoom_trajectories_through_the_server(server, policy, tmp_path):
+    """As tests/test_vllm_engine.py's: the clips' per-frame times are the file's (their frames_indices at the file's
+    fps), which vLLM's processor must write as the trainer's does."""
+    from vllm_zoom import clip_source, zoom_agreement
+
+    model, processor = policy
+    inputs, videos = q3_batch(processor, [(4, 64, 96), (5, 64, 128)])
+    report = zoom_agreement(_engine(server, model, processor), model, processor, "qwen3_vl", inputs, videos,
+                            clip_source(tmp_path))
+    print(f"\nzoom through vLLM: {report}")
+    assert report["zooms"] >= 2 and report["turns"] >= 2, report
+    assert not report["bad"] and report["logprob_diff"] <= LOGP_ATOL, report
+
+
 def test_sampled_logprobs_match_grouped_recompute(server, policy):
     model, processor = policy
     inputs, videos = q3_batch(processor, VIDEOS)

@@ -21,7 +21,7 @@ import pytest
 from mmpg.rollout.vllm_nccl import check_weight_path
 from mmpg.rollout.vllm_wait import wait_for_server
 from mmpg.serve import vllm_server
-from mmpg.serve.wire import ServerError, call
+from mmpg.serve.wire import WIRE_VERSION, ServerError, call
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "0f3c9a7e5b1d"
@@ -34,7 +34,7 @@ class Engine:
         self.generated = []
 
     def health(self):
-        return {"instance": "i", "version": 0, "max_model_len": 4096, "wire": 2}
+        return {"instance": "i", "version": 0, "max_model_len": 4096, "wire": WIRE_VERSION}
 
     def generate(self, blob):
         self.generated.append(len(blob))

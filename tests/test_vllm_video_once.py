@@ -57,13 +57,14 @@ def k_batch(processor, n_videos: int, seed: int, text_prompt: bool = False):
 
 
 def wire1(meta: dict, arrays: dict) -> tuple[dict, dict]:
-    """A wire-2 request in the wire-1 form an older client sends: each prompt its own copy of its video's frames."""
+    """A request of this client (one video a prompt) in the wire-1 form an older client sends: each prompt its own
+    copy of its video's frames."""
     old_arrays, prompts = {}, []
     for b, p in enumerate(meta["prompts"]):
-        entry = {k: v for k, v in p.items() if k != "video"}
+        entry = {k: v for k, v in p.items() if k != "videos"}
         entry["video"] = None
-        if p["video"] is not None:
-            video = meta["videos"][p["video"]]
+        if p["videos"]:
+            video = meta["videos"][p["videos"][0]]
             old_arrays[f"video_{b}"] = arrays[video["key"]]
             entry["video"] = {"key": f"video_{b}", "metadata": video["metadata"]}
         prompts.append(entry)
@@ -132,8 +133,8 @@ def test_figures_k3_batch_before_and_after(server, policy):
 
 
 def test_versions_refused_with_one_line(server):
-    """A client of wire 2 refuses a wire-1 server; a server refuses a request newer than itself."""
-    with pytest.raises(ServerError, match="speaks wire format 1, this client 2 .* restart it"):
+    """A client of this wire refuses a wire-1 server; a server refuses a request newer than itself."""
+    with pytest.raises(ServerError, match=f"speaks wire format 1, this client {WIRE_VERSION} .* restart it"):
         check_wire({"instance": "x"}, server.url)  # an older server's /health has no "wire"
     check_wire(call(server.url, "/health", timeout=10), server.url)
     meta = {"wire": WIRE_VERSION + 1, "prompts": [], "sampling": {}}

@@ -53,12 +53,12 @@ def test_grpo_with_the_zoom_tool(grpo_data, zoom_data, tmp_path):
 
 
 def test_zoom_refusals(grpo_data, zoom_data, tmp_path, tiny_dirs):
-    """One line, exit 2, before anything trains: the paths multi-turn rollouts do not take yet, a reward term out of
-    range, a zoom longer than the model's positions (checked when the model is loaded, before the first step), a
-    text-only model."""
+    """One line, exit 2, before anything trains: the path multi-turn rollouts do not take yet (sequence parallelism),
+    a reward term out of range, a zoom longer than the model's positions (checked when the model is loaded, before
+    the first step), a text-only model."""
     from train_utils import run_cli
 
-    for extra, words in (({"rollout.engine": "vllm"}, "rollout.engine=vllm"),
+    for extra, words in (({"parallel.sequence_parallel_size": 2}, "sequence_parallel_size > 1"),
                          ({"zoom.call_cost": -1}, "zoom.call_cost"),
                          ({"zoom.max_frames": 20000, "zoom.fps": 100.0}, "past the model's 32768 positions"),
                          ({"model.path": str(tiny_dirs["qwen2"])}, "needs a video model")):

@@ -24,11 +24,16 @@ def need_vllm():
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+# a zoom trajectory's requests hold the overview and up to two clips (tests/vllm_zoom.py, zoom.max_turns = 2)
+VIDEOS_PER_PROMPT = ("--videos-per-prompt", "3")
+
+
 class Server(ServerProcess):
-    """The tests' server: float32, eager, a 1 GB K/V cache, one thread (2 shared cores), vLLM in one process."""
+    """The tests' server: float32, eager, a 1 GB K/V cache, one thread (2 shared cores), vLLM in one process, three
+    videos per prompt."""
 
     def __init__(self, checkpoint: Path, log: Path, port: int | None = None, max_model_len: int = 1024):
-        super().__init__(checkpoint, log, port=port, max_model_len=max_model_len,
+        super().__init__(checkpoint, log, port=port, max_model_len=max_model_len, extra=VIDEOS_PER_PROMPT,
                          env={"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", **IN_PROCESS})
 
     def wait(self, timeout: float = START_TIMEOUT_S) -> float:

@@ -128,9 +128,12 @@ class Collect:
             if self.zoom is not None:  # multi-turn: G trajectories per prompt, with the zoom tool's turns
                 from mmpg.rollout.multiturn import sample_trajectories
 
+                # the ranks' turns in lockstep where the engine runs the policy's forwards (ZeRO-3 gathers weights
+                # in each); a server's requests need none
+                lockstep = self.all_done if getattr(engine, "samples_with_policy", True) else None
                 return sample_trajectories(engine, self.policy, self.processor, batch.inputs, batch.samples,
                                            self.cfg.rollout.n, self.zoom, sampling, prompt_seeds=seeds,
-                                           all_done=self.all_done)
+                                           all_done=lockstep, videos=batch.videos)
             return engine.generate_groups(batch.inputs, self.cfg.rollout.n, sampling, prompt_seeds=seeds,
                                           videos=batch.videos)
         except Exception as e:  # noqa: BLE001 - the engine says which errors are the user's; the rest are raised

@@ -53,9 +53,6 @@ def check_grpo_config(cfg: Config) -> None:
 
 def check_zoom_config(cfg: Config) -> None:
     """data.template=zoom (multi-turn rollouts with the zoom tool): what that path does not support yet."""
-    if cfg.rollout.engine != "hf":
-        raise UserError(f"data.template=zoom with rollout.engine={cfg.rollout.engine}: multi-turn rollouts run on the "
-                        "hf engine so far; use rollout.engine=hf")
     if cfg.parallel.sequence_parallel_size > 1:
         raise UserError("data.template=zoom with parallel.sequence_parallel_size > 1: multi-turn rollouts are not "
                         "split over a sequence-parallel group yet; use parallel.sequence_parallel_size=1")

@@ -137,7 +137,8 @@ class HFEngine(Prefill, RolloutEngine):
         """The first turn of multi-turn rollouts (`mmpg.rollout.multiturn`): `generate_groups`, the cache kept.
         Returns the rollout and its `Branches` (every row's K/V, the prompts' as prefilled), which
         `continue_branches` extends turn by turn; None where the K/V cannot be kept (copy decoding, or synced decoding
-        under ZeRO-3, whose ranks must run alike forwards): the caller then re-sends each branch's conversation."""
+        on several ranks, whose forwards must be alike under ZeRO-3; `keep_turns=False`): the caller then re-sends
+        each branch's conversation."""
         sampling = sampling or SamplingParams()
         if not self.keep_turns or self.all_done is not None or resolve_decode(self.decode) != "cascade" \
                 or not self._is_vl:

@@ -192,6 +192,8 @@ def check_server_len(limit: int, worst: WorstPrompt | None, max_new_tokens: int,
 # ---- `mmpg vllm-len` ------------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="YAML config (configs/*.yaml), as mmpg train takes it")
+    p.add_argument("--videos", action="store_true", help="print the server's --videos-per-prompt instead: 1, or with "
+                   "the zoom tool (data.template=zoom) 1 + zoom.max_turns")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.max_frames=128")
 
 
@@ -236,7 +238,21 @@ def run(args) -> int:
     from mmpg.config import load_config
 
     cfg = load_config(args.config, list(args.overrides))
+    if getattr(args, "videos", False):
+        print(videos_per_prompt(cfg))
+        return 0
     worst, n = config_worst_prompt(cfg), cfg.rollout.max_new_tokens
+    if cfg.data.template == "zoom":  # every turn re-sends the conversation: the longest trajectory is the response
+        from mmpg.models.loading import load_processor
+
+        folder = local_checkpoint(cfg.model.path)
+        try:
+            processor = load_processor(folder) if folder else None
+        except (UserError, OSError, ValueError):
+            processor = None
+        n = response_tokens(cfg, processor)
+        print(f"the longest zoom trajectory ({cfg.zoom.max_turns} clip(s), {cfg.zoom.max_turns + 1} turns of "
+              f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}) counts as the new tokens", file=sys.stderr)
     print(f"max_model_len {worst.server_len(n)}: {worst.describe(n)} + a {MARGIN_TOKENS}-token margin, rounded up "
           f"to a multiple of {ROUND_TO}", file=sys.stderr)
     print(worst.server_len(n))
@@ -260,6 +276,42 @@ def worst_clip_tokens(cfg, processor) -> int:
     _, clip = _stand_in(frames, spec.factor)
     ids, _ = turn_inputs(processor, ToolTurn(clip_turn(WORST_DURATION_S, WORST_DURATION_S), clip=clip))
     return int(ids.numel()) - frames // temporal + video_tokens
+
+
+def response_tokens(cfg, processor=None) -> int:
+    """The longest response behind a prompt: rollout.max_new_tokens, or with the zoom tool (data.template=zoom) the
+    longest trajectory's, zoom.max_turns clips of up to `worst_clip_tokens` (bounded by the clip's video tokens and
+    a 64-token text allowance without the processor) and zoom.max_turns + 1 model turns of rollout.max_new_tokens:
+    what a vLLM server holds behind the worst prompt, every turn being one request of the whole conversation."""
+    n = int(cfg.rollout.max_new_tokens)
+    if cfg.data.template != "zoom":
+        return n
+    turns = int(cfg.zoom.max_turns)
+    if processor is not None and getattr(processor, "video_processor", None) is not None:
+        clip = worst_clip_tokens(cfg, processor)
+    else:  # bounded: the clip's video tokens at the larger patch grid, 64 tokens of text, a time per 2 frames
+        from mmpg.data.video import VideoSpec
+
+        d, z = cfg.data, cfg.zoom
+        spec = VideoSpec(fps=z.fps, min_frames=2, max_frames=z.max_frames, min_pixels=d.min_pixels,
+                         max_pixels=d.max_pixels, total_pixels=d.total_pixels, image_patch_size=14)
+        clip = worst_video_tokens(spec)[0] + 64 + z.max_frames // 2 * FRAME_BLOCK_BYTES
+    return turns * clip + (turns + 1) * n
+
+
+def videos_per_prompt(cfg) -> int:
+    """The videos one request prompt holds: 1, or with the zoom tool 1 + zoom.max_turns (the overview and every
+    clip), what `mmpg vllm-serve --videos-per-prompt` must allow."""
+    return 1 + int(cfg.zoom.max_turns) if cfg.data.template == "zoom" else 1
+
+
+def check_server_videos(have: int, cfg, url: str) -> None:
+    """Before the first step: the server at `url` must take as many videos per prompt as the config's requests hold."""
+    need = videos_per_prompt(cfg)
+    if have < need:
+        raise UserError(f"the vLLM server at {url} takes {have} video(s) per prompt; data.template=zoom with "
+                        f"zoom.max_turns={cfg.zoom.max_turns} sends up to {need} (the overview and every clip): "
+                        f"restart it with --videos-per-prompt {need} (scripts/train_grounding.sh sets it)")
 
 
 def check_zoom_length(cfg, model_config, processor) -> None:

@@ -80,15 +80,30 @@ def _continuations(model, alone: list[dict], rows: list[int], prompt_of: list[in
     return pad_prompts(out, pad_id)
 
 
+def _videos(videos, rows: list[int], prompt_of: list[int], tools: list[list[ToolTurn]]) -> list | None:
+    """The decoded videos of the branches `rows`' conversations: the prompt's, then each clip, in order."""
+    if videos is None:
+        return None
+    out = []
+    for i in rows:
+        clips = [t.clip for t in tools[i] if t.clip is not None]
+        overview = videos[prompt_of[i]]
+        out.append(([overview] if overview is not None else []) + clips or None)
+    return out
+
+
 def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, samples: Sequence,
                         group_size: int | Sequence[int], env: ZoomEnvironment, sampling: SamplingParams | None = None,
-                        *, prompt_seeds: Sequence[int] | None = None, all_done=None) -> Trajectories:
+                        *, prompt_seeds: Sequence[int] | None = None, all_done=None,
+                        videos: Sequence | None = None) -> Trajectories:
     """G_b zoom trajectories for each of the B prompts (module docstring). samples: the B prompts' samples (their
     video files and shown windows, for the tool). prompt_seeds: as `RolloutEngine.generate_groups`'s; turn k of
     row j of prompt b is then seeded by (prompt_seeds[b], j, k), so a branch does not depend on the others.
     all_done(this_rank_done) -> whether every rank is done (ranks in lockstep under ZeRO-3, which gathers weights in
     every forward): a rank whose branches have all ended while another's go on samples a stand-in turn (its first
-    branch again, the result discarded) for each turn the others take; None: one process."""
+    branch again, the result discarded) for each turn the others take; None: one process. videos: the B prompts'
+    decoded videos, for an engine that samples from the frames (`generate_groups(videos=)`, the vLLM engine): a
+    later turn's conversation sends its prompt's video, then its clips."""
     sampling = sampling or SamplingParams()
     sizes = group_sizes_for(group_size, int(prompt_inputs["input_ids"].shape[0]))
     if len(samples) != len(sizes):
@@ -98,7 +113,7 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
     if all_done is None and hasattr(engine, "generate_branches"):
         first, branches = engine.generate_branches(prompt_inputs, sizes, sampling, prompt_seeds=prompt_seeds)
     else:
-        first = engine.generate_groups(prompt_inputs, sizes, sampling, prompt_seeds=prompt_seeds)
+        first = engine.generate_groups(prompt_inputs, sizes, sampling, prompt_seeds=prompt_seeds, videos=videos)
     prefilled = prefill_tokens(engine, prompt_inputs)
     n = sum(sizes)
     prompt_of = [b for b, g in enumerate(sizes) for _ in range(g)]
@@ -143,7 +158,8 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
             alone = alone or prompts_alone(model, prompt_inputs)  # the B prompts unpadded, split once
         if not nxt:  # every branch here has ended, another rank's go on: a stand-in turn, for lockstep only
             stand_in = _continuations(model, alone, [0], prompt_of, history, clips, pad_id)
-            engine.generate_groups(stand_in, 1, sampling, prompt_seeds=None if prompt_seeds is None else [0])
+            engine.generate_groups(stand_in, 1, sampling, prompt_seeds=None if prompt_seeds is None else [0],
+                                   videos=_videos(videos, [0], prompt_of, tools))
             prefilled += prefill_tokens(engine, stand_in)
             going = nxt
             continue
@@ -156,7 +172,8 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
             prefilled += prefill_tokens(engine, None)
         else:
             inputs = _continuations(model, alone, nxt, prompt_of, history, clips, pad_id)
-            out = engine.generate_groups(inputs, 1, sampling, prompt_seeds=seeds)
+            out = engine.generate_groups(inputs, 1, sampling, prompt_seeds=seeds,
+                                         videos=_videos(videos, nxt, prompt_of, tools))
             prefilled += prefill_tokens(engine, inputs)
         take(nxt, out)
         going = nxt

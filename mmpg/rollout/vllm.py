@@ -111,8 +111,9 @@ class VLLMEngine(RolloutEngine):
     def generate_groups(self, prompt_inputs, group_size: int | Sequence[int], sampling: SamplingParams | None = None,
                         *, prompt_seeds: Sequence[int] | None = None, videos: Sequence | None = None) -> Rollout:
         """As `HFEngine.generate_groups`; `videos`: the B prompts' decoded videos (`DecodedVideo`, or (frames
-        [T, C, H, W], metadata) pairs, None for a text-only prompt), required when the prompts hold a video: the
-        server gets the frames themselves, not the trainer's patches (a ValueError naming the prompt without them).
+        [T, C, H, W], metadata) pairs, None for a text-only prompt; a list of them for a prompt holding several, in
+        order: a multi-turn conversation's overview and clips), required when the prompts hold a video: the server
+        gets the frames themselves, not the trainer's patches (a ValueError naming the prompt without them).
         Seeds: row j of prompt b comes from the server's generator for (prompt_seeds[b] or sampling.seed + b), so it
         does not depend on the other prompts of the batch. A prompt longer than `max_model_len` - max_new_tokens
         raises `PromptTooLongError`, an unreachable or refusing server a `ServerError` (`user_error` words both)."""
@@ -154,23 +155,43 @@ class VLLMEngine(RolloutEngine):
             body = pack(meta, arrays)
             answer = call(self.url, "/generate", body=body, timeout=self.timeout_s, what="a rollout request")
         check_prompts(answer.get("prompt_token_ids"), ids)
-        self.last_stats = rollout_stats(ids, [p["video"] for p in meta["prompts"]], answer, len(body))
+        # each prompt's first video (its overview) says which prompts share a prefix
+        self.last_stats = rollout_stats(ids, [p["videos"][0] if p["videos"] else None for p in meta["prompts"]],
+                                        answer, len(body))
         return self._rollout(answer["outputs"], sizes, sampling)
 
     def _request(self, ids, sizes, seeds, sampling: SamplingParams, prompt_inputs, videos) -> tuple[dict, dict]:
-        """The request's JSON part and its frames: each distinct video once (wire 2)."""
+        """The request's JSON part and its frames: each distinct video once (wire 2), a prompt's videos in order
+        (wire 3: a multi-turn conversation holds the overview and its clips)."""
         video_token = video_token_id(self.model)
-        has_video = [video_token is not None and video_token in p for p in ids]
-        for b in (b for b, v in enumerate(has_video) if v):
-            if videos is None or b >= len(videos) or videos[b] is None:
-                raise ValueError(f"prompt {b} holds a video but no frames were given; VLLMEngine needs the "
-                                 "decoded videos: generate_groups(..., videos=batch.videos)")
-        table, index = distinct_videos([videos[b] if v else None for b, v in enumerate(has_video)])
-        arrays = {f"video_{v}": frames_array(frames) for v, (frames, _) in enumerate(table)}
         # vLLM expands a video's placeholder itself (from the frames): each video goes as one video token
         collapse = wire_collapser(self.model, self.processor)
-        prompts = [{"token_ids": collapse(p), "n": g, "seed": int(seed) % (2 ** 63), "video": v}
-                   for p, g, seed, v in zip(ids, sizes, seeds, index)]
+        wire_ids = [collapse(p) for p in ids]
+        per_prompt = []  # [B] each prompt's videos, in the order of its video tokens
+        for b, w in enumerate(wire_ids):
+            count = 0 if video_token is None else sum(1 for t in w if t == video_token)
+            given = videos[b] if videos is not None and b < len(videos) else None
+            items = [] if given is None else list(given) if isinstance(given, list) else [given]
+            if count and not items:
+                raise ValueError(f"prompt {b} holds a video but no frames were given; VLLMEngine needs the "
+                                 "decoded videos: generate_groups(..., videos=batch.videos)")
+            if count != len(items) and count:
+                raise ValueError(f"prompt {b} holds {count} videos and {len(items)} were given; give a prompt's "
+                                 "videos in order as a list (the overview, then its clips)")
+            per_prompt.append(items if count else [])
+        most = max((len(v) for v in per_prompt), default=0)
+        limit = int(self.health.get("videos_per_prompt", 1))
+        if most > limit:
+            raise ServerError(f"a prompt holds {most} videos; the vLLM server at {self.url} takes {limit} per prompt: "
+                              f"restart it with --videos-per-prompt {most}")
+        table, index = distinct_videos([v for items in per_prompt for v in items])
+        arrays = {f"video_{v}": frames_array(frames) for v, (frames, _) in enumerate(table)}
+        picks, at = [], 0
+        for items in per_prompt:
+            picks.append([int(i) for i in index[at: at + len(items)]])
+            at += len(items)
+        prompts = [{"token_ids": w, "n": g, "seed": int(seed) % (2 ** 63), "videos": v}
+                   for w, g, seed, v in zip(wire_ids, sizes, seeds, picks)]
         stop = list(sampling.stop_token_ids) if sampling.stop_token_ids is not None else eos_ids(self.model)
         meta = {"wire": WIRE_VERSION, "prompts": prompts, "client": dist.rank(),
                 "videos": [{"key": f"video_{v}", "metadata": m} for v, (_, m) in enumerate(table)],

@@ -16,7 +16,7 @@ class RequestError(ValueError):
 
 
 def video_table(meta: dict, arrays: dict) -> list[tuple[tuple, str]]:
-    """wire 2: each distinct video of the request as vLLM's item (frames [T, H, W, 3], metadata) and its content
+    """wire 2 and 3: each distinct video of the request as vLLM's item (frames [T, H, W, 3], metadata) and its content
     name, made once however many prompts ask it."""
     table = []
     for v, video in enumerate(meta.get("videos") or []):
@@ -29,25 +29,37 @@ def video_table(meta: dict, arrays: dict) -> list[tuple[tuple, str]]:
 
 
 def vllm_prompt(p: dict, arrays: dict, table: list | None) -> dict:
-    """One request prompt -> vLLM's prompt dict. table: the request's videos (wire 2), None for wire 1, where the
-    prompt names its own tensor and vLLM hashes its frames itself."""
+    """One request prompt -> vLLM's prompt dict. table: the request's videos (wire 2 and 3), None for wire 1, where
+    the prompt names its own tensor and vLLM hashes its frames itself. Wire 3: prompt["videos"], the prompt's videos
+    in order (several in a multi-turn conversation); wire 2: prompt["video"], one or None."""
     prompt = {"prompt_token_ids": [int(t) for t in p["token_ids"]]}
-    video = p.get("video")
-    if video is None or video is False:
-        return prompt
-    if table is not None:
-        if not isinstance(video, int) or not 0 <= video < len(table):
-            raise RequestError(f"a prompt names video {video!r}; the request's table holds {len(table)}")
-        (frames, metadata), name = table[video]
-        prompt["multi_modal_uuids"] = {"video": [name]}
+    if "videos" in p:
+        picks = p["videos"] or []
+        if not isinstance(picks, list):
+            raise RequestError(f"a prompt's videos must be a list of table indices, got {picks!r}")
     else:
-        frames = arrays.get(video["key"])
-        if frames is None:
-            raise RequestError(f"request names {video['key']} but holds no such tensor")
-        frames, metadata = np.asarray(frames), processor_metadata(video["metadata"])
-    # frames [T, H, W, 3] as the trainer's processor saw them (sized by qwen-vl-utils): no resize here either; each
-    # prompt its own metadata dict (vLLM's video loader may write to it), the frames shared
-    prompt["multi_modal_data"] = {"video": [(frames, dict(metadata))]}
+        video = p.get("video")
+        picks = [] if video is None or video is False else [video]
+    if not picks:
+        return prompt
+    items, names = [], []
+    for video in picks:
+        if table is not None:
+            if isinstance(video, bool) or not isinstance(video, int) or not 0 <= video < len(table):
+                raise RequestError(f"a prompt names video {video!r}; the request's table holds {len(table)}")
+            (frames, metadata), name = table[video]
+            names.append(name)
+        else:
+            frames = arrays.get(video["key"])
+            if frames is None:
+                raise RequestError(f"request names {video['key']} but holds no such tensor")
+            frames, metadata = np.asarray(frames), processor_metadata(video["metadata"])
+        # frames [T, H, W, 3] as the trainer's processor saw them (sized by qwen-vl-utils): no resize here either;
+        # each item its own metadata dict (vLLM's video loader may write to it), the frames shared
+        items.append((frames, dict(metadata)))
+    if names:
+        prompt["multi_modal_uuids"] = {"video": names}
+    prompt["multi_modal_data"] = {"video": items}
     prompt["mm_processor_kwargs"] = {"do_resize": False, "do_sample_frames": False}
     return prompt
 

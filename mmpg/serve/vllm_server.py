@@ -62,7 +62,8 @@ class Backend:
         from vllm import LLM
 
         kwargs = {"model": args.checkpoint, "dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed,
-                  "enable_prefix_caching": True, "limit_mm_per_prompt": {"video": 1, "image": 0},
+                  "enable_prefix_caching": True,
+                  "limit_mm_per_prompt": {"video": args.videos_per_prompt, "image": 0},
                   "gpu_memory_utilization": args.gpu_memory_utilization, "logprobs_mode": "raw_logprobs",
                   "enforce_eager": args.enforce_eager,
                   "worker_extension_cls": "mmpg.serve.worker_extension.WeightFileLoader",
@@ -84,6 +85,7 @@ class Backend:
         self.loop = EngineLoop(lambda: LLM(**kwargs), self._counters, lambda: self.version)
         self.checkpoint = os.path.abspath(args.checkpoint)
         self.max_model_len = int(self.loop.llm.llm_engine.model_config.max_model_len)
+        self.videos_per_prompt = int(args.videos_per_prompt)
         self.instance = uuid.uuid4().hex
         self.device = args.device
         self.nccl = bool(args.nccl)
@@ -91,6 +93,7 @@ class Backend:
 
     def health(self) -> dict:
         return {"instance": self.instance, "version": self.version, "max_model_len": self.max_model_len,
+                "videos_per_prompt": self.videos_per_prompt,
                 "checkpoint": self.checkpoint, "device": self.device, "nccl": self.nccl, "wire": WIRE_VERSION,
                 "host": socket.gethostname(), **self.workers, "engine": self.loop.snapshot()}
 
@@ -275,6 +278,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"${TOKEN_ENV})")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-model-len", type=int, default=8192, help="most prompt + response tokens per sequence")
+    p.add_argument("--videos-per-prompt", type=int, default=1,
+                   help="most videos one prompt holds (vLLM's limit_mm_per_prompt): 1 for one look; multi-turn "
+                        "grounding with the zoom tool (data.template=zoom) needs 1 + zoom.max_turns, the overview and "
+                        "every clip")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of accelerator memory (CPU: of the KV cache space; default 0.9 GPU, 0.2 CPU)")
@@ -298,6 +305,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="[mmpg vllm-serve] %(message)s")
     token = args.token or os.environ.get(TOKEN_ENV) or None
     why = bind_refusal(args.host, token)
+    if not why and args.videos_per_prompt < 1:
+        why = f"--videos-per-prompt {args.videos_per_prompt}: a prompt holds at least one video (1: one look)"
     if why:
         print(f"mmpg vllm-serve: error: {why}", file=sys.stderr)
         return 2

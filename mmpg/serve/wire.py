@@ -13,8 +13,11 @@ Versions (`WIRE_VERSION`; the request's "wire", the server's /health "wire"; abs
        `video_{v}`; prompt["video"] = v (its index) or None. Each video travels once; the server names it by its
        content (`video_digest`, hashed once) and hands vLLM that name as the item's `multi_modal_uuids`, so vLLM
        neither hashes the frames again nor runs its processor on them more than once.
-A server answers both; a client of version 2 refuses a server of version 1 (`check_wire`), and a server refuses a
-request newer than itself, each with one line saying what to restart.
+    3  as 2, and a prompt may hold several videos: prompt["videos"] = [v, ...], the table's videos in the order of
+       the prompt's video tokens (a multi-turn conversation: the overview, then the clips of its tool turns); the
+       server's /health says how many one prompt may hold ("videos_per_prompt", its --videos-per-prompt).
+A server answers every version up to its own; a client refuses an older server (`check_wire`), and a server refuses
+a request newer than itself, each with one line saying what to restart.
 
 Errors the client can meet are `ServerError`s whose message says what to do: no server, a timeout, the server
 refusing a request (its message passed on; 401: the shared token, which every request carries from $MMPG_VLLM_TOKEN,
@@ -36,7 +39,7 @@ from mmpg.serve.auth import auth_header
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 REQUEST_KEY = "request"
-WIRE_VERSION = 2  # see the module docstring
+WIRE_VERSION = 3  # see the module docstring
 
 
 class ServerError(RuntimeError):
@@ -72,8 +75,8 @@ def check_wire(health: dict, url: str) -> None:
     theirs = int(health.get("wire", 1))
     if theirs < WIRE_VERSION:
         raise ServerError(f"the vLLM server at {url} speaks wire format {theirs}, this client {WIRE_VERSION} (a video "
-                          "sent once per batch): it is an older mmpg vllm-serve; restart it from this checkout "
-                          "(scripts/vllm_serve.sh)")
+                          "sent once per batch, several videos per prompt): it is an older mmpg vllm-serve; restart "
+                          "it from this checkout (scripts/vllm_serve.sh)")
 
 
 def video_digest(frames: np.ndarray, metadata: dict) -> str:
