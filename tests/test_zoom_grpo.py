@@ -58,8 +58,13 @@ def test_zoom_refusals(grpo_data, zoom_data, tmp_path, tiny_dirs):
     the first step), a text-only model."""
     from train_utils import run_cli
 
-    for extra, words in (({"parallel.sequence_parallel_size": 2}, "sequence_parallel_size > 1"),
-                         ({"zoom.call_cost": -1}, "zoom.call_cost"),
+    from mmpg.config import load_config
+    from mmpg.errors import UserError
+    from mmpg.rl.trainer import check_zoom_config
+
+    with pytest.raises(UserError, match="sequence_parallel_size > 1: multi-turn rollouts are not split"):
+        check_zoom_config(load_config(None, ["data.template=zoom", "parallel.sequence_parallel_size=2"]))
+    for extra, words in (({"zoom.call_cost": -1}, "zoom.call_cost"),
                          ({"zoom.max_frames": 20000, "zoom.fps": 100.0}, "past the model's 32768 positions"),
                          ({"model.path": str(tiny_dirs["qwen2"])}, "needs a video model")):
         proc = run_cli(_args(grpo_data, zoom_data, tmp_path, "r", **extra))
