@@ -110,10 +110,14 @@ def _rel(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-def test_two_zero3_ranks_train_what_one_process_trains(grpo_data, zoom_data, tmp_path):
+@pytest.mark.parametrize("errors", [False, True], ids=["a-rank-ends-first", "a-rank-without-clips"])
+def test_two_zero3_ranks_train_what_one_process_trains(grpo_data, zoom_data, tmp_path, errors, monkeypatch):
     """ZeRO-3 on 2 ranks (every parameter partitioned) samples the trajectories one process samples (each branch
-    seeded by its prompt, row and turn), with the ranks' turns in lockstep (a rank whose branches ended samples a
-    stand-in turn while the other's go on), and trains the same update: loss, gradient norm, final weights."""
+    seeded by its prompt, row and turn), with the ranks' turns in lockstep behind their kept K/V (a rank whose
+    branches ended runs the turn's forwards idle while the other's go on; `errors`: a rank whose turn holds only error
+    turns runs a stand-in clip through the vision tower while the other's clips go through it), and trains the same
+    update: loss, gradient norm, final weights."""
+    monkeypatch.setenv("MMPG_ZOOM_ERRORS", "1" if errors else "0")
     from train_utils import final_weights
 
     from test_train_distributed import LOSS_ATOL, NORM_RTOL, WEIGHT_RTOL, ZERO3

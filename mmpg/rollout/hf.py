@@ -136,12 +136,11 @@ class HFEngine(Prefill, RolloutEngine):
                           *, prompt_seeds: Sequence[int] | None = None) -> tuple[Rollout, Branches | None]:
         """The first turn of multi-turn rollouts (`mmpg.rollout.multiturn`): `generate_groups`, the cache kept.
         Returns the rollout and its `Branches` (every row's K/V, the prompts' as prefilled), which
-        `continue_branches` extends turn by turn; None where the K/V cannot be kept (copy decoding, or synced decoding
-        on several ranks, whose forwards must be alike under ZeRO-3; `keep_turns=False`): the caller then re-sends
-        each branch's conversation."""
+        `continue_branches` extends turn by turn; None where the K/V cannot be kept (copy decoding, `keep_turns=False`):
+        the caller then re-sends each branch's conversation. Synced decoding (several ranks): every rank runs the
+        same forwards turn by turn (`continue_branches`, `idle_turn`)."""
         sampling = sampling or SamplingParams()
-        if not self.keep_turns or self.all_done is not None or resolve_decode(self.decode) != "cascade" \
-                or not self._is_vl:
+        if not self.keep_turns or resolve_decode(self.decode) != "cascade" or not self._is_vl:
             return self.generate_groups(prompt_inputs, group_size, sampling, prompt_seeds=prompt_seeds), None
         sizes = group_sizes_for(group_size, int(prompt_inputs["input_ids"].shape[0]))
         order = self._share_order(prompt_inputs)
@@ -204,6 +203,15 @@ class HFEngine(Prefill, RolloutEngine):
         self.last_stats = {"prompts": len(chunks), "prefixes": len(chunks), "prefix_tokens": tokens,
                            "shared_prompts": 0}  # the tool turns' chunks (`mmpg.rollout.shares.prefill_stats`'s keys)
         seeds = None if row_seeds is None else [row_seeds[k] for k in order]
+        if self.all_done is not None and not self.all_done(not visuals) and not visuals:
+            # another rank's chunk holds a clip: ZeRO-3 gathers the vision tower's weights inside the forward, in
+            # the forward's module order, so this one holds a stand-in clip too, at a padding position none reads
+            token, forward_visuals = self._stand_in_clip(device)
+            ids = torch.cat([torch.full_like(ids[:, :1], pad), ids], dim=1)
+            ids[0, 0] = token
+            chunk_mask = torch.cat([torch.zeros_like(chunk_mask[:, :1]), chunk_mask], dim=1)
+            pos = torch.cat([pos[..., :1], pos], dim=-1)
+            width += 1
         watched = (self._cache_kwarg, "logits_to_keep")
         call = CascadeCall(cache, branches.path, model_inputs=watched)
         marker = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)  # the cascade attention masks itself
@@ -216,6 +224,39 @@ class HFEngine(Prefill, RolloutEngine):
                                torch.arange(n, device=device), [1] * n, sampling, seeds)
         cache.retire_live()
         return _rows_back(out, order, [1] * n) if order != sorted(order) else out
+
+    @property
+    def keeps_branches(self) -> bool:
+        """Whether multi-turn rollouts keep the K/V between turns here (`generate_branches`): the same answer on every
+        rank (their decode kernel is chosen together)."""
+        return self.keep_turns and self._is_vl and resolve_decode(self.decode) == "cascade" and self._path != "copy"
+
+    def idle_turn(self) -> None:
+        """Synced decoding: a rank none of whose branches goes on while another's do runs the forwards a
+        `continue_branches` runs (the vote on clips; the chunk's forward, holding a stand-in clip where another rank's
+        chunk holds one; one forward per decode step until every rank is done), results discarded."""
+        device = self.model.get_input_embeddings().weight.device
+        with self._sampling_mode():
+            if self.all_done(True):
+                self._idle_step(device)
+            else:
+                token, visuals = self._stand_in_clip(device)
+                ids = torch.full((1, 1), token, dtype=torch.long, device=device)
+                pos = torch.zeros(1, 1, dtype=torch.long, device=device)
+                self.model(input_ids=ids, position_ids=pos[None].expand(3, 1, 1), use_cache=False, logits_to_keep=1,
+                           **visuals)
+            while not self.all_done(True):
+                self._idle_step(device)
+
+    def _stand_in_clip(self, device) -> tuple[int, dict]:
+        """A clip of one merged token of zeros: (the video token, its visual inputs), for forwards that must run the
+        vision tower as another rank's do (ZeRO-3 gathers its weights in every forward)."""
+        vc = self.model.config.vision_config
+        merge = int(getattr(vc, "spatial_merge_size", 2))
+        dim = int(vc.in_channels) * int(getattr(vc, "temporal_patch_size", 2)) * int(vc.patch_size) ** 2
+        pixels = torch.zeros(merge * merge, dim, dtype=self.model.dtype, device=device)
+        grid = torch.tensor([[1, merge, merge]], device=device)
+        return int(self.model.config.video_token_id), {"pixel_values_videos": pixels, "video_grid_thw": grid}
 
     @contextlib.contextmanager
     def _sampling_mode(self):

@@ -13,12 +13,13 @@ each row's clips, as the grouped forward's trajectory tree takes them (`mmpg.gro
 logprobs of the model's tokens are the engine's, each under the whole conversation before it, so they equal the
 grouped forward's at those tokens (tests/test_zoom_rollout.py).
 
-The HF engine keeps the K/V between turns (`HFEngine.generate_branches` / `continue_branches`, one process with
-cascade decoding): the overview is prefilled once for the whole trajectory tree, turn k + 1 feeds each branch's tool
-turn (the clip's frames through the vision tower, its tokens) as one chunk behind the branch's own K/V, and every
-decode step reads each prompt's overview once for all its branches (`mmpg.rollout.cascade`). Elsewhere (the copy
-decoding, synced ranks under ZeRO-3, an engine without branches) each turn asks the engine anew: the branches of turn
-k + 1 are new prompts whose overview the engine prefills again. Both give the same tokens (tests/test_zoom_rollout.py).
+The HF engine keeps the K/V between turns (`HFEngine.generate_branches` / `continue_branches`, cascade decoding; on
+several ranks their turns in lockstep, `HFEngine.idle_turn` for a rank whose branches have ended): the overview is
+prefilled once for the whole trajectory tree, turn k + 1 feeds each branch's tool turn (the clip's frames through
+the vision tower, its tokens) as one chunk behind the branch's own K/V, and every decode step reads each prompt's
+overview once for all its branches (`mmpg.rollout.cascade`). Elsewhere (the copy decoding, `keep_turns=False`, an
+engine without branches) each turn asks the engine anew: the branches of turn k + 1 are new prompts whose overview
+the engine prefills again. Both give the same tokens (tests/test_zoom_rollout.py).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
         raise ValueError(f"{len(samples)} samples for {len(sizes)} prompts; give one per prompt")
     pad_id = pad_token_id(model)
     branches = None
-    if all_done is None and hasattr(engine, "generate_branches"):
+    if hasattr(engine, "generate_branches"):
         first, branches = engine.generate_branches(prompt_inputs, sizes, sampling, prompt_seeds=prompt_seeds)
     else:
         first = engine.generate_groups(prompt_inputs, sizes, sampling, prompt_seeds=prompt_seeds, videos=videos)
@@ -156,7 +157,11 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
             break
         if branches is None:
             alone = alone or prompts_alone(model, prompt_inputs)  # the B prompts unpadded, split once
-        if not nxt:  # every branch here has ended, another rank's go on: a stand-in turn, for lockstep only
+        if not nxt and branches is not None:  # every branch here has ended, another rank's go on (lockstep)
+            engine.idle_turn()
+            going = nxt
+            continue
+        if not nxt:  # the same, re-sending: a stand-in turn, for lockstep only
             stand_in = _continuations(model, alone, [0], prompt_of, history, clips, pad_id)
             engine.generate_groups(stand_in, 1, sampling, prompt_seeds=None if prompt_seeds is None else [0],
                                    videos=_videos(videos, [0], prompt_of, tools))
@@ -195,7 +200,11 @@ def stand_in_turns(engine: RolloutEngine, inputs, sampling: SamplingParams, max_
     prompt) sampled once for the first turn and again for every later turn another rank takes, as
     `sample_trajectories` asks `all_done` once per turn; the results are discarded."""
     engine.generate_groups(inputs, 1, sampling)
+    keeps = getattr(engine, "keeps_branches", False)  # the others' later turns: behind kept K/V, or re-sent
     for _ in range(max_turns):
         if all_done(True):
             return
-        engine.generate_groups(inputs, 1, sampling)
+        if keeps:
+            engine.idle_turn()
+        else:
+            engine.generate_groups(inputs, 1, sampling)
