@@ -147,6 +147,26 @@ def test_mmpg_sft_trains_on_the_zoom_trajectories(grpo_data, zoom_data, tmp_path
     assert last < first - 1.0, (first, last)  # measured: 6.60 -> 4.36
 
 
+@pytest.mark.slow
+def test_two_sequence_parallel_ranks_train_the_trajectories_as_one_process(grpo_data, zoom_data, tmp_path):
+    """sp = 2: each rank decodes half of each overview's frames and holds half of each packed trajectory tree; the
+    losses and gradient norms are one process's."""
+    from train_utils import metrics, run_cli
+
+    extra = {"data.max_frames": 8, "trainer.total_steps": 3}
+    one = run_cli(_zoom_overrides(grpo_data, zoom_data, tmp_path, "one", **extra))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_cli(_zoom_overrides(grpo_data, zoom_data, tmp_path, "sp2", **extra,
+                                  **{"parallel.sequence_parallel_size": 2}), procs=2)
+    assert two.returncode == 0, two.stderr[-5000:]
+    a, b = metrics(tmp_path / "sp2"), metrics(tmp_path / "one")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3]
+    for x, y in zip(a, b):
+        assert abs(x["sft/loss"] - y["sft/loss"]) <= 1e-5, (x["sft/loss"], y["sft/loss"])
+        assert abs(x["actor/grad_norm"] - y["actor/grad_norm"]) <= 1e-5 * y["actor/grad_norm"]
+        assert x["sft/target_tokens"] == y["sft/target_tokens"]
+
+
 def test_bad_zoom_configs_are_one_line(grpo_data, zoom_data, tmp_path):
     """Refused before anything trains, exit 2, one line: trajectories behind a prompt without the tool, a line the
     templates cannot express, a zoom setting out of range."""

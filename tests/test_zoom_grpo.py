@@ -53,7 +53,8 @@ def test_grpo_with_the_zoom_tool(grpo_data, zoom_data, tmp_path):
 
 
 def test_zoom_refusals(grpo_data, zoom_data, tmp_path, tiny_dirs):
-    """One line, exit 2, before anything trains: the path multi-turn rollouts do not take yet (sequence parallelism),
+    """One line, exit 2, before anything trains: the path multi-turn rollouts do not take (copy decoding under
+    sequence parallelism),
     a reward term out of range, a zoom longer than the model's positions (checked when the model is loaded, before
     the first step), a text-only model."""
     from train_utils import run_cli
@@ -62,8 +63,9 @@ def test_zoom_refusals(grpo_data, zoom_data, tmp_path, tiny_dirs):
     from mmpg.errors import UserError
     from mmpg.rl.trainer import check_zoom_config
 
-    with pytest.raises(UserError, match="sequence_parallel_size > 1: multi-turn rollouts are not split"):
-        check_zoom_config(load_config(None, ["data.template=zoom", "parallel.sequence_parallel_size=2"]))
+    with pytest.raises(UserError, match="sequence_parallel_size > 1 and rollout.decode=copy: a later turn would"):
+        check_zoom_config(load_config(None, ["data.template=zoom", "parallel.sequence_parallel_size=2",
+                                             "rollout.decode=copy"]))
     for extra, words in (({"zoom.call_cost": -1}, "zoom.call_cost"),
                          ({"zoom.max_frames": 20000, "zoom.fps": 100.0}, "past the model's 32768 positions"),
                          ({"model.path": str(tiny_dirs["qwen2"])}, "needs a video model")):
@@ -139,6 +141,30 @@ def test_two_zero3_ranks_train_what_one_process_trains(grpo_data, zoom_data, tmp
         assert abs(x["actor/grad_norm"] - y["actor/grad_norm"]) <= NORM_RTOL * y["actor/grad_norm"]
     assert b[0]["actor/grad_norm"] > 0
     assert _rel(final_weights(tmp_path / "two", 2), final_weights(tmp_path / "one", 2)) <= WEIGHT_RTOL
+
+
+@pytest.mark.slow
+def test_two_sequence_parallel_ranks_train_what_one_process_trains(grpo_data, zoom_data, tmp_path, monkeypatch):
+    """sp = 2 (one group: each rank decodes half of each overview's frames, the group encodes the videos together
+    and shares every packed row): the two ranks split the prompts' sampling (their turns in lockstep behind kept
+    K/V) and gather the trajectories, and train what one process trains on the trajectory tree."""
+    from test_train_distributed import LOSS_ATOL, NORM_RTOL
+
+    monkeypatch.setenv("MMPG_ZOOM_ERRORS", "1")
+    extra = {"data.batch_size": 2, "trainer.micro_batch_size": 4, "data.shuffle": False, "data.max_frames": 8}
+    one = run_forked("zoom_worker:main", _args(grpo_data, zoom_data, tmp_path, "one", **extra))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_forked("zoom_worker:main", _args(grpo_data, zoom_data, tmp_path, "sp2", **extra,
+                                               **{"parallel.sequence_parallel_size": 2}), procs=2)
+    assert two.returncode == 0, two.stderr[-5000:]
+    a, b = metrics(tmp_path / "sp2"), metrics(tmp_path / "one")
+    assert [m["step"] for m in a] == [1, 2] and any(m["reward/zoom_calls"] > 0 for m in b)
+    for x, y in zip(a, b):
+        assert x["reward/mean"] == y["reward/mean"] and x["reward/zoom_calls"] == y["reward/zoom_calls"]
+        assert abs(x["actor/loss"] - y["actor/loss"]) <= LOSS_ATOL
+        assert abs(x["actor/grad_norm"] - y["actor/grad_norm"]) <= NORM_RTOL * y["actor/grad_norm"]
+        assert x["data/frames_decoded_max"] * 2 == y["data/frames_decoded_max"] > 0  # each rank its half
+    assert a[0]["check/gradient_rel_max"] <= a[0]["check/gradient_rel_bound"]  # the self-check on sharded rows
 
 
 @pytest.mark.slow

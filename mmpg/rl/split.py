@@ -4,7 +4,8 @@
                                    -> the group gathers the sp rollouts -> every rank holds the B prompts' responses
 
 Responses are seeded per prompt (`HFEngine.generate_groups(prompt_seeds=)`), so the texts equal what one process
-samples for the whole batch, and no rank repeats another's rollout. A rank whose share is empty (B < sp) samples a
+samples for the whole batch, and no rank repeats another's rollout. Multi-turn trajectories with the zoom tool split
+and join alike (`join_trajectories`), every branch seeded by its prompt, row and turn. A rank whose share is empty (B < sp) samples a
 copy of the first prompt and drops it: under ZeRO-3 every rank must run the same forwards (the prefill and the
 synced decode steps).
 """
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from mmpg.grouping.inputs import select_prompts
 from mmpg.rollout.engine import Rollout
+from mmpg.rollout.multiturn import Trajectories
 
 
 def share_of(n: int, size: int, rank: int) -> range:
@@ -33,7 +35,10 @@ def sub_batch(model, batch, index: list[int], pad_id: int):
 
 
 def join_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
-    """Rollouts of consecutive prompt shares -> one Rollout of all their prompts, in order."""
+    """Rollouts of consecutive prompt shares -> one Rollout of all their prompts, in order (zoom trajectories:
+    `join_trajectories`)."""
+    if isinstance(parts[0], Trajectories):
+        return join_trajectories(parts, pad_id)
     width = max(int(p.completion_ids.shape[1]) for p in parts)
     pad = lambda t, value=0: F.pad(t, (0, width - t.shape[1]), value=value)  # noqa: E731
     logprobs = torch.cat([pad(p.logprobs) for p in parts]) if all(p.logprobs is not None for p in parts) else None
@@ -43,6 +48,21 @@ def join_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
                    texts=[t for p in parts for t in p.texts],
                    finish_reasons=[f for p in parts for f in p.finish_reasons],
                    logprobs=logprobs)
+
+
+def join_trajectories(parts: list[Trajectories], pad_id: int) -> Trajectories:
+    """Multi-turn trajectories of consecutive prompt shares -> one `Trajectories` of all their prompts, in order."""
+    width = max(int(p.completion_ids.shape[1]) for p in parts)
+    pad = lambda t, value=0: F.pad(t, (0, width - t.shape[1]), value=value)  # noqa: E731
+    logprobs = torch.cat([pad(p.logprobs) for p in parts]) if all(p.logprobs is not None for p in parts) else None
+    return Trajectories(completion_ids=torch.cat([pad(p.completion_ids, pad_id) for p in parts]),
+                        completion_mask=torch.cat([pad(p.completion_mask) for p in parts]),
+                        own_mask=torch.cat([pad(p.own_mask) for p in parts]),
+                        completion_visuals=[v for p in parts for v in p.completion_visuals],
+                        group_sizes=[g for p in parts for g in p.group_sizes],
+                        turns=[t for p in parts for t in p.turns], tools=[t for p in parts for t in p.tools],
+                        finish_reasons=[f for p in parts for f in p.finish_reasons], logprobs=logprobs,
+                        prefix_tokens=sum(p.prefix_tokens for p in parts))
 
 
 def generate_split(generate, model, batch, seeds: list[int], pad_id: int, size: int, rank: int, gather) -> Rollout:

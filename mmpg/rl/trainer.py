@@ -53,9 +53,10 @@ def check_grpo_config(cfg: Config) -> None:
 
 def check_zoom_config(cfg: Config) -> None:
     """data.template=zoom (multi-turn rollouts with the zoom tool): what that path does not support yet."""
-    if cfg.parallel.sequence_parallel_size > 1:
-        raise UserError("data.template=zoom with parallel.sequence_parallel_size > 1: multi-turn rollouts are not "
-                        "split over a sequence-parallel group yet; use parallel.sequence_parallel_size=1")
+    if cfg.parallel.sequence_parallel_size > 1 and cfg.rollout.engine == "hf" and cfg.rollout.decode == "copy":
+        raise UserError("data.template=zoom with parallel.sequence_parallel_size > 1 and rollout.decode=copy: a "
+                        "later turn would re-send the overview, which the group holds as features; use "
+                        "rollout.decode=auto (the K/V kept between turns)")
 
 
 def check_staleness(cfg: Config) -> None:
