@@ -52,3 +52,16 @@ def test_the_ceiling_counts_both_layouts():
     repeated = 2 * (lin * 2 * 130 + pair * 2 * 130 ** 2 / 2) + head  # two rows padded to 130
     tree = 2 * (lin * 140 + pair * (100 ** 2 / 2 + 10 * 100 + 10 ** 2 / 2 + 30 * 100 + 30 ** 2 / 2)) + head
     assert abs(zoom.ceiling(dims, shape) - repeated / tree) < 1e-12
+
+
+def test_the_rollout_program_prints_its_table(capsys):
+    """`python -m mmpg.bench.zoom_rollout` on tiny shapes: both paths sample the same tokens (the program checks),
+    the kept path prefills and encodes less (the overview once)."""
+    from mmpg.bench import zoom_rollout
+
+    assert zoom_rollout.main(["--prompts", "1", "--G", "2", "--pixels", str(56 * 56), "--overview-fps", "1",
+                              "--zoom-frames", "4", "--new-tokens", "8", "--stop-every", "4", "--rounds", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "same tokens: yes" in text
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines() if line.startswith(("kept", "re-sent"))}
+    assert int(rows["kept"][1]) < int(rows["re-sent"][1]) and int(rows["kept"][3]) < int(rows["re-sent"][3])
