@@ -109,8 +109,8 @@ def _run(model, processor, inputs, samples, env, args, keep: bool) -> dict:
         seconds = time.perf_counter() - t0
         calls = vision.take()
     decode = int(out.own_mask.sum())  # every model token is one row's decode step (its last is sampled, not fed)
-    return {"seconds": seconds, "prefill": out.prefix_tokens, "decode": decode, "vision": calls, "ids": out.completion_ids,
-            "zooms": sum(out.zooms)}
+    return {"seconds": seconds, "prefill": out.prefix_tokens, "decode": decode, "vision": calls,
+            "ids": out.completion_ids, "zooms": sum(out.zooms)}
 
 
 def main(argv=None) -> int:
@@ -137,7 +137,8 @@ def main(argv=None) -> int:
     overview = int(inputs["input_ids"].shape[1])
     print(f"zoom rollouts, HF engine: {args.family} (LM hidden 256, 4 layers), {args.prompts} prompt(s) x G {args.G}, "
           f"prompt ~{overview} tokens, {args.turns} zoom(s) of {args.zoom_frames} frames per branch "
-          f"({kept['zooms']} clips in all), turns of <= {args.new_tokens} tokens, torch threads {torch.get_num_threads()}")
+          f"({kept['zooms']} clips in all), turns of <= {args.new_tokens} tokens, torch threads "
+          f"{torch.get_num_threads()}")
     print(f"{'path':<10}{'seconds':>10}{'prefill tokens':>16}{'decode tokens':>15}{'vision videos':>15}")
     for name, keep in (("re-sent", False), ("kept", True)):
         r = kept if keep else sent
