@@ -131,7 +131,7 @@ def test_greedy_trajectories_equal_each_branch_alone_and_score_as_trained(family
     # the tool turns are context, each clip the row's own
     for i, row in enumerate(out.tools):
         tool_tokens = int((out.completion_mask[i] - out.own_mask[i]).sum())
-        assert tool_tokens == sum(turn_inputs(processor, t)[0].numel() for t in row)
+        assert tool_tokens == sum(t.tokens for t in row) and all(t.clip is None for t in row)  # frames released
         assert bool((out.own_mask[i] <= out.completion_mask[i]).all()) and len(out.turns[i]) == len(row) + 1
         grid = out.completion_visuals[i].get("video_grid_thw")
         assert (0 if grid is None else grid.shape[0]) == out.zooms[i]

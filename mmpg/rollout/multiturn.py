@@ -45,7 +45,7 @@ class Trajectories:
     completion_visuals: list[dict]  # [N] each row's clips ({} without), `grouped_forward(completion_visuals=)`
     group_sizes: list[int]
     turns: list[list[str]]  # [N] each model turn's decoded text
-    tools: list[list[ToolTurn]]  # [N] each tool turn (a window and its clip, or an error)
+    tools: list[list[ToolTurn]]  # [N] each tool turn (a window, its frame and token counts, or an error)
     finish_reasons: list[str]  # [N] of the last model turn: FINISH_STOP or FINISH_LENGTH
     logprobs: torch.Tensor | None = None  # [N, S] the engine's logprobs of the model's tokens, 0 elsewhere
     prefix_tokens: int = 0  # tokens the engine prefilled over every turn (`mmpg.models.vision_calls.prefill_tokens`)
@@ -146,6 +146,7 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
             if tool is None:
                 continue
             ids, visuals = turn_inputs(processor, tool)
+            tool.tokens = int(ids.numel())
             tools[i].append(tool)
             history[i].append(ids)
             own[i].append(torch.zeros(ids.numel(), dtype=torch.long))
@@ -182,6 +183,8 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
             prefilled += prefill_tokens(engine, inputs)
         take(nxt, out)
         going = nxt
+    # the clips' decoded frames are done with (their model inputs are in `clips`): released, the turns keep their counts
+    tools = [[dataclasses.replace(t, clip=None) for t in row] for row in tools]
     rows = [torch.cat(h) for h in history]
     width = max(r.numel() for r in rows)
     ids = torch.full((n, width), pad_id, dtype=torch.long)

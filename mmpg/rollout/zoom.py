@@ -145,9 +145,10 @@ class ToolTurn:
 
     text: str
     window: tuple[float, float] | None = None
-    clip: object | None = None  # mmpg.data.video.DecodedVideo
+    clip: object | None = None  # mmpg.data.video.DecodedVideo (a sampled trajectory's: None, released once sampled)
     error: str | None = None
     frames: int = 0  # the clip's frame count
+    tokens: int = 0  # the turn's token count, clip included (set where it is tokenized for a rollout)
 
 
 def trajectory_turns(turns: list[str], tools: list[ToolTurn]) -> list[dict]:
