@@ -38,6 +38,7 @@ def test_grpo_with_the_zoom_tool(grpo_data, zoom_data, tmp_path):
         assert m["actor/logprob_gap_max"] <= 1e-5, m["actor/logprob_gap_max"]
         assert "reward/zoom_errors" in m and "reward/zoom_window_iou" in m
         assert abs(m["reward/zoom_cost"] + 0.1 * m["reward/zoom_calls"]) < 1e-9
+        assert 0 < m["response/length_max"] <= 3 * 6  # the model's own tokens: 3 turns of at most 6, no tool turn
         assert abs(m["reward/zoom_error_penalty"] + 0.5 * m["reward/zoom_errors"]) < 1e-9
         assert abs(m["reward/mean"] - (m["reward/answer"] + m["reward/zoom_cost"] + m["reward/zoom_error_penalty"]
                                        + m["reward/zoom_window"])) < 1e-6

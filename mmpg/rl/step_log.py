@@ -21,7 +21,8 @@ def group_summary(g, step: int) -> dict:
     """The small, picklable facts of one group of `step` that rank 0 needs for the metrics."""
     return {
         "rewards": g.rewards,
-        "lengths": g.completion_mask.sum(dim=1).tolist(),
+        # the model's own tokens (multi-turn: the tool's turns between them are not the model's)
+        "lengths": (g.completion_mask if g.own_mask is None else g.own_mask).sum(dim=1).tolist(),
         "truncated": [r == "length" for r in g.finish_reasons],
         "prompt_tokens": int(g.inputs["input_ids"].shape[1]),
         "gt_clamped": g.sample.raw_span is not None,
