@@ -101,7 +101,7 @@ def _server(fake, workers=1, gpus=(SERVER_GPU,), nccl_ver="2.21.5", **stub):
     backend = Backend.__new__(Backend)
     backend.loop = EngineLoop(lambda: StubLLM(fake, workers, **stub), lambda llm: {}, lambda: backend.version)
     backend.instance, backend.version, backend.max_model_len, backend.checkpoint = "i0", 0, 1024, "/ckpt"
-    backend.device, backend.nccl = "cuda", True
+    backend.device, backend.nccl, backend.videos_per_prompt = "cuda", True, 1
     backend.workers = worker_facts([{"device": f"cuda:{i}", "gpu": g, "nccl": nccl_ver} for i, g in enumerate(gpus)])
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(backend))
     httpd.backend = backend
