@@ -13,12 +13,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from app_launch import launch_free
 
 from mmpg.config import load_config
 from mmpg.plan.memory import predict
 from mmpg.plan.recipe import recipe_from_config
 from mmpg.runs import run_eval_dir
-from mmpg.serve.launch import free_port
 from synthetic_run import (
     SMALL_DURATION, SMALL_EVAL, SMALL_GT, SMALL_PEAK_MB, SMALL_SPANS, make_eval_folder, make_small_run,
     make_small_sft_run,
@@ -64,12 +64,10 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def serve():
-    from mmpg_app.server import launch
-
     pages = []
 
     def start(path):
-        page, url = launch(path, port=free_port(), block=False, quiet=True, refresh_s=1.0)
+        page, url = launch_free(path, block=False, quiet=True, refresh_s=1.0)
         pages.append(page)
         return url
 

@@ -7,22 +7,20 @@ import http.client
 import os
 
 import pytest
+from app_launch import launch_free
 
 from mmpg.runs import RunReader
-from mmpg.serve.launch import free_port
 from synthetic_run import make_small_run
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from mmpg_app.server import launch
-
     root = tmp_path_factory.mktemp("served")
     run = make_small_run(root / "run")
     (root / "secret.txt").write_text("outside the run directory")
     key = RunReader(run).rollouts(1)[0].media_key
     os.symlink(root / "secret.txt", run / "media" / key / "leak.txt")
-    page, url = launch(run, port=free_port(), block=False, quiet=True)
+    page, url = launch_free(run, block=False, quiet=True)
     yield {"run": run.resolve(), "root": root.resolve(), "key": key, "page": page, "url": url}
     page.close()
 
@@ -61,11 +59,9 @@ def test_files_outside_are_refused(served, path):
 
 def test_the_compare_page_serves_only_the_compared_runs(tmp_path):
     """Opened on a folder holding runs, the page may serve files inside each run, never the folder around them."""
-    from mmpg_app.server import launch
-
     a, b = make_small_run(tmp_path / "a"), make_small_run(tmp_path / "b")
     (tmp_path / "secret.txt").write_text("beside the runs")
-    page, url = launch(tmp_path, port=free_port(), block=False, quiet=True)
+    page, url = launch_free(tmp_path, block=False, quiet=True)
     try:
         served = {"page": page}
         assert page.server_name == "127.0.0.1" and "2 runs" in page.title
