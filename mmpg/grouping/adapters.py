@@ -84,13 +84,19 @@ def completion_positions(model, completions, row_visuals: list[dict], starts: li
         if not any(k in visuals for k in ("video_grid_thw", "image_grid_thw")):
             out.append(None)
             continue
-        tokens = completions.tokens(i)
-        types = mm_token_type_ids(model, {"input_ids": tokens[None]})
-        pos, _ = model.model.get_rope_index(
-            tokens[None], mm_token_type_ids=types, image_grid_thw=visuals.get("image_grid_thw"),
-            video_grid_thw=visuals.get("video_grid_thw"), second_per_grid_ts=visuals.get("second_per_grid_ts"))
-        out.append(pos[:, 0] + starts[i])  # [3, L_i]
+        out.append(row_positions(model, completions.tokens(i), visuals, starts[i]))
     return out
+
+
+def row_positions(model, tokens: torch.Tensor, visuals: dict, start: int) -> torch.Tensor:
+    """Positions [3, L] of one completion row `tokens` [L] (its clips' visual inputs `visuals`, {} for none) behind a
+    prompt whose completions start at `start`: the model's own index of the row alone, shifted (`completion_positions`;
+    the HF engine places a later turn's chunk with it, `HFEngine.continue_branches`)."""
+    types = mm_token_type_ids(model, {"input_ids": tokens[None]})
+    pos, _ = model.model.get_rope_index(
+        tokens[None], mm_token_type_ids=types, image_grid_thw=visuals.get("image_grid_thw"),
+        video_grid_thw=visuals.get("video_grid_thw"), second_per_grid_ts=visuals.get("second_per_grid_ts"))
+    return pos[:, 0] + start
 
 
 def _marker(device) -> torch.Tensor:

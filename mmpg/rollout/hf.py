@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from mmpg.grouping.adapters import prefix_positions
+from mmpg.grouping.adapters import prefix_positions, row_positions
 from mmpg.grouping.inputs import (
-    check_whole_videos, merge_visuals, mm_token_type_ids, pad_token_id, placeholder_token_ids, prompt_attention_mask,
-    select_prompts, split_visuals_per_prompt,
+    check_whole_videos, merge_visuals, pad_token_id, placeholder_token_ids, prompt_attention_mask, select_prompts,
+    split_visuals_per_prompt,
 )
 from mmpg.grouping.shares import share_order
 from mmpg.grouping.patch import base_model, model_kind
@@ -178,11 +178,8 @@ class HFEngine(Prefill, RolloutEngine):
         for k in order:
             tokens, c = completions[k].cpu(), int(chunk_lengths[k])
             row_clips = [x for x in clips[k] if x]
-            merged = merge_visuals(row_clips) if row_clips else {}
-            pos, _ = self.model.model.get_rope_index(
-                tokens[None], mm_token_type_ids=mm_token_type_ids(self.model, {"input_ids": tokens[None]}),
-                video_grid_thw=merged.get("video_grid_thw"), second_per_grid_ts=merged.get("second_per_grid_ts"))
-            pos = pos[:, 0] + branches.starts[int(branches.prompt_of[engine[k]])]  # [3, L]: the tree's positions
+            pos = row_positions(self.model, tokens, merge_visuals(row_clips) if row_clips else {},
+                                branches.starts[int(branches.prompt_of[engine[k]])])  # [3, L]: the tree's positions
             chunks.append(tokens[-c:])
             positions.append(pos[:, -c:])
             starts.append(int(pos[0, -1]) + 1)  # the chunk ends in text: the turn's first token comes next
