@@ -248,7 +248,7 @@ def test_gt_clamped_metric_counts_the_steps_clamped_groups(tmp_path):
 
     def group(sample):
         return SimpleNamespace(sample=sample, rewards=[{"overall": 1.0}, {"overall": 0.0}],
-                               completion_mask=torch.ones(2, 3), finish_reasons=["stop", "stop"],
+                               completion_mask=torch.ones(2, 3), own_mask=None, finish_reasons=["stop", "stop"],
                                inputs={"input_ids": torch.zeros(1, 5)}, policy_version=0)
 
     summaries = [group_summary(group(s), 1) for s in samples]  # 7 groups, 4 with raw_span

@@ -22,7 +22,7 @@ def group_summary(g, step: int) -> dict:
     return {
         "rewards": g.rewards,
         # the model's own tokens (multi-turn: the tool's turns between them are not the model's)
-        "lengths": (g.completion_mask if getattr(g, "own_mask", None) is None else g.own_mask).sum(dim=1).tolist(),
+        "lengths": (g.completion_mask if g.own_mask is None else g.own_mask).sum(dim=1).tolist(),
         "truncated": [r == "length" for r in g.finish_reasons],
         "prompt_tokens": int(g.inputs["input_ids"].shape[1]),
         "gt_clamped": g.sample.raw_span is not None,
