@@ -212,19 +212,25 @@ def local_checkpoint(path: str) -> str | None:
     return str(Path(cached).parent) if isinstance(cached, str) else None
 
 
-def config_worst_prompt(cfg) -> WorstPrompt:
-    """The worst prompt of a config: counted with model.path's processor where it is on this machine, else
-    `estimate`d."""
+def local_processor(cfg):
+    """model.path's processor where it is on this machine (never downloaded), else None."""
     from mmpg.models.loading import load_processor
 
     folder = local_checkpoint(cfg.model.path)
     try:
-        processor = load_processor(folder) if folder else None
+        return load_processor(folder) if folder else None
     except (UserError, OSError, ValueError) as e:  # a snapshot without its processor files
         log.info("%s: no processor here (%s)", folder, e)
-        processor = None
+        return None
+
+
+def config_worst_prompt(cfg, processor=False) -> WorstPrompt:
+    """The worst prompt of a config: counted with model.path's processor where it is on this machine, else
+    `estimate`d. processor: `local_processor(cfg)` when the caller has it already (False: look here)."""
+    if processor is False:
+        processor = local_processor(cfg)
     if processor is None:
-        return estimate(cfg, family_of(folder or cfg.model.path))
+        return estimate(cfg, family_of(local_checkpoint(cfg.model.path) or cfg.model.path))
     worst = worst_prompt(cfg, processor)
     if worst is None:
         raise UserError(f"{cfg.model.path} is a text-only model: its prompts hold no video to plan the length for")
@@ -241,15 +247,9 @@ def run(args) -> int:
     if getattr(args, "videos", False):
         print(videos_per_prompt(cfg))
         return 0
-    worst, n = config_worst_prompt(cfg), cfg.rollout.max_new_tokens
+    processor = local_processor(cfg)
+    worst, n = config_worst_prompt(cfg, processor), cfg.rollout.max_new_tokens
     if cfg.data.template == "zoom":  # every turn re-sends the conversation: the longest trajectory is the response
-        from mmpg.models.loading import load_processor
-
-        folder = local_checkpoint(cfg.model.path)
-        try:
-            processor = load_processor(folder) if folder else None
-        except (UserError, OSError, ValueError):
-            processor = None
         n = response_tokens(cfg, processor)
         print(f"the longest zoom trajectory ({cfg.zoom.max_turns} clip(s), {cfg.zoom.max_turns + 1} turns of "
               f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}) counts as the new tokens", file=sys.stderr)
