@@ -1,19 +1,21 @@
 """The toy task where zooming wins (`mmpg.toy.zoom_task`): on the written videos, decoded as training decodes them,
 the overview's frames show the field and never the flash, a zoom on the rule policy's window shows the flash, and
-the rule policy's trajectories (the cold start's) zoom there and answer the flash."""
+the rule policy's trajectories (the cold start's) zoom there and answer the flash with the times the clip writes."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from mmpg.data.samples import GroundingSample
 from mmpg.data.video import VideoSpec, load_video
 from mmpg.rewards import temporal_iou
-from mmpg.rollout.zoom import ZoomCall, ZoomEnvironment, ZoomSettings, parse_call
-from mmpg.toy.zoom_task import FIELD_S, FLASH_S, ZoomTask, write_zoom_dataset
+from mmpg.rollout.zoom import ZoomCall, ZoomEnvironment, ZoomSettings, call_text, parse_call
+from mmpg.toy.zoom_task import (FIELD_S, FLASH_S, ZoomTask, clip_times, write_zoom_dataset, written_times,
+                                 zoom_scene)
 
 TASK = ZoomTask(duration=30.0)
 SPEC = VideoSpec.for_family("qwen2_5_vl", fps=TASK.overview_fps, min_frames=4, max_frames=768,
@@ -60,13 +62,57 @@ def test_the_rule_policy_zooms_where_the_flash_is_and_answers_it(dataset):
         sample = GroundingSample(vid, str(dataset / line["video"]), TASK.duration, "the white flash",
                                  tuple(truth["flash"]))
         clip = env.step(sample, line["messages"][0]["content"], 0).clip
-        seen = [t for t, white in zip(clip.timestamps, _corner_white(clip.frames).tolist()) if white]
+        white = _corner_white(clip.frames).tolist()
+        seen = [t for t, w in zip(clip.timestamps, white) if w]
         assert len(seen) >= 2 and truth["flash"][0] - 0.2 <= seen[0] and seen[-1] <= truth["flash"][1] + 0.2
-        assert temporal_iou(tuple(line["answer"]), tuple(truth["flash"])) >= 0.5
-        assert line["messages"][-1]["content"].endswith(f"<answer>{line['answer'][0]:.2f} to "
-                                                        f"{line['answer'][1]:.2f}</answer>")
+        # the answer is copied from the clip as decoded: the time written before the first pair of frames showing
+        # the flash, and before the pair after the last one showing it
+        written = written_times(clip.timestamps)
+        pairs = [any(white[2 * k: 2 * k + 2]) for k in range(len(written))]
+        first, last = pairs.index(True), len(pairs) - 1 - pairs[::-1].index(True)
+        assert last + 1 < len(written)  # the window closes after the flash: the end is a written time too
+        assert line["messages"][-1]["content"].endswith(f"<answer>{written[first]} to {written[last + 1]}</answer>")
+        assert line["answer"] == [float(written[first]), float(written[last + 1])]
+        # a copied answer spans one or two pairs (0.5-1 s) from the flash's first pair: tIoU >= 0.25 with the 0.5-s
+        # flash (exactly 1/3 at worst before the 0.1-s rounding of the written times)
+        assert temporal_iou(tuple(line["answer"]), tuple(truth["flash"])) >= 0.25
         # one look can answer at best the field: its tIoU with the flash is at most FLASH_S / its length
         assert temporal_iou(tuple(truth["field"]), tuple(truth["flash"])) <= FLASH_S / FIELD_S[0] + 1e-9
+
+
+def test_written_times_are_the_ones_qwen3_vl_writes_before_each_pair(dataset, load_tiny):
+    """The rule policy copies the times Qwen3-VL's processor writes before each pair of a clip's frames, decoded by
+    the zoom tool (an odd frame count included: the processor pads the last pair with the last frame)."""
+    import re
+
+    from mmpg.rollout.zoom import turn_inputs
+
+    _, processor = load_tiny("qwen3_vl")
+    spec = VideoSpec.for_family("qwen3_vl", fps=TASK.overview_fps, min_frames=4, max_frames=768,
+                                min_pixels=64 * 64, max_pixels=64 * 64)
+    env = ZoomEnvironment(ZoomSettings(fps=TASK.zoom_fps, max_frames=TASK.zoom_max_frames, max_turns=1), spec)
+    vid = json.loads((dataset / "trajectories.jsonl").read_text().splitlines()[0])["video"]
+    sample = GroundingSample("v", str(dataset / vid), TASK.duration, "the white flash", (1.0, 1.5))
+    for start, end in [(6.25, 14.75), (3.0, 4.5), (10.1, 12.3)]:
+        turn = env.step(sample, call_text(start, end), 0)
+        ids, _ = turn_inputs(processor, turn)
+        text = processor.tokenizer.decode(ids)
+        assert re.findall(r"<([0-9.]+) seconds>", text) == written_times(turn.clip.timestamps), (start, end)
+    assert written_times([1.0, 1.25, 1.5]) == ["1.1", "1.5"]
+
+
+def test_the_rule_policy_reads_the_frames_the_tool_decodes(dataset):
+    """`clip_times` (the rule's frames, computed without decoding) are the ones the zoom tool decodes: qwen-vl-utils'
+    sampling spreads a window's frames over it, off the 1/fps grid from its start."""
+    events = json.loads((dataset / "events.json").read_text())
+    env = ZoomEnvironment(ZoomSettings(fps=TASK.zoom_fps, max_frames=TASK.zoom_max_frames, max_turns=1), SPEC)
+    vid = next(iter(events))
+    scene = zoom_scene(np.random.default_rng(0), "any", TASK)  # the task's frame rate and length, as the files'
+    sample = GroundingSample(vid, str(dataset / "videos" / f"{vid}.mp4"), TASK.duration, "the white flash",
+                             (1.0, 1.5))
+    for start, end in [(6.25, 14.75), (2.0, 9.5), (0.0, 12.0)]:
+        clip = env.step(sample, call_text(start, end), 0).clip
+        assert clip_times(scene, TASK, start, end) == pytest.approx(clip.timestamps), (start, end)
 
 
 def test_same_seed_same_videos(dataset, tmp_path):

@@ -9,9 +9,9 @@ single turn can answer is the field's time (tIoU about FLASH_S / FIELD_S). A zoo
 
 `rule_trajectory` is the rule-based policy that writes the cold start's multi-turn trajectories, as VideoZoomer and
 VITAL distil theirs: from the overview frames that show the field, a zoom on the window between the overview frames
-around them; from the clip's frames that show the flash, the answer. `write_zoom_dataset` writes the videos, the
-annotations (the captions JSON mmpg reads) and those trajectories (`trajectories.jsonl`, chat messages with the
-tool call and the tool's turn, the clip named by its window).
+around them; from the clip's frames that show the flash, the answer, copied from the times the clip writes.
+`write_zoom_dataset` writes the videos, the annotations (the captions JSON mmpg reads) and those trajectories
+(`trajectories.jsonl`, chat messages with the tool call and the tool's turn, the clip named by its window).
 """
 
 from __future__ import annotations
@@ -82,29 +82,56 @@ def _visible(scene: Scene, event: int, t: float) -> bool:
     return scene.events[event].colour_at(t) is not None
 
 
+def clip_times(scene: Scene, task: ZoomTask, start: float, end: float) -> list[float]:
+    """Seconds of the frames a zoom on [start, end] shows: the tool's sampling (`ZoomEnvironment`'s spec: the zoom's
+    frame rate, 2 to `zoom_max_frames` frames, qwen-vl-utils' rule over the window), without decoding."""
+    from mmpg.data.video import VideoSpec, sampled_indices
+
+    spec = VideoSpec(fps=task.zoom_fps, min_frames=2, max_frames=task.zoom_max_frames)
+    return [i / scene.fps for i in sampled_indices(spec, "", scene.n_frames, scene.fps, start, end)]
+
+
+def written_times(times: list[float]) -> list[str]:
+    """The time written for each pair of frames (the temporal patch both families merge): the mean of its two
+    frames' times to 0.1 s, as Qwen3-VL's processor writes `<t seconds>` before the pair (an odd last frame is paired
+    with itself, as the processor pads it)."""
+    padded = list(times) + list(times[-1:]) * (len(times) % 2)
+    return [f"{(padded[k] + padded[k + 1]) / 2:.1f}" for k in range(0, len(padded), 2)]
+
+
 def rule_trajectory(scene: Scene, task: ZoomTask) -> dict:
     """The rule-based policy's trajectory for one video: what it sees in the overview frames, its zoom call, the
     clip's window and what it sees there, its answer. Reads only what the frames it is shown hold (`Scene`'s
-    drawing rule at the sampled times), never the drawn spans directly."""
+    drawing rule at the sampled times), never the drawn spans directly.
+
+    The answer is copied from the clip, not computed: its start is the time written before the first pair of frames
+    that shows the flash, its end the time written before the pair after the last one that does (the window's end
+    when the flash lasts to it), each as the clip writes it. Copying a written time is what a small model can learn
+    to do from the trajectories; an answer computed from the frames' times (the pair's first frame, plus the frame
+    interval at the end) scores higher against the truth when exact (tIoU about 0.8 against about 0.45) but asks the
+    model for arithmetic on the digits it reads, which the toy task's models did not learn (docs/performance.md)."""
     from mmpg.rollout.zoom import call_text
 
     times = task.overview_times()
     seen = [t for t in times if _visible(scene, 0, t)]
     before = max([t for t in times if t < seen[0]], default=0.0)
     after = min([t for t in times if t > seen[-1]], default=scene.duration)
-    step = 1.0 / task.zoom_fps  # the window on the zoom's frame grid: short numbers, the frames where they were
+    step = 1.0 / task.zoom_fps  # the window on the zoom's frame grid: short numbers
     start = math.floor(before / step + 1e-9) * step
     end = min(math.ceil(after / step - 1e-9) * step, start + task.zoom_max_frames * step)
-    clip_times = [start + k / task.zoom_fps for k in range(int(round((end - start) * task.zoom_fps)))]
-    flashes = [t for t in clip_times if _visible(scene, 1, t)]
+    frames = clip_times(scene, task, start, end)
+    written = written_times(frames)
+    shows = [any(_visible(scene, 1, t) for t in frames[2 * k: 2 * k + 2]) for k in range(len(written))]
     think = "<think>The square is there; I look again to find the flash.</think>"
-    if flashes:
-        answer = (flashes[0], flashes[-1] + 1.0 / task.zoom_fps)
-        final = f"<think>The flash is visible.</think><answer>{answer[0]:.2f} to {answer[1]:.2f}</answer>"
+    if any(shows):
+        first = shows.index(True)
+        last = len(shows) - 1 - shows[::-1].index(True)
+        text = (written[first], written[last + 1] if last + 1 < len(written) else f"{end:.1f}")
+        final = f"<think>The flash is visible.</think><answer>{text[0]} to {text[1]}</answer>"
     else:  # the clip missed it: answer the field, as one look would
-        answer = (seen[0], seen[-1])
-        final = f"<think>No flash in the clip.</think><answer>{answer[0]:.2f} to {answer[1]:.2f}</answer>"
-    return {"window": [start, end], "answer": list(answer), "messages": [
+        text = (f"{seen[0]:.2f}", f"{seen[-1]:.2f}")
+        final = f"<think>No flash in the clip.</think><answer>{text[0]} to {text[1]}</answer>"
+    return {"window": [start, end], "answer": [float(x) for x in text], "messages": [
         {"role": "assistant", "content": think + "\n" + call_text(start, end)},
         {"role": "tool", "content": [{"type": "text", "text": f"Frames from {start:.1f} to {end:.1f} seconds:"},
                                      {"type": "video", "video_start": start, "video_end": end}]},
