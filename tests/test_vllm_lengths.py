@@ -245,6 +245,13 @@ def test_the_zoom_tool_plans_the_servers_length_and_videos(tiny_dirs):
     assert lengths.response_tokens(zoom) >= lengths.response_tokens(zoom, processor)  # the bound holds the count
     one = load_config(None, ["rollout.max_new_tokens=32"])
     assert lengths.response_tokens(one, processor) == 32 and lengths.videos_per_prompt(one) == 1
+    # a server too short for the trajectory says what its response counts (not "new tokens" alone)
+    worst = lengths.WorstPrompt(video_tokens=100, text_tokens=20, frames=8, counted=True)
+    need = lengths.response_tokens(zoom, processor)
+    with pytest.raises(UserError, match=rf"\+ {need} tokens of the longest zoom trajectory \(2 clip\(s\) and 3 "
+                                        r"turns of rollout.max_new_tokens=32\)\): restart"):
+        lengths.check_server_len(120, worst, need, "http://s", lengths.response_words(zoom))
+    assert lengths.response_words(one) == "new tokens"
     lengths.check_server_videos(3, zoom, "http://s")
     with pytest.raises(UserError, match=r"takes 1 video\(s\) per prompt; .*zoom.max_turns=2 sends up to 3 .*"
                                         r"--videos-per-prompt 3"):

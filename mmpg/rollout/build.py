@@ -24,7 +24,8 @@ def make_rollout_engine(cfg, policy, processor, all_done: Callable[[bool], bool]
     Raises a UserError for a vLLM server that is not there, refuses, or is too short for the config."""
     rollout = cfg.rollout
     if rollout.engine == "vllm":
-        from mmpg.rollout.lengths import check_server_len, check_server_videos, response_tokens, worst_prompt
+        from mmpg.rollout.lengths import (check_server_len, check_server_videos, response_tokens, response_words,
+                                          worst_prompt)
         from mmpg.rollout.vllm import VLLMEngine
         from mmpg.serve.wire import ServerError
 
@@ -34,7 +35,7 @@ def make_rollout_engine(cfg, policy, processor, all_done: Callable[[bool], bool]
         except ServerError as e:  # no server, a late or refusing one: the message says what to do
             raise UserError(str(e)) from None
         check_server_len(engine.max_model_len, worst_prompt(cfg, processor), response_tokens(cfg, processor),
-                         engine.url)
+                         engine.url, response_words(cfg))
         check_server_videos(int(engine.health.get("videos_per_prompt", 1)), cfg, engine.url)
         return engine
     if rollout.engine != "hf":

@@ -73,11 +73,12 @@ class WorstPrompt:
         """What the launch script gives `mmpg vllm-serve --max-model-len`: needed + margin, rounded up."""
         return -(-(self.needed(max_new_tokens) + MARGIN_TOKENS) // ROUND_TO) * ROUND_TO
 
-    def describe(self, max_new_tokens: int) -> str:
+    def describe(self, max_new_tokens: int, what: str = "new tokens") -> str:
+        """The need in words; `what`: what the response's max_new_tokens tokens are (`response_words`)."""
         how = "counted by the model's processor" if self.counted else "bounded without the model's processor"
         return (f"worst prompt {self.tokens:,} tokens ({self.video_tokens:,} video tokens at {self.frames} frames + "
                 f"{self.text_tokens:,} of text, {how}; a {QUERY_TOKENS}-token query) + {int(max_new_tokens)} "
-                "new tokens")
+                f"{what}")
 
 
 def frame_counts(spec: VideoSpec) -> range:
@@ -178,12 +179,14 @@ def family_of(path: str) -> str | None:
     return "qwen3_vl" if name.startswith("qwen3_vl") else "qwen2_5_vl" if name.startswith("qwen2_5_vl") else None
 
 
-def check_server_len(limit: int, worst: WorstPrompt | None, max_new_tokens: int, url: str) -> None:
-    """Before the first step: the server at `url` must hold the config's worst prompt and a whole response."""
+def check_server_len(limit: int, worst: WorstPrompt | None, max_new_tokens: int, url: str,
+                     what: str = "new tokens") -> None:
+    """Before the first step: the server at `url` must hold the config's worst prompt and a whole response
+    (max_new_tokens tokens of `what`: `response_tokens` and `response_words` of a config)."""
     if worst is None or worst.needed(max_new_tokens) <= limit:
         return
     raise UserError(f"the vLLM server at {url} has max_model_len {limit}, below this config's "
-                    f"{worst.needed(max_new_tokens):,} ({worst.describe(max_new_tokens)}): restart it with "
+                    f"{worst.needed(max_new_tokens):,} ({worst.describe(max_new_tokens, what)}): restart it with "
                     f"--max-model-len {worst.server_len(max_new_tokens)} (`mmpg vllm-len` prints it for a config; "
                     "scripts/train_grounding.sh sets it unless VLLM_MAX_LEN or VLLM_ARGS does), or lower "
                     "data.max_frames / data.total_pixels / rollout.max_new_tokens")
@@ -251,10 +254,8 @@ def run(args) -> int:
     worst, n = config_worst_prompt(cfg, processor), cfg.rollout.max_new_tokens
     if cfg.data.template == "zoom":  # every turn re-sends the conversation: the longest trajectory is the response
         n = response_tokens(cfg, processor)
-        print(f"the longest zoom trajectory ({cfg.zoom.max_turns} clip(s), {cfg.zoom.max_turns + 1} turns of "
-              f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}) counts as the new tokens", file=sys.stderr)
-    print(f"max_model_len {worst.server_len(n)}: {worst.describe(n)} + a {MARGIN_TOKENS}-token margin, rounded up "
-          f"to a multiple of {ROUND_TO}", file=sys.stderr)
+    print(f"max_model_len {worst.server_len(n)}: {worst.describe(n, response_words(cfg))} + a {MARGIN_TOKENS}-token "
+          f"margin, rounded up to a multiple of {ROUND_TO}", file=sys.stderr)
     print(worst.server_len(n))
     return 0
 
@@ -297,6 +298,15 @@ def response_tokens(cfg, processor=None) -> int:
                          max_pixels=d.max_pixels, total_pixels=d.total_pixels, image_patch_size=14)
         clip = worst_video_tokens(spec)[0] + 64 + z.max_frames // 2 * FRAME_BLOCK_BYTES
     return turns * clip + (turns + 1) * n
+
+
+def response_words(cfg) -> str:
+    """What `response_tokens(cfg)` counts, in words: "new tokens", or the longest zoom trajectory's parts."""
+    if cfg.data.template != "zoom":
+        return "new tokens"
+    turns = int(cfg.zoom.max_turns)
+    return (f"tokens of the longest zoom trajectory ({turns} clip(s) and {turns + 1} turns of "
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens})")
 
 
 def videos_per_prompt(cfg) -> int:
