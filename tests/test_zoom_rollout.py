@@ -217,3 +217,30 @@ def test_zoom_call_text_is_what_the_tool_parses():
 
     text = '<tool_call>\n{"name": "zoom", "arguments": {"start": 2.0, "end": 4.0}}\n</tool_call>'
     assert parse_call(text) == ZoomCall(2.0, 4.0)
+
+
+@pytest.mark.parametrize("keeps", [False, True])
+def test_a_stand_in_rank_counts_the_prefills_it_runs(keeps):
+    """`stand_in_turns` (a rank with nothing to sample in lockstep) joins every turn the others take and returns the
+    prompt tokens it prefilled, as `sample_trajectories` counts its own: a re-sent stand-in prompt each turn, none
+    for an idle turn behind kept K/V."""
+    from mmpg.rollout.multiturn import stand_in_turns
+
+    class Engine:
+        keeps_branches = keeps
+        last_stats = {"prefix_tokens": 7}
+
+        def __init__(self):
+            self.calls = []
+
+        def generate_groups(self, inputs, n, sampling):
+            self.calls.append("prefill")
+
+        def idle_turn(self):
+            self.calls.append("idle")
+
+    votes = iter([False, False, True])  # the others take two more turns, then all are done
+    engine = Engine()
+    got = stand_in_turns(engine, {"input_ids": None}, SamplingParams(max_new_tokens=4), 3, lambda done: next(votes))
+    assert engine.calls == ["prefill"] + (["idle"] * 2 if keeps else ["prefill"] * 2)
+    assert got == (7 if keeps else 21)

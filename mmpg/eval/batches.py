@@ -122,11 +122,12 @@ def _answer(engine, batch, sampling, settings, checker=None, counts: dict | None
         if stand_in is not None:
             filler = stand_in()
             if zoom is not None and zoom.all_done is not None:  # as many turns as the other ranks take
-                stand_in_turns(engine, filler, sampling, zoom.env.settings.max_turns, zoom.all_done)
+                prefilled = stand_in_turns(engine, filler, sampling, zoom.env.settings.max_turns, zoom.all_done)
             else:
                 engine.generate_groups(filler, 1, sampling)
+                prefilled = prefill_tokens(engine, filler)
             if counts is not None:
-                counts["prefix_tokens"] += prefill_tokens(engine, filler)  # its forwards ran
+                counts["prefix_tokens"] += prefilled  # its forwards ran
         return records
     if zoom is not None:
         rollout = sample_trajectories(engine, engine.model, zoom.processor, inputs, [it.sample for it in items], 1,

@@ -198,16 +198,20 @@ def sample_trajectories(engine: RolloutEngine, model, processor, prompt_inputs, 
                         tools, finish, lp if sampling.logprobs else None, prefilled)
 
 
-def stand_in_turns(engine: RolloutEngine, inputs, sampling: SamplingParams, max_turns: int, all_done) -> None:
+def stand_in_turns(engine: RolloutEngine, inputs, sampling: SamplingParams, max_turns: int, all_done) -> int:
     """A rank with nothing to sample while the others sample trajectories (ZeRO-3 lockstep): `inputs` (a stand-in
     prompt) sampled once for the first turn and again for every later turn another rank takes, as
-    `sample_trajectories` asks `all_done` once per turn; the results are discarded."""
+    `sample_trajectories` asks `all_done` once per turn; the results are discarded. Returns the prompt tokens it
+    prefilled, counted as `sample_trajectories` counts its own (an idle turn behind kept K/V prefills none)."""
     engine.generate_groups(inputs, 1, sampling)
+    prefilled = prefill_tokens(engine, inputs)
     keeps = getattr(engine, "keeps_branches", False)  # the others' later turns: behind kept K/V, or re-sent
     for _ in range(max_turns):
         if all_done(True):
-            return
+            break
         if keeps:
             engine.idle_turn()
         else:
             engine.generate_groups(inputs, 1, sampling)
+            prefilled += prefill_tokens(engine, inputs)
+    return prefilled
