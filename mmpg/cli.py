@@ -54,11 +54,15 @@ def _cmd_synth(args) -> int:
     from mmpg.toy.videos import generate_dataset
 
     if args.zoom:
-        from mmpg.toy.zoom_task import write_zoom_dataset
+        from mmpg.toy.zoom_task import ZoomTask, write_zoom_dataset
 
-        summary = write_zoom_dataset(args.out, args.n, args.seed, overwrite=args.overwrite)
+        task = ZoomTask(duration=args.zoom_duration, overview_fps=args.overview_fps, zoom_fps=args.zoom_fps,
+                        zoom_max_frames=args.zoom_frames)
+        summary = write_zoom_dataset(args.out, args.n, args.seed, task, overwrite=args.overwrite)
         print(f"wrote {summary['videos']} zoom-task videos (seed {args.seed}: {summary['train']} train, "
               f"{summary['test']} test) and the rule policy's trajectories to {summary['out']}")
+        print(f"  train and evaluate with data.fps={task.overview_fps:g} zoom.fps={task.zoom_fps:g} "
+              f"zoom.max_frames={task.zoom_max_frames} (the rule policy's trajectories use these)")
         return 0
     summary = generate_dataset(args.out, args.n, args.seed, overwrite=args.overwrite,
                                min_duration=args.min_duration, max_duration=args.max_duration, easy=args.easy,
@@ -192,7 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "2..N wordings (N <= 5), several queries per video as real datasets have (default 1)")
     p.add_argument("--zoom", action="store_true", help="the task where zooming wins (multi-turn grounding): a "
                    "0.5 s white flash inside a coloured square's 6-8 s, placed between the overview's frames; also "
-                   "writes the rule policy's zoom trajectories (trajectories.jsonl); duration options ignored")
+                   "writes the rule policy's zoom trajectories (trajectories.jsonl); --min/max-duration ignored")
+    p.add_argument("--zoom-duration", type=float, default=40.0, help="with --zoom: each video's seconds (longer "
+                   "videos at an equal frame budget leave one look fewer frames on the flash)")
+    p.add_argument("--overview-fps", type=float, default=0.5, help="with --zoom: the overview's frame rate, which "
+                   "the flash is placed between (train and evaluate with data.fps at this)")
+    p.add_argument("--zoom-fps", type=float, default=4.0, help="with --zoom: the zoom tool's frame rate (zoom.fps)")
+    p.add_argument("--zoom-frames", type=_positive_int, default=48, help="with --zoom: the zoom tool's frame cap "
+                   "(zoom.max_frames)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=_cmd_synth)
 

@@ -123,11 +123,45 @@ def test_same_seed_same_videos(dataset, tmp_path):
         write_zoom_dataset(tmp_path / "again", 4, seed=3, task=TASK)
 
 
+def test_sizes_that_cannot_make_the_task_are_refused():
+    assert ZoomTask().problem() is None and TASK.problem() is None
+    assert ZoomTask(duration=120.0, overview_fps=0.25, zoom_max_frames=50).problem() is None  # frames 4.25 s apart
+    assert "too short" in ZoomTask(duration=10.0).problem()
+    assert "may miss the 6-s square" in ZoomTask(overview_fps=0.15).problem()
+    # 40 s at 0.25 fps: 10 frames up to 4.5 s apart; a window from the frame before the square reaches 4.5 + 8 s,
+    # and a zoom frame more for the window's start on the zoom's grid: 12.75 s at 4 fps
+    assert "allow >= 51 zoom frames" in ZoomTask(overview_fps=0.25).problem()
+    with pytest.raises(Exception, match="allow >= 51 zoom frames"):
+        write_zoom_dataset("unused", 4, task=ZoomTask(overview_fps=0.25))
+
+
 def test_mmpg_synth_zoom_writes_the_task(tmp_path):
+    """The defaults, then a longer task (a minute at a 0.25-fps overview): its overview never shows the flash, the
+    rule policy's windows (up to 13 s) fit the zoom frames asked for, and sizes that cannot work are one line."""
     from train_utils import run_cli
 
     proc = run_cli(["synth", "--zoom", "--out", str(tmp_path / "z"), "--n", "2", "--seed", "1"])
     assert proc.returncode == 0, proc.stderr
     assert "wrote 2 zoom-task videos" in proc.stdout
+    assert "data.fps=0.5 zoom.fps=4 zoom.max_frames=48" in proc.stdout
+    proc = run_cli(["synth", "--zoom", "--out", str(tmp_path / "long"), "--n", "3", "--seed", "1",
+                    "--zoom-duration", "60", "--overview-fps", "0.25", "--zoom-frames", "52"])
+    assert proc.returncode == 0, proc.stderr
+    assert "data.fps=0.25 zoom.fps=4 zoom.max_frames=52" in proc.stdout
+    task = ZoomTask(duration=60.0, overview_fps=0.25, zoom_max_frames=52)
+    spec = VideoSpec.for_family("qwen2_5_vl", fps=0.25, min_frames=4, max_frames=768, min_pixels=56 * 56,
+                                max_pixels=56 * 56)
+    events = json.loads((tmp_path / "long" / "events.json").read_text())
+    for vid, truth in events.items():
+        video = load_video(str(tmp_path / "long" / "videos" / f"{vid}.mp4"), spec)
+        assert video.timestamps == pytest.approx(task.overview_times())
+        assert not bool(_corner_white(video.frames).any()), vid
+    for line in (tmp_path / "long" / "trajectories.jsonl").read_text().splitlines():
+        traj = json.loads(line)
+        flash = events[traj["video"].split("/")[-1][:-4]]["flash"]
+        assert traj["window"][0] <= flash[0] and flash[1] <= traj["window"][1]
+        assert traj["window"][1] - traj["window"][0] <= 13.0
+    proc = run_cli(["synth", "--zoom", "--out", str(tmp_path / "bad"), "--n", "2", "--overview-fps", "0.25"])
+    assert proc.returncode == 2 and "allow >= 51 zoom frames" in proc.stderr, proc.stderr
     assert sorted(p.name for p in (tmp_path / "z").iterdir()) == ["events.json", "test.json", "train.json",
                                                                   "trajectories.jsonl", "videos"]

@@ -47,6 +47,29 @@ class ZoomTask:
     zoom_fps: float = 4.0
     zoom_max_frames: int = 48
 
+    def problem(self) -> str | None:
+        """Why these sizes cannot make the task, or None: the field must fit 2 s from either end, every field must
+        hold an overview frame (the overview's widest frame interval, as qwen-vl-utils spreads its frames, below the
+        shortest field with a frame to spare on either side) so the rule policy sees it, and the rule's window, from the
+        overview frame before the field (on the zoom's frame grid), must reach past the longest field within the
+        zoom's frame cap."""
+        if min(self.duration, self.fps, self.overview_fps, self.zoom_fps, self.zoom_max_frames) <= 0:
+            return "the zoom task's duration, frame rates and zoom frames must be > 0"
+        if self.duration < FIELD_S[1] + 4.0:
+            return f"a zoom-task video of {self.duration:g} s is too short: it needs >= {FIELD_S[1] + 4.0:g} s"
+        times = self.overview_times()
+        interval = max(b - a for a, b in zip(times, times[1:]))
+        if interval > FIELD_S[0] - 2.0 / self.fps:
+            return (f"an overview at {self.overview_fps:g} fps (frames up to {interval:g} s apart) may miss the "
+                    f"{FIELD_S[0]:g}-s square: raise the overview's fps")
+        widest = interval + FIELD_S[1] + 1.0 / self.zoom_fps
+        if widest > self.zoom_max_frames / self.zoom_fps:
+            need = math.ceil(widest * self.zoom_fps - 1e-9)
+            return (f"the rule policy's window must reach {widest:g} s (an overview interval, the {FIELD_S[1]:g}-s "
+                    f"square, a zoom frame), past {self.zoom_max_frames} zoom frames at {self.zoom_fps:g} fps: "
+                    f"allow >= {need} zoom frames")
+        return None
+
     def overview_times(self) -> list[float]:
         """Seconds of the frames the overview samples (qwen-vl-utils' rule, as `mmpg.data.video` decodes)."""
         from mmpg.data.video import VideoSpec, sampled_indices
@@ -146,6 +169,9 @@ def write_zoom_dataset(out: Path | str, n: int, seed: int = 0, task: ZoomTask | 
     from mmpg.toy.videos import _check_out, _move_into_place, _write_json
 
     task = task or ZoomTask()
+    problem = task.problem()
+    if problem:
+        raise UserError(problem)
     if n < 2:
         raise UserError(f"n={n}: the zoom task needs >= 2 videos (a training and a test split)")
     out = Path(os.path.abspath(Path(out).expanduser()))
