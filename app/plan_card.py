@@ -86,7 +86,8 @@ def plan_card_html(run_dir: Path, info: dict, metrics: list[dict]) -> str:
         rows.append('<tr><td>measured</td><td>—</td><td class="mmpg-sub">no perf/peak_memory_mb logged yet'
                     '</td></tr>')
     else:
-        ratio = verdict(measured, planned, p["device"]) if p["comparable"] else "not comparable with the plan"
+        ratio = (verdict(measured, planned, p["device"], p["error_band"]) if p["comparable"]
+                 else "not comparable with the plan")
         rows.append(f'<tr><td>measured</td><td><b class="mmpg-measured">{_mb(measured)}</b></td>'
                     f'<td class="mmpg-sub">{html.escape(ratio)}; largest of {steps} step(s)</td></tr>')
     notes = [f"measured is {p['measured_means']}"] + ([p["note"]] if p["note"] else [])

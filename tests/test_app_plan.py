@@ -52,7 +52,8 @@ def test_a_cpu_run_that_records_its_measure_is_compared_within_the_stated_error(
 
     run = make_small_run(tmp_path / "run")
     info = json.loads((run / "run.json").read_text())
-    record = {"measure": "cpu.rss_above_baseline", "baseline_mb": 950.0, "high_water": "VmHWM", "from_step": 1}
+    record = {"measure": "cpu.rss_above_baseline", "baseline_mb": 950.0, "high_water": "VmHWM", "from_step": 1,
+              "mmap_threshold": 64 << 10}  # the plan's validation threshold: its stated error applies
     (run / "run.json").write_text(json.dumps({**info, "peak_memory": record}))
     cfg = load_config(str(run / "config.yaml"), [])
     planned_mb = predict(recipe_from_config(cfg, 1, "cpu"))["peak_bytes"] / 2 ** 20
@@ -62,6 +63,11 @@ def test_a_cpu_run_that_records_its_measure_is_compared_within_the_stated_error(
     assert f"×{ratio:.2f} of the plan, {within} its CPU error (±23.5%)" in html
     assert "above the process&#x27;s resident set (0.93 GB) before the model was loaded" in html
     assert "code pages left out" in html and "ru_maxrss" not in html
+    # a run at the default 1 MiB threshold holds the heap's slack too: the ratio, no verdict against the band
+    (run / "run.json").write_text(json.dumps({**info, "peak_memory": {**record, "mmap_threshold": 1 << 20}}))
+    html = card(run)
+    assert f"×{ratio:.2f} of the plan (its CPU error, ±23.5%, is stated at a 64 KiB allocator threshold only)" in html
+    assert "within its CPU error" not in html and "outside its CPU error" not in html
     # a run of an older mmpg resumed by this one: its lines before the record's first step are not compared
     (run / "run.json").write_text(json.dumps({**info, "peak_memory": {**record, "from_step": 3}}))
     html = card(run)

@@ -262,7 +262,8 @@ def test_a_cpu_run_is_compared_only_when_it_measured_like_the_plan(tmp_path, cap
     assert rc == 0 and p["plan"]["device"] == "cpu" and not p["comparable"] and "ru_maxrss" in p["measured_means"]
     rc, out, _ = _plan_json("--run", str(run), capsys=capsys)
     assert rc == 0 and "not comparable" in out and "of the plan" not in out
-    record = {"measure": "cpu.rss_above_baseline", "baseline_mb": 1000.0, "high_water": "VmHWM", "from_step": 2}
+    record = {"measure": "cpu.rss_above_baseline", "baseline_mb": 1000.0, "high_water": "VmHWM", "from_step": 2,
+              "mmap_threshold": 64 << 10}
     (run / "run.json").write_text(json.dumps({**info, "peak_memory": record}))  # resumed by this mmpg at step 2
     rc, out, _ = _plan_json("--run", str(run), "--json", capsys=capsys)
     p = json.loads(out)
@@ -271,6 +272,12 @@ def test_a_cpu_run_is_compared_only_when_it_measured_like_the_plan(tmp_path, cap
     rc, out, _ = _plan_json("--run", str(run), capsys=capsys)
     within = "within" if abs(41000.0 / planned - 1) <= 0.235 else "outside"
     assert f"×{41000.0 / planned:.2f} of the plan, {within} its CPU error (±23.5%)" in out
+    for threshold, banded in ((64 << 10, True), (1 << 20, False), (None, False)):  # the band: at 64 KiB only
+        (run / "run.json").write_text(json.dumps({**info, "peak_memory": {**record, "mmap_threshold": threshold}}))
+        rc, out, _ = _plan_json("--run", str(run), capsys=capsys)
+        assert rc == 0 and f"×{41000.0 / planned:.2f} of the plan" in out
+        assert ("its CPU error (±23.5%)" in out) == banded, out
+        assert ("is stated at a 64 KiB allocator threshold only" in out) == (not banded), out
 
 
 def test_the_record_names_match_the_trainer():
