@@ -53,8 +53,8 @@ def measure_of(info: dict, device: str) -> tuple[str, bool, int]:
 
 def error_band_holds(info: dict, device: str) -> bool:
     """Whether the plan's stated CPU error applies to the run's figure: it was measured at the validation's
-    allocator threshold (64 KiB); at a higher one (a run's default, 1 MiB) the figure holds the heap's slack too, which
-    on a small model is of the tensors' own size."""
+    allocator threshold (64 KiB); at a higher one (a run's default, 1 MiB) the figure holds the heap's slack too (on the
+    demo's tiny model as much again as the tensors)."""
     rec = info.get("peak_memory") if isinstance(info.get("peak_memory"), dict) else {}
     threshold = rec.get("mmap_threshold")
     return device == "cpu" and isinstance(threshold, int) and threshold <= VALIDATION_MMAP_THRESHOLD
@@ -135,8 +135,8 @@ def run_device(info: dict, cfg) -> tuple[str, int, str]:
 def inspect_plan(run_dir: str, info: dict, metrics: list[dict]) -> dict:
     """The memory side of a run's plan for the inspector: {"device", "devices", "note", "kind", "peak_bytes",
     "peak_phase", "parts" (bytes by part at the peak, largest first), "measured_peak_mb", "measured_steps",
-    "measured_means", "comparable", "measured_since" (`measure_of`), "error_band" (`error_band_holds`)}. UserError (one line) when the config cannot
-    be planned."""
+    "measured_means", "comparable", "measured_since" (`measure_of`), "error_band" (`error_band_holds`)}. UserError
+    (one line) when the config cannot be planned."""
     from mmpg.config import load_config
     from mmpg.plan.memory import predict
     from mmpg.plan.recipe import recipe_from_config
