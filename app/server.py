@@ -103,6 +103,9 @@ def build_app(path, refresh_s: float = REFRESH_S) -> gr.Blocks:
     return page
 
 
+LAUNCH_TRIES = 3  # starts of the server when Gradio's own check of it fails (`launch`)
+
+
 def launch(path, host: str = "127.0.0.1", port: int | None = None, block: bool = True,
            quiet: bool = False, refresh_s: float = REFRESH_S) -> tuple[gr.Blocks, str]:
     """Serve the page; returns (blocks, local URL). With block=False the server runs in a thread (tests, scripts);
@@ -115,9 +118,25 @@ def launch(path, host: str = "127.0.0.1", port: int | None = None, block: bool =
         root = Path(path if isinstance(path, (str, os.PathLike)) else path[0]).resolve()
         allowed = [str(root)]
         page = build_app(root, refresh_s=refresh_s)
-    _, url, _ = page.launch(
-        server_name=host, server_port=port, prevent_thread_lock=not block, quiet=quiet, share=False,
-        inbrowser=False, show_error=False, ssr_mode=False, mcp_server=False, enable_monitoring=False,
-        allowed_paths=allowed, footer_links=[], theme=gr.themes.Default(), css=CSS,
-    )
-    return page, url
+    for attempt in range(LAUNCH_TRIES):
+        try:
+            _, url, _ = page.launch(
+                server_name=host, server_port=port, prevent_thread_lock=not block, quiet=quiet, share=False,
+                inbrowser=False, show_error=False, ssr_mode=False, mcp_server=False, enable_monitoring=False,
+                allowed_paths=allowed, footer_links=[], theme=gr.themes.Default(), css=CSS,
+            )
+            return page, url
+        except ValueError as e:
+            # Gradio asks its new server for the page a few times and gives up at the first connection error or
+            # 3-s timeout, which a machine busy with training can cause; then it stops with "localhost is not
+            # accessible" though the server was up. Closed and started again, up to LAUNCH_TRIES times.
+            if "localhost is not accessible" not in str(e):
+                raise
+            page.close()
+            if attempt + 1 == LAUNCH_TRIES:
+                raise UserError(f"the inspector's server on {host}:{port or 'a free port'} did not answer its own "
+                                f"check {LAUNCH_TRIES} times (a busy machine, or a proxy set for localhost: "
+                                "NO_PROXY=localhost,127.0.0.1)") from e
+            print(f"[mmpg] the inspector's server did not answer its start check; starting it again "
+                  f"({attempt + 2} of {LAUNCH_TRIES})", flush=True)
+    raise AssertionError("unreachable")

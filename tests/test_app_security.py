@@ -72,3 +72,27 @@ def test_the_compare_page_serves_only_the_compared_runs(tmp_path):
         assert get(served, f"/gradio_api/file={a.resolve()}/../secret.txt") == 403
     finally:
         page.close()
+
+
+def test_a_failed_start_check_starts_the_server_again(tmp_path, monkeypatch):
+    """Gradio gives up on its new server at the first connection error of its own check (a busy machine), saying
+    localhost is not accessible: the inspector closes it and starts it again; every try failing is one clear error."""
+    import gradio.networking
+
+    from mmpg.errors import UserError
+
+    run = make_small_run(tmp_path / "run")
+    real, calls = gradio.networking.url_ok, []
+    monkeypatch.setattr(gradio.networking, "url_ok", lambda url: (calls.append(url), len(calls) > 1 and real(url))[1])
+    page, url = launch_free(run, block=False, quiet=True)
+    try:
+        assert len(calls) == 2  # refused once, started again, answered
+        conn = http.client.HTTPConnection("127.0.0.1", page.server_port, timeout=30)
+        conn.request("GET", "/")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        page.close()
+    monkeypatch.setattr(gradio.networking, "url_ok", lambda url: False)
+    with pytest.raises(UserError, match="did not answer its own check 3 times"):
+        launch_free(run, block=False, quiet=True)
