@@ -31,10 +31,15 @@ MEASURED = {"cpu": "the CPU memory above the process's {baseline} before the mod
             "cuda": "torch.cuda.max_memory_allocated: the tensors, as the plan counts them"}
 
 
+def _record(info: dict) -> dict:
+    """run.json's "peak_memory" record ({} when absent or not a dict)."""
+    return info["peak_memory"] if isinstance(info.get("peak_memory"), dict) else {}
+
+
 def measure_of(info: dict, device: str) -> tuple[str, bool, int]:
     """(what the run's perf/peak_memory_mb is, whether it compares with the plan, the first step it holds for) from
     run.json's "peak_memory" record; a CPU run without it logged the whole process's ru_maxrss."""
-    rec = info.get("peak_memory") if isinstance(info.get("peak_memory"), dict) else {}
+    rec = _record(info)
     since = rec.get("from_step") if isinstance(rec.get("from_step"), int) else 1
     if device == "cuda":
         return MEASURED["cuda"], True, 1
@@ -55,8 +60,7 @@ def error_band_holds(info: dict, device: str) -> bool:
     """Whether the plan's stated CPU error applies to the run's figure: it was measured at the validation's
     allocator threshold (64 KiB); at a higher one (a run's default, 1 MiB) the figure holds the heap's slack too (on the
     demo's tiny model as much again as the tensors)."""
-    rec = info.get("peak_memory") if isinstance(info.get("peak_memory"), dict) else {}
-    threshold = rec.get("mmap_threshold")
+    threshold = _record(info).get("mmap_threshold")
     return device == "cpu" and isinstance(threshold, int) and threshold <= VALIDATION_MMAP_THRESHOLD
 
 
@@ -75,14 +79,15 @@ def run_plan(run_dir: str, gpus: int, memory: float, hw, device: str | None = No
     cfg = load_config(str(path), [])
     device = device or ("cpu" if cfg.trainer.device == "cpu" else "cuda")
     reader = RunReader(run_dir)
-    means, comparable, since = measure_of(reader.info(), device)
-    peak, steps = measured_peak(reader.metrics(), since)
-    if (job or ("sft" if reader.info().get("kind") == "sft" else "train")) == "sft":
-        planned = dict(sft_plan(cfg, gpus, device, memory, hw, metrics=reader.metrics()))
+    info, metrics = reader.info(), reader.metrics()  # each file read once
+    means, comparable, since = measure_of(info, device)
+    peak, steps = measured_peak(metrics, since)
+    if (job or ("sft" if info.get("kind") == "sft" else "train")) == "sft":
+        planned = dict(sft_plan(cfg, gpus, device, memory, hw, metrics=metrics))
     else:
         planned = dict(plan(cfg, gpus, device, memory, hw), job="train")
     return {"plan": planned, "measured_peak_mb": peak, "steps": steps, "measured_means": means,
-            "comparable": comparable, "error_band": error_band_holds(reader.info(), device)}
+            "comparable": comparable, "error_band": error_band_holds(info, device)}
 
 
 def verdict(measured: float, planned: float, device: str, error_band: bool = True) -> str:
@@ -107,7 +112,7 @@ def render_run(out: dict) -> str:
     line += f"{measured:.1f} MB (largest of {out['steps']} steps): {out['measured_means']}"
     if not out["comparable"]:
         return line  # the means say why
-    return line + f"; {verdict(measured, planned, p['device'], out.get('error_band', True))}"
+    return line + f"; {verdict(measured, planned, p['device'], out['error_band'])}"
 
 
 def measured_peak(metrics: list[dict], since: int = 1) -> tuple[float | None, int]:
