@@ -13,6 +13,7 @@ into the folder.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no network calls from the page's server
@@ -138,5 +139,5 @@ def launch(path, host: str = "127.0.0.1", port: int | None = None, block: bool =
                                 f"check {LAUNCH_TRIES} times (a busy machine, or a proxy set for localhost: "
                                 "NO_PROXY=localhost,127.0.0.1)") from e
             print(f"[mmpg] the inspector's server did not answer its start check; starting it again "
-                  f"({attempt + 2} of {LAUNCH_TRIES})", flush=True)
+                  f"({attempt + 2} of {LAUNCH_TRIES})", file=sys.stderr, flush=True)
     raise AssertionError("unreachable")
