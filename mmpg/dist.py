@@ -239,6 +239,31 @@ def gather_sequence(obj) -> list:
     return out
 
 
+SHM_DIR = "/dev/shm"
+SHM_BUFFER = "deepspeed_allreduce_buffer"  # DeepSpeed's name: <this>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>
+
+
+def release_shared_memory() -> bool:
+    """Unlink this rank's file of DeepSpeed's CPU all-reduce from SHM_DIR; True when there was one. Collective: every
+    rank calls it once DeepSpeed's set-up (`deepspeed.initialize`) has returned.
+
+    On the CPU, when every rank is on one machine (the launcher's LOCAL_SIZE equals the world size), DeepSpeed maps
+    one shared-memory file per rank (about 67 MB), opens every other rank's before its set-up returns and never
+    removes its own: each such run would leave them in memory until the machine restarts. After a barrier (every rank
+    has opened every other's), the names are no longer needed; the mappings stay valid until the processes end."""
+    local = os.environ.get("LOCAL_SIZE", "")
+    if not local.isdigit() or int(local) != world_size() or not os.path.isdir(SHM_DIR):
+        return False
+    barrier()
+    name = "_".join([SHM_BUFFER, str(os.getuid()), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
+                     str(rank())])
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:  # not the CPU's all-reduce (a GPU run), or already released
+        return False
+    return True
+
+
 def barrier() -> None:
     if active():
         dist.barrier()

@@ -7,12 +7,14 @@ GPU / NCCL launches are not run here."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from mmpg import dist
 from mmpg.serve.launch import free_port
 from train_utils import env as cli_env
 from train_utils import final_weights, metrics, overrides, run_cli
@@ -87,6 +89,15 @@ def _flash_attn_installed() -> bool:
     return True
 
 
+def _no_shared_memory_left(port: int) -> None:
+    """DeepSpeed's CPU all-reduce made one shared-memory file per rank (the launcher sets LOCAL_SIZE); the run
+    released them (`mmpg.dist.release_shared_memory`)."""
+    if not os.path.isdir(dist.SHM_DIR):
+        return
+    left = sorted(p.name for p in Path(dist.SHM_DIR).glob(f"{dist.SHM_BUFFER}_{os.getuid()}_*_{port}_*"))
+    assert left == [], left
+
+
 @pytest.mark.parametrize("how", ["num_gpus", "hostfile"])
 def test_train_script_through_the_deepspeed_launcher(grpo_data, grpo_reference, tmp_path, how):
     """`MMPG_EXTRAS=dev NUM_GPUS=2 bash scripts/train_grounding.sh configs/cpu_demo.yaml ...` (issue 19's command),
@@ -94,11 +105,12 @@ def test_train_script_through_the_deepspeed_launcher(grpo_data, grpo_reference, 
     unless asked (FLASH_ATTN=1), so it says nothing of flash-attn here, and on a GPU machine without flash-attn one
     line says how to ask."""
     args = _grpo_args(grpo_data, tmp_path, "two")
+    port = free_port()
     if how == "num_gpus":
-        proc = _script("train_grounding.sh", *args[1:], MMPG_EXTRAS="dev", NUM_GPUS=2)
+        proc = _script("train_grounding.sh", *args[1:], MMPG_EXTRAS="dev", NUM_GPUS=2, MASTER_PORT=port)
     else:
         (tmp_path / "hostfile").write_text("localhost slots=2\n")
-        proc = _script("train_grounding.sh", *args[1:], HOSTFILE=tmp_path / "hostfile")
+        proc = _script("train_grounding.sh", *args[1:], HOSTFILE=tmp_path / "hostfile", MASTER_PORT=port)
         flash_lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "flash-attn" in line]
         if shutil.which("nvidia-smi") and not _flash_attn_installed():
             assert len(flash_lines) == 1 and "FLASH_ATTN=1" in flash_lines[0], flash_lines
@@ -106,6 +118,7 @@ def test_train_script_through_the_deepspeed_launcher(grpo_data, grpo_reference, 
             assert flash_lines == [], flash_lines
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     _launched_by_deepspeed(proc, "train")
+    _no_shared_memory_left(port)
     run_json = json.loads((tmp_path / "two" / "run.json").read_text())
     assert run_json["command"] == ["mmpg", "train"] + args  # no --local_rank in the recorded command
     _same_training(tmp_path / "two", grpo_reference, "actor/loss")
@@ -120,9 +133,11 @@ def test_sft_script_through_the_deepspeed_launcher(grpo_data, tmp_path):
 
     one = run_cli(["sft"] + args("one"), timeout=RUN_TIMEOUT_S)
     assert one.returncode == 0, one.stderr[-3000:]
-    proc = _script("sft_grounding.sh", *args("two")[1:], MMPG_EXTRAS="dev", NUM_GPUS=2)
+    port = free_port()
+    proc = _script("sft_grounding.sh", *args("two")[1:], MMPG_EXTRAS="dev", NUM_GPUS=2, MASTER_PORT=port)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     _launched_by_deepspeed(proc, "sft")
+    _no_shared_memory_left(port)
     assert json.loads((tmp_path / "two" / "run.json").read_text())["kind"] == "sft"
     _same_training(tmp_path / "two", tmp_path / "one", "sft/loss")
 

@@ -149,3 +149,23 @@ def test_what_is_not_adopted():
     assert dist.adopt_launcher_ranks({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0"}) is None
     with pytest.raises(UserError, match="started by Open MPI .mpirun. as rank 1 of 2 without MASTER_ADDR or "):
         dist.adopt_launcher_ranks({k: v for k, v in launched.items() if k.startswith("OMPI")})
+
+
+def test_deepspeeds_cpu_all_reduce_file_is_released_only_where_deepspeed_makes_one(monkeypatch, tmp_path):
+    """DeepSpeed names its file <SHM_BUFFER>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> and maps it only when every rank
+    is local (LOCAL_SIZE == world size); one process is a world of one. tests/test_launch_real.py checks that a
+    2-process run through the DeepSpeed launcher leaves none."""
+    monkeypatch.setattr(dist, "SHM_DIR", str(tmp_path))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29731")
+    mine = tmp_path / f"{dist.SHM_BUFFER}_{os.getuid()}_127.0.0.1_29731_0"
+    other = tmp_path / f"{dist.SHM_BUFFER}_{os.getuid()}_127.0.0.1_29732_0"  # another run's
+    mine.write_bytes(b"x")
+    other.write_bytes(b"x")
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)  # torchrun: DeepSpeed maps no file
+    assert not dist.release_shared_memory() and mine.exists()
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # ranks on other machines: none either
+    assert not dist.release_shared_memory() and mine.exists()
+    monkeypatch.setenv("LOCAL_SIZE", "1")
+    assert dist.release_shared_memory() and not mine.exists() and other.exists()
+    assert not dist.release_shared_memory()  # released once

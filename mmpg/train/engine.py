@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from mmpg import dist
 from mmpg.errors import UserError
 
 # What configs/deepspeed/zero{1,2,3}.json hold; used when deepspeed.config is empty.
@@ -157,6 +158,7 @@ def build_engine(model, cfg, world_size: int, micro_batch: int, dtype: str, tota
         optimizer, lr_lambda(total_updates, o.warmup_steps, o.scheduler, o.min_lr_ratio))
     engine, _, _, _ = deepspeed.initialize(model=TrainModule(model), optimizer=optimizer, lr_scheduler=schedule,
                                            config=conf, dist_init_required=world_size > 1)
+    dist.release_shared_memory()  # DeepSpeed's CPU all-reduce files, which it leaves behind
     return engine
 
 
