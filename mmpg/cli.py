@@ -58,9 +58,11 @@ def _cmd_synth(args) -> int:
 
         task = ZoomTask(duration=args.zoom_duration, overview_fps=args.overview_fps, zoom_fps=args.zoom_fps,
                         zoom_max_frames=args.zoom_frames)
-        summary = write_zoom_dataset(args.out, args.n, args.seed, task, overwrite=args.overwrite)
+        summary = write_zoom_dataset(args.out, args.n, args.seed, task, overwrite=args.overwrite,
+                                     windows=args.zoom_windows)
         print(f"wrote {summary['videos']} zoom-task videos (seed {args.seed}: {summary['train']} train, "
-              f"{summary['test']} test) and the rule policy's trajectories to {summary['out']}")
+              f"{summary['test']} test) and the rule policy's trajectories ({summary['trajectories']}) to "
+              f"{summary['out']}")
         print(f"  train and evaluate with data.fps={task.overview_fps:g} zoom.fps={task.zoom_fps:g} "
               f"zoom.max_frames={task.zoom_max_frames} (the rule policy's trajectories use these)")
         return 0
@@ -204,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zoom-fps", type=float, default=4.0, help="with --zoom: the zoom tool's frame rate (zoom.fps)")
     p.add_argument("--zoom-frames", type=_positive_int, default=48, help="with --zoom: the zoom tool's frame cap "
                    "(zoom.max_frames)")
+    p.add_argument("--zoom-windows", type=_positive_int, default=1, help="with --zoom: trajectories per training "
+                   "video: the rule's window and up to N-1 others of its length moved along the video, each holding "
+                   "the flash (more clips to learn the answer's copy from; default 1)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=_cmd_synth)
 

@@ -59,25 +59,59 @@ def test_the_rule_policy_zooms_where_the_flash_is_and_answers_it(dataset):
         assert isinstance(call, ZoomCall) and [call.start, call.end] == line["window"]
         assert call.start <= truth["flash"][0] and truth["flash"][1] <= call.end
         assert call.end - call.start <= TASK.zoom_max_frames / TASK.zoom_fps
-        sample = GroundingSample(vid, str(dataset / line["video"]), TASK.duration, "the white flash",
-                                 tuple(truth["flash"]))
-        clip = env.step(sample, line["messages"][0]["content"], 0).clip
-        white = _corner_white(clip.frames).tolist()
-        seen = [t for t, w in zip(clip.timestamps, white) if w]
-        assert len(seen) >= 2 and truth["flash"][0] - 0.2 <= seen[0] and seen[-1] <= truth["flash"][1] + 0.2
-        # the answer is copied from the clip as decoded: the time written before the first pair of frames showing
-        # the flash, and before the pair after the last one showing it
-        written = written_times(clip.timestamps)
-        pairs = [any(white[2 * k: 2 * k + 2]) for k in range(len(written))]
-        first, last = pairs.index(True), len(pairs) - 1 - pairs[::-1].index(True)
-        assert last + 1 < len(written)  # the window closes after the flash: the end is a written time too
-        assert line["messages"][-1]["content"].endswith(f"<answer>{written[first]} to {written[last + 1]}</answer>")
-        assert line["answer"] == [float(written[first]), float(written[last + 1])]
-        # a copied answer spans one or two pairs (0.5-1 s) from the flash's first pair: tIoU >= 0.25 with the 0.5-s
-        # flash (exactly 1/3 at worst before the 0.1-s rounding of the written times)
-        assert temporal_iou(tuple(line["answer"]), tuple(truth["flash"])) >= 0.25
-        # one look can answer at best the field: its tIoU with the flash is at most FLASH_S / its length
-        assert temporal_iou(tuple(truth["field"]), tuple(truth["flash"])) <= FLASH_S / FIELD_S[0] + 1e-9
+        _copied_from_the_clip(line, truth, env, dataset)
+
+
+def _copied_from_the_clip(line: dict, truth: dict, env: ZoomEnvironment, root) -> None:
+    """The trajectory's clip, as the zoom tool decodes it, shows the flash, and its answer is copied from it."""
+    sample = GroundingSample("v", str(root / line["video"]), TASK.duration, "the white flash", tuple(truth["flash"]))
+    clip = env.step(sample, line["messages"][0]["content"], 0).clip
+    white = _corner_white(clip.frames).tolist()
+    seen = [t for t, w in zip(clip.timestamps, white) if w]
+    assert len(seen) >= 2 and truth["flash"][0] - 0.2 <= seen[0] and seen[-1] <= truth["flash"][1] + 0.2
+    # the answer is copied from the clip as decoded: the time written before the first pair of frames showing
+    # the flash, and before the pair after the last one showing it
+    written = written_times(clip.timestamps)
+    pairs = [any(white[2 * k: 2 * k + 2]) for k in range(len(written))]
+    first, last = pairs.index(True), len(pairs) - 1 - pairs[::-1].index(True)
+    assert last + 1 < len(written)  # the window closes after the flash: the end is a written time too
+    assert line["messages"][-1]["content"].endswith(f"<answer>{written[first]} to {written[last + 1]}</answer>")
+    assert line["answer"] == [float(written[first]), float(written[last + 1])]
+    # a copied answer spans one or two pairs (0.5-1 s) from the flash's first pair: tIoU >= 0.25 with the 0.5-s
+    # flash (exactly 1/3 at worst before the 0.1-s rounding of the written times)
+    assert temporal_iou(tuple(line["answer"]), tuple(truth["flash"])) >= 0.25
+    # one look can answer at best the field: its tIoU with the flash is at most FLASH_S / its length
+    assert temporal_iou(tuple(truth["field"]), tuple(truth["flash"])) <= FLASH_S / FIELD_S[0] + 1e-9
+
+
+def test_shifted_windows_add_clips_holding_the_flash_and_answers_copied_from_them(dataset, tmp_path):
+    """`windows=3` (`mmpg synth --zoom --zoom-windows 3`): the same videos; each training video's rule trajectory
+    first, then two more on windows of its length moved along the video on the zoom's grid, each holding the flash
+    inside its ends, the answer copied from that clip as decoded; `mmpg sft` reads them all."""
+    from mmpg.sft.trajectories import load_trajectories
+
+    out = tmp_path / "w"
+    assert write_zoom_dataset(out, 4, seed=3, task=TASK, windows=3)["trajectories"] == 9
+    assert (out / "events.json").read_text() == (dataset / "events.json").read_text()
+    lines = (out / "trajectories.jsonl").read_text().splitlines()
+    assert lines[0::3] == (dataset / "trajectories.jsonl").read_text().splitlines()  # the rule's, as with windows=1
+    events = json.loads((dataset / "events.json").read_text())
+    env = ZoomEnvironment(ZoomSettings(fps=TASK.zoom_fps, max_frames=TASK.zoom_max_frames, max_turns=1), SPEC)
+    for k in range(0, 9, 3):
+        group = [json.loads(x) for x in lines[k: k + 3]]
+        windows = [tuple(g["window"]) for g in group]
+        assert len(set(windows)) == 3 and {g["video"] for g in group} == {group[0]["video"]}
+        for (start, end), line in zip(windows[1:], group[1:]):
+            truth = events[line["video"].split("/")[-1][:-4]]
+            assert end - start == pytest.approx(windows[0][1] - windows[0][0])
+            assert (start * TASK.zoom_fps) == pytest.approx(round(start * TASK.zoom_fps))  # on the zoom's grid
+            assert 0.0 <= start and end <= TASK.duration
+            assert start + 0.5 <= truth["flash"][0] + 1e-9 and truth["flash"][1] + 1.0 <= end + 1e-9
+            assert parse_call(line["messages"][0]["content"]) == ZoomCall(start, end)
+            _copied_from_the_clip(line, truth, env, out)
+    assert len(load_trajectories(out / "trajectories.jsonl")) == 9
+    with pytest.raises(Exception, match="writes >= 1 trajectory per training video"):
+        write_zoom_dataset(tmp_path / "none", 4, task=TASK, windows=0)
 
 
 def test_written_times_are_the_ones_qwen3_vl_writes_before_each_pair(dataset, load_tiny):
@@ -145,9 +179,11 @@ def test_mmpg_synth_zoom_writes_the_task(tmp_path):
     assert "wrote 2 zoom-task videos" in proc.stdout
     assert "data.fps=0.5 zoom.fps=4 zoom.max_frames=48" in proc.stdout
     proc = run_cli(["synth", "--zoom", "--out", str(tmp_path / "long"), "--n", "3", "--seed", "1",
-                    "--zoom-duration", "60", "--overview-fps", "0.25", "--zoom-frames", "52"])
+                    "--zoom-duration", "60", "--overview-fps", "0.25", "--zoom-frames", "52", "--zoom-windows", "2"])
     assert proc.returncode == 0, proc.stderr
     assert "data.fps=0.25 zoom.fps=4 zoom.max_frames=52" in proc.stdout
+    assert "2 train, 1 test) and the rule policy's trajectories (4)" in proc.stdout
+    assert len((tmp_path / "long" / "trajectories.jsonl").read_text().splitlines()) == 4  # 2 windows a video
     task = ZoomTask(duration=60.0, overview_fps=0.25, zoom_max_frames=52)
     spec = VideoSpec.for_family("qwen2_5_vl", fps=0.25, min_frames=4, max_frames=768, min_pixels=56 * 56,
                                 max_pixels=56 * 56)

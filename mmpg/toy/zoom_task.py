@@ -122,10 +122,40 @@ def written_times(times: list[float]) -> list[str]:
     return [f"{(padded[k] + padded[k + 1]) / 2:.1f}" for k in range(0, len(padded), 2)]
 
 
-def rule_trajectory(scene: Scene, task: ZoomTask) -> dict:
+def rule_window(scene: Scene, task: ZoomTask) -> tuple[float, float]:
+    """The rule policy's zoom window: from the overview frame before the first one that shows the field to the one
+    after the last, on the zoom's frame grid, at most `zoom_max_frames` frames long. Reads the overview frames only."""
+    times = task.overview_times()
+    seen = [t for t in times if _visible(scene, 0, t)]
+    before = max([t for t in times if t < seen[0]], default=0.0)
+    after = min([t for t in times if t > seen[-1]], default=scene.duration)
+    step = 1.0 / task.zoom_fps  # the window on the zoom's frame grid: short numbers
+    start = math.floor(before / step + 1e-9) * step
+    return start, min(math.ceil(after / step - 1e-9) * step, start + task.zoom_max_frames * step)
+
+
+SHIFT_MARGIN_S = (0.5, 1.0)  # a shifted window keeps the flash this far inside its start and its end
+
+
+def shifted_windows(scene: Scene, task: ZoomTask, rng: np.random.Generator, k: int) -> list[tuple[float, float]]:
+    """Up to k windows of the rule's length, moved along the video on the zoom's frame grid (no two alike, none the
+    rule's own), each holding the flash SHIFT_MARGIN_S inside its ends, so that the clip's written times hold both
+    ends of the copied answer. Unlike the rule's window these are drawn knowing the flash (the drawn span): extra
+    answer turns for the cold start, each a different clip and different written times to copy from."""
+    start, end = rule_window(scene, task)
+    step, flash = 1.0 / task.zoom_fps, scene.events[1]
+    lo = max(-start, flash.end + SHIFT_MARGIN_S[1] - end)  # the shifts d: the window [start + d, end + d]
+    hi = min(scene.duration - end, flash.start - SHIFT_MARGIN_S[0] - start)
+    grid = [d * step for d in range(math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9) + 1) if d != 0]
+    picked = sorted(rng.choice(len(grid), size=min(k, len(grid)), replace=False).tolist()) if grid else []
+    return [(start + grid[i], end + grid[i]) for i in picked]
+
+
+def rule_trajectory(scene: Scene, task: ZoomTask, window: tuple[float, float] | None = None) -> dict:
     """The rule-based policy's trajectory for one video: what it sees in the overview frames, its zoom call, the
     clip's window and what it sees there, its answer. Reads only what the frames it is shown hold (`Scene`'s
-    drawing rule at the sampled times), never the drawn spans directly.
+    drawing rule at the sampled times), never the drawn spans directly; `window` replaces the rule's own window
+    (`rule_window`) with another (`shifted_windows`), the rest of the trajectory as the rule writes it.
 
     The answer is copied from the clip, not computed: its start is the time written before the first pair of frames
     that shows the flash, its end the time written before the pair after the last one that does (the window's end
@@ -135,13 +165,8 @@ def rule_trajectory(scene: Scene, task: ZoomTask) -> dict:
     model for arithmetic on the digits it reads, which the toy task's models did not learn (docs/performance.md)."""
     from mmpg.rollout.zoom import call_text
 
-    times = task.overview_times()
-    seen = [t for t in times if _visible(scene, 0, t)]
-    before = max([t for t in times if t < seen[0]], default=0.0)
-    after = min([t for t in times if t > seen[-1]], default=scene.duration)
-    step = 1.0 / task.zoom_fps  # the window on the zoom's frame grid: short numbers
-    start = math.floor(before / step + 1e-9) * step
-    end = min(math.ceil(after / step - 1e-9) * step, start + task.zoom_max_frames * step)
+    seen = [t for t in task.overview_times() if _visible(scene, 0, t)]
+    start, end = window if window is not None else rule_window(scene, task)
     frames = clip_times(scene, task, start, end)
     written = written_times(frames)
     shows = [any(_visible(scene, 1, t) for t in frames[2 * k: 2 * k + 2]) for k in range(len(written))]
@@ -162,10 +187,12 @@ def rule_trajectory(scene: Scene, task: ZoomTask) -> dict:
 
 
 def write_zoom_dataset(out: Path | str, n: int, seed: int = 0, task: ZoomTask | None = None, *,
-                       overwrite: bool = False, test_fraction: float = 0.25) -> dict:
+                       overwrite: bool = False, test_fraction: float = 0.25, windows: int = 1) -> dict:
     """Write n videos of the task into `out`: videos/*.mp4, train.json and test.json (captions format: duration,
     timestamps, sentences), events.json (what was drawn) and trajectories.jsonl (the rule policy's trajectory of
-    each training video). Written to a hidden sibling first and renamed into place. Returns a summary."""
+    each training video, then up to `windows` - 1 more on shifted windows, `shifted_windows`, drawn from their own
+    generator so the videos are the seed's whatever `windows` is). Written to a hidden sibling first and renamed
+    into place. Returns a summary."""
     from mmpg.toy.videos import _check_out, _move_into_place, _write_json
 
     task = task or ZoomTask()
@@ -174,6 +201,8 @@ def write_zoom_dataset(out: Path | str, n: int, seed: int = 0, task: ZoomTask | 
         raise UserError(problem)
     if n < 2:
         raise UserError(f"n={n}: the zoom task needs >= 2 videos (a training and a test split)")
+    if windows < 1:
+        raise UserError(f"windows={windows}: the zoom task writes >= 1 trajectory per training video")
     out = Path(os.path.abspath(Path(out).expanduser()))
     _check_out(out, overwrite)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -192,17 +221,22 @@ def write_zoom_dataset(out: Path | str, n: int, seed: int = 0, task: ZoomTask | 
         _write_json(tmp / "events.json", {sc.video_id: {
             "field": [sc.events[0].start, sc.events[0].end], "colour": sc.events[0].colour,
             "flash": [sc.events[1].start, sc.events[1].end]} for sc in scenes})
+        shifts = np.random.default_rng([seed, 1])
+        written = 0
         with open(tmp / "trajectories.jsonl", "w") as f:
             for sc in splits["train"]:
-                f.write(json.dumps({"video": f"videos/{sc.video_id}.mp4", "query": QUERY,
-                                    "span": [sc.events[1].start, sc.events[1].end],
-                                    **rule_trajectory(sc, task)}) + "\n")
+                for window in [None, *shifted_windows(sc, task, shifts, windows - 1)]:
+                    f.write(json.dumps({"video": f"videos/{sc.video_id}.mp4", "query": QUERY,
+                                        "span": [sc.events[1].start, sc.events[1].end],
+                                        **rule_trajectory(sc, task, window)}) + "\n")
+                    written += 1
         out.parent.mkdir(parents=True, exist_ok=True)
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"videos": n, "train": len(splits["train"]), "test": len(splits["test"]), "out": str(out)}
+    return {"videos": n, "train": len(splits["train"]), "test": len(splits["test"]), "trajectories": written,
+            "out": str(out)}
 
 
 def _encode(path: Path, scene: Scene) -> None:
