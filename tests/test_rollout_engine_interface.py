@@ -151,3 +151,32 @@ except ValueError as e:
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.splitlines() == ["HFEngine copy 64 False", "[]",
                                        "rollout.engine='sglang'; choose hf or vllm"], res.stdout
+
+
+def test_weight_files_of_killed_trainers_are_removed_at_the_next_sync(tmp_path):
+    """A weight file outlives a trainer killed mid-sync (its `finally` never runs): the next sync removes it once
+    its process is gone and it is older than a sync may last; live or recent ones, and other files, stay."""
+    import os
+
+    from mmpg.rollout.vllm import WEIGHT_FILE_PREFIX, remove_stale_weight_files
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a PID no process holds now (reaped)
+    now = 1_000_000.0
+
+    def write(name, age_s):
+        path = tmp_path / name
+        path.write_bytes(b"x")
+        os.utime(path, (now - age_s, now - age_s))
+        return path
+
+    stale = write(f"{WEIGHT_FILE_PREFIX}{gone.pid}-abc.safetensors", 3600)
+    recent = write(f"{WEIGHT_FILE_PREFIX}{gone.pid}-def.safetensors", 60)  # its sync may still be in flight
+    alive = write(f"{WEIGHT_FILE_PREFIX}{os.getpid()}-ghi.safetensors", 3600)  # a live trainer's
+    unnamed = write(f"{WEIGHT_FILE_PREFIX}jkl.safetensors", 3600)  # no PID in the name: not provably stale
+    other = write(f"other-{gone.pid}-x.safetensors", 3600)
+    removed = remove_stale_weight_files(str(tmp_path), older_than_s=600, now=now)
+    assert removed == [str(stale)]
+    assert not stale.exists()
+    assert recent.exists() and alive.exists() and unnamed.exists() and other.exists()
+    assert remove_stale_weight_files(str(tmp_path / "missing"), now=now) == []  # no folder: nothing to do

@@ -52,6 +52,49 @@ from mmpg.serve.wire import DEFAULT_URL, WIRE_VERSION, ServerError, call, check_
 
 log = logging.getLogger("mmpg.rollout.vllm")
 
+WEIGHT_FILE_PREFIX = "mmpg-weights-"  # + the writing process's PID + "-": a weight file (`_send_weights`)
+
+
+def remove_stale_weight_files(folder: str, older_than_s: float = 600.0, now: float | None = None) -> list[str]:
+    """Remove the weight files (`mmpg-weights-PID-*.safetensors`) that a trainer killed mid-sync left in `folder`:
+    those whose PID is no process here and that are older than `older_than_s` (a sync in flight lasts at most
+    rollout.vllm_sync_timeout_s). The `finally` of `_send_weights` removes its own file on an exception, not on a
+    kill; in /dev/shm each left-over file holds its size of RAM until the machine restarts. Returns the removed
+    paths (logged)."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(WEIGHT_FILE_PREFIX) and name.endswith(".safetensors")):
+            continue
+        pid = name[len(WEIGHT_FILE_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if now - os.stat(path).st_mtime < older_than_s:
+                continue
+            os.unlink(path)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+        removed.append(path)
+    if removed:
+        log.warning("removed %d weight file(s) that stopped syncs left behind: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, under another user
+        return True
+    return True
+
 
 class PromptTooLongError(ValueError):
     """A prompt plus max_new_tokens exceeds the server's max_model_len; `index` is the prompt (0..B-1)."""
@@ -291,7 +334,8 @@ class VLLMEngine(RolloutEngine):
 
         tensors = {n: p.to("cpu").contiguous() for n, p in params.items()}
         folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        fd, path = tempfile.mkstemp(prefix="mmpg-weights-", suffix=".safetensors", dir=folder)
+        remove_stale_weight_files(folder or tempfile.gettempdir(), older_than_s=max(600.0, self.sync_timeout_s))
+        fd, path = tempfile.mkstemp(prefix=f"{WEIGHT_FILE_PREFIX}{os.getpid()}-", suffix=".safetensors", dir=folder)
         os.close(fd)
         try:
             save_file(tensors, path)
