@@ -321,3 +321,32 @@ def test_a_cache_folder_that_cannot_be_written_is_one_line(tmp_path):
     assert str(err.value).startswith(f"data.frame_cache={blocker / 'frames'}: cannot write there")
     assert "\n" not in str(err.value)
     assert open_frame_cache("", 1) is None and open_frame_cache(str(tmp_path / "ok"), 1) is not None
+
+
+def test_the_zoom_tool_reads_its_clips_through_the_cache(vids, tmp_path, monkeypatch):
+    """data.frame_cache with data.template=zoom (`mmpg sft` on trajectories, `mmpg train`): the tool's clip comes
+    back as a clip (the cache's (frames, hit) pair unpacked), decoded once and then read from the cache bit for bit."""
+    from mmpg.config import Config
+    from mmpg.rollout.zoom import ToolTurn, call_text
+    from mmpg.train.setup import frame_cache, zoom_environment
+
+    cfg = Config()
+    cfg.data.frame_cache = str(tmp_path / "frames")
+    cfg.data.min_pixels, cfg.data.max_pixels = SPEC.min_pixels, SPEC.max_pixels
+    cfg.zoom.fps, cfg.zoom.max_frames = 4.0, 8
+    hits, load = [], FrameCache.load
+
+    def recorded(self, *args, **kwargs):
+        out = load(self, *args, **kwargs)
+        hits.append(out[1])
+        return out
+
+    monkeypatch.setattr(FrameCache, "load", recorded)
+    env = zoom_environment(cfg, "qwen2_5_vl", frame_cache(cfg))
+    sample = dataclasses.replace(_sample(vids["a"]), duration=3.0)
+    turn = f"<think>look</think>{call_text(0.5, 2.0)}"
+    first, second = env.step(sample, turn, 0), env.step(sample, turn, 0)
+    assert isinstance(first, ToolTurn) and first.window == (0.5, 2.0) and first.frames == first.clip.frames.shape[0] > 0
+    assert hits == [False, True]  # decoded, then read back
+    _same(second.clip, first.clip)
+    _same(first.clip, load_video(vids["a"], env.spec, 0.5, 2.0))
