@@ -50,6 +50,7 @@ SCRIPTS = {
     # experiments of docs/performance.md (minutes each): run here with mmpg stood in, their mmpg commands checked
     "queries_per_video.sh": ("tests/test_documented_commands.py", "def test_experiment_scripts_commands_parse"),
     "async_learning.sh": ("tests/test_documented_commands.py", "def test_experiment_scripts_commands_parse"),
+    "zoom_learning.sh": ("tests/test_zoom_learning.py", "scripts/zoom_learning.sh"),
 }
 # programs outside mmpg a page shows, and why no test runs them
 EXTERNAL = {

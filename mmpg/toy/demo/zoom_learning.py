@@ -1,0 +1,270 @@
+"""Does zooming beat one look at an equal frame budget? The toy zoom task's two arms, each a supervised warm start then
+GRPO, with a greedy evaluation on the held-out test videos after each stage, printed as one table.
+
+    bash scripts/zoom_learning.sh [--sft-steps 4500] [--one-look-sft-steps N] [--grpo-steps 80] [--test-samples 0]
+                                  [--videos 3000] [--seed 0] [--workdir DIR]
+
+The task (`mmpg synth --zoom`, docs/data.md): 120-s videos in which a 0.5-s white flash sits inside a coloured
+square's 6-8 s, placed between the frames of an overview at 0.25 fps (30 frames), so the overview shows the square
+but never the flash; the zoom tool returns a window at 4 fps (at most 50 frames). The model: a tiny Qwen3-VL (LM
+hidden 128, 4 layers: 0.95 M parameters; its vision tower random and frozen), frames 32 x 32 (one token per two).
+
+- zoom arm: SFT on the rule policy's trajectories (`trajectories.jsonl`: overview -> a zoom on a window holding the
+  flash -> the answer copied from the times written before the clip's frames), the rule's window and 3 more moved
+  along each training video (`--zoom-windows 4`); the 4 trajectories of a video side by side in a step
+  (`data.queries_per_video 4`), so the grouped forward encodes and forwards its overview once for all four. Then
+  GRPO with the tool (`data.template zoom`, up to `zoom.max_turns` 2 zooms, 128 new tokens a turn, an error turn
+  costs 0.2).
+- one-look arm: the same videos at 0.625 fps, 75 frames: the zoom arm's budget (the overview's 30 frames and the
+  rule's clips, 44.6 frames on average over the test videos); SFT on the true spans, then GRPO.
+
+Both arms: seed `--seed`, `configs/sft_cpu_demo.yaml`'s optimizer (lr 1e-3, constant), answers with one decimal;
+`configs/cpu_demo.yaml`'s GRPO (G 8, temperature 0.7, lr 2e-4) on 4 prompts a step. Each stage's run has a fixed
+name under WORKDIR/runs and `checkpoint.resume: auto`: run the command again after a stop and it continues (a
+finished stage and a finished evaluation are reused). The data's frames are cached on disk (`data.frame_cache`)
+after their first decode. Results: WORKDIR/results/summary.md and summary.json (atomic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from mmpg.errors import UserError
+from mmpg.toy.demo.pipeline import eval_out, train_stage
+from mmpg.toy.zoom_task import ZoomTask
+
+FAMILY = "qwen3_vl"
+MODEL_SIZE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
+TASK = ZoomTask(duration=120.0, overview_fps=0.25, zoom_fps=4.0, zoom_max_frames=50)
+DATA_SEED, WINDOWS = 2, 4
+PIXELS = 3136  # min = max pixels: Qwen3-VL's 32 x 32 frames, one video token per two frames
+ONE_LOOK = {"fps": 0.625, "max_frames": 75}  # the zoom arm's budget: overview 30 + the rule's clips (44.6 on average)
+MAX_TURNS = 2
+NEW_TOKENS = 128  # per model turn (a zoom call is about 70 tokens of the tiny tokenizer)
+DECIMALS = 1
+WORKDIR = "data/generated/zoom_learning"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    sft_steps: int
+    one_look_sft_steps: int
+    grpo_steps: int
+    test_samples: int  # 0: the whole test split
+    videos: int
+    seed: int
+
+
+@dataclasses.dataclass
+class Paths:
+    workdir: Path
+    model: Path
+    data: Path
+    runs: Path
+    frames: Path
+    results: Path
+
+    @classmethod
+    def under(cls, workdir: Path, videos: int) -> Paths:
+        w = workdir.resolve()
+        return cls(w, w / "tiny-qwen3_vl-128x4", w / f"zoom-{videos}-seed{DATA_SEED}", w / "runs", w / "frames",
+                   w / "results")
+
+
+def ensure_artifacts(paths: Paths, videos: int) -> list[str]:
+    """The tiny checkpoint and the task's videos and trajectories, built when missing; returns what was built."""
+    from mmpg.toy.models import TinySpec, make_tiny
+    from mmpg.toy.zoom_task import write_zoom_dataset
+
+    built = []
+    if not (paths.model / "model.safetensors").is_file():
+        make_tiny(FAMILY, paths.model, seed=0, spec=TinySpec(**MODEL_SIZE), overwrite=True)
+        built.append(f"tiny {FAMILY} checkpoint")
+    if not (paths.data / "trajectories.jsonl").is_file():
+        write_zoom_dataset(paths.data, videos, seed=DATA_SEED, task=TASK, overwrite=True, windows=WINDOWS)
+        built.append(f"{videos} zoom-task videos")
+    return built
+
+
+def _common(paths: Paths, seed: int, steps: int, run: str, every: int) -> list[str]:
+    return [f"data.min_pixels={PIXELS}", f"data.max_pixels={PIXELS}", "data.val=", f"data.frame_cache={paths.frames}",
+            f"trainer.output_dir={paths.runs}", f"trainer.run_name={run}", f"trainer.total_steps={steps}",
+            f"trainer.seed={seed}", f"checkpoint.every_n_steps={every}", "checkpoint.keep_last=1",
+            "checkpoint.resume=auto", "eval.every_n_steps=0"]
+
+
+def _zoom() -> list[str]:
+    return ["data.template=zoom", f"data.fps={TASK.overview_fps:g}", "data.max_frames=768",
+            f"zoom.fps={TASK.zoom_fps:g}", f"zoom.max_frames={TASK.zoom_max_frames}", f"zoom.max_turns={MAX_TURNS}"]
+
+
+def stage_overrides(paths: Paths, arm: str, kind: str, model: Path, steps: int, seed: int) -> list[str]:
+    """The config overrides of one stage (`kind` sft or grpo) of one arm (zoom or one_look)."""
+    every = max(1, min(250, steps))  # a stopped stage loses at most 250 steps
+    over = [f"model.path={model}", *_common(paths, seed, steps, f"{arm}-{kind}", every)]
+    if arm == "zoom":
+        over += _zoom()
+    else:
+        over += ["data.template=time_r1", f"data.fps={ONE_LOOK['fps']:g}", f"data.max_frames={ONE_LOOK['max_frames']}"]
+    if kind == "sft":
+        over += [f"sft.decimals={DECIMALS}", "data.num_workers=1"]
+        if arm == "zoom":  # the trajectories' video paths are relative to the dataset's folder
+            over += ["data.train=", f"data.videos={paths.data}",
+                     f"sft.trajectories={paths.data / 'trajectories.jsonl'}", f"data.queries_per_video={WINDOWS}",
+                     f"trainer.micro_batch_size={WINDOWS}"]
+        else:
+            over += [f"data.train={paths.data / 'train.json'}", f"data.videos={paths.data / 'videos'}"]
+    else:
+        over += [f"data.train={paths.data / 'train.json'}", f"data.videos={paths.data / 'videos'}",
+                 "data.batch_size=4", f"rollout.max_new_tokens={NEW_TOKENS}"]
+        if arm == "zoom":
+            over += ["zoom.error_penalty=0.2"]
+    return over
+
+
+def _finished(run: Path, steps: int) -> Path | None:
+    from mmpg.runs import list_checkpoints
+
+    ckpts = list_checkpoints(run) if run.is_dir() else []
+    return ckpts[-1][1] if ckpts and ckpts[-1][0] >= steps else None
+
+
+def run_stage(paths: Paths, arm: str, kind: str, model: Path, steps: int, seed: int) -> Path:
+    """Train one stage (or continue it after a stop, or reuse it when finished); returns its last checkpoint."""
+    run = paths.runs / f"{arm}-{kind}"
+    done = _finished(run, steps)
+    if done is not None:
+        print(f"  {arm} {kind}: reused {done}", flush=True)
+        return done
+    print(f"  {arm} {kind} ({steps} steps) -> {run}", flush=True)
+    config = "sft_cpu_demo.yaml" if kind == "sft" else "cpu_demo.yaml"
+    train_stage("sft" if kind == "sft" else "train", config, stage_overrides(paths, arm, kind, model, steps, seed),
+                run, steps, paths.results / f"{arm}-{kind}.log", every=max(1, steps // 10))
+    done = _finished(run, steps)
+    if done is None:
+        raise UserError(f"{run}: the stage ended without its step-{steps} checkpoint")
+    return done
+
+
+def evaluate(checkpoint: Path, paths: Paths, arm: str, test_samples: int):
+    """Greedy evaluation on the test split (the zoom protocol for the zoom arm) into the checkpoint's
+    evals/test folder; a finished one with the same settings is reused."""
+    from mmpg.eval.runner import evaluate_checkpoint
+    from mmpg.eval.settings import load_settings
+
+    common = [f"min_pixels={PIXELS}", f"max_pixels={PIXELS}", f"max_new_tokens={NEW_TOKENS}",
+              f"max_samples={test_samples}", "device=cpu", "num_workers=1"]
+    if arm == "zoom":
+        own = ["template=zoom", f"fps={TASK.overview_fps:g}", "max_frames=768", f"zoom_fps={TASK.zoom_fps:g}",
+               f"zoom_max_frames={TASK.zoom_max_frames}", f"zoom_max_turns={MAX_TURNS}"]
+    else:
+        own = ["template=time_r1", f"fps={ONE_LOOK['fps']:g}", f"max_frames={ONE_LOOK['max_frames']}"]
+    settings = load_settings("default", own + common)
+    return evaluate_checkpoint(checkpoint, paths.data / "test.json", paths.data / "videos", eval_out(checkpoint),
+                               settings, benchmark="test")
+
+
+def frames_per_video(arm: str, metrics: dict) -> float:
+    """Frames the model saw per test video: one look's, or the overview's plus the clips' (measured)."""
+    if arm == "zoom":
+        return TASK.duration * TASK.overview_fps + float(metrics.get("zoom/clip_frames_mean", 0.0))
+    return float(min(ONE_LOOK["max_frames"], TASK.duration * ONE_LOOK["fps"]))
+
+
+COLUMNS = (("mIoU", "miou"), ("R1@0.3", "r1@0.3"), ("R1@0.5", "r1@0.5"), ("unparseable", "unparseable"))
+
+
+def table(rows: list[dict]) -> list[str]:
+    head = "| run | steps | frames per video | " + " | ".join(c for c, _ in COLUMNS) + " | zoomed |"
+    lines = [head, "|---|---:|---:|" + "---:|" * (len(COLUMNS) + 1)]
+    for r in rows:
+        m = r["metrics"]
+        zoomed = f"{100 * m['zoom/used_share']:.0f} %" if "zoom/used_share" in m else ""
+        cells = " | ".join(f"{100 * float(m.get(k, float('nan'))):.1f}" for _, k in COLUMNS)
+        lines.append(f"| {r['label']} | {r['steps']} | {r['frames']:.1f} | {cells} | {zoomed} |")
+    return lines
+
+
+def run(workdir: str, plan: Plan) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from mmpg.runs import atomic_write_json, atomic_write_text
+
+    hf_logging.disable_progress_bar()
+    if min(plan.sft_steps, plan.one_look_sft_steps, plan.grpo_steps) <= 0:
+        raise UserError("every stage needs at least one step")
+    if plan.videos < 4:
+        raise UserError(f"--videos {plan.videos}: at least 4 (a training and a test split)")
+    paths = Paths.under(Path(workdir), plan.videos)
+    print(f"zoom learning: zoom SFT {plan.sft_steps} + GRPO {plan.grpo_steps} steps, one look SFT "
+          f"{plan.one_look_sft_steps} + GRPO {plan.grpo_steps}, seed {plan.seed}, in {paths.workdir}", flush=True)
+    t0 = time.perf_counter()
+    built = ensure_artifacts(paths, plan.videos)
+    print(f"  built now: {', '.join(built) if built else 'nothing (reused the checkpoint and videos there)'}",
+          flush=True)
+    rows, seconds = [], {}
+    for arm, sft_steps in (("zoom", plan.sft_steps), ("one_look", plan.one_look_sft_steps)):
+        model = paths.model
+        for kind, steps in (("sft", sft_steps), ("grpo", plan.grpo_steps)):
+            s0 = time.perf_counter()
+            model = run_stage(paths, arm, kind, model, steps, plan.seed)
+            seconds[f"{arm}-{kind}"] = time.perf_counter() - s0
+            s0 = time.perf_counter()
+            result = evaluate(model, paths, arm, plan.test_samples)
+            seconds[f"{arm}-{kind}-eval"] = time.perf_counter() - s0
+            label = ("zoom" if arm == "zoom" else "one look") + (", SFT" if kind == "sft" else ", + GRPO")
+            rows.append({"arm": arm, "stage": kind, "label": label, "steps": steps, "checkpoint": str(model),
+                         "eval": str(result.folder), "frames": frames_per_video(arm, result.metrics),
+                         "metrics": result.metrics})
+            print(f"  {label}: mIoU {100 * result.metrics['miou']:.1f} on {int(result.metrics['count'])} test "
+                  "videos", flush=True)
+    final = {r["arm"]: r["metrics"]["miou"] for r in rows if r["stage"] == "grpo"}
+    gap = 100 * (final["zoom"] - final["one_look"])
+    zoomed = next(r["metrics"].get("zoom/used_share", 0.0) for r in rows if r["arm"] == "zoom" and r["stage"] == "grpo")
+    lines = ["", f"zoom learning (seed {plan.seed}; greedy answers on the {int(rows[0]['metrics']['count'])} "
+             "held-out test videos; % of queries, R1@m counts tIoU > m):", "", *table(rows), "",
+             f"zoom + GRPO minus one look + GRPO: {gap:+.1f} mIoU points (the issue's bar: +10); the zooming model "
+             f"called the tool on {100 * zoomed:.0f} % of the test videos",
+             "time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items())
+             + f"; total {(time.perf_counter() - t0) / 60:.1f} min"]
+    text = "\n".join(lines)
+    paths.results.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(paths.results / "summary.md", text + "\n")
+    atomic_write_json(paths.results / "summary.json", {
+        "v": 1, "plan": dataclasses.asdict(plan), "task": dataclasses.asdict(TASK), "model": MODEL_SIZE,
+        "one_look": ONE_LOOK, "rows": rows, "gap_miou_points": gap, "zoom_used_share": zoomed, "seconds": seconds})
+    print(text, flush=True)
+    print(f"wrote {paths.results / 'summary.md'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zoom_learning", description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default=WORKDIR, help="where the model, videos, runs and results go")
+    parser.add_argument("--sft-steps", type=int, default=4500, help="zoom arm's SFT steps of 8 trajectories")
+    parser.add_argument("--one-look-sft-steps", type=int, default=None,
+                        help="one-look arm's SFT steps of 8 samples (default: --sft-steps)")
+    parser.add_argument("--grpo-steps", type=int, default=80, help="GRPO steps per arm (4 prompts x 8 samples)")
+    parser.add_argument("--test-samples", type=int, default=0, help="test videos evaluated (0: all)")
+    parser.add_argument("--videos", type=int, default=3000, help="videos of the task (a quarter are the test split)")
+    parser.add_argument("--seed", type=int, default=0, help="training seed (the videos' seed is fixed)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    plan = Plan(args.sft_steps, args.one_look_sft_steps if args.one_look_sft_steps is not None else args.sft_steps,
+                args.grpo_steps, args.test_samples, args.videos, args.seed)
+    try:
+        return run(args.workdir, plan)
+    except UserError as err:
+        print(f"zoom_learning: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
