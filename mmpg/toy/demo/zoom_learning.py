@@ -71,7 +71,8 @@ class Paths:
     @classmethod
     def under(cls, workdir: Path, videos: int) -> Paths:
         w = workdir.resolve()
-        return cls(w, w / "tiny-qwen3_vl-128x4", w / f"zoom-{videos}-seed{DATA_SEED}", w / "runs", w / "frames",
+        model = f"tiny-{FAMILY}-{MODEL_SIZE['hidden_size']}x{MODEL_SIZE['num_layers']}"  # the name says the size
+        return cls(w, w / model, w / f"zoom-{videos}-seed{DATA_SEED}", w / "runs", w / "frames",
                    w / "results")
 
 
