@@ -72,6 +72,39 @@ def test_bad_trajectories_are_one_line(tmp_path):
                                                                                       "content": CALL}))
 
 
+def test_a_turn_of_weight_0_is_forwarded_but_not_in_the_loss(tmp_path, load_tiny):
+    """`"weight": 0` on a model turn (OpenAI's chat fine-tuning format): the trajectory's conversation is the same, its
+    tokens are out of the loss's mask; weights other than 0 and 1, and a trajectory with no turn to train, are one
+    line naming the file, the line and the message."""
+    from mmpg.data.video import VideoSpec
+    from mmpg.rollout.zoom import ZoomEnvironment, ZoomSettings
+    from mmpg.sft.trajectories import trajectory_completion
+
+    out = tmp_path / "zoom"
+    write_zoom_dataset(out, 4, seed=0, task=ZoomTask(duration=30.0))
+    line = json.loads((out / "trajectories.jsonl").read_text().splitlines()[0])
+    weighted = json.loads(json.dumps(line))
+    weighted["messages"][0]["weight"] = 0
+    weighted["messages"][2]["weight"] = 1
+    (tmp_path / "w.jsonl").write_text(json.dumps(line) + "\n" + json.dumps(weighted) + "\n")
+    plain, zero = load_trajectories(tmp_path / "w.jsonl", out)
+    assert plain.weights == (1, 1) and zero.weights == (0, 1) and plain.turns == zero.turns
+    _, processor = load_tiny("qwen3_vl")
+    spec = VideoSpec.for_family("qwen3_vl", fps=0.5, min_frames=4, max_frames=768, min_pixels=1024, max_pixels=1024)
+    env = ZoomEnvironment(ZoomSettings(fps=4.0, max_frames=48, max_turns=2), spec)
+    stop = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids, own, _ = trajectory_completion(processor, plain, env, stop)
+    ids0, own0, _ = trajectory_completion(processor, zero, env, stop)
+    first = len(processor.tokenizer(plain.turns[0], add_special_tokens=False)["input_ids"]) + 1  # and its stop
+    assert torch.equal(ids, ids0) and int(own[:first].sum()) == first
+    assert int(own0[:first].sum()) == 0 and torch.equal(own0[first:], own[first:]) and int(own0.sum()) > 0
+    for weight in (2, 0.5, "0", True, None):
+        assert f"message 0: weight must be 0 (not in the loss) or 1 (the default), got {weight!r}" in _bad(
+            tmp_path, _with(m0=dict(GOOD["messages"][0], weight=weight)))
+    none = _with(m0=dict(GOOD["messages"][0], weight=0), m2=dict(ANSWER, weight=0))
+    assert "every model turn has weight 0: nothing to train on" in _bad(tmp_path, none)
+
+
 def test_an_empty_or_missing_file_is_one_line(tmp_path):
     (tmp_path / "e.jsonl").write_text("\n")
     with pytest.raises(UserError, match="no trajectories"):

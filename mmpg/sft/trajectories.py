@@ -8,6 +8,10 @@ A trajectories file is JSON Lines, one trajectory a line (what `mmpg synth --zoo
                                                                           "video_end": b}]},
         {"role": "assistant", "content": "<think>...</think><answer>s to e</answer>"}]}
 
+A model turn may carry `"weight": 0` (as in OpenAI's chat fine-tuning format; 1 is the default): it stays in the
+conversation the model is trained on but is not in the loss, e.g. a call written for its clip, not to be imitated
+(`mmpg synth --zoom --zoom-windows N` marks so the calls of its shifted windows). A trajectory trains at least one turn.
+
 The messages are the model's turns and the tool's, alternating, from the model's first turn to its answer: every
 model turn but the last calls the zoom tool once (`mmpg.rollout.zoom.parse_call`), the tool turn after it holds that
 window's clip, and the last turn answers without a call. What the chat templates cannot express, or the tool would
@@ -33,11 +37,16 @@ KEYS = ("video", "query", "span", "messages")
 @dataclasses.dataclass(frozen=True)
 class Trajectory:
     """One checked trajectory: its sample (video, query, the truth), the model's turns in order and the window of
-    each tool turn between them (len(turns) == len(windows) + 1)."""
+    each tool turn between them (len(turns) == len(windows) + 1), and whether each model turn is in the loss
+    (`weights`, 1 or 0: the message's `weight`)."""
 
     sample: GroundingSample
     turns: tuple[str, ...]
     windows: tuple[tuple[float, float], ...]
+    weights: tuple[int, ...] = ()  # () = every turn 1
+
+    def weight(self, k: int) -> int:
+        return self.weights[k] if self.weights else 1
 
 
 def _tool_window(content, where: str) -> tuple[float, float]:
@@ -68,7 +77,7 @@ def parse_trajectory(record, where: str, videos: Path | None = None) -> Trajecto
     if not isinstance(messages, list) or not messages or len(messages) % 2 == 0:
         raise UserError(f"{where}: messages must alternate assistant and tool turns, from the model's first turn to "
                         "its answer (an odd count)")
-    turns, windows = [], []
+    turns, windows, weights = [], [], []
     for k, message in enumerate(messages):
         role = "assistant" if k % 2 == 0 else "tool"
         at = f"{where}: message {k}"
@@ -84,6 +93,10 @@ def parse_trajectory(record, where: str, videos: Path | None = None) -> Trajecto
         content = message.get("content")
         if not isinstance(content, str):
             raise UserError(f"{at}: a model turn's content must be its text")
+        weight = message.get("weight", 1)
+        if isinstance(weight, bool) or weight not in (0, 1):
+            raise UserError(f"{at}: weight must be 0 (not in the loss) or 1 (the default), got {weight!r}")
+        weights.append(int(weight))
         call = parse_call(content)
         last = k == len(messages) - 1
         if last and call is not None:
@@ -94,13 +107,15 @@ def parse_trajectory(record, where: str, videos: Path | None = None) -> Trajecto
         if not last:
             windows.append((call.start, call.end))
         turns.append(content)
+    if not any(weights):
+        raise UserError(f"{where}: every model turn has weight 0: nothing to train on")
     video = Path(str(record["video"]))
     if videos is not None and not video.is_absolute():
         video = videos / video
     sample = GroundingSample(sample_id=f"{Path(where.rsplit(':', 1)[0]).stem}#{where.rsplit(':', 1)[1]}",
                              video=str(video), duration=None, query=str(record["query"]),
                              span=(float(span[0]), float(span[1])), origin=where)
-    return Trajectory(sample, tuple(turns), tuple(windows))
+    return Trajectory(sample, tuple(turns), tuple(windows), tuple(weights))
 
 
 def load_trajectories(path: str | Path, videos: str | Path | None = None) -> list[Trajectory]:
@@ -131,7 +146,7 @@ def trajectory_completion(processor, trajectory: Trajectory, env, stop_id: int):
     """The trajectory's completion as training forwards it, the same conversation multi-turn sampling writes
     (`mmpg.rollout.multiturn`): each model turn's tokens and `stop_id`, then the tool's turn for its call (the
     environment's own text and the clip it decodes, `mmpg.rollout.zoom`). -> (ids [L] long, own [L] long: 1 on the
-    model's tokens, what the loss covers; the clips' visual inputs, {} without). `env`: a `ZoomEnvironment`; a call
+    model's tokens of a turn of weight 1, what the loss covers; the clips' visual inputs, {} without). `env`: a `ZoomEnvironment`; a call
     it refuses (a window outside the video or longer than it shows) is a UserError naming the line."""
     import torch
 
@@ -147,7 +162,7 @@ def trajectory_completion(processor, trajectory: Trajectory, env, stop_id: int):
     for k, turn in enumerate(trajectory.turns):
         tokens = tokenizer(turn, add_special_tokens=False)["input_ids"] + [int(stop_id)]
         ids.append(torch.tensor(tokens, dtype=torch.long))
-        own.append(torch.ones(len(tokens), dtype=torch.long))
+        own.append(torch.full((len(tokens),), trajectory.weight(k), dtype=torch.long))
         if k == len(trajectory.windows):
             break
         tool = env.step(sample, turn, k)
