@@ -57,7 +57,7 @@ def _cmd_synth(args) -> int:
         from mmpg.toy.zoom_task import ZoomTask, write_zoom_dataset
 
         task = ZoomTask(duration=args.zoom_duration, overview_fps=args.overview_fps, zoom_fps=args.zoom_fps,
-                        zoom_max_frames=args.zoom_frames)
+                        zoom_max_frames=args.zoom_frames, window_rule=args.zoom_rule)
         summary = write_zoom_dataset(args.out, args.n, args.seed, task, overwrite=args.overwrite,
                                      windows=args.zoom_windows)
         print(f"wrote {summary['videos']} zoom-task videos (seed {args.seed}: {summary['train']} train, "
@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zoom-fps", type=float, default=4.0, help="with --zoom: the zoom tool's frame rate (zoom.fps)")
     p.add_argument("--zoom-frames", type=_positive_int, default=48, help="with --zoom: the zoom tool's frame cap "
                    "(zoom.max_frames)")
+    p.add_argument("--zoom-rule", choices=("frames", "stamps"), default="frames", help="with --zoom: the rule "
+                   "policy's zoom window: between the overview frames around the square (frames, default) or between "
+                   "the times Qwen3-VL writes before the frame pairs around it (stamps: wider, copied from the prompt)")
     p.add_argument("--zoom-windows", type=_positive_int, default=1, help="with --zoom: trajectories per training "
                    "video: the rule's window and up to N-1 others of its length moved along the video, each holding "
                    "the flash (more clips to learn the answer's copy from; default 1)")

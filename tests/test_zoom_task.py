@@ -110,6 +110,8 @@ def test_shifted_windows_add_clips_holding_the_flash_and_answers_copied_from_the
             assert parse_call(line["messages"][0]["content"]) == ZoomCall(start, end)
             _copied_from_the_clip(line, truth, env, out)
     assert len(load_trajectories(out / "trajectories.jsonl")) == 9
+    for k, line in enumerate(lines):  # the shifted calls, drawn knowing the flash, are not trained on
+        assert json.loads(line)["messages"][0].get("weight", 1) == (1 if k % 3 == 0 else 0)
     with pytest.raises(Exception, match="writes >= 1 trajectory per training video"):
         write_zoom_dataset(tmp_path / "none", 4, task=TASK, windows=0)
 
@@ -133,6 +135,51 @@ def test_written_times_are_the_ones_qwen3_vl_writes_before_each_pair(dataset, lo
         text = processor.tokenizer.decode(ids)
         assert re.findall(r"<([0-9.]+) seconds>", text) == written_times(turn.clip.timestamps), (start, end)
     assert written_times([1.0, 1.25, 1.5]) == ["1.1", "1.5"]
+
+
+def test_the_stamps_rule_zooms_between_times_the_overview_prompt_writes(tmp_path, load_tiny):
+    """`window_rule="stamps"` (`mmpg synth --zoom --zoom-rule stamps`): the rule's window runs from the time Qwen3-VL's
+    prompt writes before the pair of overview frames ahead of the first pair showing the square to the time written
+    before the pair after the last one (so the call copies two numbers of the prompt); it holds the square and the
+    flash, its clip shows the flash and the answer is copied from it; shifted windows stay short decimals."""
+    import re
+
+    from mmpg.data.prompts import build_prompt_inputs, get_template
+
+    task = ZoomTask(duration=30.0, window_rule="stamps", zoom_max_frames=74)
+    assert task.problem() is None
+    out = tmp_path / "stamps"
+    write_zoom_dataset(out, 4, seed=3, task=task, windows=2)
+    _, processor = load_tiny("qwen3_vl")
+    spec = VideoSpec.for_family("qwen3_vl", fps=task.overview_fps, min_frames=4, max_frames=768,
+                                min_pixels=64 * 64, max_pixels=64 * 64)
+    events = json.loads((out / "events.json").read_text())
+    lines = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
+    env = ZoomEnvironment(ZoomSettings(fps=task.zoom_fps, max_frames=task.zoom_max_frames, max_turns=1), spec)
+    for k, line in enumerate(lines):
+        truth = events[line["video"].split("/")[-1][:-4]]
+        start, end = line["window"]
+        assert start <= truth["flash"][0] and truth["flash"][1] <= end
+        assert not re.search(r"\d\.\d{3,}", line["messages"][0]["content"])  # 10.7, not 10.700000000000001
+        _copied_from_the_clip(line, truth, env, out)
+        if k % 2:
+            continue
+        assert start <= truth["field"][0] and truth["field"][1] <= end  # the rule's window: the whole square
+        sample = GroundingSample("v", str(out / line["video"]), task.duration, "the white flash", (1.0, 1.5))
+        video = load_video(sample.video, spec)
+        ids = build_prompt_inputs(processor, [sample], [video], get_template("zoom"))["input_ids"][0]
+        stamps = re.findall(r"<([0-9.]+) seconds>", processor.tokenizer.decode(ids))
+        assert stamps == written_times(video.timestamps)
+        pairs = [any(truth["field"][0] <= t < truth["field"][1] for t in video.timestamps[2 * j: 2 * j + 2])
+                 for j in range(len(stamps))]
+        first, last = pairs.index(True), len(pairs) - 1 - pairs[::-1].index(True)
+        want = (float(stamps[first - 1]) if first else 0.0, float(stamps[last + 1]) if last + 1 < len(stamps)
+                else task.duration)
+        assert (start, end) == want
+    # 30 s at 0.5 fps: frames 2.3 s apart, so the square may show in 4 frames of 3 pairs; the window around them
+    assert "(the written times around 3 frame pairs), past 48 zoom frames at 4 fps: allow >= 74 zoom frames" in \
+        ZoomTask(duration=30.0, window_rule="stamps").problem()
+    assert "window rule 'frame'" in ZoomTask(window_rule="frame").problem()
 
 
 def test_the_rule_policy_reads_the_frames_the_tool_decodes(dataset):
@@ -199,5 +246,7 @@ def test_mmpg_synth_zoom_writes_the_task(tmp_path):
         assert traj["window"][1] - traj["window"][0] <= 13.0
     proc = run_cli(["synth", "--zoom", "--out", str(tmp_path / "bad"), "--n", "2", "--overview-fps", "0.25"])
     assert proc.returncode == 2 and "allow >= 51 zoom frames" in proc.stderr, proc.stderr
+    proc = run_cli(["synth", "--zoom", "--out", str(tmp_path / "bad"), "--n", "2", "--zoom-rule", "stamps"])
+    assert proc.returncode == 2 and "(the written times around 3 frame pairs)" in proc.stderr, proc.stderr
     assert sorted(p.name for p in (tmp_path / "z").iterdir()) == ["events.json", "test.json", "train.json",
                                                                   "trajectories.jsonl", "videos"]

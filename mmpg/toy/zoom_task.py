@@ -8,8 +8,9 @@ single turn can answer is the field's time (tIoU about FLASH_S / FIELD_S). A zoo
 `zoom.fps` shows the flash in several frames.
 
 `rule_trajectory` is the rule-based policy that writes the cold start's multi-turn trajectories, as VideoZoomer and
-VITAL distil theirs: from the overview frames that show the field, a zoom on the window between the overview frames
-around them; from the clip's frames that show the flash, the answer, copied from the times the clip writes.
+VITAL distil theirs: from the overview frames that show the field, a zoom on the window around them (`rule_window`:
+between the overview frames around them, or between the times written before the frame pairs around them); from
+the clip's frames that show the flash, the answer, copied from the times the clip writes.
 `write_zoom_dataset` writes the videos, the annotations (the captions JSON mmpg reads) and those trajectories
 (`trajectories.jsonl`, chat messages with the tool call and the tool's turn, the clip named by its window).
 """
@@ -33,6 +34,7 @@ FIELD_S = (6.0, 8.0)  # how long the field is visible (drawn per video)
 FLASH_S = 0.5
 QUERY = "the white flash"
 FIELD_COLOURS = ("red", "green", "blue", "yellow", "magenta", "cyan", "orange")
+WINDOW_RULES = ("frames", "stamps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,10 @@ class ZoomTask:
     overview_fps: float = 0.5
     zoom_fps: float = 4.0
     zoom_max_frames: int = 48
+    window_rule: str = "frames"
+    """How the rule policy picks its zoom window from the overview (`rule_window`): `frames` (between the overview
+    frames around the ones showing the field, on the zoom's frame grid) or `stamps` (between the times written
+    before the frame pairs around the pairs showing it: numbers a Qwen3-VL prompt holds, copied, not computed)."""
 
     def problem(self) -> str | None:
         """Why these sizes cannot make the task, or None: the field must fit 2 s from either end, every field must
@@ -55,6 +61,8 @@ class ZoomTask:
         zoom's frame cap."""
         if min(self.duration, self.fps, self.overview_fps, self.zoom_fps, self.zoom_max_frames) <= 0:
             return "the zoom task's duration, frame rates and zoom frames must be > 0"
+        if self.window_rule not in WINDOW_RULES:
+            return f"window rule {self.window_rule!r}: choose one of {', '.join(WINDOW_RULES)}"
         if self.duration < FIELD_S[1] + 4.0:
             return f"a zoom-task video of {self.duration:g} s is too short: it needs >= {FIELD_S[1] + 4.0:g} s"
         times = self.overview_times()
@@ -62,12 +70,20 @@ class ZoomTask:
         if interval > FIELD_S[0] - 2.0 / self.fps:
             return (f"an overview at {self.overview_fps:g} fps (frames up to {interval:g} s apart) may miss the "
                     f"{FIELD_S[0]:g}-s square: raise the overview's fps")
-        widest = interval + FIELD_S[1] + 1.0 / self.zoom_fps
+        if self.window_rule == "frames":
+            widest = interval + FIELD_S[1] + 1.0 / self.zoom_fps
+            what = f"an overview interval, the {FIELD_S[1]:g}-s square, a zoom frame"
+        else:  # the square shows in at most `pairs` consecutive pairs; the window adds the written times either side
+            shortest = min(b - a for a, b in zip(times, times[1:]))
+            pairs = int(FIELD_S[1] // shortest + 1) // 2 + 1
+            edges = [0.0, *(float(w) for w in written_times(times)), self.duration]
+            widest = max(edges[k + pairs + 1] - edges[k] for k in range(len(edges) - pairs - 1))
+            what = f"the written times around {pairs} frame pairs"
+        widest = round(widest, 6)
         if widest > self.zoom_max_frames / self.zoom_fps:
             need = math.ceil(widest * self.zoom_fps - 1e-9)
-            return (f"the rule policy's window must reach {widest:g} s (an overview interval, the {FIELD_S[1]:g}-s "
-                    f"square, a zoom frame), past {self.zoom_max_frames} zoom frames at {self.zoom_fps:g} fps: "
-                    f"allow >= {need} zoom frames")
+            return (f"the rule policy's window must reach {widest:g} s ({what}), past {self.zoom_max_frames} zoom "
+                    f"frames at {self.zoom_fps:g} fps: allow >= {need} zoom frames")
         return None
 
     def overview_times(self) -> list[float]:
@@ -123,9 +139,19 @@ def written_times(times: list[float]) -> list[str]:
 
 
 def rule_window(scene: Scene, task: ZoomTask) -> tuple[float, float]:
-    """The rule policy's zoom window: from the overview frame before the first one that shows the field to the one
-    after the last, on the zoom's frame grid, at most `zoom_max_frames` frames long. Reads the overview frames only."""
+    """The rule policy's zoom window, read off the overview frames only. `task.window_rule` `frames`: from the
+    overview frame before the first one that shows the field to the one after the last, on the zoom's frame grid,
+    at most `zoom_max_frames` frames long. `stamps`: from the time written before the pair of overview frames ahead
+    of the first pair that shows the field to the time written before the pair after the last one (0 and the
+    video's end past the first and last pairs): what a Qwen3-VL prompt writes, so the call copies two of its numbers
+    where the `frames` window asks for arithmetic on times the prompt never writes (`ZoomTask.problem` checks that
+    it fits the zoom's frames)."""
     times = task.overview_times()
+    if task.window_rule == "stamps":
+        stamps = [float(w) for w in written_times(times)]
+        pairs = [k for k in range(len(stamps)) if any(_visible(scene, 0, t) for t in times[2 * k: 2 * k + 2])]
+        return (stamps[pairs[0] - 1] if pairs[0] > 0 else 0.0,
+                stamps[pairs[-1] + 1] if pairs[-1] + 1 < len(stamps) else scene.duration)
     seen = [t for t in times if _visible(scene, 0, t)]
     before = max([t for t in times if t < seen[0]], default=0.0)
     after = min([t for t in times if t > seen[-1]], default=scene.duration)
@@ -148,7 +174,7 @@ def shifted_windows(scene: Scene, task: ZoomTask, rng: np.random.Generator, k: i
     hi = min(scene.duration - end, flash.start - SHIFT_MARGIN_S[0] - start)
     grid = [d * step for d in range(math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9) + 1) if d != 0]
     picked = sorted(rng.choice(len(grid), size=min(k, len(grid)), replace=False).tolist()) if grid else []
-    return [(start + grid[i], end + grid[i]) for i in picked]
+    return [(round(start + grid[i], 6), round(end + grid[i], 6)) for i in picked]  # 10.7, not 10.700000000000001
 
 
 def rule_trajectory(scene: Scene, task: ZoomTask, window: tuple[float, float] | None = None) -> dict:
@@ -191,8 +217,9 @@ def write_zoom_dataset(out: Path | str, n: int, seed: int = 0, task: ZoomTask | 
     """Write n videos of the task into `out`: videos/*.mp4, train.json and test.json (captions format: duration,
     timestamps, sentences), events.json (what was drawn) and trajectories.jsonl (the rule policy's trajectory of
     each training video, then up to `windows` - 1 more on shifted windows, `shifted_windows`, drawn from their own
-    generator so the videos are the seed's whatever `windows` is). Written to a hidden sibling first and renamed
-    into place. Returns a summary."""
+    generator so the videos are the seed's whatever `windows` is; their calls, drawn knowing the flash, carry
+    `"weight": 0`: not in the loss, so the first turn learns the rule's call alone). Written to a hidden sibling
+    first and renamed into place. Returns a summary."""
     from mmpg.toy.videos import _check_out, _move_into_place, _write_json
 
     task = task or ZoomTask()
@@ -226,9 +253,11 @@ def write_zoom_dataset(out: Path | str, n: int, seed: int = 0, task: ZoomTask | 
         with open(tmp / "trajectories.jsonl", "w") as f:
             for sc in splits["train"]:
                 for window in [None, *shifted_windows(sc, task, shifts, windows - 1)]:
+                    trajectory = rule_trajectory(sc, task, window)
+                    if window is not None:  # a call drawn knowing the flash: its clip is trained on, not the call
+                        trajectory["messages"][0]["weight"] = 0
                     f.write(json.dumps({"video": f"videos/{sc.video_id}.mp4", "query": QUERY,
-                                        "span": [sc.events[1].start, sc.events[1].end],
-                                        **rule_trajectory(sc, task, window)}) + "\n")
+                                        "span": [sc.events[1].start, sc.events[1].end], **trajectory}) + "\n")
                     written += 1
         out.parent.mkdir(parents=True, exist_ok=True)
         _move_into_place(tmp, out)
