@@ -27,11 +27,12 @@ def _config(run):
 
 
 def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path):
-    from mmpg.toy.demo.zoom_learning import ONE_LOOK, TASK, WINDOWS
+    from mmpg.toy.demo.zoom_learning import ONE_LOOK, TASK, WINDOWS, Paths
 
     proc = _run(tmp_path / "w")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads((tmp_path / "w" / "results" / "summary.json").read_text())
+    paths = Paths.under(tmp_path / "w", 4, 0)  # --videos 4, seed 0: this experiment's folders
+    out = json.loads((paths.results / "summary.json").read_text())
     assert [(r["arm"], r["stage"], r["steps"]) for r in out["rows"]] == [
         ("zoom", "sft", 2), ("zoom", "grpo", 1), ("one_look", "sft", 1), ("one_look", "grpo", 1)]
     for r in out["rows"]:
@@ -40,7 +41,7 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
         overview = TASK.duration * TASK.overview_fps
         clips = r["metrics"].get("zoom/clip_frames_mean", 0.0)
         assert r["frames"] == (overview + clips if r["arm"] == "zoom" else ONE_LOOK["max_frames"])
-    runs = tmp_path / "w" / "runs"
+    runs = paths.runs
     zoom_sft, zoom_grpo = _config(runs / "zoom-sft"), _config(runs / "zoom-grpo")
     assert zoom_sft["sft"]["trajectories"].endswith("trajectories.jsonl")
     assert zoom_sft["data"]["queries_per_video"] == zoom_sft["trainer"]["micro_batch_size"] == WINDOWS
@@ -54,6 +55,9 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count(": reused ") == 4 and "built now: nothing" in again.stdout
     scores = ("miou", "r1@0.3", "r1@0.5", "unparseable", "count")
-    rows = json.loads((tmp_path / "w" / "results" / "summary.json").read_text())["rows"]
+    rows = json.loads((paths.results / "summary.json").read_text())["rows"]
     assert [(r["checkpoint"], r["frames"], {k: r["metrics"][k] for k in scores}) for r in rows] == \
         [(r["checkpoint"], r["frames"], {k: r["metrics"][k] for k in scores}) for r in out["rows"]]
+    other = Paths.under(tmp_path / "w", 4, 1)  # another training seed: the same model, videos and frames, its own runs
+    assert (other.model, other.data, other.frames) == (paths.model, paths.data, paths.frames)
+    assert other.runs != paths.runs and other.results != paths.results

@@ -4,25 +4,29 @@ GRPO, with a greedy evaluation on the held-out test videos after each stage, pri
     bash scripts/zoom_learning.sh [--sft-steps 4500] [--one-look-sft-steps N] [--grpo-steps 80] [--test-samples 0]
                                   [--videos 3000] [--seed 0] [--workdir DIR]
 
-The task (`mmpg synth --zoom`, docs/data.md): 120-s videos in which a 0.5-s white flash sits inside a coloured
-square's 6-8 s, placed between the frames of an overview at 0.25 fps (30 frames), so the overview shows the square
-but never the flash; the zoom tool returns a window at 4 fps (at most 50 frames). The model: a tiny Qwen3-VL (LM
-hidden 128, 4 layers: 0.95 M parameters; its vision tower random and frozen), frames 32 x 32 (one token per two).
+The task (`mmpg synth --zoom --zoom-rule stamps`, docs/data.md): 120-s videos in which a 0.5-s white flash sits
+inside a coloured square's 6-8 s, placed between the frames of an overview at 0.25 fps (30 frames), so the overview
+shows the square but never the flash; the zoom tool returns a window at 2.5 fps (at most 64 frames). The rule
+policy's window runs between the times the prompt writes before the overview's frame pairs around the square (so the
+call copies two numbers of the prompt). The model: a tiny Qwen3-VL (LM hidden 128, 4 layers: 0.95 M parameters; its
+vision tower random and frozen), frames 32 x 32 (one token per two).
 
 - zoom arm: SFT on the rule policy's trajectories (`trajectories.jsonl`: overview -> a zoom on a window holding the
   flash -> the answer copied from the times written before the clip's frames), the rule's window and 3 more moved
-  along each training video (`--zoom-windows 4`); the 4 trajectories of a video side by side in a step
-  (`data.queries_per_video 4`), so the grouped forward encodes and forwards its overview once for all four. Then
-  GRPO with the tool (`data.template zoom`, up to `zoom.max_turns` 2 zooms, 128 new tokens a turn, an error turn
-  costs 0.2).
-- one-look arm: the same videos at 0.625 fps, 75 frames: the zoom arm's budget (the overview's 30 frames and the
-  rule's clips, 44.6 frames on average over the test videos); SFT on the true spans, then GRPO.
+  along each training video (`--zoom-windows 4`: more clips for the answer; their calls, drawn knowing the flash,
+  out of the loss); the 4 trajectories of a video side by side in a step (`data.queries_per_video 4`), so the
+  grouped forward encodes and forwards its overview once for all four. Then GRPO with the tool (`data.template
+  zoom`, up to `zoom.max_turns` 2 zooms, 128 new tokens a turn, an error turn costs 0.2).
+- one-look arm: the same videos at 0.65 fps, 78 frames: at least the zoom arm's budget (the overview's 30 frames and
+  the rule's clips, 46.5 frames on average over the test videos); SFT on the true spans, then GRPO.
 
 Both arms: seed `--seed`, `configs/sft_cpu_demo.yaml`'s optimizer (lr 1e-3, constant), answers with one decimal;
 `configs/cpu_demo.yaml`'s GRPO (G 8, temperature 0.7, lr 2e-4) on 4 prompts a step. Each stage's run has a fixed
-name under WORKDIR/runs and `checkpoint.resume: auto`: run the command again after a stop and it continues (a
-finished stage and a finished evaluation are reused). The data's frames are cached on disk (`data.frame_cache`)
-after their first decode. Results: WORKDIR/results/summary.md and summary.json (atomic).
+name and `checkpoint.resume: auto`: run the command again after a stop and it continues (a finished stage and a
+finished evaluation are reused); the runs and results of each model, task and seed have their own folder,
+WORKDIR/experiments/<model>-<task>-seed<seed>/ (runs/, results/summary.md and summary.json, written atomically),
+so that no stage resumes another experiment's run. The data's frames are cached on disk (`data.frame_cache`)
+after their first decode.
 """
 
 from __future__ import annotations
@@ -39,10 +43,10 @@ from mmpg.toy.zoom_task import ZoomTask
 
 FAMILY = "qwen3_vl"
 MODEL_SIZE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
-TASK = ZoomTask(duration=120.0, overview_fps=0.25, zoom_fps=4.0, zoom_max_frames=50)
+TASK = ZoomTask(duration=120.0, overview_fps=0.25, zoom_fps=2.5, zoom_max_frames=64, window_rule="stamps")
 DATA_SEED, WINDOWS = 2, 4
 PIXELS = 3136  # min = max pixels: Qwen3-VL's 32 x 32 frames, one video token per two frames
-ONE_LOOK = {"fps": 0.625, "max_frames": 75}  # the zoom arm's budget: overview 30 + the rule's clips (44.6 on average)
+ONE_LOOK = {"fps": 0.65, "max_frames": 78}  # >= the zoom arm's budget: overview 30 + the rule's clips (46.5 on average)
 MAX_TURNS = 2
 NEW_TOKENS = 128  # per model turn (a zoom call is about 70 tokens of the tiny tokenizer)
 DECIMALS = 1
@@ -69,11 +73,14 @@ class Paths:
     results: Path
 
     @classmethod
-    def under(cls, workdir: Path, videos: int) -> Paths:
+    def under(cls, workdir: Path, videos: int, seed: int) -> Paths:
+        """The folders of one experiment: another model size, task or training seed gets its own (so that a stage's
+        run is never resumed from another experiment's), the decoded frames are shared (keyed by file and spec)."""
         w = workdir.resolve()
         model = f"tiny-{FAMILY}-{MODEL_SIZE['hidden_size']}x{MODEL_SIZE['num_layers']}"  # the name says the size
-        return cls(w, w / model, w / f"zoom-{videos}-seed{DATA_SEED}", w / "runs", w / "frames",
-                   w / "results")
+        data = f"zoom-{videos}-seed{DATA_SEED}-{TASK.window_rule}-{TASK.zoom_fps:g}fps"
+        experiment = w / "experiments" / f"{model}-{data}-seed{seed}"
+        return cls(w, w / model, w / data, experiment / "runs", w / "frames", experiment / "results")
 
 
 def ensure_artifacts(paths: Paths, videos: int) -> list[str]:
@@ -200,7 +207,7 @@ def run(workdir: str, plan: Plan) -> int:
         raise UserError("every stage needs at least one step")
     if plan.videos < 4:
         raise UserError(f"--videos {plan.videos}: at least 4 (a training and a test split)")
-    paths = Paths.under(Path(workdir), plan.videos)
+    paths = Paths.under(Path(workdir), plan.videos, plan.seed)
     print(f"zoom learning: zoom SFT {plan.sft_steps} + GRPO {plan.grpo_steps} steps, one look SFT "
           f"{plan.one_look_sft_steps} + GRPO {plan.grpo_steps}, seed {plan.seed}, in {paths.workdir}", flush=True)
     t0 = time.perf_counter()
