@@ -146,8 +146,9 @@ def trajectory_completion(processor, trajectory: Trajectory, env, stop_id: int):
     """The trajectory's completion as training forwards it, the same conversation multi-turn sampling writes
     (`mmpg.rollout.multiturn`): each model turn's tokens and `stop_id`, then the tool's turn for its call (the
     environment's own text and the clip it decodes, `mmpg.rollout.zoom`). -> (ids [L] long, own [L] long: 1 on the
-    model's tokens of a turn of weight 1, what the loss covers; the clips' visual inputs, {} without). `env`: a `ZoomEnvironment`; a call
-    it refuses (a window outside the video or longer than it shows) is a UserError naming the line."""
+    model's tokens of a turn of weight 1, what the loss covers; the clips' visual inputs, {} without). `env`: a
+    `ZoomEnvironment`; a call it refuses (a window outside the video or longer than it shows) is a UserError naming
+    the line."""
     import torch
 
     from mmpg.data.video import read_duration

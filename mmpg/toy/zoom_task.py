@@ -58,7 +58,7 @@ class ZoomTask:
         hold an overview frame (the overview's widest frame interval, as qwen-vl-utils spreads its frames, below the
         shortest field with a frame to spare on either side) so the rule policy sees it, and the rule's window, from the
         overview frame before the field (on the zoom's frame grid), must reach past the longest field within the
-        zoom's frame cap."""
+        zoom's frame cap (`stamps`: the written times around the most frame pairs the longest field can show in)."""
         if min(self.duration, self.fps, self.overview_fps, self.zoom_fps, self.zoom_max_frames) <= 0:
             return "the zoom task's duration, frame rates and zoom frames must be > 0"
         if self.window_rule not in WINDOW_RULES:
