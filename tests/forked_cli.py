@@ -193,7 +193,8 @@ def serve():
     os.dup2(2, 1)  # nothing imported may write into the replies
     _warm_up()
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
-        raise SystemExit(f"the warm process has threads after its imports: {threading.enumerate()}")
+        raise SystemExit(f"the warm process has threads after its imports: {threading.enumerate()}, "
+                         f"{len(os.listdir('/proc/self/task'))} in the OS (an OpenMP pool: run with OMP_NUM_THREADS=1)")
 
     def reply(obj):
         os.write(replies, (json.dumps(obj) + "\n").encode())
