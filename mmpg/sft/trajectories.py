@@ -43,10 +43,7 @@ class Trajectory:
     sample: GroundingSample
     turns: tuple[str, ...]
     windows: tuple[tuple[float, float], ...]
-    weights: tuple[int, ...] = ()  # () = every turn 1
-
-    def weight(self, k: int) -> int:
-        return self.weights[k] if self.weights else 1
+    weights: tuple[int, ...]
 
 
 def _tool_window(content, where: str) -> tuple[float, float]:
@@ -163,7 +160,7 @@ def trajectory_completion(processor, trajectory: Trajectory, env, stop_id: int):
     for k, turn in enumerate(trajectory.turns):
         tokens = tokenizer(turn, add_special_tokens=False)["input_ids"] + [int(stop_id)]
         ids.append(torch.tensor(tokens, dtype=torch.long))
-        own.append(torch.full((len(tokens),), trajectory.weight(k), dtype=torch.long))
+        own.append(torch.full((len(tokens),), trajectory.weights[k], dtype=torch.long))
         if k == len(trajectory.windows):
             break
         tool = env.step(sample, turn, k)
