@@ -119,7 +119,8 @@ def launch(path, host: str = "127.0.0.1", port: int | None = None, block: bool =
         root = Path(path if isinstance(path, (str, os.PathLike)) else path[0]).resolve()
         allowed = [str(root)]
         page = build_app(root, refresh_s=refresh_s)
-    for attempt in range(LAUNCH_TRIES):
+    attempt = 1
+    while True:
         try:
             _, url, _ = page.launch(
                 server_name=host, server_port=port, prevent_thread_lock=not block, quiet=quiet, share=False,
@@ -134,10 +135,10 @@ def launch(path, host: str = "127.0.0.1", port: int | None = None, block: bool =
             if "localhost is not accessible" not in str(e):
                 raise
             page.close()
-            if attempt + 1 == LAUNCH_TRIES:
+            if attempt == LAUNCH_TRIES:
                 raise UserError(f"the inspector's server on {host}:{port or 'a free port'} did not answer its own "
                                 f"check {LAUNCH_TRIES} times (a busy machine, or a proxy set for localhost: "
                                 "NO_PROXY=localhost,127.0.0.1)") from e
+            attempt += 1
             print(f"[mmpg] the inspector's server did not answer its start check; starting it again "
-                  f"({attempt + 2} of {LAUNCH_TRIES})", file=sys.stderr, flush=True)
-    raise AssertionError("unreachable")
+                  f"({attempt} of {LAUNCH_TRIES})", file=sys.stderr, flush=True)

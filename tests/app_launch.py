@@ -13,10 +13,11 @@ def launch_free(path, **kwargs):
     find empty port", and another free port is tried, up to TRIES times."""
     from mmpg_app.server import launch
 
-    for attempt in range(TRIES):
+    attempt = 1
+    while True:
         try:
             return launch(path, port=free_port(), **kwargs)
         except OSError as e:
-            if "Cannot find empty port" not in str(e) or attempt + 1 == TRIES:
+            if "Cannot find empty port" not in str(e) or attempt == TRIES:
                 raise
-    raise AssertionError("unreachable")
+            attempt += 1
