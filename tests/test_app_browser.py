@@ -187,6 +187,7 @@ def test_curves_render(browser, run_url):
     page.get_by_role("tab", name="Curves").click()
     for pid in ("reward", "iou", "signal", "length", "kl", "clip", "timing", "eval"):
         page.locator(f"#curve-{pid} canvas, #curve-{pid} svg").first.wait_for()
+    wait_text(page, "curves-note", "3 step(s) in metrics.jsonl")  # drawn plots may come before the note's text
     note = page.inner_text("#curves-note")
     assert "3 step(s) in metrics.jsonl, 3 evaluation(s)" in note
     assert "Not logged by this run: Loss; Policy entropy (GRPO health); Gradient norm" in note
