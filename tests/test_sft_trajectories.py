@@ -148,6 +148,35 @@ def test_a_trajectory_trains_as_its_whole_conversation(family, tmp_path, load_ti
         trajectory_completion(processor, trajectory, strict, stop)  # its window is longer than 8 frames show
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_sft_list_tools_false_leaves_the_schema_out_of_the_system_turn(family, tmp_path, load_tiny):
+    """`sft.list_tools: false` (a cold start's first stage): the zoom prompt without the tool's block in its system
+    turn (Qwen2.5-VL keeps its default system text, Qwen3-VL has none) and its user text unchanged; listed, the block
+    is there as the released templates write it."""
+    import dataclasses
+
+    from mmpg.data.prompts import build_messages, default_system, get_template, tools_system
+
+    _, processor = load_tiny(family)
+    (trajectory, *_) = _rule_trajectories(tmp_path)
+
+    def text(template):
+        return processor.apply_chat_template(build_messages(trajectory.sample, None, template, processor),
+                                             tokenize=False, add_generation_prompt=True)
+
+    listed, unlisted = text("zoom"), text(dataclasses.replace(get_template("zoom"), list_tools=False))
+    system = default_system(processor)
+    assert listed.startswith(f"<|im_start|>system\n{tools_system(('zoom',), system)}<|im_end|>\n<|im_start|>user")
+    head = f"<|im_start|>system\n{system}<|im_end|>\n" if family == "qwen2_5_vl" else ""
+    assert unlisted.startswith(head + "<|im_start|>user") and '"name": "zoom"' not in unlisted
+    assert listed.split("<|im_start|>user")[1] == unlisted.split("<|im_start|>user")[1]  # the same user turn
+
+
+def _rule_trajectories(tmp_path):
+    write_zoom_dataset(tmp_path / "z", 3, seed=1, task=ZoomTask(duration=30.0))
+    return load_trajectories(tmp_path / "z" / "trajectories.jsonl")
+
+
 def _zoom_overrides(grpo_data, zoom_data, out, name, **extra):
     from train_utils import overrides
 
@@ -202,7 +231,7 @@ def test_two_sequence_parallel_ranks_train_the_trajectories_as_one_process(grpo_
 
 def test_bad_zoom_configs_are_one_line(grpo_data, zoom_data, tmp_path):
     """Refused before anything trains, exit 2, one line: trajectories behind a prompt without the tool, a line the
-    templates cannot express, a zoom setting out of range."""
+    templates cannot express, a zoom setting out of range, the schema left out where no trajectories call the tool."""
     from train_utils import run_cli
 
     def refused(args):
@@ -219,3 +248,5 @@ def test_bad_zoom_configs_are_one_line(grpo_data, zoom_data, tmp_path):
         _zoom_overrides(grpo_data, zoom_data, tmp_path, "b", **{"sft.trajectories": str(bad)}))
     assert "zoom.max_frames=1" in refused(_zoom_overrides(grpo_data, zoom_data, tmp_path, "c",
                                                           **{"zoom.max_frames": 1}))
+    assert "sft.list_tools" in refused(_zoom_overrides(grpo_data, zoom_data, tmp_path, "d",
+                                                       **{"sft.trajectories": "", "sft.list_tools": False}))

@@ -1,6 +1,7 @@
 """scripts/zoom_learning.sh (`mmpg.toy.demo.zoom_learning`): the zoom-against-one-look experiment of
 docs/performance.md, run end to end at a tiny size (4 videos, a couple of steps a stage): both arms train and are
-evaluated as the module says, the table and summary.json hold the four rows, and a second run reuses every stage."""
+evaluated as the module says (the zoom SFT's first steps without the tool's schema, then with it), the table and
+summary.json hold the five rows, and a second run reuses every stage."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from train_utils import ROOT, env
 
 pytestmark = pytest.mark.slow
 
-FLAGS = ["--videos", "4", "--sft-steps", "2", "--one-look-sft-steps", "1", "--grpo-steps", "1", "--test-samples", "1"]
+FLAGS = ["--videos", "4", "--unlisted-steps", "1", "--sft-steps", "2", "--one-look-sft-steps", "1", "--grpo-steps", "1", "--test-samples", "1"]
 
 
 def _run(workdir):
@@ -31,10 +32,11 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
 
     proc = _run(tmp_path / "w")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    paths = Paths.under(tmp_path / "w", 4, 0)  # --videos 4, seed 0: this experiment's folders
+    paths = Paths.under(tmp_path / "w", 4, 0, 1)  # --videos 4, seed 0, --unlisted-steps 1: this experiment's folders
     out = json.loads((paths.results / "summary.json").read_text())
     assert [(r["arm"], r["stage"], r["steps"]) for r in out["rows"]] == [
-        ("zoom", "sft", 2), ("zoom", "grpo", 1), ("one_look", "sft", 1), ("one_look", "grpo", 1)]
+        ("zoom", "sft-unlisted", 1), ("zoom", "sft", 2), ("zoom", "grpo", 1), ("one_look", "sft", 1),
+        ("one_look", "grpo", 1)]
     for r in out["rows"]:
         assert r["metrics"]["count"] == 1  # --test-samples 1
         assert ("zoom/used_share" in r["metrics"]) == (r["arm"] == "zoom")  # the zoom protocol for the zoom arm
@@ -42,9 +44,12 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
         clips = r["metrics"].get("zoom/clip_frames_mean", 0.0)
         assert r["frames"] == (overview + clips if r["arm"] == "zoom" else ONE_LOOK["max_frames"])
     runs = paths.runs
-    zoom_sft, zoom_grpo = _config(runs / "zoom-sft"), _config(runs / "zoom-grpo")
-    assert zoom_sft["sft"]["trajectories"].endswith("trajectories.jsonl")
-    assert zoom_sft["data"]["queries_per_video"] == zoom_sft["trainer"]["micro_batch_size"] == WINDOWS
+    unlisted, zoom_sft, zoom_grpo = (_config(runs / f"zoom-{k}") for k in ("sft-unlisted", "sft", "grpo"))
+    for c in (unlisted, zoom_sft):  # the same data and steps, the schema out of the prompt, then in it
+        assert c["sft"]["trajectories"].endswith("trajectories.jsonl") and c["data"]["template"] == "zoom"
+        assert c["data"]["queries_per_video"] == c["trainer"]["micro_batch_size"] == WINDOWS
+    assert unlisted["sft"]["list_tools"] is False and zoom_sft["sft"]["list_tools"] is True
+    assert zoom_sft["model"]["path"].startswith(str(runs / "zoom-sft-unlisted"))
     assert zoom_grpo["data"]["template"] == "zoom" and zoom_grpo["model"]["path"].startswith(str(runs / "zoom-sft"))
     one = _config(runs / "one_look-grpo")
     assert (one["data"]["template"], one["data"]["fps"], one["data"]["max_frames"]) == (
@@ -53,11 +58,12 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
     assert "mIoU points (the issue's bar: +10)" in proc.stdout
     again = _run(tmp_path / "w")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count(": reused ") == 4 and "built now: nothing" in again.stdout
+    assert again.stdout.count(": reused ") == 5 and "built now: nothing" in again.stdout
     scores = ("miou", "r1@0.3", "r1@0.5", "unparseable", "count")
     rows = json.loads((paths.results / "summary.json").read_text())["rows"]
     assert [(r["checkpoint"], r["frames"], {k: r["metrics"][k] for k in scores}) for r in rows] == \
         [(r["checkpoint"], r["frames"], {k: r["metrics"][k] for k in scores}) for r in out["rows"]]
-    other = Paths.under(tmp_path / "w", 4, 1)  # another training seed: the same model, videos and frames, its own runs
-    assert (other.model, other.data, other.frames) == (paths.model, paths.data, paths.frames)
-    assert other.runs != paths.runs and other.results != paths.results
+    for other in (Paths.under(tmp_path / "w", 4, 1, 1), Paths.under(tmp_path / "w", 4, 0, 0)):
+        # another training seed, or no unlisted stage: the same model, videos and frames, its own runs
+        assert (other.model, other.data, other.frames) == (paths.model, paths.data, paths.frames)
+        assert other.runs != paths.runs and other.results != paths.results

@@ -83,6 +83,9 @@ def _validate_zoom(cfg) -> None:
     if cfg.sft.trajectories and cfg.data.template != "zoom":
         raise UserError(f"config key 'sft.trajectories' is set but data.template is {cfg.data.template!r}: "
                         "trajectories with zoom calls train behind the prompt that offers the tool (data.template=zoom)")
+    if not cfg.sft.list_tools and not cfg.sft.trajectories:
+        raise UserError("config key 'sft.list_tools' is false but sft.trajectories is empty: it leaves the zoom tool's "
+                        "schema out of the prompt of trajectories that call it (a cold start's first stage)")
 
 
 def video_checks(v) -> list[tuple[str, bool, str]]:

@@ -318,6 +318,10 @@ class SFTConfig:
                                 "the model's turns, its zoom calls and the tool's turns; `mmpg synth --zoom` writes "
                                 "trajectories.jsonl; mmpg/sft/trajectories.py): the zoom tool's cold start. Needs "
                                 "data.template=zoom; video paths relative to data.videos, else to the file's folder.")
+    list_tools: bool = setting(True, "With sft.trajectories: false leaves the tool's schema out of the system turn "
+                               "(the prompt's text still offers the zoom tool): the first stage of a cold start for "
+                               "a model that does not yet read the video behind a system turn; the next stage, "
+                               "rollouts and mmpg eval list it (docs/performance.md).")
 
 
 @dataclass

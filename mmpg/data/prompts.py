@@ -55,6 +55,10 @@ class PromptTemplate:
     tools: tuple[str, ...] = ()
     """The tools the prompt offers the model (`zoom`: `mmpg.rollout.zoom`), written into the system turn as the
     families' chat templates write tools (`tools_system`); a template with tools makes rollouts multi-turn."""
+    list_tools: bool = True
+    """False leaves the tools' block out of the system turn: the prompt's text still asks for the tool and the
+    trajectories stay multi-turn, but the schema is not listed (`sft.list_tools`: a cold start's first steps for a
+    model trained from random, docs/performance.md)."""
 
     def __post_init__(self):
         if self.query_clean not in QUERY_CLEANINGS:
@@ -162,7 +166,7 @@ def build_messages(sample: GroundingSample, video: DecodedVideo | None = None,
     template = get_template(template)
     messages: list[dict] = []
     system = template.render_system(sample, video)
-    if template.tools:
+    if template.tools and template.list_tools:
         if processor is None:
             raise ValueError("a template with tools needs the processor to write its system turn")
         system = tools_system(template.tools, system or default_system(processor))

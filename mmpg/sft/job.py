@@ -22,6 +22,7 @@ trajectory tree (`grouped_logprobs(completion_visuals=)`) and the loss covers th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -65,6 +66,8 @@ class SFTJob:
         cfg = session.cfg
         self.session, self.cfg = session, cfg
         self.template = get_template(cfg.data.template)
+        if not cfg.sft.list_tools:  # a cold start's first stage: the tool's schema left out of the prompt
+            self.template = dataclasses.replace(self.template, list_tools=False)
         self.position = int(session.state.get("data_position", 0))
         cache = frame_cache(cfg)
         self.trajectories, self.env = None, None

@@ -1,8 +1,8 @@
 """Does zooming beat one look at an equal frame budget? The toy zoom task's two arms, each a supervised warm start then
 GRPO, with a greedy evaluation on the held-out test videos after each stage, printed as one table.
 
-    bash scripts/zoom_learning.sh [--sft-steps 4500] [--one-look-sft-steps N] [--grpo-steps 80] [--test-samples 0]
-                                  [--videos 3000] [--seed 0] [--workdir DIR]
+    bash scripts/zoom_learning.sh [--unlisted-steps 500] [--sft-steps 4500] [--one-look-sft-steps N]
+                                  [--grpo-steps 80] [--test-samples 0] [--videos 3000] [--seed 0] [--workdir DIR]
 
 The task (`mmpg synth --zoom --zoom-rule stamps`, docs/data.md): 120-s videos in which a 0.5-s white flash sits
 inside a coloured square's 6-8 s, placed between the frames of an overview at 0.25 fps (30 frames), so the overview
@@ -15,8 +15,12 @@ vision tower random and frozen), frames 32 x 32 (one token per two).
   flash -> the answer copied from the times written before the clip's frames), the rule's window and 3 more moved
   along each training video (`--zoom-windows 4`: more clips for the answer; their calls, drawn knowing the flash,
   out of the loss); the 4 trajectories of a video side by side in a step (`data.queries_per_video 4`), so the
-  grouped forward encodes and forwards its overview once for all four. Then GRPO with the tool (`data.template
-  zoom`, up to `zoom.max_turns` 2 zooms, 128 new tokens a turn, an error turn costs 0.2).
+  grouped forward encodes and forwards its overview once for all four. Its first `--unlisted-steps` leave the
+  tool's schema out of the system turn (`sft.list_tools false`): trained from random, this model does not learn to
+  read the overview behind any system turn, and once it reads it, it goes on reading it behind the schema
+  (docs/performance.md, ninth attempt); the rest train behind the prompt rollouts and `mmpg eval` write. Then GRPO
+  with the tool (`data.template zoom`, up to `zoom.max_turns` 2 zooms, 128 new tokens a turn, an error turn costs
+  0.2).
 - one-look arm: the same videos at 0.65 fps, 78 frames: at least the zoom arm's budget (the overview's 30 frames and
   the rule's clips, 46.5 frames on average over the test videos); SFT on the true spans, then GRPO.
 
@@ -61,6 +65,7 @@ class Plan:
     test_samples: int  # 0: the whole test split
     videos: int
     seed: int
+    unlisted_steps: int = 0  # the zoom arm's SFT steps before sft_steps, the tool's schema out of the prompt
 
 
 @dataclasses.dataclass
@@ -73,13 +78,15 @@ class Paths:
     results: Path
 
     @classmethod
-    def under(cls, workdir: Path, videos: int, seed: int) -> Paths:
-        """The folders of one experiment: another model size, task or training seed gets its own (so that a stage's
-        run is never resumed from another experiment's), the decoded frames are shared (keyed by file and spec)."""
+    def under(cls, workdir: Path, videos: int, seed: int, unlisted_steps: int = 0) -> Paths:
+        """The folders of one experiment: another model size, task, training seed or count of SFT steps without the
+        tool's schema gets its own (so that a stage's run is never resumed from another experiment's: the zoom SFT
+        continues the unlisted stage's checkpoint), the decoded frames are shared (keyed by file and spec)."""
         w = workdir.resolve()
         model = f"tiny-{FAMILY}-{MODEL_SIZE['hidden_size']}x{MODEL_SIZE['num_layers']}"  # the name says the size
         data = f"zoom-{videos}-seed{DATA_SEED}-{TASK.window_rule}-{TASK.zoom_fps:g}fps"
-        experiment = w / "experiments" / f"{model}-{data}-seed{seed}"
+        experiment = w / "experiments" / (f"{model}-{data}-seed{seed}" + (f"-unlisted{unlisted_steps}"
+                                                                           if unlisted_steps else ""))
         return cls(w, w / model, w / data, experiment / "runs", w / "frames", experiment / "results")
 
 
@@ -111,15 +118,17 @@ def _zoom() -> list[str]:
 
 
 def stage_overrides(paths: Paths, arm: str, kind: str, model: Path, steps: int, seed: int) -> list[str]:
-    """The config overrides of one stage (`kind` sft or grpo) of one arm (zoom or one_look)."""
+    """The config overrides of one stage (`kind` sft, sft-unlisted: SFT without the tool's schema in the prompt, or
+    grpo) of one arm (zoom or one_look)."""
     every = max(1, min(250, steps))  # a stopped stage loses at most 250 steps
     over = [f"model.path={model}", *_common(paths, seed, steps, f"{arm}-{kind}", every)]
     if arm == "zoom":
         over += _zoom()
     else:
         over += ["data.template=time_r1", f"data.fps={ONE_LOOK['fps']:g}", f"data.max_frames={ONE_LOOK['max_frames']}"]
-    if kind == "sft":
-        over += [f"sft.decimals={DECIMALS}", "data.num_workers=1"]
+    if kind.startswith("sft"):
+        over += [f"sft.decimals={DECIMALS}", "data.num_workers=1"] + (["sft.list_tools=false"] if kind == "sft-unlisted"
+                                                                      else [])
         if arm == "zoom":  # the trajectories' video paths are relative to the dataset's folder
             over += ["data.train=", f"data.videos={paths.data}",
                      f"sft.trajectories={paths.data / 'trajectories.jsonl'}", f"data.queries_per_video={WINDOWS}",
@@ -149,8 +158,9 @@ def run_stage(paths: Paths, arm: str, kind: str, model: Path, steps: int, seed: 
         print(f"  {arm} {kind}: reused {done}", flush=True)
         return done
     print(f"  {arm} {kind} ({steps} steps) -> {run}", flush=True)
-    config = "sft_cpu_demo.yaml" if kind == "sft" else "cpu_demo.yaml"
-    train_stage("sft" if kind == "sft" else "train", config, stage_overrides(paths, arm, kind, model, steps, seed),
+    sft = kind.startswith("sft")
+    config = "sft_cpu_demo.yaml" if sft else "cpu_demo.yaml"
+    train_stage("sft" if sft else "train", config, stage_overrides(paths, arm, kind, model, steps, seed),
                 run, steps, paths.results / f"{arm}-{kind}.log", every=max(1, steps // 10))
     done = _finished(run, steps)
     if done is None:
@@ -203,28 +213,34 @@ def run(workdir: str, plan: Plan) -> int:
     from mmpg.runs import atomic_write_json, atomic_write_text
 
     hf_logging.disable_progress_bar()
-    if min(plan.sft_steps, plan.one_look_sft_steps, plan.grpo_steps) <= 0:
-        raise UserError("every stage needs at least one step")
+    if min(plan.sft_steps, plan.one_look_sft_steps, plan.grpo_steps) <= 0 or plan.unlisted_steps < 0:
+        raise UserError("every stage needs at least one step (--unlisted-steps: 0 or more)")
     if plan.videos < 4:
         raise UserError(f"--videos {plan.videos}: at least 4 (a training and a test split)")
-    paths = Paths.under(Path(workdir), plan.videos, plan.seed)
-    print(f"zoom learning: zoom SFT {plan.sft_steps} + GRPO {plan.grpo_steps} steps, one look SFT "
-          f"{plan.one_look_sft_steps} + GRPO {plan.grpo_steps}, seed {plan.seed}, in {paths.workdir}", flush=True)
+    paths = Paths.under(Path(workdir), plan.videos, plan.seed, plan.unlisted_steps)
+    print(f"zoom learning: zoom SFT {plan.unlisted_steps} without the tool's schema + {plan.sft_steps} + GRPO "
+          f"{plan.grpo_steps} steps, one look SFT {plan.one_look_sft_steps} + GRPO {plan.grpo_steps}, seed "
+          f"{plan.seed}, in {paths.workdir}", flush=True)
     t0 = time.perf_counter()
     built = ensure_artifacts(paths, plan.videos)
     print(f"  built now: {', '.join(built) if built else 'nothing (reused the checkpoint and videos there)'}",
           flush=True)
     rows, seconds = [], {}
-    for arm, sft_steps in (("zoom", plan.sft_steps), ("one_look", plan.one_look_sft_steps)):
+    stages = {"zoom": [("sft-unlisted", plan.unlisted_steps), ("sft", plan.sft_steps), ("grpo", plan.grpo_steps)],
+              "one_look": [("sft", plan.one_look_sft_steps), ("grpo", plan.grpo_steps)]}
+    for arm, arm_stages in stages.items():
         model = paths.model
-        for kind, steps in (("sft", sft_steps), ("grpo", plan.grpo_steps)):
+        for kind, steps in arm_stages:
+            if steps == 0:  # --unlisted-steps 0: the SFT lists the tool from its first step
+                continue
             s0 = time.perf_counter()
             model = run_stage(paths, arm, kind, model, steps, plan.seed)
             seconds[f"{arm}-{kind}"] = time.perf_counter() - s0
             s0 = time.perf_counter()
             result = evaluate(model, paths, arm, plan.test_samples)
             seconds[f"{arm}-{kind}-eval"] = time.perf_counter() - s0
-            label = ("zoom" if arm == "zoom" else "one look") + (", SFT" if kind == "sft" else ", + GRPO")
+            label = ("zoom" if arm == "zoom" else "one look") + {
+                "sft-unlisted": ", SFT without the tool's schema", "sft": ", SFT", "grpo": ", + GRPO"}[kind]
             rows.append({"arm": arm, "stage": kind, "label": label, "steps": steps, "checkpoint": str(model),
                          "eval": str(result.folder), "frames": frames_per_video(arm, result.metrics),
                          "metrics": result.metrics})
@@ -253,9 +269,12 @@ def run(workdir: str, plan: Plan) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zoom_learning", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=WORKDIR, help="where the model, videos, runs and results go")
-    parser.add_argument("--sft-steps", type=int, default=4500, help="zoom arm's SFT steps of 8 trajectories")
+    parser.add_argument("--unlisted-steps", type=int, default=500,
+                        help="zoom arm's first SFT steps, the tool's schema out of the system turn (0: none)")
+    parser.add_argument("--sft-steps", type=int, default=4500,
+                        help="zoom arm's SFT steps of 8 trajectories after those, behind the prompt rollouts write")
     parser.add_argument("--one-look-sft-steps", type=int, default=None,
-                        help="one-look arm's SFT steps of 8 samples (default: --sft-steps)")
+                        help="one-look arm's SFT steps of 8 samples (default: --unlisted-steps + --sft-steps)")
     parser.add_argument("--grpo-steps", type=int, default=80, help="GRPO steps per arm (4 prompts x 8 samples)")
     parser.add_argument("--test-samples", type=int, default=0, help="test videos evaluated (0: all)")
     parser.add_argument("--videos", type=int, default=3000, help="videos of the task (a quarter are the test split)")
@@ -265,8 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    plan = Plan(args.sft_steps, args.one_look_sft_steps if args.one_look_sft_steps is not None else args.sft_steps,
-                args.grpo_steps, args.test_samples, args.videos, args.seed)
+    one_look = args.one_look_sft_steps if args.one_look_sft_steps is not None else args.unlisted_steps + args.sft_steps
+    plan = Plan(args.sft_steps, one_look, args.grpo_steps, args.test_samples, args.videos, args.seed,
+                args.unlisted_steps)
     try:
         return run(args.workdir, plan)
     except UserError as err:
