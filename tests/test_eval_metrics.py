@@ -114,6 +114,10 @@ def test_settings_merge_protocol_then_overrides(tmp_path):
         load_settings("default", ["bad_videos=maybe"])
     with pytest.raises(UserError, match="unknown protocol"):
         load_settings("nope")
+    assert load_settings().zoom_list_tools and not load_settings(
+        "default", ["template=zoom", "zoom_list_tools=false"]).zoom_list_tools
+    with pytest.raises(UserError, match="'zoom_list_tools' is false but template is 'time_r1'"):
+        load_settings("default", ["zoom_list_tools=false"])
 
 
 def test_every_protocol_says_where_its_numbers_come_from(tmp_path):
@@ -177,6 +181,14 @@ def test_a_rerun_with_other_settings_is_refused(tmp_path):
     check_settings(tmp_path, dict(info))  # the same: fine
     with pytest.raises(UserError, match=r"settings.fps: 2.0 there, 1.0 now"):
         check_settings(tmp_path, dict(info, settings={"fps": 1.0}))
+    # a setting added after the folder was written: its default reads as what made those numbers
+    later = dict(info, settings={"fps": 2.0, "zoom_list_tools": True})
+    check_settings(tmp_path, later, defaults={"settings": {"zoom_list_tools": True}})
+    with pytest.raises(UserError, match=r"settings.zoom_list_tools: True there, False now"):
+        check_settings(tmp_path, dict(later, settings={"fps": 2.0, "zoom_list_tools": False}),
+                       defaults={"settings": {"zoom_list_tools": True}})
+    with pytest.raises(UserError, match=r"settings.zoom_list_tools: None there, True now"):  # no default given
+        check_settings(tmp_path, later)
 
 
 def _main(args, capsys):

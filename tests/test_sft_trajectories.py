@@ -156,6 +156,7 @@ def test_sft_list_tools_false_leaves_the_schema_out_of_the_system_turn(family, t
     import dataclasses
 
     from mmpg.data.prompts import build_messages, default_system, get_template, tools_system
+    from mmpg.eval.protocols import eval_template
 
     _, processor = load_tiny(family)
     (trajectory, *_) = _rule_trajectories(tmp_path)
@@ -170,6 +171,8 @@ def test_sft_list_tools_false_leaves_the_schema_out_of_the_system_turn(family, t
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if family == "qwen2_5_vl" else ""
     assert unlisted.startswith(head + "<|im_start|>user") and '"name": "zoom"' not in unlisted
     assert listed.split("<|im_start|>user")[1] == unlisted.split("<|im_start|>user")[1]  # the same user turn
+    # `mmpg eval template=zoom zoom_list_tools=false` writes the prompt the unlisted stage trained on
+    assert text(eval_template("zoom", list_tools=False)) == unlisted and text(eval_template("zoom")) == listed
 
 
 def _rule_trajectories(tmp_path):

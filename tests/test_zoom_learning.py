@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -43,6 +44,10 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
         overview = TASK.duration * TASK.overview_fps
         clips = r["metrics"].get("zoom/clip_frames_mean", 0.0)
         assert r["frames"] == (overview + clips if r["arm"] == "zoom" else ONE_LOOK["max_frames"])
+        settings = json.loads((Path(r["eval"]) / "eval.json").read_text())["settings"]
+        # each stage evaluated behind the prompt it trained on: the unlisted stage's without the tool's schema
+        assert settings["template"] == ("zoom" if r["arm"] == "zoom" else "time_r1")
+        assert settings["zoom_list_tools"] is (r["stage"] != "sft-unlisted")
     runs = paths.runs
     unlisted, zoom_sft, zoom_grpo = (_config(runs / f"zoom-{k}") for k in ("sft-unlisted", "sft", "grpo"))
     for c in (unlisted, zoom_sft):  # the same data and steps, the schema out of the prompt, then in it

@@ -61,9 +61,10 @@ def read_prompt_file(path: str):
         raise UserError(f"prompt_file {path}: {e}") from None
 
 
-def eval_template(name: str, prompt_file: str | None = None, query_clean: str = "mmpg"):
+def eval_template(name: str, prompt_file: str | None = None, query_clean: str = "mmpg", *, list_tools: bool = True):
     """The `PromptTemplate` called `name` (mmpg/data/prompts.py), or for "file" the text of `prompt_file`, its
-    {query} cleaned by `query_clean` (`mmpg.data.queries`)."""
+    {query} cleaned by `query_clean` (`mmpg.data.queries`); `list_tools` false leaves a tool's schema out of the
+    system turn (as `sft.list_tools`)."""
     from mmpg.data.prompts import get_template
 
     if name == "file":
@@ -72,7 +73,7 @@ def eval_template(name: str, prompt_file: str | None = None, query_clean: str = 
         template = read_prompt_file(prompt_file)
     else:
         template = get_template(name)
-    return dataclasses.replace(template, query_clean=query_clean)
+    return dataclasses.replace(template, query_clean=query_clean, list_tools=list_tools)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -208,7 +208,7 @@ def _open_folder(writer: EvalWriter, info: dict, n: int, session: Placement) -> 
     done, error = set(), None
     if session.rank == 0:
         try:
-            check_settings(writer.folder, info)
+            check_settings(writer.folder, info, defaults={"settings": numbers_settings(EvalSettings())})
             writer.start(info)
             done = {i for i in writer.done() if i < n}
         except UserError as e:
@@ -232,7 +232,8 @@ def evaluate_checkpoint(checkpoint, annotations, videos, out, settings: EvalSett
         bench = load_benchmark(annotations, videos, settings, benchmark)
         model, processor, family, dtype = load_model(checkpoint, settings, session.device)
         spec = VideoSpec.for_family(family, **settings.video_values_for(family))  # *_tokens scaled per family
-        template = eval_template(settings.template, settings.prompt_file, settings.query_clean)
+        template = eval_template(settings.template, settings.prompt_file, settings.query_clean,
+                                 list_tools=settings.zoom_list_tools)
         result = evaluate_loaded(model, processor, checkpoint, bench, out, settings, session, spec, template,
                                  family=family, dtype=dtype, protocol=protocol, step=step)
         del model

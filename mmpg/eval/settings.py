@@ -43,6 +43,9 @@ class EvalSettings(VideoSettings):
     zoom_fps: float = setting(4.0, "template=zoom: the zoom tool's frame rate (as training's zoom.fps).")
     zoom_max_frames: int = setting(16, "template=zoom: most frames one zoom returns (as training's zoom.max_frames).")
     zoom_max_turns: int = setting(2, "template=zoom: most tool turns per answer (as training's zoom.max_turns).")
+    zoom_list_tools: bool = setting(True, "template=zoom: false leaves the tool's schema out of the system turn (the "
+                                    "prompt an SFT stage with sft.list_tools false trained on); the model may still "
+                                    "call the tool.")
     prompt_file: Optional[str] = setting(None, "The prompt, from a file; setting it selects template=file. Either the "
                                          "paper's own Python file that holds its prompt (.py: the string is read, the "
                                          "file never run; mmpg eval --fields gives each protocol's file and the "
@@ -190,6 +193,9 @@ def _validate(s: EvalSettings) -> None:
             raise UserError(f"eval setting '{key}' is {getattr(s, key)!r}; it {what}")
     from mmpg.rollout.zoom import ZoomSettings
 
+    if not s.zoom_list_tools and s.template != "zoom":
+        raise UserError(f"eval setting 'zoom_list_tools' is false but template is {s.template!r}: it leaves the zoom "
+                        "tool's schema out of template=zoom's prompt only")
     problem = ZoomSettings(s.zoom_fps, s.zoom_max_frames, s.zoom_max_turns).problem()
     if problem:  # "zoom.fps=0: ..." -> the eval setting's name
         raise UserError("eval setting " + problem.replace("zoom.", "zoom_", 1))

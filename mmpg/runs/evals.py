@@ -175,9 +175,12 @@ def run_benchmark_dir(run_dir: str | os.PathLike, benchmark: str) -> Path:
 
 
 def check_settings(folder: str | os.PathLike, info: dict,
-                   keys: tuple[str, ...] = ("checkpoint", "annotations", "videos", "protocol", "settings")) -> None:
+                   keys: tuple[str, ...] = ("checkpoint", "annotations", "videos", "protocol", "settings"),
+                   defaults: dict[str, dict] | None = None) -> None:
     """Refuse to continue an evaluation folder whose eval.json records other `keys` than `info` (one level deep
-    for dict values, so the message names e.g. settings.fps); nothing to check when the folder has no eval.json."""
+    for dict values, so the message names e.g. settings.fps); nothing to check when the folder has no eval.json.
+    `defaults[key]` gives what an entry absent from the stored dict `key` reads as (a setting added after that
+    folder was written, whose default makes the numbers it made then)."""
     path = Path(folder) / EVAL_JSON
     if not path.is_file():
         return
@@ -190,8 +193,9 @@ def check_settings(folder: str | os.PathLike, info: dict,
     for key in keys:
         old, new = stored.get(key), now.get(key)
         if isinstance(old, dict) and isinstance(new, dict):
-            diffs += [(f"{key}.{k}", old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-                      if old.get(k) != new.get(k)]
+            absent = (defaults or {}).get(key, {})
+            diffs += [(f"{key}.{k}", old.get(k, absent.get(k)), new.get(k)) for k in sorted(set(old) | set(new))
+                      if old.get(k, absent.get(k)) != new.get(k)]
         elif old != new:
             diffs.append((key, old, new))
     if diffs:

@@ -18,7 +18,8 @@ vision tower random and frozen), frames 32 x 32 (one token per two).
   grouped forward encodes and forwards its overview once for all four. Its first `--unlisted-steps` leave the
   tool's schema out of the system turn (`sft.list_tools false`): trained from random, this model does not learn to
   read the overview behind any system turn, and once it reads it, it goes on reading it behind the schema
-  (docs/performance.md, ninth attempt); the rest train behind the prompt rollouts and `mmpg eval` write. Then GRPO
+  (docs/performance.md, ninth attempt); that stage is evaluated behind its own prompt (`zoom_list_tools=false`),
+  the rest train behind the prompt rollouts and `mmpg eval` write. Then GRPO
   with the tool (`data.template zoom`, up to `zoom.max_turns` 2 zooms, 128 new tokens a turn, an error turn costs
   0.2).
 - one-look arm: the same videos at 0.65 fps, 78 frames: at least the zoom arm's budget (the overview's 30 frames and
@@ -127,8 +128,9 @@ def stage_overrides(paths: Paths, arm: str, kind: str, model: Path, steps: int, 
     else:
         over += ["data.template=time_r1", f"data.fps={ONE_LOOK['fps']:g}", f"data.max_frames={ONE_LOOK['max_frames']}"]
     if kind.startswith("sft"):
-        over += [f"sft.decimals={DECIMALS}", "data.num_workers=1"] + (["sft.list_tools=false"] if kind == "sft-unlisted"
-                                                                      else [])
+        over += [f"sft.decimals={DECIMALS}", "data.num_workers=1"]
+        if kind == "sft-unlisted":
+            over += ["sft.list_tools=false"]
         if arm == "zoom":  # the trajectories' video paths are relative to the dataset's folder
             over += ["data.train=", f"data.videos={paths.data}",
                      f"sft.trajectories={paths.data / 'trajectories.jsonl'}", f"data.queries_per_video={WINDOWS}",
@@ -168,9 +170,10 @@ def run_stage(paths: Paths, arm: str, kind: str, model: Path, steps: int, seed: 
     return done
 
 
-def evaluate(checkpoint: Path, paths: Paths, arm: str, test_samples: int):
-    """Greedy evaluation on the test split (the zoom protocol for the zoom arm) into the checkpoint's
-    evals/test folder; a finished one with the same settings is reused."""
+def evaluate(checkpoint: Path, paths: Paths, arm: str, test_samples: int, listed: bool = True):
+    """Greedy evaluation on the test split (the zoom protocol for the zoom arm; `listed` false: behind the prompt
+    without the tool's schema that the unlisted SFT stage trained on) into the checkpoint's evals/test folder; a
+    finished one with the same settings is reused."""
     from mmpg.eval.runner import evaluate_checkpoint
     from mmpg.eval.settings import load_settings
 
@@ -178,7 +181,8 @@ def evaluate(checkpoint: Path, paths: Paths, arm: str, test_samples: int):
               f"max_samples={test_samples}", "device=cpu", "num_workers=1"]
     if arm == "zoom":
         own = ["template=zoom", f"fps={TASK.overview_fps:g}", "max_frames=768", f"zoom_fps={TASK.zoom_fps:g}",
-               f"zoom_max_frames={TASK.zoom_max_frames}", f"zoom_max_turns={MAX_TURNS}"]
+               f"zoom_max_frames={TASK.zoom_max_frames}", f"zoom_max_turns={MAX_TURNS}",
+               f"zoom_list_tools={str(listed).lower()}"]
     else:
         own = ["template=time_r1", f"fps={ONE_LOOK['fps']:g}", f"max_frames={ONE_LOOK['max_frames']}"]
     settings = load_settings("default", own + common)
@@ -237,10 +241,11 @@ def run(workdir: str, plan: Plan) -> int:
             model = run_stage(paths, arm, kind, model, steps, plan.seed)
             seconds[f"{arm}-{kind}"] = time.perf_counter() - s0
             s0 = time.perf_counter()
-            result = evaluate(model, paths, arm, plan.test_samples)
+            result = evaluate(model, paths, arm, plan.test_samples, listed=kind != "sft-unlisted")
             seconds[f"{arm}-{kind}-eval"] = time.perf_counter() - s0
             label = ("zoom" if arm == "zoom" else "one look") + {
-                "sft-unlisted": ", SFT without the tool's schema", "sft": ", SFT", "grpo": ", + GRPO"}[kind]
+                "sft-unlisted": ", SFT without the tool's schema (evaluated so)", "sft": ", SFT",
+                "grpo": ", + GRPO"}[kind]
             rows.append({"arm": arm, "stage": kind, "label": label, "steps": steps, "checkpoint": str(model),
                          "eval": str(result.folder), "frames": frames_per_video(arm, result.metrics),
                          "metrics": result.metrics})
