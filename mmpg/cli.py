@@ -15,8 +15,10 @@ from pathlib import Path
 from mmpg import __version__
 from mmpg.errors import UserError, is_user_error
 
-# mmpg.toy.models.FAMILIES, which imports torch (too slow for --help); tests/test_cli.py checks they agree
+# mmpg.toy.models.FAMILIES and mmpg.toy.zoom_task.WINDOW_RULES, whose modules import torch or the video renderer (too
+# slow for --help); tests/test_cli.py checks they agree
 TINY_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2", "qwen3")
+ZOOM_RULES = ("frames", "stamps")
 
 
 def _positive_int(text: str) -> int:
@@ -206,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zoom-fps", type=float, default=4.0, help="with --zoom: the zoom tool's frame rate (zoom.fps)")
     p.add_argument("--zoom-frames", type=_positive_int, default=48, help="with --zoom: the zoom tool's frame cap "
                    "(zoom.max_frames)")
-    p.add_argument("--zoom-rule", choices=("frames", "stamps"), default="frames", help="with --zoom: the rule "
+    p.add_argument("--zoom-rule", choices=ZOOM_RULES, default="frames", help="with --zoom: the rule "
                    "policy's zoom window: between the overview frames around the square (frames, default) or between "
                    "the times Qwen3-VL writes before the frame pairs around it (stamps: wider, copied from the prompt)")
     p.add_argument("--zoom-windows", type=_positive_int, default=1, help="with --zoom: trajectories per training "

@@ -30,10 +30,11 @@ def test_unknown_family(tmp_path, capsys):
 
 
 def test_make_tiny_lists_the_families_it_builds(capsys):
-    from mmpg.cli import TINY_FAMILIES
+    from mmpg.cli import TINY_FAMILIES, ZOOM_RULES
     from mmpg.toy.models import FAMILIES
+    from mmpg.toy.zoom_task import WINDOW_RULES
 
-    assert TINY_FAMILIES == FAMILIES
+    assert TINY_FAMILIES == FAMILIES and ZOOM_RULES == WINDOW_RULES  # synth --zoom-rule's choices
     with pytest.raises(SystemExit) as exit_:
         main(["make-tiny", "--help"])
     assert exit_.value.code == 0 and "--family {qwen2_5_vl,qwen3_vl,qwen2,qwen3}" in capsys.readouterr().out
