@@ -1,7 +1,8 @@
 """scripts/zoom_learning.sh (`mmpg.toy.demo.zoom_learning`): the zoom-against-one-look experiment of
 docs/performance.md, run end to end at a tiny size (4 videos, a couple of steps a stage): both arms train and are
-evaluated as the module says (the zoom SFT's first steps without the tool's schema, then with it), the table and
-summary.json hold the five rows, and a second run reuses every stage."""
+evaluated as the module says (the zoom SFT's first steps without the tool's schema, then with it), one arm alone
+writes no comparison and a run of both reuses it, the table and summary.json hold the five rows, and a second run
+reuses every stage."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ pytestmark = pytest.mark.slow
 FLAGS = ["--videos", "4", "--unlisted-steps", "1", "--sft-steps", "2", "--one-look-sft-steps", "1", "--grpo-steps", "1", "--test-samples", "1"]
 
 
-def _run(workdir):
-    return subprocess.run(["bash", "scripts/zoom_learning.sh", "--workdir", str(workdir), *FLAGS], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=900, check=False)
+def _run(workdir, *more):
+    return subprocess.run(["bash", "scripts/zoom_learning.sh", "--workdir", str(workdir), *FLAGS, *more], cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=900, check=False)
 
 
 def _config(run):
@@ -31,9 +32,15 @@ def _config(run):
 def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path):
     from mmpg.toy.demo.zoom_learning import ONE_LOOK, TASK, WINDOWS, Paths
 
+    paths = Paths.under(tmp_path / "w", 4, 0, 1)  # --videos 4, seed 0, --unlisted-steps 1: this experiment's folders
+    alone = _run(tmp_path / "w", "--arm", "one_look")  # one arm: its rows, no comparison written
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    assert "one_look arm only" in alone.stdout and "| one look, + GRPO | 1 |" in alone.stdout
+    assert "zoom, SFT" not in alone.stdout and not (paths.results / "summary.json").exists()
+    assert not (paths.runs / "zoom-sft").exists() and (tmp_path / "w" / ".build.lock").is_file()
     proc = _run(tmp_path / "w")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    paths = Paths.under(tmp_path / "w", 4, 0, 1)  # --videos 4, seed 0, --unlisted-steps 1: this experiment's folders
+    assert proc.stdout.count(": reused ") == 2 and "built now: nothing" in proc.stdout  # the one-look arm's stages
     out = json.loads((paths.results / "summary.json").read_text())
     assert [(r["arm"], r["stage"], r["steps"]) for r in out["rows"]] == [
         ("zoom", "sft-unlisted", 1), ("zoom", "sft", 2), ("zoom", "grpo", 1), ("one_look", "sft", 1),

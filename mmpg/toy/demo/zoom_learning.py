@@ -3,6 +3,7 @@ GRPO, with a greedy evaluation on the held-out test videos after each stage, pri
 
     bash scripts/zoom_learning.sh [--unlisted-steps 500] [--sft-steps 4500] [--one-look-sft-steps N]
                                   [--grpo-steps 80] [--test-samples 0] [--videos 3000] [--seed 0] [--workdir DIR]
+                                  [--arm both|zoom|one_look]
 
 The task (`mmpg synth --zoom --zoom-rule stamps`, docs/data.md): 120-s videos in which a 0.5-s white flash sits
 inside a coloured square's 6-8 s, placed between the frames of an overview at 0.25 fps (30 frames), so the overview
@@ -31,7 +32,9 @@ name and `checkpoint.resume: auto`: run the command again after a stop and it co
 finished evaluation are reused); the runs and results of each model, task and seed have their own folder,
 WORKDIR/experiments/<model>-<task>-seed<seed>/ (runs/, results/summary.md and summary.json, written atomically),
 so that no stage resumes another experiment's run. The data's frames are cached on disk (`data.frame_cache`)
-after their first decode.
+after their first decode. `--arm zoom` and `--arm one_look` run one arm each, so that two processes can train the
+arms at once in the same WORKDIR (the first to start builds the model and videos, the other waits for them); each
+prints its rows, and a run of both arms afterwards reuses their stages and evaluations and writes the comparison.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ MAX_TURNS = 2
 NEW_TOKENS = 128  # per model turn (a zoom call is about 70 tokens of the tiny tokenizer)
 DECIMALS = 1
 WORKDIR = "data/generated/zoom_learning"
+ARMS = {"both": ("zoom", "one_look"), "zoom": ("zoom",), "one_look": ("one_look",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +71,7 @@ class Plan:
     videos: int
     seed: int
     unlisted_steps: int = 0  # the zoom arm's SFT steps before sft_steps, the tool's schema out of the prompt
+    arm: str = "both"  # or one of ARMS' single arms: only its stages, no comparison written
 
 
 @dataclasses.dataclass
@@ -92,7 +97,17 @@ class Paths:
 
 
 def ensure_artifacts(paths: Paths, videos: int) -> list[str]:
-    """The tiny checkpoint and the task's videos and trajectories, built when missing; returns what was built."""
+    """The tiny checkpoint and the task's videos and trajectories, built when missing (under a lock on the workdir,
+    so that a second process running the other arm waits for them); returns what was built."""
+    import fcntl
+
+    paths.workdir.mkdir(parents=True, exist_ok=True)
+    with open(paths.workdir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build(paths, videos)
+
+
+def _build(paths: Paths, videos: int) -> list[str]:
     from mmpg.toy.models import TinySpec, make_tiny
     from mmpg.toy.zoom_task import write_zoom_dataset
 
@@ -224,7 +239,8 @@ def run(workdir: str, plan: Plan) -> int:
     paths = Paths.under(Path(workdir), plan.videos, plan.seed, plan.unlisted_steps)
     print(f"zoom learning: zoom SFT {plan.unlisted_steps} without the tool's schema + {plan.sft_steps} + GRPO "
           f"{plan.grpo_steps} steps, one look SFT {plan.one_look_sft_steps} + GRPO {plan.grpo_steps}, seed "
-          f"{plan.seed}, in {paths.workdir}", flush=True)
+          f"{plan.seed}" + (f", the {plan.arm} arm only" if plan.arm != "both" else "") + f", in {paths.workdir}",
+          flush=True)
     t0 = time.perf_counter()
     built = ensure_artifacts(paths, plan.videos)
     print(f"  built now: {', '.join(built) if built else 'nothing (reused the checkpoint and videos there)'}",
@@ -233,6 +249,8 @@ def run(workdir: str, plan: Plan) -> int:
     stages = {"zoom": [("sft-unlisted", plan.unlisted_steps), ("sft", plan.sft_steps), ("grpo", plan.grpo_steps)],
               "one_look": [("sft", plan.one_look_sft_steps), ("grpo", plan.grpo_steps)]}
     for arm, arm_stages in stages.items():
+        if arm not in ARMS[plan.arm]:
+            continue
         model = paths.model
         for kind, steps in arm_stages:
             if steps == 0:  # --unlisted-steps 0: the SFT lists the tool from its first step
@@ -251,6 +269,12 @@ def run(workdir: str, plan: Plan) -> int:
                          "metrics": result.metrics})
             print(f"  {label}: mIoU {100 * result.metrics['miou']:.1f} on {int(result.metrics['count'])} test "
                   "videos", flush=True)
+    if plan.arm != "both":  # the comparison needs both arms: printed by a run of both, which reuses these
+        text = "\n".join(["", f"zoom learning, {plan.arm} arm only (seed {plan.seed}; greedy answers on the "
+                                f"{int(rows[0]['metrics']['count'])} held-out test videos):", "", *table(rows), "",
+                           "run again without --arm for the comparison (it reuses these stages)"])
+        print(text, flush=True)
+        return 0
     final = {r["arm"]: r["metrics"]["miou"] for r in rows if r["stage"] == "grpo"}
     gap = 100 * (final["zoom"] - final["one_look"])
     zoomed = next(r["metrics"].get("zoom/used_share", 0.0) for r in rows if r["arm"] == "zoom" and r["stage"] == "grpo")
@@ -284,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--test-samples", type=int, default=0, help="test videos evaluated (0: all)")
     parser.add_argument("--videos", type=int, default=3000, help="videos of the task (a quarter are the test split)")
     parser.add_argument("--seed", type=int, default=0, help="training seed (the videos' seed is fixed)")
+    parser.add_argument("--arm", choices=tuple(ARMS), default="both", help="one arm only (two processes can train "
+                        "the arms at once; a run of both afterwards reuses them and writes the comparison)")
     return parser
 
 
@@ -291,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     one_look = args.one_look_sft_steps if args.one_look_sft_steps is not None else args.unlisted_steps + args.sft_steps
     plan = Plan(args.sft_steps, one_look, args.grpo_steps, args.test_samples, args.videos, args.seed,
-                args.unlisted_steps)
+                args.unlisted_steps, args.arm)
     try:
         return run(args.workdir, plan)
     except UserError as err:
