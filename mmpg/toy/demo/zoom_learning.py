@@ -19,8 +19,11 @@ vision tower random and frozen), frames 32 x 32 (one token per two).
   grouped forward encodes and forwards its overview once for all four. Its first `--unlisted-steps` leave the
   tool's schema out of the system turn (`sft.list_tools false`): trained from random, this model does not learn to
   read the overview behind any system turn, and once it reads it, it goes on reading it behind the schema
-  (docs/performance.md, ninth attempt); that stage is evaluated behind its own prompt (`zoom_list_tools=false`),
-  the rest train behind the prompt rollouts and `mmpg eval` write. Then GRPO
+  (docs/performance.md, ninth attempt). That first stage trains on the rule's trajectories alone
+  (`trajectories-rule.jsonl`, one a video, 8 videos a step): the first turn is learned from many distinct
+  overviews a step (the four windows of a video train one call; at 2 videos a step it was still one call for every
+  test video after 500 steps, tenth attempt); it is evaluated behind its own prompt (`zoom_list_tools=false`). The
+  rest train behind the prompt rollouts and `mmpg eval` write. Then GRPO
   with the tool (`data.template zoom`, up to `zoom.max_turns` 2 zooms, 128 new tokens a turn, an error turn costs
   0.2).
 - one-look arm: the same videos at 0.65 fps, 78 frames: at least the zoom arm's budget (the overview's 30 frames and
@@ -53,6 +56,7 @@ FAMILY = "qwen3_vl"
 MODEL_SIZE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
 TASK = ZoomTask(duration=120.0, overview_fps=0.25, zoom_fps=2.5, zoom_max_frames=64, window_rule="stamps")
 DATA_SEED, WINDOWS = 2, 4
+RULE_FILE = "trajectories-rule.jsonl"  # the rule's trajectory of each training video (its call weighted)
 PIXELS = 3136  # min = max pixels: Qwen3-VL's 32 x 32 frames, one video token per two frames
 ONE_LOOK = {"fps": 0.65, "max_frames": 78}  # >= the zoom arm's budget: overview 30 + the rule's clips (46.5 on average)
 MAX_TURNS = 2
@@ -118,7 +122,23 @@ def _build(paths: Paths, videos: int) -> list[str]:
     if not (paths.data / "trajectories.jsonl").is_file():
         write_zoom_dataset(paths.data, videos, seed=DATA_SEED, task=TASK, overwrite=True, windows=WINDOWS)
         built.append(f"{videos} zoom-task videos")
+    if not (paths.data / RULE_FILE).is_file():
+        n = write_rule_trajectories(paths.data / "trajectories.jsonl", paths.data / RULE_FILE)
+        built.append(f"{n} rule trajectories")
     return built
+
+
+def write_rule_trajectories(src: Path, dst: Path) -> int:
+    """The rule's trajectory of each video (those whose call is in the loss; the shifted windows' calls have weight
+    0), written atomically to `dst`; returns how many."""
+    import json
+
+    from mmpg.runs import atomic_write_text
+
+    lines = [line for line in src.read_text(encoding="utf-8").splitlines()
+             if line.strip() and json.loads(line)["messages"][0].get("weight", 1) != 0]
+    atomic_write_text(dst, "".join(line + "\n" for line in lines))
+    return len(lines)
 
 
 def _common(paths: Paths, seed: int, steps: int, run: str, every: int) -> list[str]:
@@ -147,9 +167,10 @@ def stage_overrides(paths: Paths, arm: str, kind: str, model: Path, steps: int, 
         if kind == "sft-unlisted":
             over += ["sft.list_tools=false"]
         if arm == "zoom":  # the trajectories' video paths are relative to the dataset's folder
-            over += ["data.train=", f"data.videos={paths.data}",
-                     f"sft.trajectories={paths.data / 'trajectories.jsonl'}", f"data.queries_per_video={WINDOWS}",
-                     f"trainer.micro_batch_size={WINDOWS}"]
+            # the unlisted stage: the rule's trajectories, 8 videos a step; then a video's 4 windows side by side
+            file, per_video = (RULE_FILE, 1) if kind == "sft-unlisted" else ("trajectories.jsonl", WINDOWS)
+            over += ["data.train=", f"data.videos={paths.data}", f"sft.trajectories={paths.data / file}",
+                     f"data.queries_per_video={per_video}", f"trainer.micro_batch_size={WINDOWS}"]
         else:
             over += [f"data.train={paths.data / 'train.json'}", f"data.videos={paths.data / 'videos'}"]
     else:
