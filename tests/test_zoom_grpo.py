@@ -191,11 +191,11 @@ def test_mmpg_eval_runs_the_zoom_protocol(grpo_data, zoom_data, tmp_path):
     report.md the zooms, error turns, clip frames and mIoU by zoom count; two ranks write what one process writes."""
     from mmpg.runs.evals import EvalReader
 
-    def run(out, procs):
+    def run(out, procs, *more):
         args = ["eval", "--checkpoint", grpo_data["model"], "--annotations", str(zoom_data / "train.json"),
                 "--videos", str(zoom_data / "videos"), "--out", str(out), "template=zoom", "fps=0.5",
                 "max_frames=768", "min_pixels=3136", "max_pixels=3136", "max_new_tokens=6", "num_workers=0",
-                "batch_size=1", "zoom_fps=2", "zoom_max_frames=4", "zoom_max_turns=2", "share_videos=false"]
+                "batch_size=1", "zoom_fps=2", "zoom_max_frames=4", "zoom_max_turns=2", "share_videos=false", *more]
         proc = run_forked("zoom_worker:main", args, procs=procs)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return EvalReader(out)
@@ -209,5 +209,6 @@ def test_mmpg_eval_runs_the_zoom_protocol(grpo_data, zoom_data, tmp_path):
     assert sum(metrics[f"zoom/count@{k}"] for k in set(zooms)) == 3
     report = (tmp_path / "one" / "report.md").read_text()
     assert "## Zoom protocol" in report and "| zooms | samples | mIoU (%) |" in report
-    two = run(tmp_path / "two", 2)
+    two = run(tmp_path / "two", 2, f"frame_cache={tmp_path / 'frames'}")  # the clips through the frame cache too
     assert [(r.index, r.text, r.turns) for r in two.predictions()] == [(r.index, r.text, r.turns) for r in records]
+    assert len(list((tmp_path / "frames").rglob("*.frames"))) > 3  # the overviews and the clips stored

@@ -122,6 +122,12 @@ class FrameCache:
             self.put(key, video)
         return video, False
 
+    def frames(self, path: str, spec: VideoSpec, clip_start: float | None = None,
+               clip_end: float | None = None) -> DecodedVideo:
+        """The frames alone (`load` without whether they were cached): a decode shaped like `load_video`, as the zoom
+        tool takes one (`ZoomEnvironment(decode=)`)."""
+        return self.load(path, spec, clip_start, clip_end)[0]
+
     def load_part(self, path: str, spec: VideoSpec, clip_start: float | None = None, clip_end: float | None = None,
                   *, rank: int, sp: int, decode=load_video_part) -> tuple[VideoPart, bool]:
         """Rank `rank` of `sp`'s frames: (its part entry, True), else (the whole video's entry cut to its part, True:

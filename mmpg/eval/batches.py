@@ -263,7 +263,7 @@ def decode_pending(model, processor, samples, pending: list[int], spec, template
         from mmpg.rollout.zoom import ZoomEnvironment, ZoomSettings
 
         env = ZoomEnvironment(ZoomSettings(settings.zoom_fps, settings.zoom_max_frames, settings.zoom_max_turns),
-                              spec, decode=cache.load if cache is not None else None)
+                              spec, decode=cache.frames if cache is not None else None)
         zoom = ZoomProtocol(env, processor, (lambda d: dist.all_true(d, coll)) if lockstep else None)
     batches = iter(loader)
     bar = tqdm(total=len(pending), desc="eval", unit="sample", disable=session.rank != 0, dynamic_ncols=True)

@@ -294,11 +294,8 @@ def zoom_environment(cfg, family: str, cache=None):
     decoding through the frame cache `cache` where one is open."""
     from mmpg.rollout.zoom import ZoomEnvironment, ZoomSettings
 
-    def cached(path, spec, start, end):  # FrameCache.load says (frames, hit); the tool wants the frames
-        return cache.load(path, spec, start, end)[0]
-
     return ZoomEnvironment(ZoomSettings(cfg.zoom.fps, cfg.zoom.max_frames, cfg.zoom.max_turns), video_spec(cfg, family),
-                           decode=cached if cache is not None else None)
+                           decode=cache.frames if cache is not None else None)
 
 
 def frame_cache(cfg):
