@@ -30,7 +30,7 @@ def _config(run):
 
 
 def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path):
-    from mmpg.toy.demo.zoom_learning import ONE_LOOK, RULE_FILE, TASK, WINDOWS, Paths
+    from mmpg.toy.demo.zoom_learning import FIRST_TURN_FILE, ONE_LOOK, TASK, WINDOWS, Paths
 
     paths = Paths.under(tmp_path / "w", 4, 0, 1)  # --videos 4, seed 0, --unlisted-steps 1: this experiment's folders
     alone = _run(tmp_path / "w", "--arm", "one_look")  # one arm: its rows, no comparison written
@@ -57,15 +57,19 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
         assert settings["zoom_list_tools"] is (r["stage"] != "sft-unlisted")
     runs = paths.runs
     unlisted, zoom_sft, zoom_grpo = (_config(runs / f"zoom-{k}") for k in ("sft-unlisted", "sft", "grpo"))
-    # the rule's trajectories alone (one a training video) without the schema, then all 4 windows with it
-    assert unlisted["sft"]["trajectories"].endswith(RULE_FILE) and unlisted["data"]["queries_per_video"] == 1
+    # the rule's first turns alone (one a training video) without the schema, then all 4 windows with it
+    assert unlisted["sft"]["trajectories"].endswith(FIRST_TURN_FILE) and unlisted["data"]["queries_per_video"] == 1
     assert zoom_sft["sft"]["trajectories"].endswith("trajectories.jsonl")
     assert zoom_sft["data"]["queries_per_video"] == zoom_sft["trainer"]["micro_batch_size"] == WINDOWS
     assert unlisted["data"]["template"] == zoom_sft["data"]["template"] == "zoom"
-    rule = [json.loads(line) for line in (paths.data / RULE_FILE).read_text().splitlines()]
+    first = [json.loads(line) for line in (paths.data / FIRST_TURN_FILE).read_text().splitlines()]
     every = [json.loads(line) for line in (paths.data / "trajectories.jsonl").read_text().splitlines()]
-    assert len(rule) == 3 and len(every) == 3 * WINDOWS  # 3 training videos of 4
-    assert rule == [t for t in every if "weight" not in t["messages"][0]]  # the calls in the loss, in order
+    assert len(first) == 3 and len(every) == 3 * WINDOWS  # 3 training videos of 4
+    rule = [t for t in every if "weight" not in t["messages"][0]]  # the calls in the loss, in order
+    for f, r in zip(first, rule, strict=True):  # the same trajectory, its answer forwarded but out of the loss
+        assert [m["weight"] for m in f["messages"] if "weight" in m] == [0] and f["messages"][-1]["weight"] == 0
+        assert [{k: v for k, v in m.items() if k != "weight"} for m in f["messages"]] == r["messages"]
+        assert {k: v for k, v in f.items() if k != "messages"} == {k: v for k, v in r.items() if k != "messages"}
     assert unlisted["sft"]["list_tools"] is False and zoom_sft["sft"]["list_tools"] is True
     assert zoom_sft["model"]["path"].startswith(str(runs / "zoom-sft-unlisted"))
     assert zoom_grpo["data"]["template"] == "zoom" and zoom_grpo["model"]["path"].startswith(str(runs / "zoom-sft"))

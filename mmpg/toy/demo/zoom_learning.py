@@ -19,11 +19,12 @@ vision tower random and frozen), frames 32 x 32 (one token per two).
   grouped forward encodes and forwards its overview once for all four. Its first `--unlisted-steps` leave the
   tool's schema out of the system turn (`sft.list_tools false`): trained from random, this model does not learn to
   read the overview behind any system turn, and once it reads it, it goes on reading it behind the schema
-  (docs/performance.md, ninth attempt). That first stage trains on the rule's trajectories alone
-  (`trajectories-rule.jsonl`, one a video, 8 videos a step): the first turn is learned from many distinct
-  overviews a step (the four windows of a video train one call; at 2 videos a step it was still one call for every
-  test video after 500 steps, tenth attempt); it is evaluated behind its own prompt (`zoom_list_tools=false`). The
-  rest train behind the prompt rollouts and `mmpg eval` write. Then GRPO
+  (docs/performance.md, ninth attempt). That first stage trains the first turn alone: the rule's trajectory of
+  each training video with its answer turn out of the loss (`trajectories-first-turn.jsonl`, weight 0), 8 videos a
+  step. With the answer turns in the loss the call stayed one window for every test video after 1000 steps; with
+  the call alone, 139 of 200 test calls were the rule's after 500 (tenth attempt). It is evaluated behind its own
+  prompt (`zoom_list_tools=false`). The rest train whole trajectories behind the prompt rollouts and `mmpg eval`
+  write. Then GRPO
   with the tool (`data.template zoom`, up to `zoom.max_turns` 2 zooms, 128 new tokens a turn, an error turn costs
   0.2).
 - one-look arm: the same videos at 0.65 fps, 78 frames: at least the zoom arm's budget (the overview's 30 frames and
@@ -56,7 +57,7 @@ FAMILY = "qwen3_vl"
 MODEL_SIZE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
 TASK = ZoomTask(duration=120.0, overview_fps=0.25, zoom_fps=2.5, zoom_max_frames=64, window_rule="stamps")
 DATA_SEED, WINDOWS = 2, 4
-RULE_FILE = "trajectories-rule.jsonl"  # the rule's trajectory of each training video (its call weighted)
+FIRST_TURN_FILE = "trajectories-first-turn.jsonl"  # the rule's trajectory of each training video, its call alone in the loss
 PIXELS = 3136  # min = max pixels: Qwen3-VL's 32 x 32 frames, one video token per two frames
 ONE_LOOK = {"fps": 0.65, "max_frames": 78}  # >= the zoom arm's budget: overview 30 + the rule's clips (46.5 on average)
 MAX_TURNS = 2
@@ -122,23 +123,31 @@ def _build(paths: Paths, videos: int) -> list[str]:
     if not (paths.data / "trajectories.jsonl").is_file():
         write_zoom_dataset(paths.data, videos, seed=DATA_SEED, task=TASK, overwrite=True, windows=WINDOWS)
         built.append(f"{videos} zoom-task videos")
-    if not (paths.data / RULE_FILE).is_file():
-        n = write_rule_trajectories(paths.data / "trajectories.jsonl", paths.data / RULE_FILE)
-        built.append(f"{n} rule trajectories")
+    if not (paths.data / FIRST_TURN_FILE).is_file():
+        n = write_first_turns(paths.data / "trajectories.jsonl", paths.data / FIRST_TURN_FILE)
+        built.append(f"{n} first-turn trajectories")
     return built
 
 
-def write_rule_trajectories(src: Path, dst: Path) -> int:
+def write_first_turns(src: Path, dst: Path) -> int:
     """The rule's trajectory of each video (those whose call is in the loss; the shifted windows' calls have weight
-    0), written atomically to `dst`; returns how many."""
+    0) with every turn after the call at weight 0 (forwarded, not in the loss), written atomically to `dst`;
+    returns how many."""
     import json
 
     from mmpg.runs import atomic_write_text
 
-    lines = [line for line in src.read_text(encoding="utf-8").splitlines()
-             if line.strip() and json.loads(line)["messages"][0].get("weight", 1) != 0]
-    atomic_write_text(dst, "".join(line + "\n" for line in lines))
-    return len(lines)
+    kept = []
+    for line in src.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line) if line.strip() else None
+        if record is None or record["messages"][0].get("weight", 1) == 0:
+            continue
+        for message in record["messages"][1:]:
+            if message["role"] == "assistant":
+                message["weight"] = 0
+        kept.append(json.dumps(record) + "\n")
+    atomic_write_text(dst, "".join(kept))
+    return len(kept)
 
 
 def _common(paths: Paths, seed: int, steps: int, run: str, every: int) -> list[str]:
@@ -167,8 +176,8 @@ def stage_overrides(paths: Paths, arm: str, kind: str, model: Path, steps: int, 
         if kind == "sft-unlisted":
             over += ["sft.list_tools=false"]
         if arm == "zoom":  # the trajectories' video paths are relative to the dataset's folder
-            # the unlisted stage: the rule's trajectories, 8 videos a step; then a video's 4 windows side by side
-            file, per_video = (RULE_FILE, 1) if kind == "sft-unlisted" else ("trajectories.jsonl", WINDOWS)
+            # the unlisted stage: the rule's first turns, 8 videos a step; then a video's 4 windows side by side
+            file, per_video = (FIRST_TURN_FILE, 1) if kind == "sft-unlisted" else ("trajectories.jsonl", WINDOWS)
             over += ["data.train=", f"data.videos={paths.data}", f"sft.trajectories={paths.data / file}",
                      f"data.queries_per_video={per_video}", f"trainer.micro_batch_size={WINDOWS}"]
         else:
