@@ -33,6 +33,8 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
     from mmpg.toy.demo.zoom_learning import FIRST_TURN_FILE, ONE_LOOK, TASK, WINDOWS, Paths
 
     paths = Paths.under(tmp_path / "w", 4, 0, 1)  # --videos 4, seed 0, --unlisted-steps 1: this experiment's folders
+    # the first stage's data in the folder's name: a folder of whole-trajectory first stages is not resumed as this one
+    assert paths.runs.parent.name.endswith("-seed0-first1")
     alone = _run(tmp_path / "w", "--arm", "one_look")  # one arm: its rows, no comparison written
     assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
     assert "one_look arm only" in alone.stdout and "| one look, + GRPO | 1 |" in alone.stdout
@@ -45,6 +47,7 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
     assert [(r["arm"], r["stage"], r["steps"]) for r in out["rows"]] == [
         ("zoom", "sft-unlisted", 1), ("zoom", "sft", 2), ("zoom", "grpo", 1), ("one_look", "sft", 1),
         ("one_look", "grpo", 1)]
+    assert out["rows"][0]["label"] == "zoom, SFT of the first turn alone (no tool schema)"
     for r in out["rows"]:
         assert r["metrics"]["count"] == 1  # --test-samples 1
         assert ("zoom/used_share" in r["metrics"]) == (r["arm"] == "zoom")  # the zoom protocol for the zoom arm

@@ -33,9 +33,9 @@ vision tower random and frozen), frames 32 x 32 (one token per two).
 Both arms: seed `--seed`, `configs/sft_cpu_demo.yaml`'s optimizer (lr 1e-3, constant), answers with one decimal;
 `configs/cpu_demo.yaml`'s GRPO (G 8, temperature 0.7, lr 2e-4) on 4 prompts a step. Each stage's run has a fixed
 name and `checkpoint.resume: auto`: run the command again after a stop and it continues (a finished stage and a
-finished evaluation are reused); the runs and results of each model, task and seed have their own folder,
-WORKDIR/experiments/<model>-<task>-seed<seed>/ (runs/, results/summary.md and summary.json, written atomically),
-so that no stage resumes another experiment's run. The data's frames are cached on disk (`data.frame_cache`)
+finished evaluation are reused); the runs and results of each model, task, seed and first-turn stage have their
+own folder, WORKDIR/experiments/<model>-<task>-seed<seed>-first<unlisted steps>/ (runs/, results/summary.md and
+summary.json, written atomically), so that no stage resumes another experiment's run. The data's frames are cached on disk (`data.frame_cache`)
 after their first decode. `--arm zoom` and `--arm one_look` run one arm each, so that two processes can train the
 arms at once in the same WORKDIR (the first to start builds the model and videos, the other waits for them); each
 prints its rows, and a run of both arms afterwards reuses their stages and evaluations and writes the comparison.
@@ -64,7 +64,7 @@ MAX_TURNS = 2
 NEW_TOKENS = 128  # per model turn (a zoom call is about 70 tokens of the tiny tokenizer)
 DECIMALS = 1
 WORKDIR = "data/generated/zoom_learning"
-ARMS = {"both": ("zoom", "one_look"), "zoom": ("zoom",), "one_look": ("one_look",)}
+ARMS = ("both", "zoom", "one_look")  # --arm: both, or one arm's stages alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Plan:
     videos: int
     seed: int
     unlisted_steps: int = 0  # the zoom arm's SFT steps before sft_steps, the tool's schema out of the prompt
-    arm: str = "both"  # or one of ARMS' single arms: only its stages, no comparison written
+    arm: str = "both"  # or "zoom" / "one_look": only that arm's stages, no comparison written
 
 
 @dataclasses.dataclass
@@ -90,13 +90,15 @@ class Paths:
 
     @classmethod
     def under(cls, workdir: Path, videos: int, seed: int, unlisted_steps: int = 0) -> Paths:
-        """The folders of one experiment: another model size, task, training seed or count of SFT steps without the
-        tool's schema gets its own (so that a stage's run is never resumed from another experiment's: the zoom SFT
-        continues the unlisted stage's checkpoint), the decoded frames are shared (keyed by file and spec)."""
+        """The folders of one experiment: another model size, task, training seed or count of first-turn steps gets
+        its own (so that a stage's run is never resumed from another experiment's: the zoom SFT continues the
+        first-turn stage's checkpoint), the decoded frames are shared (keyed by file and spec). The first stage's
+        name says its data: `-first<N>`, N steps of first turns alone (before, `-unlisted<N>` folders trained whole
+        trajectories there, and are not resumed as this stage)."""
         w = workdir.resolve()
         model = f"tiny-{FAMILY}-{MODEL_SIZE['hidden_size']}x{MODEL_SIZE['num_layers']}"  # the name says the size
         data = f"zoom-{videos}-seed{DATA_SEED}-{TASK.window_rule}-{TASK.zoom_fps:g}fps"
-        experiment = w / "experiments" / (f"{model}-{data}-seed{seed}" + (f"-unlisted{unlisted_steps}"
+        experiment = w / "experiments" / (f"{model}-{data}-seed{seed}" + (f"-first{unlisted_steps}"
                                                                            if unlisted_steps else ""))
         return cls(w, w / model, w / data, experiment / "runs", w / "frames", experiment / "results")
 
@@ -279,7 +281,7 @@ def run(workdir: str, plan: Plan) -> int:
     stages = {"zoom": [("sft-unlisted", plan.unlisted_steps), ("sft", plan.sft_steps), ("grpo", plan.grpo_steps)],
               "one_look": [("sft", plan.one_look_sft_steps), ("grpo", plan.grpo_steps)]}
     for arm, arm_stages in stages.items():
-        if arm not in ARMS[plan.arm]:
+        if plan.arm not in ("both", arm):
             continue
         model = paths.model
         for kind, steps in arm_stages:
@@ -292,7 +294,7 @@ def run(workdir: str, plan: Plan) -> int:
             result = evaluate(model, paths, arm, plan.test_samples, listed=kind != "sft-unlisted")
             seconds[f"{arm}-{kind}-eval"] = time.perf_counter() - s0
             label = ("zoom" if arm == "zoom" else "one look") + {
-                "sft-unlisted": ", SFT without the tool's schema (evaluated so)", "sft": ", SFT",
+                "sft-unlisted": ", SFT of the first turn alone (no tool schema)", "sft": ", SFT",
                 "grpo": ", + GRPO"}[kind]
             rows.append({"arm": arm, "stage": kind, "label": label, "steps": steps, "checkpoint": str(model),
                          "eval": str(result.folder), "frames": frames_per_video(arm, result.metrics),
@@ -338,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--test-samples", type=int, default=0, help="test videos evaluated (0: all)")
     parser.add_argument("--videos", type=int, default=3000, help="videos of the task (a quarter are the test split)")
     parser.add_argument("--seed", type=int, default=0, help="training seed (the videos' seed is fixed)")
-    parser.add_argument("--arm", choices=tuple(ARMS), default="both", help="one arm only (two processes can train "
+    parser.add_argument("--arm", choices=ARMS, default="both", help="one arm only (two processes can train "
                         "the arms at once; a run of both afterwards reuses them and writes the comparison)")
     return parser
 
