@@ -253,3 +253,35 @@ def test_bad_zoom_configs_are_one_line(grpo_data, zoom_data, tmp_path):
                                                           **{"zoom.max_frames": 1}))
     assert "sft.list_tools" in refused(_zoom_overrides(grpo_data, zoom_data, tmp_path, "d",
                                                        **{"sft.trajectories": "", "sft.list_tools": False}))
+
+
+@pytest.mark.parametrize("kind, list_tools", [("sft", False), ("sft", True), ("grpo", False)])
+def test_heldout_evaluation_uses_the_prompt_the_run_trains_behind(kind, list_tools, zoom_data, tmp_path, monkeypatch):
+    """Training's held-out evaluation (`eval.every_n_steps`) of an SFT stage with `sft.list_tools: false` decodes
+    behind that stage's prompt, without the tool's schema, and records it (`zoom_list_tools` false, as `mmpg eval
+    zoom_list_tools=false` would); a GRPO run's always lists the tool (sft.* is not its config)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from mmpg.config import load_config
+    from mmpg.data.prompts import get_template
+    from mmpg.train import heldout
+
+    cfg = load_config(None, ["data.template=zoom", f"data.val={zoom_data / 'test.json'}",
+                             f"data.videos={zoom_data / 'videos'}", "data.train=",
+                             f"sft.trajectories={zoom_data / 'trajectories.jsonl'}", f"sft.list_tools={list_tools}"])
+    seen = {}
+
+    def fake_evaluate_loaded(model, processor, name, bench, out, settings, placement, spec, template, **kw):
+        seen.update(settings=settings, template=template)
+        return SimpleNamespace(metrics={"count": 1, "miou": 0.5, "unparseable": 0.0})
+
+    monkeypatch.setattr(heldout, "evaluate_loaded", fake_evaluate_loaded)
+    monkeypatch.setattr(heldout, "load_benchmark", lambda *a, **k: SimpleNamespace(name="test"))
+    session = SimpleNamespace(run_dir=str(tmp_path), model=None, processor=None, rank=0, world=1, device="cpu",
+                              family="qwen2_5_vl", dtype=torch.float32)
+    job = SimpleNamespace(kind=kind, cfg=cfg, session=session, eval_samples=None)
+    assert heldout.evaluate_heldout(job, 1)["eval/miou"] == 0.5
+    listed = kind != "sft" or list_tools
+    assert seen["settings"].zoom_list_tools is listed and seen["template"].list_tools is listed
+    assert seen["template"] == dataclasses.replace(get_template("zoom"), list_tools=listed)

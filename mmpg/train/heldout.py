@@ -6,12 +6,12 @@
           so the inspector's Evaluation tab and `mmpg eval --run` see them)
       --> eval/* metrics, which the loop appends to eval.jsonl for the curves
 
-Settings follow the training config: its prompt template, frames and pixels (data.*), eval.batch_size,
-eval.share_videos and eval.max_new_tokens, rollout.prefill_chunk, mmpg's scoring (scoring=mmpg) and failed videos
-left out of the metrics (bad_videos=skip), as training's held-out numbers always were. Every rank decodes in
-lockstep (ZeRO-3 gathers weights in each forward): a rank with nothing to decode in a round (no batch left, or all
-its videos failed) decodes a blank-video stand-in whose answer is dropped (`mmpg.eval.batches.decode_pending`);
-the failures are counted in eval/skipped.
+Settings follow the training config: its prompt template (an SFT stage's without the tool's schema where
+`sft.list_tools` is false), frames and pixels (data.*), eval.batch_size, eval.share_videos and eval.max_new_tokens,
+rollout.prefill_chunk, mmpg's scoring (scoring=mmpg) and failed videos left out of the metrics (bad_videos=skip), as
+training's held-out numbers always were. Every rank decodes in lockstep (ZeRO-3 gathers weights in each forward): a
+rank with nothing to decode in a round (no batch left, or all its videos failed) decodes a blank-video stand-in
+whose answer is dropped (`mmpg.eval.batches.decode_pending`); the failures are counted in eval/skipped.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from mmpg.eval.settings import EvalSettings
 from mmpg.runs.evals import run_eval_dir
 
 
-def heldout_settings(cfg) -> EvalSettings:
+def heldout_settings(cfg, kind: str = "grpo") -> EvalSettings:
+    """The evaluation settings of a `kind` ("grpo" or "sft") run's held-out evaluation: an SFT stage that leaves
+    the tool's schema out of its prompt (`sft.list_tools: false`) is evaluated behind that prompt, as `mmpg eval
+    zoom_list_tools=false` evaluates its checkpoints."""
     d = cfg.data
     return EvalSettings(**d.video_values(), template=d.template,  # data.fps, ... : the same VideoSettings block
                         dtype=str(cfg.model.dtype), max_new_tokens=cfg.eval.max_new_tokens, bad_videos="skip",
@@ -32,25 +35,29 @@ def heldout_settings(cfg) -> EvalSettings:
                         frame_cache=d.frame_cache, frame_cache_gb=d.frame_cache_gb,
                         self_check="off", scoring="mmpg", prefill_chunk=cfg.rollout.prefill_chunk,
                         grouping_backend=cfg.model.grouping_backend, zoom_fps=cfg.zoom.fps,
-                        zoom_max_frames=cfg.zoom.max_frames, zoom_max_turns=cfg.zoom.max_turns)
+                        zoom_max_frames=cfg.zoom.max_frames, zoom_max_turns=cfg.zoom.max_turns,
+                        zoom_list_tools=kind != "sft" or cfg.sft.list_tools)
 
 
 def evaluate_heldout(job, step: int) -> dict | None:
     """eval/* metrics of the policy at `step` on data.val (rank 0; None elsewhere and without data.val)."""
+    import dataclasses
+
     from mmpg.data.prompts import get_template
     from mmpg.train.setup import video_spec
 
     cfg, session = job.cfg, job.session
     if not cfg.data.val:
         return None
-    settings = heldout_settings(cfg)
+    settings = heldout_settings(cfg, job.kind)
+    template = dataclasses.replace(get_template(cfg.data.template), list_tools=settings.zoom_list_tools)
     if job.eval_samples is None:
         job.eval_samples = load_benchmark(cfg.data.val, cfg.data.videos or None, settings)
     bench = job.eval_samples
     out = run_eval_dir(session.run_dir, bench.name, step)
     result = evaluate_loaded(session.model, session.processor, f"{session.run_dir} (step {step}, in training)", bench,
                              out, settings, Placement(session.rank, session.world, session.device),
-                             video_spec(cfg, session.family), get_template(cfg.data.template),
+                             video_spec(cfg, session.family), template,
                              family=session.family, dtype=session.dtype, step=step, lockstep=True)
     if result.metrics is None:
         return None
