@@ -51,6 +51,8 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
     for r in out["rows"]:
         assert r["metrics"]["count"] == 1  # --test-samples 1
         assert ("zoom/used_share" in r["metrics"]) == (r["arm"] == "zoom")  # the zoom protocol for the zoom arm
+        calls = r["first_calls"]  # the zoom arm's first turns against the rule's window; none for one look
+        assert (calls is None) if r["arm"] == "one_look" else (0.0 <= calls["rule_call_share"] <= 1.0)
         overview = TASK.duration * TASK.overview_fps
         clips = r["metrics"].get("zoom/clip_frames_mean", 0.0)
         assert r["frames"] == (overview + clips if r["arm"] == "zoom" else ONE_LOOK["max_frames"])
@@ -81,6 +83,7 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
         "time_r1", ONE_LOOK["fps"], ONE_LOOK["max_frames"])
     assert one["model"]["path"].startswith(str(runs / "one_look-sft"))
     assert "mIoU points (the issue's bar: +10)" in proc.stdout
+    assert "| zoomed | first call the rule's (distinct calls) |" in proc.stdout
     again = _run(tmp_path / "w")
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count(": reused ") == 5 and "built now: nothing" in again.stdout

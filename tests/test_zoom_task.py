@@ -250,3 +250,43 @@ def test_mmpg_synth_zoom_writes_the_task(tmp_path):
     assert proc.returncode == 2 and "(the written times around 3 frame pairs)" in proc.stderr, proc.stderr
     assert sorted(p.name for p in (tmp_path / "z").iterdir()) == ["events.json", "test.json", "train.json",
                                                                   "trajectories.jsonl", "videos"]
+
+
+def test_the_scenes_are_redrawn_without_rendering(dataset):
+    """`zoom_scenes(n, seed, task)` draws the scenes `write_zoom_dataset` rendered, in its order: their events are
+    events.json's and the rule's window of each training scene is the one its trajectory calls."""
+    from mmpg.toy.zoom_task import rule_window, zoom_scenes
+
+    scenes = zoom_scenes(4, 3, TASK)
+    events = json.loads((dataset / "events.json").read_text())
+    assert [s.video_id for s in scenes] == sorted(events)
+    for s in scenes:
+        field, flash = s.events
+        assert events[s.video_id] == {"field": [field.start, field.end], "colour": field.colour,
+                                      "flash": [flash.start, flash.end]}
+    test = json.loads((dataset / "test.json").read_text())
+    assert list(test) == [scenes[-1].video_id]  # the last quarter is the test split
+    lines = [json.loads(x) for x in (dataset / "trajectories.jsonl").read_text().splitlines()]
+    by_id = {s.video_id: s for s in scenes}
+    assert len(lines) == 3
+    for line in lines:
+        video_id = line["video"].split("/")[-1].removesuffix(".mp4")
+        assert list(rule_window(by_id[video_id], TASK)) == line["window"]
+
+
+def test_the_experiment_reads_first_calls_as_the_tool_parses_them(tmp_path):
+    """`mmpg.toy.demo.zoom_learning.first_calls`: the share of test videos whose first turn calls the rule's window
+    exactly (parsed as the tool parses it), and how many distinct windows the first turns called."""
+    from mmpg.toy.demo.zoom_learning import first_calls, rule_windows
+
+    windows = rule_windows(8)
+    ids = sorted(windows)[-3:]
+    start, end = windows[ids[0]]
+    other = windows[ids[1]]
+    turns = [call_text(start, end), call_text(other[0] + 1.0, other[1]), "<answer>3.0 to 4.0</answer>"]
+    path = tmp_path / "predictions.jsonl"
+    path.write_text("".join(json.dumps({"video": f"/videos/{i}.mp4", "turns": [{"model": t}]}) + "\n"
+                            for i, t in zip(ids, turns)))
+    assert first_calls(path, windows) == {"rule_call_share": 1 / 3, "distinct_calls": 2}
+    path.write_text(json.dumps({"video": f"/videos/{ids[1]}.mp4", "turns": [{"model": call_text(*other)}]}) + "\n")
+    assert first_calls(path, windows) == {"rule_call_share": 1.0, "distinct_calls": 1}

@@ -95,6 +95,12 @@ class ZoomTask:
         return [i / self.fps for i in indices]
 
 
+def zoom_scenes(n: int, seed: int, task: ZoomTask) -> list[Scene]:
+    """The n scenes `write_zoom_dataset(out, n, seed, task)` renders, in its order (video i drawn from its own spawned
+    generator; the test split is the last `test_fraction` of them), without rendering anything."""
+    return [zoom_scene(rng, f"zoom_{i:05d}", task) for i, rng in enumerate(np.random.default_rng(seed).spawn(n))]
+
+
 def zoom_scene(rng: np.random.Generator, video_id: str, task: ZoomTask) -> Scene:
     """One video of the task (module docstring), drawn from its own rng: the field somewhere in the video, the
     flash inside it between two overview frames."""
@@ -236,7 +242,7 @@ def write_zoom_dataset(out: Path | str, n: int, seed: int = 0, task: ZoomTask | 
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         (tmp / "videos").mkdir(parents=True)
-        scenes = [zoom_scene(rng, f"zoom_{i:05d}", task) for i, rng in enumerate(np.random.default_rng(seed).spawn(n))]
+        scenes = zoom_scenes(n, seed, task)
         for scene in scenes:
             _encode(tmp / "videos" / f"{scene.video_id}.mp4", scene)
         n_test = max(1, int(round(n * test_fraction)))

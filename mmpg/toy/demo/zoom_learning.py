@@ -1,5 +1,7 @@
 """Does zooming beat one look at an equal frame budget? The toy zoom task's two arms, each a supervised warm start then
-GRPO, with a greedy evaluation on the held-out test videos after each stage, printed as one table.
+GRPO, with a greedy evaluation on the held-out test videos after each stage, printed as one table (the zoom arm's
+rows also give the share of test videos whose first call is the rule policy's window, and how many distinct windows
+the first turns called).
 
     bash scripts/zoom_learning.sh [--unlisted-steps 500] [--sft-steps 4500] [--one-look-sft-steps N]
                                   [--grpo-steps 80] [--test-samples 0] [--videos 3000] [--seed 0] [--workdir DIR]
@@ -237,6 +239,34 @@ def evaluate(checkpoint: Path, paths: Paths, arm: str, test_samples: int, listed
                                settings, benchmark="test")
 
 
+def rule_windows(videos: int) -> dict[str, tuple[float, float]]:
+    """The rule policy's window of each of the task's videos (by video id), from its scenes redrawn, nothing decoded."""
+    from mmpg.toy.zoom_task import rule_window, zoom_scenes
+
+    return {scene.video_id: rule_window(scene, TASK) for scene in zoom_scenes(videos, DATA_SEED, TASK)}
+
+
+def first_calls(predictions: Path, windows: dict[str, tuple[float, float]]) -> dict:
+    """How a zoom evaluation's first turns called the tool (`predictions.jsonl`, parsed as the tool parses them):
+    the share of test videos whose first call is the rule's window exactly, and how many distinct windows were
+    called. The first turn is what the zoom arm's first SFT stage trains (docs/performance.md, tenth attempt)."""
+    import json
+
+    from mmpg.rollout.zoom import ZoomCall, parse_call
+
+    count, exact, called = 0, 0, set()
+    for line in predictions.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        count += 1
+        turns = record.get("turns") or [{"model": record.get("text", "")}]
+        call = parse_call(turns[0].get("model", ""))
+        if isinstance(call, ZoomCall):
+            called.add((call.start, call.end))
+            rule = windows[Path(record["video"]).stem]
+            exact += abs(call.start - rule[0]) < 1e-6 and abs(call.end - rule[1]) < 1e-6
+    return {"rule_call_share": exact / count if count else 0.0, "distinct_calls": len(called)}
+
+
 def frames_per_video(arm: str, metrics: dict) -> float:
     """Frames the model saw per test video: one look's, or the overview's plus the clips' (measured)."""
     if arm == "zoom":
@@ -248,13 +278,15 @@ COLUMNS = (("mIoU", "miou"), ("R1@0.3", "r1@0.3"), ("R1@0.5", "r1@0.5"), ("unpar
 
 
 def table(rows: list[dict]) -> list[str]:
-    head = "| run | steps | frames per video | " + " | ".join(c for c, _ in COLUMNS) + " | zoomed |"
-    lines = [head, "|---|---:|---:|" + "---:|" * (len(COLUMNS) + 1)]
+    head = "| run | steps | frames per video | " + " | ".join(c for c, _ in COLUMNS) + \
+        " | zoomed | first call the rule's (distinct calls) |"
+    lines = [head, "|---|---:|---:|" + "---:|" * (len(COLUMNS) + 2)]
     for r in rows:
-        m = r["metrics"]
+        m, calls = r["metrics"], r.get("first_calls")
         zoomed = f"{100 * m['zoom/used_share']:.0f} %" if "zoom/used_share" in m else ""
+        rule = f"{100 * calls['rule_call_share']:.0f} % ({calls['distinct_calls']})" if calls else ""
         cells = " | ".join(f"{100 * float(m.get(k, float('nan'))):.1f}" for _, k in COLUMNS)
-        lines.append(f"| {r['label']} | {r['steps']} | {r['frames']:.1f} | {cells} | {zoomed} |")
+        lines.append(f"| {r['label']} | {r['steps']} | {r['frames']:.1f} | {cells} | {zoomed} | {rule} |")
     return lines
 
 
@@ -277,7 +309,7 @@ def run(workdir: str, plan: Plan) -> int:
     built = ensure_artifacts(paths, plan.videos)
     print(f"  built now: {', '.join(built) if built else 'nothing (reused the checkpoint and videos there)'}",
           flush=True)
-    rows, seconds = [], {}
+    rows, seconds, windows = [], {}, rule_windows(plan.videos)
     stages = {"zoom": [("sft-unlisted", plan.unlisted_steps), ("sft", plan.sft_steps), ("grpo", plan.grpo_steps)],
               "one_look": [("sft", plan.one_look_sft_steps), ("grpo", plan.grpo_steps)]}
     for arm, arm_stages in stages.items():
@@ -296,11 +328,13 @@ def run(workdir: str, plan: Plan) -> int:
             label = ("zoom" if arm == "zoom" else "one look") + {
                 "sft-unlisted": ", SFT of the first turn alone (no tool schema)", "sft": ", SFT",
                 "grpo": ", + GRPO"}[kind]
+            calls = first_calls(Path(result.folder) / "predictions.jsonl", windows) if arm == "zoom" else None
             rows.append({"arm": arm, "stage": kind, "label": label, "steps": steps, "checkpoint": str(model),
                          "eval": str(result.folder), "frames": frames_per_video(arm, result.metrics),
-                         "metrics": result.metrics})
+                         "metrics": result.metrics, "first_calls": calls})
+            rule = f"; the first call the rule's on {100 * calls['rule_call_share']:.0f} %" if calls else ""
             print(f"  {label}: mIoU {100 * result.metrics['miou']:.1f} on {int(result.metrics['count'])} test "
-                  "videos", flush=True)
+                  f"videos{rule}", flush=True)
     if plan.arm != "both":  # the comparison needs both arms: printed by a run of both, which reuses these
         text = "\n".join(["", f"zoom learning, {plan.arm} arm only (seed {plan.seed}; greedy answers on the "
                                 f"{int(rows[0]['metrics']['count'])} held-out test videos):", "", *table(rows), "",
