@@ -33,14 +33,15 @@ vision tower random and frozen), frames 32 x 32 (one token per two).
   the rule's clips, 46.5 frames on average over the test videos); SFT on the true spans, then GRPO.
 
 Both arms: seed `--seed`, `configs/sft_cpu_demo.yaml`'s optimizer (lr 1e-3, constant), answers with one decimal;
-`configs/cpu_demo.yaml`'s GRPO (G 8, temperature 0.7, lr 2e-4) on 4 prompts a step. Each stage's run has a fixed
-name and `checkpoint.resume: auto`: run the command again after a stop and it continues (a finished stage and a
-finished evaluation are reused); the runs and results of each model, task, seed and first-turn stage have their
-own folder, WORKDIR/experiments/<model>-<task>-seed<seed>-first<unlisted steps>/ (runs/, results/summary.md and
-summary.json, written atomically), so that no stage resumes another experiment's run. The data's frames are cached on disk (`data.frame_cache`)
-after their first decode. `--arm zoom` and `--arm one_look` run one arm each, so that two processes can train the
-arms at once in the same WORKDIR (the first to start builds the model and videos, the other waits for them); each
-prints its rows, and a run of both arms afterwards reuses their stages and evaluations and writes the comparison.
+`configs/cpu_demo.yaml`'s GRPO (G 8, temperature 0.7, lr 2e-4) on 4 prompts a step. Each stage's run has a fixed name
+and `checkpoint.resume: auto`: run the command again after a stop and it continues (a finished stage and a finished
+evaluation are reused); the runs and results of each model, task, seed and first-turn stage have their own folder,
+WORKDIR/experiments/<model>-<task>-seed<seed>-first<unlisted steps>/ (runs/, results/summary.md and summary.json,
+written atomically), so that no stage resumes another experiment's run. The data's frames are cached on disk
+(`data.frame_cache`) after their first decode. `--arm zoom` and `--arm one_look` run one arm each, so that two
+processes can train the arms at once in the same WORKDIR (the first to start builds the model and videos, the other
+waits for them); each prints its rows, and a run of both arms afterwards reuses their stages and evaluations and writes
+the comparison.
 """
 
 from __future__ import annotations
