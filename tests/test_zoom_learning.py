@@ -83,12 +83,19 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
         "time_r1", ONE_LOOK["fps"], ONE_LOOK["max_frames"])
     assert one["model"]["path"].startswith(str(runs / "one_look-sft"))
     assert "mIoU points (the issue's bar: +10)" in proc.stdout
+    # each stage's training time from its run's metrics.jsonl, also the one-look stages the run before trained; an
+    # evaluation's only where this command decoded it
+    stages = [f"{r['arm']}-{r['stage']}" for r in out["rows"]]
+    assert all(out["seconds"][s] > 0 for s in stages) and out["seconds"]["zoom-grpo-eval"] > 0
+    assert not any(k.startswith("one_look") and k.endswith("-eval") for k in out["seconds"])
     assert "| zoomed | first call the rule's (distinct calls) |" in proc.stdout
     again = _run(tmp_path / "w")
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count(": reused ") == 5 and "built now: nothing" in again.stdout
     scores = ("miou", "r1@0.3", "r1@0.5", "unparseable", "count")
-    rows = json.loads((paths.results / "summary.json").read_text())["rows"]
+    summary = json.loads((paths.results / "summary.json").read_text())
+    rows = summary["rows"]
+    assert summary["seconds"] == {s: out["seconds"][s] for s in stages}  # all reused: the stages' own times, no eval
     assert [(r["checkpoint"], r["frames"], {k: r["metrics"][k] for k in scores}) for r in rows] == \
         [(r["checkpoint"], r["frames"], {k: r["metrics"][k] for k in scores}) for r in out["rows"]]
     for other in (Paths.under(tmp_path / "w", 4, 1, 1), Paths.under(tmp_path / "w", 4, 0, 0)):

@@ -358,6 +358,12 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     zoom: ZoomConfig = field(default_factory=ZoomConfig)
 
+    def lists_tools(self, kind: str) -> bool:
+        """Whether a `kind` ("sft" or "grpo") run's prompt lists the tool's schema in its system turn: an SFT stage
+        with `sft.list_tools: false` leaves it out, for its training and its held-out evaluation alike; rollouts
+        always list it (sft.* is not a GRPO run's config)."""
+        return kind != "sft" or self.sft.list_tools
+
 
 GROUPS = [f.name for f in dataclasses.fields(Config)]
 

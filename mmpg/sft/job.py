@@ -65,9 +65,8 @@ class SFTJob:
     def __init__(self, session, samples, trajectories=None):
         cfg = session.cfg
         self.session, self.cfg = session, cfg
-        self.template = get_template(cfg.data.template)
-        if not cfg.sft.list_tools:  # a cold start's first stage: the tool's schema left out of the prompt
-            self.template = dataclasses.replace(self.template, list_tools=False)
+        # a cold start's first stage (sft.list_tools false): the tool's schema left out of the prompt
+        self.template = dataclasses.replace(get_template(cfg.data.template), list_tools=cfg.lists_tools(self.kind))
         self.position = int(session.state.get("data_position", 0))
         cache = frame_cache(cfg)
         self.trajectories, self.env = None, None

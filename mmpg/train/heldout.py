@@ -36,7 +36,7 @@ def heldout_settings(cfg, kind: str = "grpo") -> EvalSettings:
                         self_check="off", scoring="mmpg", prefill_chunk=cfg.rollout.prefill_chunk,
                         grouping_backend=cfg.model.grouping_backend, zoom_fps=cfg.zoom.fps,
                         zoom_max_frames=cfg.zoom.max_frames, zoom_max_turns=cfg.zoom.max_turns,
-                        zoom_list_tools=kind != "sft" or cfg.sft.list_tools)
+                        zoom_list_tools=cfg.lists_tools(kind))
 
 
 def evaluate_heldout(job, step: int) -> dict | None:
