@@ -17,7 +17,7 @@ from train_utils import ROOT, env
 
 pytestmark = pytest.mark.slow
 
-FLAGS = ["--videos", "4", "--unlisted-steps", "1", "--sft-steps", "2", "--one-look-sft-steps", "1", "--grpo-steps", "1", "--test-samples", "1"]
+FLAGS = ["--videos", "4", "--unlisted-steps", "1", "--answer-steps", "1", "--sft-steps", "2", "--one-look-sft-steps", "1", "--grpo-steps", "1", "--test-samples", "1"]
 
 
 def _run(workdir, *more):
@@ -30,11 +30,12 @@ def _config(run):
 
 
 def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path):
-    from mmpg.toy.demo.zoom_learning import FIRST_TURN_FILE, ONE_LOOK, TASK, WINDOWS, Paths
+    from mmpg.toy.demo.zoom_learning import ANSWER_FILE, FIRST_TURN_FILE, ONE_LOOK, TASK, WINDOWS, Paths
 
-    paths = Paths.under(tmp_path / "w", 4, 0, 1)  # --videos 4, seed 0, --unlisted-steps 1: this experiment's folders
-    # the first stage's data in the folder's name: a folder of whole-trajectory first stages is not resumed as this one
-    assert paths.runs.parent.name.endswith("-seed0-first1")
+    # --videos 4, seed 0, --unlisted-steps 1, --answer-steps 1: this experiment's folders
+    paths = Paths.under(tmp_path / "w", 4, 0, 1, 1)
+    # the first stages' data in the folder's name: a folder of whole-trajectory first stages is not resumed as this one
+    assert paths.runs.parent.name.endswith("-seed0-first1-answer1")
     alone = _run(tmp_path / "w", "--arm", "one_look")  # one arm: its rows, no comparison written
     assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
     assert "one_look arm only" in alone.stdout and "| one look, + GRPO | 1 |" in alone.stdout
@@ -45,9 +46,10 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
     assert proc.stdout.count(": reused ") == 2 and "built now: nothing" in proc.stdout  # the one-look arm's stages
     out = json.loads((paths.results / "summary.json").read_text())
     assert [(r["arm"], r["stage"], r["steps"]) for r in out["rows"]] == [
-        ("zoom", "sft-unlisted", 1), ("zoom", "sft", 2), ("zoom", "grpo", 1), ("one_look", "sft", 1),
-        ("one_look", "grpo", 1)]
+        ("zoom", "sft-unlisted", 1), ("zoom", "sft-answer", 1), ("zoom", "sft", 2), ("zoom", "grpo", 1),
+        ("one_look", "sft", 1), ("one_look", "grpo", 1)]
     assert out["rows"][0]["label"] == "zoom, SFT of the first turn alone (no tool schema)"
+    assert out["rows"][1]["label"] == "zoom, SFT of the answer turn alone"
     for r in out["rows"]:
         assert r["metrics"]["count"] == 1  # --test-samples 1
         assert ("zoom/used_share" in r["metrics"]) == (r["arm"] == "zoom")  # the zoom protocol for the zoom arm
@@ -61,7 +63,8 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
         assert settings["template"] == ("zoom" if r["arm"] == "zoom" else "time_r1")
         assert settings["zoom_list_tools"] is (r["stage"] != "sft-unlisted")
     runs = paths.runs
-    unlisted, zoom_sft, zoom_grpo = (_config(runs / f"zoom-{k}") for k in ("sft-unlisted", "sft", "grpo"))
+    unlisted, answer, zoom_sft, zoom_grpo = (_config(runs / f"zoom-{k}")
+                                             for k in ("sft-unlisted", "sft-answer", "sft", "grpo"))
     # the rule's first turns alone (one a training video) without the schema, then all 4 windows with it
     assert unlisted["sft"]["trajectories"].endswith(FIRST_TURN_FILE) and unlisted["data"]["queries_per_video"] == 1
     assert zoom_sft["sft"]["trajectories"].endswith("trajectories.jsonl")
@@ -76,7 +79,15 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
         assert [{k: v for k, v in m.items() if k != "weight"} for m in f["messages"]] == r["messages"]
         assert {k: v for k, v in f.items() if k != "messages"} == {k: v for k, v in r.items() if k != "messages"}
     assert unlisted["sft"]["list_tools"] is False and zoom_sft["sft"]["list_tools"] is True
-    assert zoom_sft["model"]["path"].startswith(str(runs / "zoom-sft-unlisted"))
+    # the answer stage: every trajectory, its call out of the loss, 8 videos a step, behind the listed prompt
+    assert answer["sft"]["trajectories"].endswith(ANSWER_FILE) and answer["data"]["queries_per_video"] == 1
+    assert answer["sft"]["list_tools"] is True and answer["model"]["path"].startswith(str(runs / "zoom-sft-unlisted"))
+    answers = [json.loads(line) for line in (paths.data / ANSWER_FILE).read_text().splitlines()]
+    assert [[m.get("weight", 1) for m in t["messages"] if m["role"] == "assistant"] for t in answers] == \
+        [[0, 1]] * len(every)
+    assert [{k: v for k, v in t.items() if k != "messages"} for t in answers] == \
+        [{k: v for k, v in t.items() if k != "messages"} for t in every]
+    assert zoom_sft["model"]["path"].startswith(str(runs / "zoom-sft-answer"))
     assert zoom_grpo["data"]["template"] == "zoom" and zoom_grpo["model"]["path"].startswith(str(runs / "zoom-sft"))
     one = _config(runs / "one_look-grpo")
     assert (one["data"]["template"], one["data"]["fps"], one["data"]["max_frames"]) == (
@@ -91,14 +102,15 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
     assert "| zoomed | first call the rule's (distinct calls) |" in proc.stdout
     again = _run(tmp_path / "w")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count(": reused ") == 5 and "built now: nothing" in again.stdout
+    assert again.stdout.count(": reused ") == 6 and "built now: nothing" in again.stdout
     scores = ("miou", "r1@0.3", "r1@0.5", "unparseable", "count")
     summary = json.loads((paths.results / "summary.json").read_text())
     rows = summary["rows"]
     assert summary["seconds"] == {s: out["seconds"][s] for s in stages}  # all reused: the stages' own times, no eval
     assert [(r["checkpoint"], r["frames"], {k: r["metrics"][k] for k in scores}) for r in rows] == \
         [(r["checkpoint"], r["frames"], {k: r["metrics"][k] for k in scores}) for r in out["rows"]]
-    for other in (Paths.under(tmp_path / "w", 4, 1, 1), Paths.under(tmp_path / "w", 4, 0, 0)):
-        # another training seed, or no unlisted stage: the same model, videos and frames, its own runs
+    for other in (Paths.under(tmp_path / "w", 4, 1, 1, 1), Paths.under(tmp_path / "w", 4, 0, 0, 1),
+                  Paths.under(tmp_path / "w", 4, 0, 1)):
+        # another training seed, no unlisted stage or no answer stage: the same model, videos and frames, own runs
         assert (other.model, other.data, other.frames) == (paths.model, paths.data, paths.frames)
         assert other.runs != paths.runs and other.results != paths.results

@@ -3,7 +3,7 @@ GRPO, with a greedy evaluation on the held-out test videos after each stage, pri
 rows also give the share of test videos whose first call is the rule policy's window, and how many distinct windows
 the first turns called).
 
-    bash scripts/zoom_learning.sh [--unlisted-steps 500] [--sft-steps 4500] [--one-look-sft-steps N]
+    bash scripts/zoom_learning.sh [--unlisted-steps 500] [--answer-steps 0] [--sft-steps 4500] [--one-look-sft-steps N]
                                   [--grpo-steps 80] [--test-samples 0] [--videos 3000] [--seed 0] [--workdir DIR]
                                   [--arm both|zoom|one_look]
 
@@ -25,8 +25,11 @@ vision tower random and frozen), frames 32 x 32 (one token per two).
   each training video with its answer turn out of the loss (`trajectories-first-turn.jsonl`, weight 0), 8 videos a
   step. With the answer turns in the loss the call stayed one window for every test video after 1000 steps; with
   the call alone, 139 of 200 test calls were the rule's after 500 (tenth attempt). It is evaluated behind its own
-  prompt (`zoom_list_tools=false`). The rest train whole trajectories behind the prompt rollouts and `mmpg eval`
-  write. Then GRPO
+  prompt (`zoom_list_tools=false`). `--answer-steps` (default 0: none) then train the answer turn alone, as the
+  first stage trained the call: every trajectory (all 4 windows) with its call at weight 0
+  (`trajectories-answers.jsonl`), 8 videos a step, behind the prompt rollouts write (after the first-turn stage and
+  4,000 whole-trajectory steps the answer is still not read off the clip: docs/performance.md, eleventh and twelfth
+  attempts). The rest train whole trajectories behind the prompt rollouts and `mmpg eval` write. Then GRPO
   with the tool (`data.template zoom`, up to `zoom.max_turns` 2 zooms, 128 new tokens a turn, an error turn costs
   0.2).
 - one-look arm: the same videos at 0.65 fps, 78 frames: at least the zoom arm's budget (the overview's 30 frames and
@@ -35,10 +38,10 @@ vision tower random and frozen), frames 32 x 32 (one token per two).
 Both arms: seed `--seed`, `configs/sft_cpu_demo.yaml`'s optimizer (lr 1e-3, constant), answers with one decimal;
 `configs/cpu_demo.yaml`'s GRPO (G 8, temperature 0.7, lr 2e-4) on 4 prompts a step. Each stage's run has a fixed name
 and `checkpoint.resume: auto`: run the command again after a stop and it continues (a finished stage and a finished
-evaluation are reused); the runs and results of each model, task, seed and first-turn stage have their own folder,
-WORKDIR/experiments/<model>-<task>-seed<seed>-first<unlisted steps>/ (runs/, results/summary.md and summary.json,
-written atomically), so that no stage resumes another experiment's run. The data's frames are cached on disk
-(`data.frame_cache`) after their first decode. `--arm zoom` and `--arm one_look` run one arm each, so that two
+evaluation are reused); the runs and results of each model, task, seed and first stages have their own folder,
+WORKDIR/experiments/<model>-<task>-seed<seed>-first<unlisted steps>[-answer<answer steps>]/ (runs/, results/summary.md
+and summary.json, written atomically), so that no stage resumes another experiment's run. The data's frames are cached
+on disk (`data.frame_cache`) after their first decode. `--arm zoom` and `--arm one_look` run one arm each, so that two
 processes can train the arms at once in the same WORKDIR (the first to start builds the model and videos, the other
 waits for them); each prints its rows, and a run of both arms afterwards reuses their stages and evaluations and writes
 the comparison.
@@ -61,6 +64,7 @@ MODEL_SIZE = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads
 TASK = ZoomTask(duration=120.0, overview_fps=0.25, zoom_fps=2.5, zoom_max_frames=64, window_rule="stamps")
 DATA_SEED, WINDOWS = 2, 4
 FIRST_TURN_FILE = "trajectories-first-turn.jsonl"  # the rule's trajectory of each training video, its call alone in the loss
+ANSWER_FILE = "trajectories-answers.jsonl"  # every trajectory, its answer alone in the loss
 PIXELS = 3136  # min = max pixels: Qwen3-VL's 32 x 32 frames, one video token per two frames
 ONE_LOOK = {"fps": 0.65, "max_frames": 78}  # >= the zoom arm's budget: overview 30 + the rule's clips (46.5 on average)
 MAX_TURNS = 2
@@ -80,6 +84,7 @@ class Plan:
     seed: int
     unlisted_steps: int = 0  # the zoom arm's SFT steps before sft_steps, the tool's schema out of the prompt
     arm: str = "both"  # or "zoom" / "one_look": only that arm's stages, no comparison written
+    answer_steps: int = 0  # the zoom arm's SFT steps of answer turns alone, after the unlisted ones
 
 
 @dataclasses.dataclass
@@ -92,17 +97,18 @@ class Paths:
     results: Path
 
     @classmethod
-    def under(cls, workdir: Path, videos: int, seed: int, unlisted_steps: int = 0) -> Paths:
+    def under(cls, workdir: Path, videos: int, seed: int, unlisted_steps: int = 0, answer_steps: int = 0) -> Paths:
         """The folders of one experiment: another model size, task, training seed or count of first-turn steps gets
         its own (so that a stage's run is never resumed from another experiment's: the zoom SFT continues the
         first-turn stage's checkpoint), the decoded frames are shared (keyed by file and spec). The first stage's
         name says its data: `-first<N>`, N steps of first turns alone (before, `-unlisted<N>` folders trained whole
-        trajectories there, and are not resumed as this stage)."""
+        trajectories there, and are not resumed as this stage); `-answer<M>`: then M steps of answer turns alone."""
         w = workdir.resolve()
         model = f"tiny-{FAMILY}-{MODEL_SIZE['hidden_size']}x{MODEL_SIZE['num_layers']}"  # the name says the size
         data = f"zoom-{videos}-seed{DATA_SEED}-{TASK.window_rule}-{TASK.zoom_fps:g}fps"
-        experiment = w / "experiments" / (f"{model}-{data}-seed{seed}" + (f"-first{unlisted_steps}"
-                                                                           if unlisted_steps else ""))
+        experiment = w / "experiments" / (f"{model}-{data}-seed{seed}"
+                                          + (f"-first{unlisted_steps}" if unlisted_steps else "")
+                                          + (f"-answer{answer_steps}" if answer_steps else ""))
         return cls(w, w / model, w / data, experiment / "runs", w / "frames", experiment / "results")
 
 
@@ -131,6 +137,9 @@ def _build(paths: Paths, videos: int) -> list[str]:
     if not (paths.data / FIRST_TURN_FILE).is_file():
         n = write_first_turns(paths.data / "trajectories.jsonl", paths.data / FIRST_TURN_FILE)
         built.append(f"{n} first-turn trajectories")
+    if not (paths.data / ANSWER_FILE).is_file():
+        n = write_answer_turns(paths.data / "trajectories.jsonl", paths.data / ANSWER_FILE)
+        built.append(f"{n} answer-turn trajectories")
     return built
 
 
@@ -155,6 +164,24 @@ def write_first_turns(src: Path, dst: Path) -> int:
     return len(kept)
 
 
+def write_answer_turns(src: Path, dst: Path) -> int:
+    """Every trajectory of `src` (the rule's window and the shifted ones) with its call at weight 0 (forwarded, not
+    in the loss), so that the loss covers the answer turns alone; written atomically to `dst`; returns how many."""
+    import json
+
+    from mmpg.runs import atomic_write_text
+
+    kept = []
+    for line in src.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        record["messages"][0]["weight"] = 0
+        kept.append(json.dumps(record) + "\n")
+    atomic_write_text(dst, "".join(kept))
+    return len(kept)
+
+
 def _common(paths: Paths, seed: int, steps: int, run: str, every: int) -> list[str]:
     return [f"data.min_pixels={PIXELS}", f"data.max_pixels={PIXELS}", "data.val=", f"data.frame_cache={paths.frames}",
             f"trainer.output_dir={paths.runs}", f"trainer.run_name={run}", f"trainer.total_steps={steps}",
@@ -168,8 +195,8 @@ def _zoom() -> list[str]:
 
 
 def stage_overrides(paths: Paths, arm: str, kind: str, model: Path, steps: int, seed: int) -> list[str]:
-    """The config overrides of one stage (`kind` sft, sft-unlisted: SFT without the tool's schema in the prompt, or
-    grpo) of one arm (zoom or one_look)."""
+    """The config overrides of one stage (`kind` sft, sft-unlisted: SFT of the first turn without the tool's schema
+    in the prompt, sft-answer: SFT of the answer turn alone, or grpo) of one arm (zoom or one_look)."""
     every = max(1, min(250, steps))  # a stopped stage loses at most 250 steps
     over = [f"model.path={model}", *_common(paths, seed, steps, f"{arm}-{kind}", every)]
     if arm == "zoom":
@@ -181,8 +208,10 @@ def stage_overrides(paths: Paths, arm: str, kind: str, model: Path, steps: int, 
         if kind == "sft-unlisted":
             over += ["sft.list_tools=false"]
         if arm == "zoom":  # the trajectories' video paths are relative to the dataset's folder
-            # the unlisted stage: the rule's first turns, 8 videos a step; then a video's 4 windows side by side
-            file, per_video = (FIRST_TURN_FILE, 1) if kind == "sft-unlisted" else ("trajectories.jsonl", WINDOWS)
+            # the unlisted stage: the rule's first turns, 8 videos a step; the answer stage: answer turns, 8 videos
+            # a step; then a video's 4 windows side by side
+            file, per_video = {"sft-unlisted": (FIRST_TURN_FILE, 1), "sft-answer": (ANSWER_FILE, 1)}.get(
+                kind, ("trajectories.jsonl", WINDOWS))
             over += ["data.train=", f"data.videos={paths.data}", f"sft.trajectories={paths.data / file}",
                      f"data.queries_per_video={per_video}", f"trainer.micro_batch_size={WINDOWS}"]
         else:
@@ -312,12 +341,14 @@ def run(workdir: str, plan: Plan) -> int:
     from mmpg.runs import atomic_write_json, atomic_write_text
 
     hf_logging.disable_progress_bar()
-    if min(plan.sft_steps, plan.one_look_sft_steps, plan.grpo_steps) <= 0 or plan.unlisted_steps < 0:
-        raise UserError("every stage needs at least one step (--unlisted-steps: 0 or more)")
+    if min(plan.sft_steps, plan.one_look_sft_steps, plan.grpo_steps) <= 0 or min(plan.unlisted_steps,
+                                                                                   plan.answer_steps) < 0:
+        raise UserError("every stage needs at least one step (--unlisted-steps, --answer-steps: 0 or more)")
     if plan.videos < 4:
         raise UserError(f"--videos {plan.videos}: at least 4 (a training and a test split)")
-    paths = Paths.under(Path(workdir), plan.videos, plan.seed, plan.unlisted_steps)
-    print(f"zoom learning: zoom SFT {plan.unlisted_steps} without the tool's schema + {plan.sft_steps} + GRPO "
+    paths = Paths.under(Path(workdir), plan.videos, plan.seed, plan.unlisted_steps, plan.answer_steps)
+    print(f"zoom learning: zoom SFT {plan.unlisted_steps} without the tool's schema + {plan.answer_steps} of answers "
+          f"alone + {plan.sft_steps} + GRPO "
           f"{plan.grpo_steps} steps, one look SFT {plan.one_look_sft_steps} + GRPO {plan.grpo_steps}, seed "
           f"{plan.seed}" + (f", the {plan.arm} arm only" if plan.arm != "both" else "") + f", in {paths.workdir}",
           flush=True)
@@ -326,14 +357,15 @@ def run(workdir: str, plan: Plan) -> int:
     print(f"  built now: {', '.join(built) if built else 'nothing (reused the checkpoint and videos there)'}",
           flush=True)
     rows, seconds, windows = [], {}, rule_windows(plan.videos)
-    stages = {"zoom": [("sft-unlisted", plan.unlisted_steps), ("sft", plan.sft_steps), ("grpo", plan.grpo_steps)],
+    stages = {"zoom": [("sft-unlisted", plan.unlisted_steps), ("sft-answer", plan.answer_steps),
+                       ("sft", plan.sft_steps), ("grpo", plan.grpo_steps)],
               "one_look": [("sft", plan.one_look_sft_steps), ("grpo", plan.grpo_steps)]}
     for arm, arm_stages in stages.items():
         if plan.arm not in ("both", arm):
             continue
         model = paths.model
         for kind, steps in arm_stages:
-            if steps == 0:  # --unlisted-steps 0: the SFT lists the tool from its first step
+            if steps == 0:  # --unlisted-steps 0: the SFT lists the tool from its first step; --answer-steps 0
                 continue
             model = run_stage(paths, arm, kind, model, steps, plan.seed)
             seconds[f"{arm}-{kind}"] = stage_seconds(paths.runs / f"{arm}-{kind}")
@@ -341,7 +373,8 @@ def run(workdir: str, plan: Plan) -> int:
             if result.decoded:  # a reused evaluation took no time now, and its own is not recorded
                 seconds[f"{arm}-{kind}-eval"] = result.seconds
             label = ("zoom" if arm == "zoom" else "one look") + {
-                "sft-unlisted": ", SFT of the first turn alone (no tool schema)", "sft": ", SFT",
+                "sft-unlisted": ", SFT of the first turn alone (no tool schema)",
+                "sft-answer": ", SFT of the answer turn alone", "sft": ", SFT",
                 "grpo": ", + GRPO"}[kind]
             calls = first_calls(Path(result.folder) / "predictions.jsonl", windows) if arm == "zoom" else None
             rows.append({"arm": arm, "stage": kind, "label": label, "steps": steps, "checkpoint": str(model),
@@ -382,10 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", default=WORKDIR, help="where the model, videos, runs and results go")
     parser.add_argument("--unlisted-steps", type=int, default=500,
                         help="zoom arm's first SFT steps, the tool's schema out of the system turn (0: none)")
+    parser.add_argument("--answer-steps", type=int, default=0,
+                        help="zoom arm's SFT steps of answer turns alone (calls out of the loss) after those (0: none)")
     parser.add_argument("--sft-steps", type=int, default=4500,
                         help="zoom arm's SFT steps of 8 trajectories after those, behind the prompt rollouts write")
     parser.add_argument("--one-look-sft-steps", type=int, default=None,
-                        help="one-look arm's SFT steps of 8 samples (default: --unlisted-steps + --sft-steps)")
+                        help="one-look arm's SFT steps of 8 samples (default: the zoom arm's SFT steps in all)")
     parser.add_argument("--grpo-steps", type=int, default=80, help="GRPO steps per arm (4 prompts x 8 samples)")
     parser.add_argument("--test-samples", type=int, default=0, help="test videos evaluated (0: all)")
     parser.add_argument("--videos", type=int, default=3000, help="videos of the task (a quarter are the test split)")
@@ -397,9 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    one_look = args.one_look_sft_steps if args.one_look_sft_steps is not None else args.unlisted_steps + args.sft_steps
+    one_look = args.one_look_sft_steps if args.one_look_sft_steps is not None else \
+        args.unlisted_steps + args.answer_steps + args.sft_steps
     plan = Plan(args.sft_steps, one_look, args.grpo_steps, args.test_samples, args.videos, args.seed,
-                args.unlisted_steps, args.arm)
+                args.unlisted_steps, args.arm, args.answer_steps)
     try:
         return run(args.workdir, plan)
     except UserError as err:
