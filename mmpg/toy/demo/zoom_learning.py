@@ -143,43 +143,47 @@ def _build(paths: Paths, videos: int) -> list[str]:
     return built
 
 
-def write_first_turns(src: Path, dst: Path) -> int:
-    """The rule's trajectory of each video (those whose call is in the loss; the shifted windows' calls have weight
-    0) with every turn after the call at weight 0 (forwarded, not in the loss), written atomically to `dst`;
-    returns how many."""
+def _rewrite_trajectories(src: Path, dst: Path, edit) -> int:
+    """The trajectories of `src` that `edit(record)` keeps (it returns the record, its weights changed, or None to
+    leave it out), written atomically to `dst`; returns how many."""
     import json
 
     from mmpg.runs import atomic_write_text
 
     kept = []
     for line in src.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line) if line.strip() else None
-        if record is None or record["messages"][0].get("weight", 1) == 0:
-            continue
+        record = edit(json.loads(line)) if line.strip() else None
+        if record is not None:
+            kept.append(json.dumps(record) + "\n")
+    atomic_write_text(dst, "".join(kept))
+    return len(kept)
+
+
+def write_first_turns(src: Path, dst: Path) -> int:
+    """The rule's trajectory of each video (those whose call is in the loss; the shifted windows' calls have weight
+    0) with every turn after the call at weight 0 (forwarded, not in the loss), written atomically to `dst`;
+    returns how many."""
+
+    def first_turn(record):
+        if record["messages"][0].get("weight", 1) == 0:
+            return None
         for message in record["messages"][1:]:
             if message["role"] == "assistant":
                 message["weight"] = 0
-        kept.append(json.dumps(record) + "\n")
-    atomic_write_text(dst, "".join(kept))
-    return len(kept)
+        return record
+
+    return _rewrite_trajectories(src, dst, first_turn)
 
 
 def write_answer_turns(src: Path, dst: Path) -> int:
     """Every trajectory of `src` (the rule's window and the shifted ones) with its call at weight 0 (forwarded, not
     in the loss), so that the loss covers the answer turns alone; written atomically to `dst`; returns how many."""
-    import json
 
-    from mmpg.runs import atomic_write_text
-
-    kept = []
-    for line in src.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    def answers(record):
         record["messages"][0]["weight"] = 0
-        kept.append(json.dumps(record) + "\n")
-    atomic_write_text(dst, "".join(kept))
-    return len(kept)
+        return record
+
+    return _rewrite_trajectories(src, dst, answers)
 
 
 def _common(paths: Paths, seed: int, steps: int, run: str, every: int) -> list[str]:
