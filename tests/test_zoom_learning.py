@@ -55,6 +55,13 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
         assert ("zoom/used_share" in r["metrics"]) == (r["arm"] == "zoom")  # the zoom protocol for the zoom arm
         calls = r["first_calls"]  # the zoom arm's first turns against the rule's window; none for one look
         assert (calls is None) if r["arm"] == "one_look" else (0.0 <= calls["rule_call_share"] <= 1.0)
+        read = r["readout"]  # the zoom SFT stages' answer readout on the test video's rule trajectory
+        assert (read is None) if r["arm"] == "one_look" or r["stage"] == "grpo" else (
+            read["count"] == read["attention_count"] == 1 and len(read["flash_rank"]) == 4
+            and read["nats"]["start_units"] > 0)
+        if read:  # kept beside the checkpoint's evaluations, reused by the run after
+            assert (Path(r["checkpoint"]).parent.parent / "evals" / "readout" / f"{Path(r['checkpoint']).name}.json"
+                    ).is_file()
         overview = TASK.duration * TASK.overview_fps
         clips = r["metrics"].get("zoom/clip_frames_mean", 0.0)
         assert r["frames"] == (overview + clips if r["arm"] == "zoom" else ONE_LOOK["max_frames"])
@@ -99,7 +106,18 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
     stages = [f"{r['arm']}-{r['stage']}" for r in out["rows"]]
     assert all(out["seconds"][s] > 0 for s in stages) and out["seconds"]["zoom-grpo-eval"] > 0
     assert not any(k.startswith("one_look") and k.endswith("-eval") for k in out["seconds"])
-    assert "| zoomed | first call the rule's (distinct calls) |" in proc.stdout
+    assert "| zoomed | first call the rule's (distinct calls) | start's units / tenths (nats) | start right | " \
+        "flash pair's rank, last layer |" in proc.stdout
+    # --readout: the kept readout of a checkpoint, printed without training
+    answer_row = out["rows"][1]
+    read = subprocess.run(["bash", "scripts/zoom_learning.sh", "--readout", answer_row["checkpoint"], "--test-samples",
+                           "1"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300, check=False)
+    assert read.returncode == 0, read.stderr[-3000:]
+    units = answer_row["readout"]["nats"]["start_units"]
+    assert read.stdout.startswith(answer_row["checkpoint"]) and f"start_units {units:.2f}" in read.stdout
+    bad = subprocess.run(["bash", "scripts/zoom_learning.sh", "--readout", str(tmp_path)], cwd=ROOT, env=env(),
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert bad.returncode == 2 and "not a checkpoint folder" in bad.stderr
     again = _run(tmp_path / "w")
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count(": reused ") == 6 and "built now: nothing" in again.stdout
@@ -107,8 +125,8 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
     summary = json.loads((paths.results / "summary.json").read_text())
     rows = summary["rows"]
     assert summary["seconds"] == {s: out["seconds"][s] for s in stages}  # all reused: the stages' own times, no eval
-    assert [(r["checkpoint"], r["frames"], {k: r["metrics"][k] for k in scores}) for r in rows] == \
-        [(r["checkpoint"], r["frames"], {k: r["metrics"][k] for k in scores}) for r in out["rows"]]
+    assert [(r["checkpoint"], r["frames"], {k: r["metrics"][k] for k in scores}, r["readout"]) for r in rows] == \
+        [(r["checkpoint"], r["frames"], {k: r["metrics"][k] for k in scores}, r["readout"]) for r in out["rows"]]
     for other in (Paths.under(tmp_path / "w", 4, 1, 1, 1), Paths.under(tmp_path / "w", 4, 0, 0, 1),
                   Paths.under(tmp_path / "w", 4, 0, 1)):
         # another training seed, no unlisted stage or no answer stage: the same model, videos and frames, own runs

@@ -144,6 +144,13 @@ def written_times(times: list[float]) -> list[str]:
     return [f"{(padded[k] + padded[k + 1]) / 2:.1f}" for k in range(0, len(padded), 2)]
 
 
+def flash_pairs(scene: Scene, task: ZoomTask, start: float, end: float) -> list[bool]:
+    """For each pair of frames a zoom on [start, end] shows (each pair one written time, `written_times`): whether
+    one of its two frames shows the flash (an odd last frame pairs with itself)."""
+    times = clip_times(scene, task, start, end)
+    return [any(_visible(scene, 1, t) for t in times[k: k + 2]) for k in range(0, len(times), 2)]
+
+
 def rule_window(scene: Scene, task: ZoomTask) -> tuple[float, float]:
     """The rule policy's zoom window, read off the overview frames only. `task.window_rule` `frames`: from the
     overview frame before the first one that shows the field to the one after the last, on the zoom's frame grid,
@@ -199,9 +206,8 @@ def rule_trajectory(scene: Scene, task: ZoomTask, window: tuple[float, float] | 
 
     seen = [t for t in task.overview_times() if _visible(scene, 0, t)]
     start, end = window if window is not None else rule_window(scene, task)
-    frames = clip_times(scene, task, start, end)
-    written = written_times(frames)
-    shows = [any(_visible(scene, 1, t) for t in frames[2 * k: 2 * k + 2]) for k in range(len(written))]
+    written = written_times(clip_times(scene, task, start, end))
+    shows = flash_pairs(scene, task, start, end)
     think = "<think>The square is there; I look again to find the flash.</think>"
     if any(shows):
         first = shows.index(True)

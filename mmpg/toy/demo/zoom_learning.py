@@ -1,11 +1,14 @@
 """Does zooming beat one look at an equal frame budget? The toy zoom task's two arms, each a supervised warm start then
 GRPO, with a greedy evaluation on the held-out test videos after each stage, printed as one table (the zoom arm's
 rows also give the share of test videos whose first call is the rule policy's window, and how many distinct windows
-the first turns called).
+the first turns called, and its SFT rows the answer readout of `mmpg.toy.zoom_readout` on the first 200 test videos'
+rule trajectories: the start's units and tenths digits' loss, the share of starts right, the last layer's attention
+rank of the clip's flash pair).
 
     bash scripts/zoom_learning.sh [--unlisted-steps 500] [--answer-steps 0] [--sft-steps 4500] [--one-look-sft-steps N]
                                   [--grpo-steps 80] [--test-samples 0] [--videos 3000] [--seed 0] [--workdir DIR]
                                   [--arm both|zoom|one_look]
+    bash scripts/zoom_learning.sh --readout CHECKPOINT [CHECKPOINT ...] [--test-samples N]
 
 The task (`mmpg synth --zoom --zoom-rule stamps`, docs/data.md): 120-s videos in which a 0.5-s white flash sits
 inside a coloured square's 6-8 s, placed between the frames of an overview at 0.25 fps (30 frames), so the overview
@@ -72,6 +75,7 @@ NEW_TOKENS = 128  # per model turn (a zoom call is about 70 tokens of the tiny t
 DECIMALS = 1
 WORKDIR = "data/generated/zoom_learning"
 ARMS = ("both", "zoom", "one_look")  # --arm: both, or one arm's stages alone
+READOUT = (200, 48)  # test videos teacher-forced by the zoom SFT stages' readout, and of them those whose attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +292,30 @@ def evaluate(checkpoint: Path, paths: Paths, arm: str, test_samples: int, listed
                                settings, benchmark="test")
 
 
+def answer_readout(checkpoint: Path, test_samples: int) -> dict:
+    """The zoom checkpoint's answer readout (`mmpg.toy.zoom_readout`: the answer turn's loss on the start's digits,
+    the share of starts right, the last layer's attention on the clip's flash pair) on the first READOUT test videos'
+    rule trajectories (at most --test-samples), behind the prompt its run trained on; kept in RUN/evals/readout/
+    step_N.json and reused with the same counts."""
+    import json
+
+    from mmpg.runs import atomic_write_json
+    from mmpg.toy.zoom_readout import held_out_trajectories, readout, run_config
+
+    samples = min(READOUT[0], test_samples) if test_samples > 0 else READOUT[0]
+    key = {"samples": samples, "attention": min(READOUT[1], samples)}
+    path = checkpoint.parent.parent / "evals" / "readout" / f"{checkpoint.name}.json"
+    if path.is_file():
+        kept = json.loads(path.read_text(encoding="utf-8"))
+        if {k: kept.get(k) for k in key} == key:
+            return kept["readout"]
+    cfg = run_config(checkpoint)
+    items = held_out_trajectories(Path(cfg.data.videos), TASK, DATA_SEED)[:samples]
+    result = dataclasses.asdict(readout(checkpoint, cfg, items, key["attention"]))
+    atomic_write_json(path, {"v": 1, **key, "readout": result})
+    return result
+
+
 def rule_windows(videos: int) -> dict[str, tuple[float, float]]:
     """The rule policy's window of each of the task's videos (by video id), from its scenes redrawn, nothing decoded."""
     from mmpg.toy.zoom_task import rule_window, zoom_scenes
@@ -328,14 +356,20 @@ COLUMNS = (("mIoU", "miou"), ("R1@0.3", "r1@0.3"), ("R1@0.5", "r1@0.5"), ("unpar
 
 def table(rows: list[dict]) -> list[str]:
     head = "| run | steps | frames per video | " + " | ".join(c for c, _ in COLUMNS) + \
-        " | zoomed | first call the rule's (distinct calls) |"
-    lines = [head, "|---|---:|---:|" + "---:|" * (len(COLUMNS) + 2)]
+        " | zoomed | first call the rule's (distinct calls) | start's units / tenths (nats) | start right | " \
+        "flash pair's rank, last layer |"
+    lines = [head, "|---|---:|---:|" + "---:|" * (len(COLUMNS) + 2) + "---|---:|---|"]
     for r in rows:
-        m, calls = r["metrics"], r.get("first_calls")
+        m, calls, read = r["metrics"], r.get("first_calls"), r.get("readout")
         zoomed = f"{100 * m['zoom/used_share']:.0f} %" if "zoom/used_share" in m else ""
         rule = f"{100 * calls['rule_call_share']:.0f} % ({calls['distinct_calls']})" if calls else ""
         cells = " | ".join(f"{100 * float(m.get(k, float('nan'))):.1f}" for _, k in COLUMNS)
-        lines.append(f"| {r['label']} | {r['steps']} | {r['frames']:.1f} | {cells} | {zoomed} | {rule} |")
+        answer = " | | "
+        if read:
+            nats = read["nats"]
+            answer = (f" {nats.get('start_units', float('nan')):.2f} / {nats.get('start_tenths', float('nan')):.2f} | "
+                      f"{100 * read['start_right']:.1f} % | " + ", ".join(f"{x:.1f}" for x in read["flash_rank"]) + " ")
+        lines.append(f"| {r['label']} | {r['steps']} | {r['frames']:.1f} | {cells} | {zoomed} | {rule} |{answer}|")
     return lines
 
 
@@ -381,10 +415,15 @@ def run(workdir: str, plan: Plan) -> int:
                 "sft-answer": ", SFT of the answer turn alone", "sft": ", SFT",
                 "grpo": ", + GRPO"}[kind]
             calls = first_calls(Path(result.folder) / "predictions.jsonl", windows) if arm == "zoom" else None
+            read = answer_readout(model, plan.test_samples) if arm == "zoom" and kind.startswith("sft") else None
             rows.append({"arm": arm, "stage": kind, "label": label, "steps": steps, "checkpoint": str(model),
                          "eval": str(result.folder), "frames": frames_per_video(arm, result.metrics),
-                         "metrics": result.metrics, "first_calls": calls})
+                         "metrics": result.metrics, "first_calls": calls, "readout": read})
             rule = f"; the first call the rule's on {100 * calls['rule_call_share']:.0f} %" if calls else ""
+            if read:
+                rule += (f"; start's units / tenths {read['nats']['start_units']:.2f} / "
+                         f"{read['nats']['start_tenths']:.2f} nats, flash pair's rank "
+                         + ", ".join(f"{x:.1f}" for x in read["flash_rank"]))
             print(f"  {label}: mIoU {100 * result.metrics['miou']:.1f} on {int(result.metrics['count'])} test "
                   f"videos{rule}", flush=True)
     if plan.arm != "both":  # the comparison needs both arms: printed by a run of both, which reuses these
@@ -431,7 +470,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="training seed (the videos' seed is fixed)")
     parser.add_argument("--arm", choices=ARMS, default="both", help="one arm only (two processes can train "
                         "the arms at once; a run of both afterwards reuses them and writes the comparison)")
+    parser.add_argument("--readout", nargs="+", type=Path, metavar="CHECKPOINT", help="train nothing: print the answer "
+                        "readout of these zoom checkpoints (RUN/checkpoints/step_N) on the first 200 test videos (at "
+                        "most --test-samples) and exit")
     return parser
+
+
+def print_readouts(checkpoints: list[Path], test_samples: int) -> int:
+    """`--readout`: each checkpoint's answer readout, one line each (kept and reused as the experiment keeps them)."""
+    from mmpg.toy.zoom_readout import Readout
+
+    for checkpoint in checkpoints:
+        if not (checkpoint / "config.json").is_file():
+            raise UserError(f"{checkpoint}: not a checkpoint folder (no config.json)")
+        print(f"{checkpoint}: {Readout(**answer_readout(checkpoint, test_samples)).line()}", flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(args.sft_steps, one_look, args.grpo_steps, args.test_samples, args.videos, args.seed,
                 args.unlisted_steps, args.arm, args.answer_steps)
     try:
+        if args.readout:
+            return print_readouts(args.readout, args.test_samples)
         return run(args.workdir, plan)
     except UserError as err:
         print(f"zoom_learning: error: {err}", file=sys.stderr)
