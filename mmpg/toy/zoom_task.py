@@ -35,6 +35,7 @@ FLASH_S = 0.5
 QUERY = "the white flash"
 FIELD_COLOURS = ("red", "green", "blue", "yellow", "magenta", "cyan", "orange")
 WINDOW_RULES = ("frames", "stamps")
+SEEN, MISSED = "The flash is visible.", "No flash in the clip."  # the rule's thought before its answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,10 +214,10 @@ def rule_trajectory(scene: Scene, task: ZoomTask, window: tuple[float, float] | 
         first = shows.index(True)
         last = len(shows) - 1 - shows[::-1].index(True)
         text = (written[first], written[last + 1] if last + 1 < len(written) else f"{end:.1f}")
-        final = f"<think>The flash is visible.</think><answer>{text[0]} to {text[1]}</answer>"
+        final = f"<think>{SEEN}</think><answer>{text[0]} to {text[1]}</answer>"
     else:  # the clip missed it: answer the field, as one look would
         text = (f"{seen[0]:.2f}", f"{seen[-1]:.2f}")
-        final = f"<think>No flash in the clip.</think><answer>{text[0]} to {text[1]}</answer>"
+        final = f"<think>{MISSED}</think><answer>{text[0]} to {text[1]}</answer>"
     return {"window": [start, end], "answer": [float(x) for x in text], "messages": [
         {"role": "assistant", "content": think + "\n" + call_text(start, end)},
         {"role": "tool", "content": [{"type": "text", "text": f"Frames from {start:.1f} to {end:.1f} seconds:"},

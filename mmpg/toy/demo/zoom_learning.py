@@ -5,7 +5,8 @@ the first turns called, and its SFT rows the answer readout of `mmpg.toy.zoom_re
 rule trajectories: the start's units and tenths digits' loss, the share of starts right, the last layer's attention
 rank of the clip's flash pair).
 
-    bash scripts/zoom_learning.sh [--unlisted-steps 500] [--answer-steps 0] [--sft-steps 4500] [--one-look-sft-steps N]
+    bash scripts/zoom_learning.sh [--unlisted-steps 500] [--clip-steps 0] [--answer-steps 0] [--sft-steps 4500]
+                                  [--one-look-sft-steps N]
                                   [--grpo-steps 80] [--test-samples 0] [--videos 3000] [--seed 0] [--workdir DIR]
                                   [--arm both|zoom|one_look]
     bash scripts/zoom_learning.sh --readout CHECKPOINT [CHECKPOINT ...] [--test-samples N]
@@ -28,7 +29,11 @@ vision tower random and frozen), frames 32 x 32 (one token per two).
   each training video with its answer turn out of the loss (`trajectories-first-turn.jsonl`, weight 0), 8 videos a
   step. With the answer turns in the loss the call stayed one window for every test video after 1000 steps; with
   the call alone, 139 of 200 test calls were the rule's after 500 (tenth attempt). It is evaluated behind its own
-  prompt (`zoom_list_tools=false`). `--answer-steps` (default 0: none) then train the answer turn alone, as the
+  prompt (`zoom_list_tools=false`). `--clip-steps` (default 0: none) then train the answer on the clip alone: one
+  look at each trajectory's window at the zoom's frame rate, the answer the rule copied as the span
+  (`clips-answers.jsonl`, 8 clips a step), the task the fifth attempt's probe learned from random; evaluated as one
+  look at each test video's rule window against the true span (`test-clips.jsonl`). `--answer-steps` (default 0:
+  none) then train the answer turn alone, as the
   first stage trained the call: every trajectory (all 4 windows) with its call at weight 0
   (`trajectories-answers.jsonl`), 8 videos a step, behind the prompt rollouts write (after the first-turn stage and
   4,000 whole-trajectory steps the answer is still not read off the clip: docs/performance.md, eleventh and twelfth
@@ -42,7 +47,7 @@ Both arms: seed `--seed`, `configs/sft_cpu_demo.yaml`'s optimizer (lr 1e-3, cons
 `configs/cpu_demo.yaml`'s GRPO (G 8, temperature 0.7, lr 2e-4) on 4 prompts a step. Each stage's run has a fixed name
 and `checkpoint.resume: auto`: run the command again after a stop and it continues (a finished stage and a finished
 evaluation are reused); the runs and results of each model, task, seed and first stages have their own folder,
-WORKDIR/experiments/<model>-<task>-seed<seed>-first<unlisted steps>[-answer<answer steps>]/ (runs/, results/summary.md
+WORKDIR/experiments/<model>-<task>-seed<seed>-first<unlisted steps>[-clips<C>][-answer<answer steps>]/ (runs/, results/summary.md
 and summary.json, written atomically), so that no stage resumes another experiment's run. The data's frames are cached
 on disk (`data.frame_cache`) after their first decode. `--arm zoom` and `--arm one_look` run one arm each, so that two
 processes can train the arms at once in the same WORKDIR (the first to start builds the model and videos, the other
@@ -68,6 +73,8 @@ TASK = ZoomTask(duration=120.0, overview_fps=0.25, zoom_fps=2.5, zoom_max_frames
 DATA_SEED, WINDOWS = 2, 4
 FIRST_TURN_FILE = "trajectories-first-turn.jsonl"  # the rule's trajectory of each training video, its call alone in the loss
 ANSWER_FILE = "trajectories-answers.jsonl"  # every trajectory, its answer alone in the loss
+CLIP_FILE = "clips-answers.jsonl"  # every trajectory's clip as one look at its window, the copied answer as the span
+TEST_CLIP_FILE = "test-clips.jsonl"  # each test video's rule window as one look at it, the true span
 PIXELS = 3136  # min = max pixels: Qwen3-VL's 32 x 32 frames, one video token per two frames
 ONE_LOOK = {"fps": 0.65, "max_frames": 78}  # >= the zoom arm's budget: overview 30 + the rule's clips (46.5 on average)
 MAX_TURNS = 2
@@ -89,6 +96,7 @@ class Plan:
     unlisted_steps: int = 0  # the zoom arm's SFT steps before sft_steps, the tool's schema out of the prompt
     arm: str = "both"  # or "zoom" / "one_look": only that arm's stages, no comparison written
     answer_steps: int = 0  # the zoom arm's SFT steps of answer turns alone, after the unlisted ones
+    clip_steps: int = 0  # the zoom arm's SFT steps of answers read off the clip alone, after the unlisted ones
 
 
 @dataclasses.dataclass
@@ -101,17 +109,20 @@ class Paths:
     results: Path
 
     @classmethod
-    def under(cls, workdir: Path, videos: int, seed: int, unlisted_steps: int = 0, answer_steps: int = 0) -> Paths:
+    def under(cls, workdir: Path, videos: int, seed: int, unlisted_steps: int = 0, answer_steps: int = 0,
+              clip_steps: int = 0) -> Paths:
         """The folders of one experiment: another model size, task, training seed or count of first-turn steps gets
         its own (so that a stage's run is never resumed from another experiment's: the zoom SFT continues the
         first-turn stage's checkpoint), the decoded frames are shared (keyed by file and spec). The first stage's
         name says its data: `-first<N>`, N steps of first turns alone (before, `-unlisted<N>` folders trained whole
-        trajectories there, and are not resumed as this stage); `-answer<M>`: then M steps of answer turns alone."""
+        trajectories there, and are not resumed as this stage); `-clips<C>`: then C steps of answers read off the
+        clip alone; `-answer<M>`: then M steps of answer turns alone."""
         w = workdir.resolve()
         model = f"tiny-{FAMILY}-{MODEL_SIZE['hidden_size']}x{MODEL_SIZE['num_layers']}"  # the name says the size
         data = f"zoom-{videos}-seed{DATA_SEED}-{TASK.window_rule}-{TASK.zoom_fps:g}fps"
         experiment = w / "experiments" / (f"{model}-{data}-seed{seed}"
                                           + (f"-first{unlisted_steps}" if unlisted_steps else "")
+                                          + (f"-clips{clip_steps}" if clip_steps else "")
                                           + (f"-answer{answer_steps}" if answer_steps else ""))
         return cls(w, w / model, w / data, experiment / "runs", w / "frames", experiment / "results")
 
@@ -144,6 +155,12 @@ def _build(paths: Paths, videos: int) -> list[str]:
     if not (paths.data / ANSWER_FILE).is_file():
         n = write_answer_turns(paths.data / "trajectories.jsonl", paths.data / ANSWER_FILE)
         built.append(f"{n} answer-turn trajectories")
+    if not (paths.data / CLIP_FILE).is_file():
+        n = write_clip_answers(paths.data / "trajectories.jsonl", paths.data / CLIP_FILE)
+        built.append(f"{n} clips with their copied answers")
+    if not (paths.data / TEST_CLIP_FILE).is_file():
+        n = write_test_clips(paths.data, videos, paths.data / TEST_CLIP_FILE)
+        built.append(f"{n} test clips")
     return built
 
 
@@ -190,6 +207,43 @@ def write_answer_turns(src: Path, dst: Path) -> int:
     return _rewrite_trajectories(src, dst, answers)
 
 
+def write_clip_answers(src: Path, dst: Path) -> int:
+    """Every trajectory of `src` whose clip shows the flash as a one-look sample of its window (JSONL: the video, its
+    duration, the query, `clip` = the zoom's window, `span` = the answer the rule copied from the clip's written
+    times), so that the answer is learned from the clip alone, as the fifth attempt's probe learned it
+    (docs/performance.md); written atomically to `dst`; returns how many."""
+    import json
+
+    from mmpg.runs import atomic_write_text
+    from mmpg.toy.zoom_task import SEEN
+
+    lines = []
+    for line in src.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line) if line.strip() else None
+        if record is not None and record["messages"][-1]["content"].startswith(f"<think>{SEEN}</think>"):
+            lines.append(json.dumps({"video": record["video"], "duration": TASK.duration, "query": record["query"],
+                                     "span": record["answer"], "clip": record["window"]}) + "\n")
+    atomic_write_text(dst, "".join(lines))
+    return len(lines)
+
+
+def write_test_clips(data: Path, videos: int, dst: Path) -> int:
+    """Each test video's rule window as a one-look sample (`clip` = the rule's window, `span` = the true flash):
+    the test the clip stage is evaluated on; written atomically to `dst`; returns how many."""
+    import json
+
+    from mmpg.runs import atomic_write_text
+    from mmpg.toy.zoom_task import QUERY, rule_window, zoom_scenes
+
+    test = json.loads((data / "test.json").read_text(encoding="utf-8"))
+    lines = [json.dumps({"video": f"videos/{scene.video_id}.mp4", "duration": TASK.duration, "query": QUERY,
+                         "span": [scene.events[1].start, scene.events[1].end],
+                         "clip": list(rule_window(scene, TASK))}) + "\n"
+             for scene in zoom_scenes(videos, DATA_SEED, TASK) if scene.video_id in test]
+    atomic_write_text(dst, "".join(lines))
+    return len(lines)
+
+
 def _common(paths: Paths, seed: int, steps: int, run: str, every: int) -> list[str]:
     return [f"data.min_pixels={PIXELS}", f"data.max_pixels={PIXELS}", "data.val=", f"data.frame_cache={paths.frames}",
             f"trainer.output_dir={paths.runs}", f"trainer.run_name={run}", f"trainer.total_steps={steps}",
@@ -204,9 +258,16 @@ def _zoom() -> list[str]:
 
 def stage_overrides(paths: Paths, arm: str, kind: str, model: Path, steps: int, seed: int) -> list[str]:
     """The config overrides of one stage (`kind` sft, sft-unlisted: SFT of the first turn without the tool's schema
-    in the prompt, sft-answer: SFT of the answer turn alone, or grpo) of one arm (zoom or one_look)."""
+    in the prompt, sft-clips: SFT of the answer on the clip alone, sft-answer: SFT of the answer turn alone, or grpo)
+    of one arm (zoom or one_look)."""
+    from mmpg.toy.zoom_task import SEEN
+
     every = max(1, min(250, steps))  # a stopped stage loses at most 250 steps
     over = [f"model.path={model}", *_common(paths, seed, steps, f"{arm}-{kind}", every)]
+    if kind == "sft-clips":  # one look at the zoom's window at the zoom's frame rate, the rule's copied answer
+        return over + ["data.template=time_r1", f"data.fps={TASK.zoom_fps:g}",
+                       f"data.max_frames={TASK.zoom_max_frames}", f"sft.decimals={DECIMALS}", f"sft.think={SEEN}",
+                       "data.num_workers=1", f"data.train={paths.data / CLIP_FILE}", f"data.videos={paths.data}"]
     if arm == "zoom":
         over += _zoom()
     else:
@@ -272,15 +333,21 @@ def stage_seconds(run: Path) -> float:
     return sum(per_step.values())
 
 
-def evaluate(checkpoint: Path, paths: Paths, arm: str, test_samples: int, listed: bool = True):
+def evaluate(checkpoint: Path, paths: Paths, arm: str, test_samples: int, listed: bool = True, clips: bool = False):
     """Greedy evaluation on the test split (the zoom protocol for the zoom arm; `listed` false: behind the prompt
-    without the tool's schema that the unlisted SFT stage trained on) into the checkpoint's evals/test folder; a
-    finished one with the same settings is reused."""
+    without the tool's schema that the unlisted SFT stage trained on; `clips`: one look at each test video's rule
+    window at the zoom's frame rate, the clip stage's own task) into the checkpoint's evals/test folder; a finished
+    one with the same settings is reused."""
     from mmpg.eval.runner import evaluate_checkpoint
     from mmpg.eval.settings import load_settings
 
     common = [f"min_pixels={PIXELS}", f"max_pixels={PIXELS}", f"max_new_tokens={NEW_TOKENS}",
               f"max_samples={test_samples}", "device=cpu", "num_workers=1"]
+    if clips:
+        own = ["template=time_r1", f"fps={TASK.zoom_fps:g}", f"max_frames={TASK.zoom_max_frames}"]
+        settings = load_settings("default", own + common)
+        return evaluate_checkpoint(checkpoint, paths.data / TEST_CLIP_FILE, paths.data, eval_out(checkpoint),
+                                   settings, benchmark="test")
     if arm == "zoom":
         own = ["template=zoom", f"fps={TASK.overview_fps:g}", "max_frames=768", f"zoom_fps={TASK.zoom_fps:g}",
                f"zoom_max_frames={TASK.zoom_max_frames}", f"zoom_max_turns={MAX_TURNS}",
@@ -344,8 +411,19 @@ def first_calls(predictions: Path, windows: dict[str, tuple[float, float]]) -> d
     return {"rule_call_share": exact / count if count else 0.0, "distinct_calls": len(called)}
 
 
-def frames_per_video(arm: str, metrics: dict) -> float:
-    """Frames the model saw per test video: one look's, or the overview's plus the clips' (measured)."""
+def frames_per_video(arm: str, metrics: dict, clips: Path | None = None) -> float:
+    """Frames the model saw per test video: one look's, or the overview's plus the clips' (measured), or for the
+    clip stage (`clips`: its test file) the rule window's clip alone, its frames as the tool samples them."""
+    if clips is not None:
+        import json
+
+        import numpy as np
+
+        from mmpg.toy.zoom_task import clip_times, zoom_scene
+
+        windows = [json.loads(line) for line in clips.read_text(encoding="utf-8").splitlines() if line.strip()]
+        scene = zoom_scene(np.random.default_rng(0), "any", TASK)  # the clip's frames depend on the task alone
+        return sum(len(clip_times(scene, TASK, *w["clip"])) for w in windows) / max(1, len(windows))
     if arm == "zoom":
         return TASK.duration * TASK.overview_fps + float(metrics.get("zoom/clip_frames_mean", 0.0))
     return float(min(ONE_LOOK["max_frames"], TASK.duration * ONE_LOOK["fps"]))
@@ -379,14 +457,16 @@ def run(workdir: str, plan: Plan) -> int:
     from mmpg.runs import atomic_write_json, atomic_write_text
 
     hf_logging.disable_progress_bar()
-    if min(plan.sft_steps, plan.one_look_sft_steps, plan.grpo_steps) <= 0 or min(plan.unlisted_steps,
-                                                                                   plan.answer_steps) < 0:
-        raise UserError("every stage needs at least one step (--unlisted-steps, --answer-steps: 0 or more)")
+    if min(plan.sft_steps, plan.one_look_sft_steps, plan.grpo_steps) <= 0 or min(
+            plan.unlisted_steps, plan.answer_steps, plan.clip_steps) < 0:
+        raise UserError("every stage needs at least one step (--unlisted-steps, --clip-steps, --answer-steps: 0 or "
+                        "more)")
     if plan.videos < 4:
         raise UserError(f"--videos {plan.videos}: at least 4 (a training and a test split)")
-    paths = Paths.under(Path(workdir), plan.videos, plan.seed, plan.unlisted_steps, plan.answer_steps)
-    print(f"zoom learning: zoom SFT {plan.unlisted_steps} without the tool's schema + {plan.answer_steps} of answers "
-          f"alone + {plan.sft_steps} + GRPO "
+    paths = Paths.under(Path(workdir), plan.videos, plan.seed, plan.unlisted_steps, plan.answer_steps,
+                        plan.clip_steps)
+    print(f"zoom learning: zoom SFT {plan.unlisted_steps} without the tool's schema + {plan.clip_steps} on the clip "
+          f"alone + {plan.answer_steps} of answers alone + {plan.sft_steps} + GRPO "
           f"{plan.grpo_steps} steps, one look SFT {plan.one_look_sft_steps} + GRPO {plan.grpo_steps}, seed "
           f"{plan.seed}" + (f", the {plan.arm} arm only" if plan.arm != "both" else "") + f", in {paths.workdir}",
           flush=True)
@@ -395,7 +475,8 @@ def run(workdir: str, plan: Plan) -> int:
     print(f"  built now: {', '.join(built) if built else 'nothing (reused the checkpoint and videos there)'}",
           flush=True)
     rows, seconds, windows = [], {}, rule_windows(plan.videos)
-    stages = {"zoom": [("sft-unlisted", plan.unlisted_steps), ("sft-answer", plan.answer_steps),
+    stages = {"zoom": [("sft-unlisted", plan.unlisted_steps), ("sft-clips", plan.clip_steps),
+                       ("sft-answer", plan.answer_steps),
                        ("sft", plan.sft_steps), ("grpo", plan.grpo_steps)],
               "one_look": [("sft", plan.one_look_sft_steps), ("grpo", plan.grpo_steps)]}
     for arm, arm_stages in stages.items():
@@ -407,17 +488,22 @@ def run(workdir: str, plan: Plan) -> int:
                 continue
             model = run_stage(paths, arm, kind, model, steps, plan.seed)
             seconds[f"{arm}-{kind}"] = stage_seconds(paths.runs / f"{arm}-{kind}")
-            result = evaluate(model, paths, arm, plan.test_samples, listed=kind != "sft-unlisted")
+            result = evaluate(model, paths, arm, plan.test_samples, listed=kind != "sft-unlisted",
+                              clips=kind == "sft-clips")
             if result.decoded:  # a reused evaluation took no time now, and its own is not recorded
                 seconds[f"{arm}-{kind}-eval"] = result.seconds
             label = ("zoom" if arm == "zoom" else "one look") + {
                 "sft-unlisted": ", SFT of the first turn alone (no tool schema)",
+                "sft-clips": ", SFT of the answer on the clip alone (one look at the rule's window)",
                 "sft-answer": ", SFT of the answer turn alone", "sft": ", SFT",
                 "grpo": ", + GRPO"}[kind]
-            calls = first_calls(Path(result.folder) / "predictions.jsonl", windows) if arm == "zoom" else None
-            read = answer_readout(model, plan.test_samples) if arm == "zoom" and kind.startswith("sft") else None
+            zoomed = arm == "zoom" and kind != "sft-clips"  # a zoom protocol evaluation, a zoom run's config
+            calls = first_calls(Path(result.folder) / "predictions.jsonl", windows) if zoomed else None
+            read = answer_readout(model, plan.test_samples) if zoomed and kind.startswith("sft") else None
             rows.append({"arm": arm, "stage": kind, "label": label, "steps": steps, "checkpoint": str(model),
-                         "eval": str(result.folder), "frames": frames_per_video(arm, result.metrics),
+                         "eval": str(result.folder),
+                         "frames": frames_per_video(arm, result.metrics, paths.data / TEST_CLIP_FILE
+                                                    if kind == "sft-clips" else None),
                          "metrics": result.metrics, "first_calls": calls, "readout": read})
             rule = f"; the first call the rule's on {100 * calls['rule_call_share']:.0f} %" if calls else ""
             if read:
@@ -458,6 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", default=WORKDIR, help="where the model, videos, runs and results go")
     parser.add_argument("--unlisted-steps", type=int, default=500,
                         help="zoom arm's first SFT steps, the tool's schema out of the system turn (0: none)")
+    parser.add_argument("--clip-steps", type=int, default=0,
+                        help="zoom arm's SFT steps of answers read off the clip alone (one look at each trajectory's "
+                        "window, the copied answer) after those (0: none)")
     parser.add_argument("--answer-steps", type=int, default=0,
                         help="zoom arm's SFT steps of answer turns alone (calls out of the loss) after those (0: none)")
     parser.add_argument("--sft-steps", type=int, default=4500,
@@ -490,9 +579,9 @@ def print_readouts(checkpoints: list[Path], test_samples: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     one_look = args.one_look_sft_steps if args.one_look_sft_steps is not None else \
-        args.unlisted_steps + args.answer_steps + args.sft_steps
+        args.unlisted_steps + args.clip_steps + args.answer_steps + args.sft_steps
     plan = Plan(args.sft_steps, one_look, args.grpo_steps, args.test_samples, args.videos, args.seed,
-                args.unlisted_steps, args.arm, args.answer_steps)
+                args.unlisted_steps, args.arm, args.answer_steps, args.clip_steps)
     try:
         if args.readout:
             return print_readouts(args.readout, args.test_samples)
