@@ -48,7 +48,8 @@ def test_both_arms_train_and_are_evaluated_and_a_second_run_reuses_them(tmp_path
     assert proc.stdout.count(": reused ") == 2 and "built now: nothing" in proc.stdout  # the one-look arm's stages
     out = json.loads((paths.results / "summary.json").read_text())
     assert [(r["arm"], r["stage"], r["steps"]) for r in out["rows"]] == [
-        ("zoom", "sft-unlisted", 1), ("zoom", "sft-clips", 1), ("zoom", "sft-answer", 1), ("zoom", "sft", 2), ("zoom", "grpo", 1),
+        ("zoom", "sft-unlisted", 1), ("zoom", "sft-clips", 1), ("zoom", "sft-answer", 1), ("zoom", "sft", 2),
+        ("zoom", "grpo", 1),
         ("one_look", "sft", 1), ("one_look", "grpo", 1)]
     assert out["rows"][0]["label"] == "zoom, SFT of the first turn alone (no tool schema)"
     assert out["rows"][1]["label"] == "zoom, SFT of the answer on the clip alone (one look at the rule's window)"

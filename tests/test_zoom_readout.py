@@ -13,7 +13,8 @@ from mmpg.toy.zoom_readout import digit_roles, flash_rank, held_out_trajectories
 
 
 def test_digit_roles_follow_each_piece_first_character():
-    pieces = ["<think>seen</think>", "<answer>", "7", "2", ".", "7", " to ", "7", "3", ".", "5", "</answer>", "<|im_end|>"]
+    pieces = ["<think>seen</think>", "<answer>", "7", "2", ".", "7", " to ", "7", "3", ".", "5", "</answer>",
+              "<|im_end|>"]
     assert digit_roles(pieces) == ["text", "text", "start_lead", "start_units", "text", "start_tenths", "text",
                                    "end_lead", "end_units", "text", "end_tenths", "text", "text"]
     # a start below ten has no leading digit; a piece of several characters takes its first one's role

@@ -47,8 +47,8 @@ Both arms: seed `--seed`, `configs/sft_cpu_demo.yaml`'s optimizer (lr 1e-3, cons
 `configs/cpu_demo.yaml`'s GRPO (G 8, temperature 0.7, lr 2e-4) on 4 prompts a step. Each stage's run has a fixed name
 and `checkpoint.resume: auto`: run the command again after a stop and it continues (a finished stage and a finished
 evaluation are reused); the runs and results of each model, task, seed and first stages have their own folder,
-WORKDIR/experiments/<model>-<task>-seed<seed>-first<unlisted steps>[-clips<C>][-answer<answer steps>]/ (runs/, results/summary.md
-and summary.json, written atomically), so that no stage resumes another experiment's run. The data's frames are cached
+WORKDIR/experiments/<model>-<task>-seed<seed>-first<unlisted steps>[-clips<C>][-answer<answer steps>]/ (runs/,
+results/summary.md and summary.json, written atomically), so that no stage resumes another experiment's run. The data's frames are cached
 on disk (`data.frame_cache`) after their first decode. `--arm zoom` and `--arm one_look` run one arm each, so that two
 processes can train the arms at once in the same WORKDIR (the first to start builds the model and videos, the other
 waits for them); each prints its rows, and a run of both arms afterwards reuses their stages and evaluations and writes
