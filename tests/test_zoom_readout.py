@@ -125,6 +125,18 @@ def test_readout_reads_the_training_forward_and_the_model_attention(experiment):
     assert one["start_right"] == bool((logits[start].argmax(-1) == ids[start]).all())
 
 
+def test_the_readout_refuses_a_checkpoint_of_another_template(experiment, tiny_dirs):
+    from mmpg.config.load import load_config
+    from mmpg.toy.demo.zoom_learning import stage_overrides
+
+    from train_utils import ROOT
+
+    paths, _, ckpt = experiment  # the clip stage's run trains one look (time_r1), not zoom trajectories
+    clips = load_config(ROOT / "configs" / "sft_cpu_demo.yaml", stage_overrides(paths, "zoom", "sft-clips", ckpt, 1, 0))
+    with pytest.raises(UserError, match="data.template 'time_r1'; the readout teacher-forces zoom trajectories"):
+        readout(ckpt, clips, held_out_trajectories(paths.data, TASK, DATA_SEED))
+
+
 def test_the_readout_names_a_run_without_its_config_and_another_task(tmp_path, zoom_data):
     with pytest.raises(UserError, match="no config.yaml in its run folder"):
         run_config(tmp_path / "run" / "checkpoints" / "step_00000001")

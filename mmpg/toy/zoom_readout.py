@@ -188,6 +188,10 @@ def readout(checkpoint: Path, cfg, items, attention: int = 48) -> Readout:
     from mmpg.sft.trajectories import trajectory_completion
     from mmpg.train.setup import video_spec, zoom_environment
 
+    if cfg.data.template != "zoom":
+        raise UserError(f"{checkpoint}: its run trained with data.template {cfg.data.template!r}; the readout "
+                        "teacher-forces zoom trajectories behind the prompt a run trained on: give a checkpoint of a "
+                        "zoom run (data.template zoom)")
     processor = AutoProcessor.from_pretrained(checkpoint)
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, attn_implementation="eager",
                                                         dtype=torch.float32).eval()
