@@ -165,8 +165,8 @@ def _build(paths: Paths, videos: int) -> list[str]:
 
 
 def _rewrite_trajectories(src: Path, dst: Path, edit) -> int:
-    """The trajectories of `src` that `edit(record)` keeps (it returns the record, its weights changed, or None to
-    leave it out), written atomically to `dst`; returns how many."""
+    """The trajectories of `src` that `edit(record)` keeps (it returns the record to write, e.g. its weights changed
+    or another JSONL record made from it, or None to leave it out), written atomically to `dst`; returns how many."""
     import json
 
     from mmpg.runs import atomic_write_text
@@ -212,19 +212,15 @@ def write_clip_answers(src: Path, dst: Path) -> int:
     duration, the query, `clip` = the zoom's window, `span` = the answer the rule copied from the clip's written
     times), so that the answer is learned from the clip alone, as the fifth attempt's probe learned it
     (docs/performance.md); written atomically to `dst`; returns how many."""
-    import json
-
-    from mmpg.runs import atomic_write_text
     from mmpg.toy.zoom_task import SEEN
 
-    lines = []
-    for line in src.read_text(encoding="utf-8").splitlines():
-        record = json.loads(line) if line.strip() else None
-        if record is not None and record["messages"][-1]["content"].startswith(f"<think>{SEEN}</think>"):
-            lines.append(json.dumps({"video": record["video"], "duration": TASK.duration, "query": record["query"],
-                                     "span": record["answer"], "clip": record["window"]}) + "\n")
-    atomic_write_text(dst, "".join(lines))
-    return len(lines)
+    def clip(record):
+        if not record["messages"][-1]["content"].startswith(f"<think>{SEEN}</think>"):
+            return None
+        return {"video": record["video"], "duration": TASK.duration, "query": record["query"],
+                "span": record["answer"], "clip": record["window"]}
+
+    return _rewrite_trajectories(src, dst, clip)
 
 
 def write_test_clips(data: Path, videos: int, dst: Path) -> int:
